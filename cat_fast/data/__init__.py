@@ -1,0 +1,59 @@
+"""Counterfactually-augmented data (CAD): reading, validation, pairs, few-shot sampling and batching.
+
+The shipped CAD files (Kaushik et al., ICLR 2020; Apache-2.0) live in ``cat_fast/data/cad/``;
+:func:`builtin_path` finds them. See :mod:`cat_fast.data.core` for formats and pairing rules and
+:mod:`cat_fast.data.batching` for how batches keep pairs together.
+
+Typical use::
+
+    from cat_fast import data
+    train = data.load_train("nli")                      # built-in originals + 4 edits each
+    train = data.few_shot(train, per_class=32, seed=0)  # 32 originals per class (+ their edits)
+    ds = data.TokenizedData(train, tokenizer, max_length=128)
+    sampler = data.make_batches(train, batch_size=15, keep_groups=True, seed=0)
+    collate = data.Collator(tokenizer, partner=train.choose_partners(seed=0))
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=collate)
+    for batch in loader:
+        pairs = batch.pop("pairs")                      # int64 [B], -1 = no counterfactual in batch
+        loss, info = gs(batch, pairs)
+"""
+from .batching import Collator, GroupBatchSampler, TokenizedData, make_batches
+from .core import (
+    DATA_DIR,
+    TASKS,
+    CadData,
+    DataError,
+    TaskSpec,
+    builtin_path,
+    builtin_train_files,
+    clean,
+    few_shot,
+    load_builtin,
+    load_eval,
+    load_nli,
+    load_sentiment,
+    load_train,
+    read_tsv,
+)
+
+__all__ = [
+    "DataError",
+    "TaskSpec",
+    "TASKS",
+    "CadData",
+    "DATA_DIR",
+    "builtin_path",
+    "builtin_train_files",
+    "clean",
+    "read_tsv",
+    "load_sentiment",
+    "load_nli",
+    "load_train",
+    "load_eval",
+    "load_builtin",
+    "few_shot",
+    "TokenizedData",
+    "GroupBatchSampler",
+    "Collator",
+    "make_batches",
+]

@@ -1,0 +1,122 @@
+"""Tokenisation, batching and collation of :class:`~cat_fast.data.core.CadData`.
+
+* :class:`TokenizedData` tokenises once (no padding; ``max_length``, truncation; NLI as sentence pairs).
+* :class:`GroupBatchSampler` yields batches of dataset indices that never split a group (an original
+  and its edits), so every counterfactual partner is in the same batch. Group order is shuffled with
+  ``random.Random(seed + epoch)``; groups are packed greedily in that order, a batch is closed when the
+  next group would make it exceed ``batch_size`` (so with NLI groups of 5, ``batch_size`` 16 gives
+  batches of 15). A group larger than ``batch_size`` becomes a batch of its own.
+* :class:`Collator` pads to the longest sequence of the batch and returns the model's batch dict
+  with ``labels`` (int64 [B]) and, when asked, ``pairs`` (int64 [B]): ``pairs[i]`` is the position in
+  the batch of a counterfactual of sample i with a different label, -1 when none is in the batch.
+  Pop ``pairs`` before calling the model.
+"""
+from __future__ import annotations
+
+import random
+from typing import Dict, Iterator, List, Optional, Sequence
+
+import torch
+
+from .core import CadData
+
+__all__ = ["TokenizedData", "GroupBatchSampler", "Collator", "make_batches"]
+
+
+class TokenizedData(torch.utils.data.Dataset):
+    """Token ids of every example of a :class:`CadData` (unpadded)."""
+
+    def __init__(self, data: CadData, tokenizer, max_length: int = 128):
+        self.data = data
+        self.max_length = max_length
+        kw = dict(truncation=True, max_length=max_length, padding=False)
+        if data.text_pair is not None:
+            enc = tokenizer(data.text, data.text_pair, **kw)
+        else:
+            enc = tokenizer(data.text, **kw)
+        self.keys = [k for k in ("input_ids", "token_type_ids", "attention_mask") if k in enc]
+        self.features = [{k: enc[k][i] for k in self.keys} for i in range(len(data))]
+
+    def __len__(self) -> int:
+        return len(self.features)
+
+    def __getitem__(self, i: int) -> Dict:
+        item = dict(self.features[i])
+        item["labels"] = self.data.labels[i]
+        item["index"] = i
+        return item
+
+
+class GroupBatchSampler(torch.utils.data.Sampler):
+    """Batches of whole groups, shuffled per epoch by seed (call :meth:`set_epoch`)."""
+
+    def __init__(self, groups: Sequence[Sequence[int]], batch_size: int, shuffle: bool = True, seed: int = 0):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.groups = [list(g) for g in groups]
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def batches(self, epoch: Optional[int] = None) -> List[List[int]]:
+        epoch = self.epoch if epoch is None else epoch
+        order = list(range(len(self.groups)))
+        if self.shuffle:
+            random.Random(self.seed + epoch).shuffle(order)
+        out, cur = [], []
+        for g in order:
+            grp = self.groups[g]
+            if cur and len(cur) + len(grp) > self.batch_size:
+                out.append(cur)
+                cur = []
+            cur = cur + grp
+            if len(cur) >= self.batch_size:
+                out.append(cur)
+                cur = []
+        if cur:
+            out.append(cur)
+        return out
+
+    def __iter__(self) -> Iterator[List[int]]:
+        return iter(self.batches())
+
+    def __len__(self) -> int:
+        return len(self.batches())
+
+
+def make_batches(data: CadData, batch_size: int, keep_groups: bool, shuffle: bool = True, seed: int = 0) -> GroupBatchSampler:
+    """A sampler over ``data``: whole groups per batch when ``keep_groups``, else single examples."""
+    groups = data.groups if keep_groups else [[i] for i in range(len(data))]
+    return GroupBatchSampler(groups, batch_size, shuffle=shuffle, seed=seed)
+
+
+class Collator:
+    """Pads a list of :class:`TokenizedData` items into the model's batch dict (+ ``labels``, + ``pairs``).
+
+    ``partner``: one partner dataset index per example (see ``CadData.choose_partners``); when given,
+    the batch gets ``pairs``.
+    """
+
+    def __init__(self, tokenizer, partner: Optional[Sequence[int]] = None, pad_to_multiple_of: Optional[int] = None):
+        self.tokenizer = tokenizer
+        self.partner = partner
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __call__(self, items: List[Dict]) -> Dict[str, torch.Tensor]:
+        keys = [k for k in items[0] if k not in ("labels", "index")]
+        batch = self.tokenizer.pad(
+            [{k: it[k] for k in keys} for it in items],
+            padding=True,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+            return_tensors="pt",
+        )
+        batch = dict(batch)
+        batch["labels"] = torch.tensor([it["labels"] for it in items], dtype=torch.long)
+        if self.partner is not None:
+            pos = {it["index"]: b for b, it in enumerate(items)}
+            batch["pairs"] = torch.tensor([pos.get(self.partner[it["index"]], -1) for it in items], dtype=torch.long)
+        return batch

@@ -1,0 +1,90 @@
+"""crm_loss: counterfactual risk, the clipped importance-weighted cross-entropy (SPEC §1.3)."""
+import torch
+
+from .. import _backend, reference
+from . import _registry, _validate
+
+REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
+
+
+def _forward_backward(family):
+    def backward(ctx, grad_loss, _grad_stats):
+        logits, cf_logits, labels, stats = ctx.saved_tensors
+        grad_logits, grad_cf = family.crm_loss_backward(
+            grad_loss.contiguous(), logits, cf_logits, labels, stats, ctx.a1, ctx.a2, ctx.reduction, ctx.detach_weight
+        )
+        return grad_logits, (None if ctx.detach_weight else grad_cf), None, None, None, None, None
+
+    return backward
+
+
+def _setup(ctx, inputs, output):
+    logits, cf_logits, labels, ctx.a1, ctx.a2, ctx.reduction, ctx.detach_weight = inputs
+    ctx.save_for_backward(logits, cf_logits, labels, output[1])
+
+
+def _fake_forward(logits, cf_logits, labels, a1, a2, reduction, detach_weight):
+    acc = _registry.acc_dtype(logits.dtype)
+    shape = logits.shape[:1] if reduction == 0 else ()
+    return logits.new_empty(shape, dtype=acc), logits.new_empty((logits.shape[0], 4), dtype=acc)
+
+
+_registry.register("crm_loss_forward", _fake_forward, _forward_backward, _setup)
+_registry.register(
+    "crm_loss_backward",
+    lambda grad, logits, cf_logits, labels, stats, a1, a2, reduction, detach_weight: (
+        torch.empty_like(logits),
+        torch.empty_like(cf_logits),
+    ),
+    _registry.not_twice_differentiable("crm_loss"),
+)
+
+
+def _validate_args(logits, cf_logits, labels, a1, a2):
+    _validate.classes("logits", logits, labels)
+    _validate.tensor("cf_logits", cf_logits, ndims=(2,))
+    _validate.shape("cf_logits", cf_logits, logits.shape, "like logits")
+    if cf_logits.dtype != logits.dtype:
+        raise TypeError(f"cf_logits: expected dtype {logits.dtype} (the dtype of logits), got {cf_logits.dtype}")
+    _validate.same_device(logits=logits, cf_logits=cf_logits)
+    a1, a2 = _validate.number("a1", a1), _validate.number("a2", a2)
+    if a1 > a2:
+        raise ValueError(f"a1, a2: expected a1 <= a2 (clip range of the weight), got a1={a1} > a2={a2}")
+    return a1, a2
+
+
+def crm_weights(logits, cf_logits, a1=0.0, a2=10.0):
+    """The clipped importance weights `clip(max softmax(logits_i) / max softmax(cf_logits_i), a1, a2)`: [B], no gradient."""
+    _validate.tensor("logits", logits, ndims=(2,))
+    labels = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+    a1, a2 = _validate_args(logits, cf_logits, labels, a1, a2)
+    backend = _backend.select("crm_loss", logits.device)
+    with torch.no_grad():
+        if backend == "reference":
+            return reference.crm_weights(logits, cf_logits, a1, a2)
+        _, stats = _registry.kernels(backend).crm_loss_forward(
+            logits.contiguous(), cf_logits.contiguous(), labels, a1, a2, 0, True
+        )
+        return stats[:, 0]
+
+
+def crm_loss(logits, cf_logits, labels, a1=0.0, a2=10.0, detach_weight=True, reduction="mean"):
+    """`clip(Phi(logits_i) / Phi(cf_logits_i), a1, a2) * CE(logits_i, y_i)`, reduced by `mean`, `sum` or `none`.
+
+    Phi = the highest class probability. With detach_weight=False the weight's gradient flows into
+    both logits (zero where the ratio is clipped).
+    """
+    a1, a2 = _validate_args(logits, cf_logits, labels, a1, a2)
+    _validate.choice("reduction", reduction, tuple(REDUCTIONS))
+    if not isinstance(detach_weight, bool):
+        raise TypeError(f"detach_weight: expected a bool, got {type(detach_weight).__name__}")
+    labels = labels.long()
+    backend = _backend.select("crm_loss", logits.device)
+    if backend == "reference":
+        return reference.crm_loss(logits, cf_logits, labels, a1, a2, detach_weight, reduction)
+    if detach_weight:
+        cf_logits = cf_logits.detach()
+    loss, _ = _registry.kernels(backend).crm_loss_forward(
+        logits.contiguous(), cf_logits.contiguous(), labels.contiguous(), a1, a2, REDUCTIONS[reduction], detach_weight
+    )
+    return loss

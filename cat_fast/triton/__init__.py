@@ -1,0 +1,13 @@
+"""Triton kernels of cat_fast (the ``triton`` backend).
+
+One module per op family; each exposes plain Python launchers with the names and argument order of
+the kernel-op schemas in ``csrc/ops.cpp`` (contracts: ``docs/KERNELS.md``):
+
+- ``cmix``: ``cmix_forward``, ``cmix_backward``
+- ``cal_objective``: ``cal_objective_forward``, ``cal_objective_backward``
+- ``cal_step``: ``cal_step_``
+- ``crm_loss``: ``crm_loss_forward``, ``crm_loss_backward``
+- ``gs_cosine_loss``: ``gs_row_dots``, ``gs_row_combine``
+
+Importing a submodule imports triton; this package file itself imports nothing.
+"""

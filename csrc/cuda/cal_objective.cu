@@ -1,0 +1,154 @@
+// CAL objective forward / backward (docs/KERNELS.md "cal_objective"). One launch per call.
+// One row slot (tx threads, see common.cuh) per logits row; online softmax (max, sum exp, argmax)
+// in a single read of the row, reduced in a fixed order inside the slot.
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <ATen/ops/empty.h>
+
+#include "common.cuh"
+
+namespace cat_fast {
+namespace cuda {
+namespace {
+
+constexpr int kBlock = 256;
+
+// out[i] = gamma * (logsumexp(z_i) - z_i[y_i]) + eta * max softmax(z_i)
+template <typename scalar_t>
+__global__ void __launch_bounds__(kBlock) cal_objective_forward_kernel(const scalar_t* __restrict__ logits,
+                                                                       const int64_t* __restrict__ labels,
+                                                                       acc_t<scalar_t>* __restrict__ out, int64_t B,
+                                                                       int64_t C, acc_t<scalar_t> gamma,
+                                                                       acc_t<scalar_t> eta) {
+  using A = acc_t<scalar_t>;
+  __shared__ SoftmaxState<A> s_red[kBlock / 32];
+  const int64_t groups = (B + blockDim.y - 1) / blockDim.y;
+  for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {  // uniform trip count in the block
+    const int64_t r = g * blockDim.y + threadIdx.y;
+    const bool valid = r < B;
+    const scalar_t* z = logits + (valid ? r : 0) * C;
+    SoftmaxState<A> st = softmax_identity<A>();
+    if (valid) {
+      for (int64_t c = threadIdx.x; c < C; c += blockDim.x) softmax_push(st, static_cast<A>(z[c]), static_cast<int>(c));
+    }
+    st = group_reduce(st, SoftmaxOp{}, s_red);
+    if (valid && threadIdx.x == 0) {
+      const int64_t y = labels[r];
+      CAT_FAST_DEVICE_ASSERT(y >= 0 && y < C);
+      const A lse = st.m + acc_log(st.s);
+      out[r] = gamma * (lse - static_cast<A>(z[y])) + eta / st.s;
+    }
+  }
+}
+
+// out[i,c] = grad_i * (gamma * (p_ic - [c==y_i]) + eta * pmax_i * ([c==argmax_i] - p_ic))
+template <typename scalar_t>
+__global__ void __launch_bounds__(kBlock) cal_objective_backward_kernel(const acc_t<scalar_t>* __restrict__ grad,
+                                                                        const scalar_t* __restrict__ logits,
+                                                                        const int64_t* __restrict__ labels,
+                                                                        scalar_t* __restrict__ out, int64_t B,
+                                                                        int64_t C, acc_t<scalar_t> gamma,
+                                                                        acc_t<scalar_t> eta) {
+  using A = acc_t<scalar_t>;
+  __shared__ SoftmaxState<A> s_red[kBlock / 32];
+  const int64_t groups = (B + blockDim.y - 1) / blockDim.y;
+  for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {
+    const int64_t r = g * blockDim.y + threadIdx.y;
+    const bool valid = r < B;
+    const scalar_t* z = logits + (valid ? r : 0) * C;
+    SoftmaxState<A> st = softmax_identity<A>();
+    if (valid) {
+      for (int64_t c = threadIdx.x; c < C; c += blockDim.x) softmax_push(st, static_cast<A>(z[c]), static_cast<int>(c));
+    }
+    st = group_reduce(st, SoftmaxOp{}, s_red);
+    if (!valid) continue;
+    const int64_t y = labels[r];
+    CAT_FAST_DEVICE_ASSERT(y >= 0 && y < C);
+    const A inv_s = A(1) / st.s;  // = pmax
+    const A go = grad[r];
+    const A k_ce = go * gamma;
+    const A k_mx = go * eta * inv_s;
+    scalar_t* o = out + r * C;
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+      const A p = acc_exp(static_cast<A>(z[c]) - st.m) * inv_s;
+      const A v = k_ce * (p - (c == y ? A(1) : A(0))) + k_mx * ((c == st.idx ? A(1) : A(0)) - p);
+      o[c] = static_cast<scalar_t>(v);
+    }
+  }
+}
+
+void check_inputs(const char* op, const at::Tensor& logits, const at::Tensor& labels) {
+  TORCH_CHECK(logits.is_cuda() && labels.is_cuda() && labels.device() == logits.device(), op,
+              ": logits and labels must be CUDA tensors on one device");
+  TORCH_CHECK(logits.dim() == 2, op, ": logits must have shape [B,C], got ", logits.sizes());
+  TORCH_CHECK(logits.size(1) >= 1 || logits.size(0) == 0, op, ": logits need at least one class");
+  TORCH_CHECK(logits.size(1) <= INT32_MAX, op, ": too many classes");
+  TORCH_CHECK(labels.scalar_type() == at::kLong && labels.dim() == 1 && labels.size(0) == logits.size(0), op,
+              ": labels must be int64 of shape [B]");
+  TORCH_CHECK(logits.is_contiguous() && labels.is_contiguous(), op, ": inputs must be contiguous");
+}
+
+template <typename scalar_t>
+void launch_forward(const at::Tensor& logits, const at::Tensor& labels, at::Tensor& out, double gamma, double eta,
+                    cudaStream_t stream) {
+  using A = acc_t<scalar_t>;
+  const int64_t B = logits.size(0), C = logits.size(1);
+  const RowCfg cfg = row_cfg(C, kBlock);
+  cal_objective_forward_kernel<scalar_t><<<grid_for((B + cfg.ty - 1) / cfg.ty), dim3(cfg.tx, cfg.ty), 0, stream>>>(
+      logits.const_data_ptr<scalar_t>(), labels.const_data_ptr<int64_t>(), out.mutable_data_ptr<A>(), B, C,
+      static_cast<A>(gamma), static_cast<A>(eta));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename scalar_t>
+void launch_backward(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& labels, at::Tensor& out,
+                     double gamma, double eta, cudaStream_t stream) {
+  using A = acc_t<scalar_t>;
+  const int64_t B = logits.size(0), C = logits.size(1);
+  const RowCfg cfg = row_cfg(C, kBlock);
+  cal_objective_backward_kernel<scalar_t><<<grid_for((B + cfg.ty - 1) / cfg.ty), dim3(cfg.tx, cfg.ty), 0, stream>>>(
+      grad.const_data_ptr<A>(), logits.const_data_ptr<scalar_t>(), labels.const_data_ptr<int64_t>(),
+      out.mutable_data_ptr<scalar_t>(), B, C, static_cast<A>(gamma), static_cast<A>(eta));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+at::Tensor cal_objective_forward(const at::Tensor& logits, const at::Tensor& labels, double gamma, double eta) {
+  check_inputs("cal_objective_forward", logits, labels);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const int64_t B = logits.size(0);
+  auto out = at::empty({B}, logits.options().dtype(acc_scalar_type(logits.scalar_type())));
+  if (B == 0) return out;
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "cal_objective_forward_cuda",
+                                  [&] { launch_forward<scalar_t>(logits, labels, out, gamma, eta, stream); });
+  return out;
+}
+
+at::Tensor cal_objective_backward(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& labels,
+                                  double gamma, double eta) {
+  check_inputs("cal_objective_backward", logits, labels);
+  const int64_t B = logits.size(0);
+  TORCH_CHECK(grad.is_cuda() && grad.device() == logits.device(), "cal_objective_backward: grad must be on the device of logits");
+  TORCH_CHECK(grad.numel() == B && grad.is_contiguous(), "cal_objective_backward: grad must have shape [B]");
+  TORCH_CHECK(grad.scalar_type() == acc_scalar_type(logits.scalar_type()),
+              "cal_objective_backward: grad must have the accumulation dtype");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  auto out = at::empty(logits.sizes(), logits.options());
+  if (out.numel() == 0) return out;
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "cal_objective_backward_cuda",
+                                  [&] { launch_backward<scalar_t>(grad, logits, labels, out, gamma, eta, stream); });
+  return out;
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace cat_fast
+
+TORCH_LIBRARY_IMPL(cat_fast, CUDA, m) {
+  m.impl("cal_objective_forward", &cat_fast::cuda::cal_objective_forward);
+  m.impl("cal_objective_backward", &cat_fast::cuda::cal_objective_backward);
+}

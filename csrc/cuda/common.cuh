@@ -1,0 +1,232 @@
+// Shared device helpers of the cat_fast CUDA kernels (csrc/cuda/*.cu).
+//
+// Device-side index validation
+// ----------------------------
+// The Python wrappers validate `partner` and `labels` before any kernel runs (doing that on the
+// device would need a host synchronisation), so the kernels trust them by default. Build with
+// -DCAT_FAST_DEVICE_CHECKS (e.g. add it to the nvcc flags in setup.py) to turn on
+// CUDA_KERNEL_ASSERT device asserts for out-of-range partner / label indices; a failing assert
+// aborts the kernel and surfaces as a CUDA error on the next synchronising call. Off by default.
+//
+// Row layout used by most kernels
+// -------------------------------
+// A block is blockDim = (tx, ty): ty "row slots" of tx threads each. A row slot owns one row of the
+// problem at a time (a (b,t) row of cmix, a class row of the losses, ...). tx is either a power of
+// two <= 32 (several row slots share one warp, reductions use shuffles inside the slot's aligned
+// lane segment) or a multiple of 32 (row slot = whole warps, reductions go through shared memory).
+// All reductions have a fixed order, so every kernel is deterministic run to run.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/macros/Macros.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <limits>
+
+#ifdef CAT_FAST_DEVICE_CHECKS
+#define CAT_FAST_DEVICE_ASSERT(cond) CUDA_KERNEL_ASSERT(cond)
+#else
+#define CAT_FAST_DEVICE_ASSERT(cond) ((void)0)
+#endif
+
+namespace cat_fast {
+namespace cuda {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// ---------------------------------------------------------------- accumulation type
+template <typename T>
+struct AccType {
+  using type = float;
+};
+template <>
+struct AccType<double> {
+  using type = double;
+};
+template <typename T>
+using acc_t = typename AccType<T>::type;
+
+inline at::ScalarType acc_scalar_type(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// Math in the accumulation type (float versions become the fast intrinsics under --use_fast_math).
+__device__ __forceinline__ float acc_exp(float x) { return expf(x); }
+__device__ __forceinline__ double acc_exp(double x) { return exp(x); }
+__device__ __forceinline__ float acc_log(float x) { return logf(x); }
+__device__ __forceinline__ double acc_log(double x) { return log(x); }
+__device__ __forceinline__ float acc_pow(float x, float y) { return powf(x, y); }
+__device__ __forceinline__ double acc_pow(double x, double y) { return pow(x, y); }
+__device__ __forceinline__ float acc_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double acc_sqrt(double x) { return sqrt(x); }
+
+template <typename A>
+__device__ __forceinline__ A neg_inf() {
+  return -std::numeric_limits<A>::infinity();
+}
+
+// NaN-propagating clamp (like torch.clamp): NaN stays NaN.
+template <typename A>
+__device__ __forceinline__ A clamp_nan(A x, A lo, A hi) {
+  return x < lo ? lo : (x > hi ? hi : x);
+}
+
+// ---------------------------------------------------------------- vectorised memory access
+// Pack<T, V>: V consecutive elements, aligned to their total size; V * sizeof(T) == 16 gives one
+// 128-bit load/store (ld.global.v4 / st.global.v4).
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Pack {
+  T v[V];
+};
+
+template <typename T>
+constexpr int vec16() {
+  return 16 / static_cast<int>(sizeof(T));
+}
+
+inline bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+// Loads pack j of a row (pointer to the row start, in elements) and widens it to acc.
+template <typename T, int V>
+__device__ __forceinline__ void load_acc(const T* __restrict__ row, int64_t j, acc_t<T> (&out)[V]) {
+  const Pack<T, V> p = reinterpret_cast<const Pack<T, V>*>(row)[j];
+#pragma unroll
+  for (int e = 0; e < V; ++e) out[e] = static_cast<acc_t<T>>(p.v[e]);
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store_acc(T* __restrict__ row, int64_t j, const acc_t<T> (&in)[V]) {
+  Pack<T, V> p;
+#pragma unroll
+  for (int e = 0; e < V; ++e) p.v[e] = static_cast<T>(in[e]);
+  reinterpret_cast<Pack<T, V>*>(row)[j] = p;
+}
+
+// ---------------------------------------------------------------- shuffles / reductions
+__device__ __forceinline__ float shfl_xor(float v, int o) { return __shfl_xor_sync(kFullMask, v, o); }
+__device__ __forceinline__ double shfl_xor(double v, int o) { return __shfl_xor_sync(kFullMask, v, o); }
+__device__ __forceinline__ int shfl_xor(int v, int o) { return __shfl_xor_sync(kFullMask, v, o); }
+
+template <typename A, int N>
+struct Vals {
+  A v[N];
+};
+template <typename A, int N>
+__device__ __forceinline__ Vals<A, N> shfl_xor(const Vals<A, N>& x, int o) {
+  Vals<A, N> r;
+#pragma unroll
+  for (int k = 0; k < N; ++k) r.v[k] = shfl_xor(x.v[k], o);
+  return r;
+}
+
+struct SumOp {
+  template <typename A>
+  __device__ __forceinline__ A operator()(A a, A b) const {
+    return a + b;
+  }
+  template <typename A, int N>
+  __device__ __forceinline__ Vals<A, N> operator()(const Vals<A, N>& a, const Vals<A, N>& b) const {
+    Vals<A, N> r;
+#pragma unroll
+    for (int k = 0; k < N; ++k) r.v[k] = a.v[k] + b.v[k];
+    return r;
+  }
+};
+
+// Online softmax state of (part of) a row: running max m, sum s of exp(z - m), first index of the max.
+template <typename A>
+struct SoftmaxState {
+  A m;
+  A s;
+  int idx;
+};
+
+template <typename A>
+__device__ __forceinline__ SoftmaxState<A> softmax_identity() {
+  return {neg_inf<A>(), A(0), INT32_MAX};
+}
+
+template <typename A>
+__device__ __forceinline__ SoftmaxState<A> shfl_xor(const SoftmaxState<A>& x, int o) {
+  return {shfl_xor(x.m, o), shfl_xor(x.s, o), shfl_xor(x.idx, o)};
+}
+
+// Adds element z (at index c) to the state; elements of one thread arrive in increasing c.
+template <typename A>
+__device__ __forceinline__ void softmax_push(SoftmaxState<A>& st, A z, int c) {
+  if (z > st.m) {
+    st.s = (st.m == neg_inf<A>() ? A(0) : st.s * acc_exp(st.m - z)) + A(1);
+    st.m = z;
+    st.idx = c;
+  } else if (st.m > neg_inf<A>()) {
+    st.s += acc_exp(z - st.m);  // z == -inf adds 0; NaN z propagates through s
+  }
+}
+
+struct SoftmaxOp {
+  template <typename A>
+  __device__ __forceinline__ SoftmaxState<A> operator()(const SoftmaxState<A>& a, const SoftmaxState<A>& b) const {
+    SoftmaxState<A> r;
+    r.m = a.m > b.m ? a.m : b.m;
+    r.s = (a.m == r.m ? a.s : a.s * acc_exp(a.m - r.m)) + (b.m == r.m ? b.s : b.s * acc_exp(b.m - r.m));
+    r.idx = a.m > b.m ? a.idx : (b.m > a.m ? b.idx : (a.idx < b.idx ? a.idx : b.idx));
+    return r;
+  }
+};
+
+// Reduces `v` over the tx = blockDim.x threads of the calling thread's row slot and returns the
+// result to every thread of the slot. EVERY thread of the block must call it (it may
+// __syncthreads). `smem` must hold one S per warp of the block. Fixed reduction order.
+template <typename S, typename Op>
+__device__ __forceinline__ S group_reduce(S v, Op op, S* smem) {
+  const int tx = blockDim.x;
+  if (tx <= 32) {  // power of two: the slot is an aligned lane segment of one warp
+    for (int o = tx >> 1; o > 0; o >>= 1) v = op(v, shfl_xor(v, o));
+    return v;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = op(v, shfl_xor(v, o));
+  const int wpr = tx >> 5;  // warps per row slot
+  const int base = threadIdx.y * wpr;
+  __syncthreads();  // smem may still be read by a previous call
+  if ((threadIdx.x & 31) == 0) smem[base + (threadIdx.x >> 5)] = v;
+  __syncthreads();
+  S r = smem[base];
+  for (int w = 1; w < wpr; ++w) r = op(r, smem[base + w]);
+  return r;
+}
+
+// ---------------------------------------------------------------- launch configuration
+struct RowCfg {
+  int tx;  // threads per row slot
+  int ty;  // row slots per block
+};
+
+// units: work items per row (packs or elements); block: target threads per block;
+// max_tx: most threads a single row gets.
+inline RowCfg row_cfg(int64_t units, int block = 256, int max_tx = 256) {
+  RowCfg c;
+  if (units <= 32) {
+    int tx = 1;
+    while (tx < units) tx <<= 1;
+    c.tx = tx;
+  } else {
+    const int64_t iters = (units + max_tx - 1) / max_tx;
+    const int64_t per = (units + iters - 1) / iters;
+    c.tx = static_cast<int>((per + 31) / 32 * 32);
+  }
+  c.ty = block / c.tx > 0 ? block / c.tx : 1;
+  return c;
+}
+
+inline unsigned grid_for(int64_t groups, int64_t cap = (int64_t(1) << 20)) {
+  if (groups < 1) groups = 1;
+  return static_cast<unsigned>(groups < cap ? groups : cap);
+}
+
+}  // namespace cuda
+}  // namespace cat_fast

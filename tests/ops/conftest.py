@@ -1,0 +1,64 @@
+"""Shared parametrisation of the op suites: every fused backend on every device it runs on, against `reference`."""
+import pytest
+import torch
+
+import cat_fast
+
+FUSED = ("cpp", "cuda", "triton")
+
+
+def _cases():
+    available = cat_fast.backends()
+    cases = []
+    for backend in FUSED:
+        for device in ("cpu", "cuda"):
+            runs = cat_fast._backend._device_ok(backend, device)
+            reason = None
+            if device == "cuda" and not torch.cuda.is_available():
+                reason = "no CUDA device"
+            elif backend not in available:
+                reason = f"backend {backend} not available: {cat_fast.ops._registry.load_errors().get(backend, 'not built')}"
+            if runs:
+                marks = [pytest.mark.skip(reason=reason)] if reason else []
+                cases.append(pytest.param((backend, device), id=f"{backend}-{device}", marks=marks))
+    return cases
+
+
+@pytest.fixture(params=_cases())
+def backend_device(request):
+    return request.param
+
+
+@pytest.fixture
+def backend(backend_device):
+    return backend_device[0]
+
+
+@pytest.fixture
+def device(backend_device):
+    return backend_device[1]
+
+
+def tolerance(dtype):
+    return {
+        torch.float64: dict(rtol=1e-10, atol=1e-10),
+        torch.float32: dict(rtol=1e-5, atol=1e-5),
+        torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+        torch.float16: dict(rtol=2e-3, atol=2e-3),
+    }[dtype]
+
+
+def dtypes_for(device):
+    return (torch.float64, torch.float32, torch.bfloat16) if device == "cpu" else (torch.float32, torch.bfloat16)
+
+
+def run(backend, fn, *args, **kwargs):
+    with cat_fast.use_backend(backend):
+        return fn(*args, **kwargs)
+
+
+def noncontiguous(x):
+    """The same values in a non-contiguous layout (a transposed copy transposed back)."""
+    if x.dim() < 2:
+        return torch.stack((x, x), -1)[..., 0]
+    return x.transpose(0, -1).contiguous().transpose(0, -1)

@@ -1,0 +1,91 @@
+import pytest
+import torch
+
+import cat_fast
+from cat_fast.ops import crm_loss, crm_weights
+
+from .conftest import dtypes_for, noncontiguous, run, tolerance
+
+
+def _inputs(shape, dtype, device, seed):
+    generator = torch.Generator().manual_seed(seed)
+    logits = (2 * torch.randn(shape, generator=generator, dtype=torch.float64)).to(device=device, dtype=dtype)
+    cf_logits = (2 * torch.randn(shape, generator=generator, dtype=torch.float64)).to(device=device, dtype=dtype)
+    labels = torch.randint(0, shape[1], (shape[0],), generator=generator).to(device)
+    return logits, cf_logits, labels
+
+
+@pytest.mark.parametrize("shape", [(1, 2), (8, 3), (33, 7), (4, 130)], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("detach_weight", [True, False])
+@pytest.mark.parametrize("clip", [(0.0, 10.0), (0.9, 1.2)], ids=["paper", "tight"])
+def test_matches_reference(backend, device, shape, reduction, detach_weight, clip):
+    for seed, dtype in enumerate(dtypes_for(device)):
+        logits, cf_logits, labels = _inputs(shape, dtype, device, seed)
+        grad_out = torch.randn(shape[0] if reduction == "none" else (), dtype=torch.float64).to(device)
+
+        def outputs(which):
+            z = logits.detach().requires_grad_()
+            z_cf = cf_logits.detach().requires_grad_()
+            out = run(which, crm_loss, z, z_cf, labels, *clip, detach_weight, reduction)
+            out.backward(grad_out.to(out.dtype))
+            grad_cf = z_cf.grad if z_cf.grad is not None else torch.zeros_like(z_cf)
+            return out, z.grad, grad_cf
+
+        for name, e, g in zip(("loss", "grad_logits", "grad_cf_logits"), outputs("reference"), outputs(backend)):
+            assert g.dtype == e.dtype and g.shape == e.shape, name
+            torch.testing.assert_close(g.float(), e.float(), **tolerance(dtype), msg=lambda m: f"{name} {dtype}: {m}")
+
+
+def test_weights_match_reference(backend, device):
+    logits, cf_logits, _ = _inputs((9, 4), torch.float32, device, 4)
+    expected = run("reference", crm_weights, logits, cf_logits, 0.9, 2.0)
+    got = run(backend, crm_weights, noncontiguous(logits), noncontiguous(cf_logits), 0.9, 2.0)
+    torch.testing.assert_close(got, expected)
+    assert ((got >= 0.9) & (got <= 2.0)).all()
+
+
+@pytest.mark.parametrize("detach_weight", [True, False])
+def test_gradcheck(backend, device, detach_weight):
+    if device != "cpu":
+        pytest.skip("float64 gradcheck runs on the CPU")
+    logits, cf_logits, labels = _inputs((5, 3), torch.float64, device, 6)
+    logits.requires_grad_()
+    cf_logits.requires_grad_(not detach_weight)
+
+    def fn(z, z_cf):
+        return run(backend, crm_loss, z, z_cf, labels, 0.0, 10.0, detach_weight, "none")
+
+    assert torch.autograd.gradcheck(fn, (logits, cf_logits))
+
+
+def test_opcheck(backend, device):
+    logits, cf_logits, labels = _inputs((4, 3), torch.float32, device, 2)
+    kernels = cat_fast.ops._registry.kernels(backend)
+    for reduction in (0, 1):
+        torch.library.opcheck(
+            kernels.crm_loss_forward.default,
+            (logits.detach().requires_grad_(), cf_logits.detach().requires_grad_(), labels, 0.0, 10.0, reduction, False),
+        )
+    _, stats = kernels.crm_loss_forward(logits, cf_logits, labels, 0.0, 10.0, 0, True)
+    grad = torch.randn(4, device=device)
+    torch.library.opcheck(kernels.crm_loss_backward.default, (grad, logits, cf_logits, labels, stats, 0.0, 10.0, 0, False))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(a1=2.0, a2=1.0), ValueError, "a1, a2: expected a1 <= a2"),
+        (dict(cf_logits=torch.randn(3, 3)), ValueError, "cf_logits: expected shape (3, 2)"),
+        (dict(cf_logits=torch.randn(3, 2, dtype=torch.float64)), TypeError, "cf_logits: expected dtype torch.float32"),
+        (dict(labels=torch.tensor([0, 1, 5])), ValueError, "labels: expected values in [0, 2)"),
+        (dict(reduction="avg"), ValueError, "reduction: expected one of"),
+        (dict(detach_weight=1), TypeError, "detach_weight: expected a bool"),
+    ],
+)
+def test_bad_input_names_the_argument(kwargs, error, words):
+    args = dict(logits=torch.randn(3, 2), cf_logits=torch.randn(3, 2), labels=torch.tensor([0, 1, 1]))
+    args.update(kwargs)
+    with pytest.raises(error) as caught:
+        crm_loss(**args)
+    assert words in str(caught.value)
