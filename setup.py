@@ -30,13 +30,13 @@ def _build_cuda():
 
 def _extension():
     sources = ["csrc/ops.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
-    cxx = ["-O3", "-std=c++17", "-DCAT_FAST_PYTHON_MODULE"]
+    cxx = ["-O3", "-std=c++20", "-DCAT_FAST_PYTHON_MODULE"]
     if _build_cuda():
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         return cpp_extension.CUDAExtension(
             "cat_fast._C",
             sources + sorted(glob.glob("csrc/cuda/*.cu")),
-            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--use_fast_math"]},
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++20"]},
         )
     return cpp_extension.CppExtension("cat_fast._C", sources, extra_compile_args={"cxx": cxx})
 

@@ -8,8 +8,8 @@ TORCH_LIBRARY(cat_fast, m) {
   m.def("cmix_backward(Tensor grad, Tensor h, Tensor lam, Tensor partner) -> (Tensor, Tensor)");
   m.def("cal_objective_forward(Tensor logits, Tensor labels, float gamma, float eta) -> Tensor");
   m.def("cal_objective_backward(Tensor grad, Tensor logits, Tensor labels, float gamma, float eta) -> Tensor");
-  m.def("cal_step_(Tensor(a!) lam, Tensor grad, float lr, float p, float lo, float hi) -> Tensor(a!)");
-  m.def("crm_loss_forward(Tensor logits, Tensor cf_logits, Tensor labels, float a1, float a2, int reduction) -> (Tensor, Tensor)");
+  m.def("cal_step_(Tensor(a!) lam, Tensor grad, float lr, float p, float lo, float hi) -> ()");
+  m.def("crm_loss_forward(Tensor logits, Tensor cf_logits, Tensor labels, float a1, float a2, int reduction, bool detach_weight) -> (Tensor, Tensor)");
   m.def("crm_loss_backward(Tensor grad, Tensor logits, Tensor cf_logits, Tensor labels, Tensor stats, float a1, float a2, int reduction, bool detach_weight) -> (Tensor, Tensor)");
   m.def("gs_row_dots(Tensor x, Tensor y) -> Tensor");
   m.def("gs_row_combine(Tensor x, Tensor y, Tensor coef) -> (Tensor, Tensor)");

@@ -28,6 +28,7 @@ class TokenizedData(torch.utils.data.Dataset):
 
     def __init__(self, data: CadData, tokenizer, max_length: int = 128):
         self.data = data
+        self.tokenizer = tokenizer
         self.max_length = max_length
         kw = dict(truncation=True, max_length=max_length, padding=False)
         if data.text_pair is not None:

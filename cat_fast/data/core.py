@@ -15,7 +15,7 @@ Formats (see ``cat_fast/data/cad/README.md``):
   ``revised_hypothesis``) is an edit of row k // 2 of the originals file (pairing by position,
   never by text).
 
-Text cleaning: HTML line breaks (``<br />``, ``<br/>``, ``<br>``) in the IMDb reviews are replaced
+Text cleaning: HTML line breaks (``<br />``, ``<br/>``, ``<br>``, a stray ``<br /``) in the IMDb reviews are replaced
 by a single space and runs of spaces are collapsed (``clean_text=True``, the default); nothing else
 is changed.
 
@@ -150,7 +150,7 @@ def _cache_dir() -> str:
     return _CACHE_DIR
 
 
-_BR = re.compile(r"<br\s*/?>", re.IGNORECASE)
+_BR = re.compile(r"<br(?:\s*/?\s*>|\s*/)", re.IGNORECASE)  # also one malformed "<br / " in the train set
 _SPACES = re.compile(r"[ \t]{2,}")
 
 

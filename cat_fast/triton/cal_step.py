@@ -54,16 +54,17 @@ def _cal_step_kernel(lam_ptr, grad_ptr, NR, L, lr_hi, lr_lo, p_hi, p_lo, lo_hi, 
         tl.store(lam_ptr + offs, new.to(lam_ptr.dtype.element_ty), mask=m2)
 
 
-def cal_step_(lam: torch.Tensor, grad: torch.Tensor, lr: float, p: float, lo: float, hi: float):
+def cal_step_(lam: torch.Tensor, grad: torch.Tensor, lr: float, p: float, lo: float, hi: float) -> None:
+    """Updates lam in place; returns nothing (schema `-> ()`)."""
     if lam.dim() == 1:
         NR, L = lam.shape[0], 1
     else:
         NR, L = lam.shape
     if NR == 0 or L == 0:
-        return lam
+        return None
     BLOCK_R, BLOCK_L = row_tiles(NR, L, 1024, 1024, max_rows=1024)
     nw = 4
     _cal_step_kernel[(triton.cdiv(NR, BLOCK_R),)](
         lam, grad, NR, L, *split_scalar(lr), *split_scalar(p), *split_scalar(lo), *split_scalar(hi),
         BLOCK_R=BLOCK_R, BLOCK_L=BLOCK_L, ACC=acc_tl_dtype(lam), num_warps=nw)
-    return lam
+    return None

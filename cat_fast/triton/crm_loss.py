@@ -105,7 +105,8 @@ def _crm_bwd_kernel(grad_ptr, logits_ptr, cf_ptr, labels_ptr, stats_ptr, gl_ptr,
 
 
 def crm_loss_forward(logits: torch.Tensor, cf_logits: torch.Tensor, labels: torch.Tensor,
-                     a1: float, a2: float, reduction: int):
+                     a1: float, a2: float, reduction: int, detach_weight: bool = False):
+    # detach_weight does not change the forward (it only selects the backward; see docs/KERNELS.md)
     B, C = logits.shape
     acc = acc_torch_dtype(logits)
     reduction = int(reduction)

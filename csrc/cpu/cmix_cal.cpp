@@ -210,7 +210,7 @@ at::Tensor cal_objective_backward(const at::Tensor& grad_in, const at::Tensor& l
 // ---------------------------------------------------------------------------------------------
 // cal_step_
 
-at::Tensor& cal_step_(at::Tensor& lam, const at::Tensor& grad_in, double lr, double p, double lo, double hi) {
+void cal_step_(at::Tensor& lam, const at::Tensor& grad_in, double lr, double p, double lo, double hi) {
   check_cpu_contig(lam, "cal_step_", "lam");
   TORCH_CHECK(lam.scalar_type() == at::kFloat || lam.scalar_type() == at::kDouble,
               "cal_step_: lam must be float32 or float64, got ", lam.scalar_type());
@@ -269,7 +269,7 @@ at::Tensor& cal_step_(at::Tensor& lam, const at::Tensor& grad_in, double lr, dou
       }
     });
   });
-  return lam;
+  
 }
 
 }  // namespace

@@ -28,7 +28,7 @@ void check_crm(const char* op, const at::Tensor& logits, const at::Tensor& cf_lo
 
 std::tuple<at::Tensor, at::Tensor> crm_loss_forward(const at::Tensor& logits, const at::Tensor& cf_logits,
                                                     const at::Tensor& labels, double a1, double a2,
-                                                    int64_t reduction) {
+                                                    int64_t reduction, bool /*detach_weight: backward only*/) {
   check_crm("crm_loss_forward", logits, cf_logits, labels, reduction);
   const int64_t B = logits.size(0), C = logits.size(1);
   const auto acc_opts = logits.options().dtype(acc_dtype(logits.scalar_type()));

@@ -1,0 +1,338 @@
+"""CAT — counterfactual adversarial training (SPEC §1), as the paper's Algorithm 1.
+
+``loss, info = CAT(model, ...)(batch)`` where `batch` is the dict the model takes plus ``labels``
+(``start_positions`` / ``end_positions`` for ``*ForQuestionAnswering``). One call = one training step:
+
+1. Warm-up (the first ``warmup_steps`` calls, counted by ``cat.step``; `CATTrainer` sets it to the optimizer
+   step): plain ERM.
+2. Draw the mixing layer ``m`` uniformly from ``layers``; one forward of the model captures ``h_m`` and the clean
+   logits (`cat_fast.models.capture`). The lower layers run once per step.
+3. CMIX (`cat_fast.ops.cmix`): ``λ_i ~ Beta(α, β)`` per sample (``torch.distributions.Beta`` on the device),
+   partner ``j`` = a random permutation of the batch (``partner="replacement"``: uniform with replacement; a
+   sample can be its own partner, then ``h̃_i = h_i``), ``h̃ = λ h_j + (1 − λ) h_i``, attention mask by
+   ``mask_mode`` (``self`` / ``partner`` / ``union`` / ``intersection``; a non-``self`` mask is passed to the
+   model, which builds its own extended mask).
+4. CAL (``adv_steps`` steps): ``J = Σ_i cal_objective(M(h̃_i), y_i, γ, η)``, gradient w.r.t. λ ONLY
+   (``torch.autograd.grad(J, λ)``; ``h_m`` is detached and no parameter ``.grad`` is touched), then
+   `cat_fast.ops.cal_step_` (which holds the ``−‖λ_i‖_p`` term and the clamp to [0, 1]). Layers ``m+1..L``
+   run on ``h̃`` via `cat_fast.models.resume` with exactly the arguments the model passes them, on the same
+   dropout masks as the clean forward. ``adv_steps=0`` is CAT*.
+5. CRM on the optimised (detached) λ: ``crm_loss(M(h), M(h̃), y, a1, a2, detach_weight)``; ERM = CE(M(h), y).
+   With ``detach_weight=True`` (default) CRM gets no gradient through ``M(h̃)``, so that last counterfactual
+   forward runs without autograd (saves its activations); with ``detach_weight=False`` it is differentiated and
+   gradients reach the lower layers through ``h_m``.
+
+Updates: ``update="sum"`` (default, the faster option: one backward): ``loss = ERM + CRM``. ``update="alternate"``
+(the paper's two updates): `CAT` takes a ``crm_optimizer``; each call back-propagates the CRM loss and steps
+``crm_optimizer`` itself (parameter ``.grad`` accumulated by the caller is stashed and restored around it; no AMP
+scaler / clipping is applied to that step), then re-runs a plain forward on the UPDATED parameters and returns
+``(ERM loss, info)`` for the caller's usual backward/step: the caller's loop does not change. `CAT.losses`
+returns ``(erm, cf, info)`` from one forward for custom loops, ``cf`` = CRM (+ ``gs_weight · L_GS``).
+
+``gs_weight > 0`` (classification only): CAT + gradient supervision on the token-aligned pair ``(h_m, h̃_m)``:
+``g_i = ∇_{h_m} f_c(h_i)`` on the clean forward (exact double backward), ``c = y_j`` the partner's label,
+``ĝ_i = h̃_i − h_i`` (detached) with the optimised λ, over samples with ``y_j ≠ y_i``; the weighted term joins
+the counterfactual loss. Needs an attention kernel with double backward (see `cat_fast.gs`).
+
+``layers=None``: the paper's BERT-base set {8, 9, 10} of 12 scaled to depth L: ``{round_half_up(k·L/12)}``
+for k = 8, 9, 10, deduplicated and clamped to [1, L] (L=12: {8,9,10}; 6: {4,5}; 4: {3}; 24: {16,18,20}).
+The paper's own sets for other models (BERT-large {20,21,22}, RoBERTa-base {6,7,8}, RoBERTa-large {17,18,19})
+do not follow one rule: pass ``layers=`` explicitly to reproduce them. Layer indices are 1-indexed
+(``hidden_states[m]``); 0 (the embedding output) is accepted.
+
+QA (``*ForQuestionAnswering``): the paper's best strategy "non-answer context only". ``λ`` stays one scalar
+per sample (what CAL optimises, ``‖λ_i‖_p = |λ_i|``); the per-token coefficient given to `cmix` is
+``λ_i · allow[i, t]`` where ``allow`` = context ∧ ¬answer span ∧ attention mask. The context is, in order of
+preference: ``batch["context_mask"]`` (bool/int [B, T], not passed to the model); ``token_type_ids == 1`` when the
+model has ``type_vocab_size > 1`` (BERT-style ``[CLS] q [SEP] c [SEP]``); else the positions after the first
+``config.sep_token_id`` (or ``eos_token_id``: RoBERTa's ``</s>``), separators excluded; otherwise ValueError.
+The answer span is ``start_positions..end_positions`` (inclusive; clamped to [0, T−1], as are the targets).
+CAL objective = ``cal_objective`` on start logits + on end logits; CRM = ``crm_loss`` per head (each with its
+own Φ ratio), summed; ERM = CE_start + CE_end (SPEC: sums; this is twice Hugging Face's averaged QA loss).
+
+``info``: dict of detached 0-d tensors (no host synchronisation in the step): ``erm_loss``, ``crm_loss``,
+``lambda_before`` / ``lambda_after`` (batch mean of λ before / after CAL), ``crm_weight_mean`` (mean clipped ω),
+``cal_objective`` (batch mean of ``J_i`` at the final λ, including ``−|λ_i|``), ``layer`` (m), ``cat_active``
+(0 during warm-up, where the CAT entries are 0), ``gs_loss`` when ``gs_weight > 0``. Log with
+``{k: float(v) for k, v in info.items()}`` outside the step.
+
+Randomness: with ``generator=None`` λ and partners are drawn on the model's device from the global RNG and the
+layer from the global CPU RNG. With a CPU ``torch.Generator`` everything is drawn from it on the CPU (λ through a
+Beta sample on a forked CPU RNG seeded from it) and copied to the device (non-blocking): reproducible.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import models
+from .gs import check_double_backward, masked_mean
+from .ops import cal_objective, cal_step_, cmix, crm_loss, crm_weights, gs_cosine_loss
+
+__all__ = ["CAT", "default_layers"]
+
+MASK_MODES = ("self", "partner", "union", "intersection")
+
+
+def default_layers(num_layers: int) -> list:
+    """The paper's {8, 9, 10}-of-12 mixing layers scaled to `num_layers` (module docstring)."""
+    return sorted({min(num_layers, max(1, math.floor(k * num_layers / 12 + 0.5))) for k in (8, 9, 10)})
+
+
+def _acc(z):
+    return z.float() if z.dtype in (torch.float16, torch.bfloat16) else z
+
+
+class CAT:
+    """Counterfactual adversarial training objective; ``loss, info = cat(batch)`` (see the module docstring)."""
+
+    def __init__(self, model, layers=None, alpha=0.3, beta=0.3, gamma=10.0, eta=20.0, adv_steps=3, adv_lr=2e-2,
+                 p=1.0, a1=0.0, a2=10.0, mask_mode="self", detach_weight=True, update="sum", warmup_steps=0,
+                 partner="permutation", gs_weight=0.0, generator=None, crm_optimizer=None):
+        st = models.structure(model)
+        L = st.num_layers
+        if layers is None:
+            layers = default_layers(L)
+        elif isinstance(layers, int):
+            layers = [layers]
+        layers = sorted({int(m) for m in layers})
+        if not layers or layers[0] < 0 or layers[-1] > L:
+            raise ValueError(f"layers must be non-empty and within [0, {L}] for {st.model_class}, got {layers}")
+        if alpha <= 0 or beta <= 0:
+            raise ValueError(f"alpha and beta must be > 0, got {alpha}, {beta}")
+        if adv_steps < 0:
+            raise ValueError(f"adv_steps must be >= 0, got {adv_steps}")
+        if mask_mode not in MASK_MODES:
+            raise ValueError(f"mask_mode must be one of {MASK_MODES}, got {mask_mode!r}")
+        if update not in ("sum", "alternate"):
+            raise ValueError(f"update must be 'sum' or 'alternate', got {update!r}")
+        if partner not in ("permutation", "replacement"):
+            raise ValueError(f"partner must be 'permutation' or 'replacement', got {partner!r}")
+        if a1 > a2:
+            raise ValueError(f"a1 must be <= a2, got {a1} > {a2}")
+        if gs_weight < 0:
+            raise ValueError(f"gs_weight must be >= 0, got {gs_weight}")
+        if gs_weight > 0 and st.task != "sequence_classification":
+            raise ValueError("gs_weight > 0 (CAT + GS) is supported for *ForSequenceClassification models only")
+        problem = getattr(model.config, "problem_type", None)
+        if st.task == "sequence_classification" and (problem not in (None, "single_label_classification")
+                                                      or model.config.num_labels < 2):
+            raise ValueError(f"CAT needs single-label classification (num_labels >= 2), got problem_type={problem!r}, "
+                             f"num_labels={model.config.num_labels}")
+        self.model = model
+        self.structure = st
+        self.layers = layers
+        self.alpha, self.beta = float(alpha), float(beta)
+        self.gamma, self.eta = float(gamma), float(eta)
+        self.adv_steps, self.adv_lr, self.p = int(adv_steps), float(adv_lr), float(p)
+        self.a1, self.a2 = float(a1), float(a2)
+        self.mask_mode = mask_mode
+        self.detach_weight = detach_weight
+        self.update = update
+        self.warmup_steps = int(warmup_steps)
+        self.partner = partner
+        self.gs_weight = float(gs_weight)
+        self.generator = generator
+        self.crm_optimizer = crm_optimizer
+        self.step = 0
+        self.qa = st.task == "question_answering"
+
+    # ----------------------------------------------------------------- public API
+    def __call__(self, batch):
+        step = self.step
+        self.step += 1
+        if step < self.warmup_steps:
+            return self._erm_only(batch)
+        erm, cf, info = self.losses(batch)
+        if self.update == "sum":
+            return erm + cf, info
+        self._crm_update(cf)
+        erm, _ = self._erm_only(batch)
+        info["erm_loss"] = erm.detach()
+        return erm, info
+
+    def losses(self, batch):
+        """``(erm, cf, info)`` from one clean forward: ERM, counterfactual loss CRM (+ gs_weight · L_GS), info."""
+        with torch.enable_grad():
+            return self._losses(batch)
+
+    # ----------------------------------------------------------------- steps of Algorithm 1
+    def _losses(self, batch):
+        m = self._draw_layer()
+        cap = models.capture(self.model, batch, m)
+        h = cap.hidden
+        device = h.device
+        B = h.shape[0]
+        targets, logits = self._targets(batch, cap.outputs, h.shape[1])
+        partner = self._draw_partner(B, device)
+        lam0 = self._draw_lambda(B, device, torch.promote_types(h.dtype, torch.float32))
+        allow = self._qa_allow(batch, targets, h.shape[1], device) if self.qa else None
+        mask = cap.inputs.get("attention_mask")
+
+        # CAL: ascent on λ only; h_m detached, parameters untouched.
+        h_det = h.detach()
+        lam = lam0.clone()
+        for _ in range(self.adv_steps):
+            lam_var = lam.detach().requires_grad_(True)
+            cf_logits = self._cf_logits(cap, h_det, lam_var, partner, mask, allow)
+            objective = self._objective(cf_logits, targets).sum()
+            (grad,) = torch.autograd.grad(objective, lam_var)
+            cal_step_(lam, grad, self.adv_lr, self.p)
+
+        # Final counterfactual forward on the optimised λ (no autograd when ω is detached).
+        differentiable = not self.detach_weight
+        with torch.set_grad_enabled(differentiable):
+            cf_logits = self._cf_logits(cap, h if differentiable else h_det, lam, partner, mask, allow)
+
+        erm = self._erm(logits, targets)
+        crm = self._crm(logits, cf_logits, targets)
+        with torch.no_grad():
+            objective = self._objective(cf_logits, targets).mean() - lam.abs().mean()
+            weights = self._weights(logits, cf_logits)
+        info = {
+            "erm_loss": erm.detach(),
+            "crm_loss": crm.detach(),
+            "lambda_before": lam0.mean(),
+            "lambda_after": lam.mean(),
+            "crm_weight_mean": weights,
+            "cal_objective": objective.detach(),
+            "layer": torch.tensor(float(m)),
+            "cat_active": torch.tensor(1.0),
+        }
+        cf = crm
+        if self.gs_weight > 0:
+            gs = self._gs_term(cap, logits, targets, partner, lam, mask)
+            info["gs_loss"] = gs.detach()
+            cf = crm + self.gs_weight * gs
+        return erm, cf, info
+
+    def _gs_term(self, cap, logits, labels, partner, lam, mask):
+        """GS on the CMIX pair (h_m, h̃_m): g = ∇_{h_m} f_{y_j}(h_i) (double backward), ĝ = h̃ − h (detached)."""
+        h = cap.hidden
+        score = logits.gather(1, labels[partner].unsqueeze(1)).sum()
+        (g,) = torch.autograd.grad(score, h, create_graph=True, retain_graph=True)
+        check_double_backward(g)
+        with torch.no_grad():
+            h_mix, _ = cmix(h.detach(), lam, partner)
+            g_hat = h_mix - h
+        valid = labels[partner] != labels
+        return masked_mean(gs_cosine_loss(g, g_hat, reduction="none"), valid)
+
+    def _erm_only(self, batch):
+        with torch.enable_grad():
+            outputs = self.model(**models.model_inputs(batch))
+            targets, logits = self._targets(batch, outputs, None)
+            erm = self._erm(logits, targets)
+        zero = torch.zeros((), device=erm.device, dtype=erm.dtype)
+        info = {"erm_loss": erm.detach(), "crm_loss": zero, "lambda_before": zero, "lambda_after": zero,
+                "crm_weight_mean": zero, "cal_objective": zero, "layer": torch.tensor(0.0),
+                "cat_active": torch.tensor(0.0)}
+        if self.gs_weight > 0:
+            info["gs_loss"] = zero
+        return erm, info
+
+    def _crm_update(self, cf):
+        if self.crm_optimizer is None:
+            raise ValueError("update='alternate' needs crm_optimizer (CAT(..., crm_optimizer=opt) or cat.crm_optimizer = opt)")
+        params = [q for q in self.model.parameters() if q.requires_grad]
+        stash = [q.grad for q in params]
+        for q in params:
+            q.grad = None
+        try:
+            cf.backward()
+            self.crm_optimizer.step()
+        finally:
+            for q, g in zip(params, stash):
+                q.grad = g
+
+    # ----------------------------------------------------------------- task-specific pieces
+    def _targets(self, batch, outputs, T):
+        logits = models.logits_of(outputs)
+        if not self.qa:
+            return batch["labels"], logits
+        T = logits[0].shape[1]
+        s = batch["start_positions"].clamp(0, T - 1)
+        e = batch["end_positions"].clamp(0, T - 1)
+        return (s, e), logits
+
+    def _erm(self, logits, targets):
+        if not self.qa:
+            return F.cross_entropy(_acc(logits), targets)
+        return F.cross_entropy(_acc(logits[0]), targets[0]) + F.cross_entropy(_acc(logits[1]), targets[1])
+
+    def _crm(self, logits, cf_logits, targets):
+        kw = dict(a1=self.a1, a2=self.a2, detach_weight=self.detach_weight)
+        if not self.qa:
+            return crm_loss(logits, cf_logits, targets, **kw)
+        return sum(crm_loss(z, zc, y, **kw) for z, zc, y in zip(logits, cf_logits, targets))
+
+    def _weights(self, logits, cf_logits):
+        if not self.qa:
+            return crm_weights(logits, cf_logits, self.a1, self.a2).mean()
+        return sum(crm_weights(z, zc, self.a1, self.a2).mean() for z, zc in zip(logits, cf_logits)) / 2
+
+    def _objective(self, cf_logits, targets):
+        if not self.qa:
+            return cal_objective(cf_logits, targets, self.gamma, self.eta)
+        return sum(cal_objective(z, y, self.gamma, self.eta) for z, y in zip(cf_logits, targets))
+
+    def _cf_logits(self, cap, h, lam, partner, mask, allow):
+        coef = lam if allow is None else lam.unsqueeze(1) * allow
+        h_mix, mask_mix = cmix(h, coef, partner, mask, self.mask_mode)
+        out = models.resume(self.model, cap, h_mix, attention_mask=None if self.mask_mode == "self" else mask_mix)
+        return models.logits_of(out)
+
+    def _qa_allow(self, batch, targets, T, device):
+        cfg = self.model.config
+        attn = batch.get("attention_mask")
+        if "context_mask" in batch:
+            context = batch["context_mask"].to(device).bool()
+        elif "token_type_ids" in batch and getattr(cfg, "type_vocab_size", 1) > 1:
+            context = batch["token_type_ids"] == 1
+        else:
+            sep = getattr(cfg, "sep_token_id", None)
+            sep = getattr(cfg, "eos_token_id", None) if sep is None else sep
+            if sep is None or "input_ids" not in batch:
+                raise ValueError("CAT for QA cannot find the context: pass batch['context_mask'] (1 on context "
+                                 "tokens), token_type_ids, or set config.sep_token_id")
+            is_sep = batch["input_ids"] == sep
+            context = (is_sep.cumsum(1) > 0) & ~is_sep
+        pos = torch.arange(T, device=device)
+        s, e = targets
+        answer = (pos >= s.unsqueeze(1)) & (pos <= e.unsqueeze(1))
+        allow = context & ~answer
+        if attn is not None:
+            allow = allow & (attn != 0)
+        return allow.to(torch.float32)
+
+    # ----------------------------------------------------------------- randomness
+    def _draw_layer(self):
+        if len(self.layers) == 1:
+            return self.layers[0]
+        idx = torch.randint(len(self.layers), (1,), generator=self.generator)  # CPU: no device sync
+        return self.layers[int(idx)]
+
+    def _draw_partner(self, B, device):
+        gen = self.generator
+        if self.partner == "permutation":
+            if gen is not None:
+                return torch.randperm(B, generator=gen).to(device, non_blocking=True)
+            return torch.randperm(B, device=device)
+        if gen is not None:
+            return torch.randint(B, (B,), generator=gen).to(device, non_blocking=True)
+        return torch.randint(B, (B,), device=device)
+
+    def _draw_lambda(self, B, device, dtype):
+        if self.generator is None:
+            # torch.full, not torch.tensor: no host-to-device copy (and so no sync) on CUDA.
+            a = torch.full((B,), self.alpha, device=device, dtype=dtype)
+            b = torch.full((B,), self.beta, device=device, dtype=dtype)
+            return torch.distributions.Beta(a, b, validate_args=False).sample()
+        seed = int(torch.randint(2**62, (1,), generator=self.generator))
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
+            lam = torch.distributions.Beta(torch.full((B,), self.alpha, dtype=dtype),
+                                           torch.full((B,), self.beta, dtype=dtype)).sample()
+        return lam.to(device, non_blocking=True)

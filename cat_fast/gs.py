@@ -1,0 +1,227 @@
+"""Gradient supervision (SPEC §2; Teney et al. 2020): align the input-gradient of the model with counterfactual directions.
+
+``loss, info = GradientSupervision(model, ...)(batch, pairs)``; ``pairs`` int64 [B]: index in the batch of each
+sample's counterfactual partner, -1 for none. ``loss = CE(batch) + weight * L_GS``, with ``L_GS`` the mean of
+``1 - cos(g_i, ĝ_i)`` over the samples that have a partner with a DIFFERENT label (same-label pairs are not
+counterfactual and are skipped; with no usable pair ``L_GS = 0``). ``info`` maps names to detached 0-d tensors
+(``ce_loss``, ``gs_loss``, ``gs_pairs``); log them with ``{k: float(v) for k, v in info.items()}``.
+
+Conventions (``x`` is the representation, ``j = pairs[i]``):
+
+* ``target="counterfactual"`` (default, SPEC): ``g_i = ∇_x f_c(x_i)`` with ``f_c`` the LOGIT of class ``c = y_j``
+  (the partner's label) and ``ĝ_i = x_j − x_i``: the gradient of the partner's class must point toward the partner.
+* ``target="factual"`` (the "negative factual loss" variant of a public re-implementation):
+  ``g_i = +∇_x CE(f(x_i), y_i)``, ``ĝ_i = x_j − x_i``. Sign choice: ``∇_x CE(y_i) = Σ_c p_c ∇f_c − ∇f_{y_i}``
+  points away from class ``y_i`` (toward the other classes), so with the same ``ĝ`` both conventions push the
+  input-gradient toward the partner; for two classes they differ only by the positive factor ``p_{y_j}``.
+* The relation is undirected but each row only supervises its own gradient: give both directions
+  (``pairs[i] = j`` and ``pairs[j] = i``) to apply GS at both members; `pair_by_group` does that from group ids.
+* ``ĝ`` is a detached target (the GS term moves the gradient toward the counterfactual direction, not the
+  representations toward the gradient).
+* ``representation="pooled"``: ``x`` = the input of the classification projection (first-token row when the
+  head takes the sequence: RoBERTa, ELECTRA; see `cat_fast.models`). In train mode this vector is taken after
+  the head's dropout where the model applies one (BERT), so ``ĝ`` carries that dropout noise.
+  ``representation="layer:K"`` or int ``K``: token-level hidden state ``h_K`` (``K = 0`` is the embedding output
+  = input of layer 1); pairs must be token-aligned (same padded length; e.g. CMIX pairs).
+* ``random_pairs=True`` (paper's ablation): every sample gets a uniformly random OTHER sample of the batch as
+  partner (the ``pairs`` argument is ignored); the same-label rule then applies as above.
+
+Modes:
+
+* ``mode="exact"``: ``g`` by ``torch.autograd.grad(create_graph=True)``, so ``L_GS`` is differentiated exactly
+  (double backward). An attention kernel without double backward (sdpa flash / memory-efficient / cuDNN on GPU,
+  flash on CPU) is detected right away by inspecting the graph of ``g`` and raises a one-line ``RuntimeError``
+  that says how to fix it (`DOUBLE_BACKWARD_HINT`). `double_backward_error` maps PyTorch's own message the same
+  way, for a ``backward()`` that fails later.
+* ``mode="first_order"`` (SPEC §2): ``g`` without a graph; ``u = ∂L_GS/∂g`` from the op's backward; the parameter
+  term ``∇_θ(uᵀ∇_x f_c)`` is replaced by ``∇_θ Σ_i [f_c(x_i + ε_i u_i) − f_c(x_i − ε_i u_i)] / (2 ε_i)`` (``x`` not
+  detached, so the lower layers get their term too), with ``ε_i = eps · ‖x_i‖ / ‖u_i‖`` per sample (the
+  perturbation has norm ``eps·‖x_i‖`` whatever the scale of ``x``). It is added as a surrogate whose value is zero
+  and whose gradient is that term: the loss VALUE is still ``CE + weight·L_GS``. The two extra passes re-run only
+  the head (pooled) or layers ``K+1..L`` (layer K) on the same dropout masks as the clean forward. It needs no
+  double backward, so it works with any attention kernel.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import models
+from .ops import gs_cosine_loss
+
+__all__ = ["GradientSupervision", "pair_by_group", "double_backward_error", "DOUBLE_BACKWARD_HINT"]
+
+DOUBLE_BACKWARD_HINT = (
+    "gradient supervision mode='exact' needs a double backward through the model, but its attention kernel has "
+    "none (derivative for aten::_scaled_dot_product_*_attention_backward is not implemented): load the model with "
+    "attn_implementation=\"eager\", or run under torch.nn.attention.sdpa_kernel(SDPBackend.MATH), "
+    "or use mode=\"first_order\""
+)
+
+
+def double_backward_error(exc):
+    """Map PyTorch's "derivative for aten::_scaled_dot_product_*_attention_backward is not implemented" to a
+    one-line RuntimeError that says how to fix it; None for any other exception."""
+    text = str(exc)
+    if "derivative for aten::_scaled_dot_product" in text and "not implemented" in text:
+        return RuntimeError(DOUBLE_BACKWARD_HINT)
+    return None
+
+
+def has_missing_double_backward(t: torch.Tensor) -> bool:
+    """True when the autograd graph of `t` holds a node whose backward is not implemented (PyTorch's
+    ``NotImplemented`` node: differentiating `t` again would raise)."""
+    fn = t.grad_fn
+    if fn is None:
+        return False
+    stack, seen = [fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "NotImplemented" in node.name():
+            return True
+        stack.extend(f for f, _ in node.next_functions)
+    return False
+
+
+def check_double_backward(g: torch.Tensor) -> None:
+    """Raise the one-line `DOUBLE_BACKWARD_HINT` error when `g` (built with create_graph) cannot be differentiated."""
+    if has_missing_double_backward(g):
+        raise RuntimeError(DOUBLE_BACKWARD_HINT)
+
+
+def pair_by_group(group_ids: torch.Tensor) -> torch.Tensor:
+    """Pairs from group ids [B]: each sample's partner is the next sample (cyclically, in batch order) with the
+    same id, -1 when alone. Groups of two give the symmetric pairing (i ↔ j). No host synchronisation."""
+    ids = group_ids.reshape(-1)
+    B = ids.shape[0]
+    idx = torch.arange(B, device=ids.device)
+    same = ids[:, None] == ids[None, :]
+    same.fill_diagonal_(False)
+    dist = (idx[None, :] - idx[:, None]) % B  # distance forward from i to j
+    dist = torch.where(same, dist, torch.full_like(dist, B))
+    best = dist.min(dim=1).values
+    return torch.where(best < B, (idx + best) % B, torch.full_like(idx, -1))
+
+
+def _random_pairs(B, device, generator):
+    if B < 2:
+        return torch.full((B,), -1, dtype=torch.long, device=device)
+    if generator is not None:
+        shift = torch.randint(1, B, (B,), generator=generator).to(device, non_blocking=True)
+    else:
+        shift = torch.randint(1, B, (B,), device=device)
+    return (torch.arange(B, device=device) + shift) % B
+
+
+def _parse_representation(rep):
+    if rep == "pooled":
+        return None
+    if isinstance(rep, int):
+        return rep
+    if isinstance(rep, str) and rep.startswith("layer:"):
+        return int(rep.split(":", 1)[1])
+    raise ValueError(f"representation must be 'pooled', 'layer:K' or an int K, got {rep!r}")
+
+
+def masked_mean(values, valid):
+    """Mean of `values` over `valid` rows (0 when none), without a host synchronisation."""
+    w = valid.to(values.dtype)
+    return (values * w).sum() / w.sum().clamp_min(1)
+
+
+class GradientSupervision:
+    """``loss, info = gs(batch, pairs)``: cross-entropy + ``weight`` · gradient-supervision loss (module docstring)."""
+
+    def __init__(self, model, weight=1.0, representation="pooled", target="counterfactual", mode="exact",
+                 random_pairs=False, eps=1e-3, generator=None):
+        st = models.structure(model)
+        if st.task != "sequence_classification":
+            raise ValueError(f"GradientSupervision supports *ForSequenceClassification models, got {st.model_class}")
+        if target not in ("counterfactual", "factual"):
+            raise ValueError(f"target must be 'counterfactual' or 'factual', got {target!r}")
+        if mode not in ("exact", "first_order"):
+            raise ValueError(f"mode must be 'exact' or 'first_order', got {mode!r}")
+        if eps <= 0:
+            raise ValueError(f"eps must be > 0, got {eps}")
+        layer = _parse_representation(representation)
+        if layer is not None and not 0 <= layer <= st.num_layers:
+            raise ValueError(f"representation layer must be in [0, {st.num_layers}], got {layer}")
+        self.model = model
+        self.weight = float(weight)
+        self.representation = representation
+        self.layer = layer
+        self.target = target
+        self.mode = mode
+        self.random_pairs = random_pairs
+        self.eps = float(eps)
+        self.generator = generator
+
+    def _score(self, logits, labels, partner):
+        """Per-sample scalar whose x-gradient is g: the partner-class logit, or the factual CE."""
+        if self.target == "counterfactual":
+            return logits.gather(1, labels[partner].unsqueeze(1)).squeeze(1)
+        z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        return F.cross_entropy(z, labels, reduction="none")
+
+    def __call__(self, batch, pairs=None):
+        labels = batch["labels"]
+        if pairs is None and not self.random_pairs:
+            pairs = batch.get("pairs")
+            if pairs is None:
+                raise ValueError("GradientSupervision needs pairs (argument or batch['pairs']) unless random_pairs=True")
+        B = labels.shape[0]
+        device = labels.device
+        if self.random_pairs:
+            pairs = _random_pairs(B, device, self.generator)
+        pairs = pairs.to(device=device, dtype=torch.long)
+        partner = pairs.clamp_min(0)
+        valid = (pairs >= 0) & (labels[partner] != labels)
+
+        pooled = self.layer is None
+        with torch.enable_grad():
+            cap = models.capture(self.model, batch, 0 if pooled else self.layer, pooled=pooled)
+            x = cap.pooled if pooled else cap.hidden
+            logits = models.logits_of(cap.outputs)
+            z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+            ce = F.cross_entropy(z, labels)
+            g_hat = (x.index_select(0, partner) - x).detach()
+            score = self._score(logits, labels, partner).sum()
+            exact = self.mode == "exact"
+            if pooled:
+                g = models.grad_wrt_pooled(score, cap, create_graph=exact)
+            else:
+                (g,) = torch.autograd.grad(score, x, create_graph=exact, retain_graph=True)
+            if exact:
+                check_double_backward(g)
+                gs = masked_mean(gs_cosine_loss(g, g_hat, reduction="none"), valid)
+                loss = ce + self.weight * gs
+            else:
+                gs, surrogate = self._first_order(cap, x, g.detach(), g_hat, labels, partner, valid, pooled)
+                loss = ce + self.weight * (gs.detach() + surrogate - surrogate.detach())
+        info = {"ce_loss": ce.detach(), "gs_loss": gs.detach(), "gs_pairs": valid.sum().to(ce.dtype)}
+        return loss, info
+
+    def _first_order(self, cap, x, g, g_hat, labels, partner, valid, pooled):
+        g_var = g.requires_grad_(True)
+        gs = masked_mean(gs_cosine_loss(g_var, g_hat, reduction="none"), valid)
+        (u,) = torch.autograd.grad(gs, g_var)
+        rows = x.shape[0]
+        x_norm = x.detach().reshape(rows, -1).norm(dim=1)
+        u_norm = u.reshape(rows, -1).norm(dim=1)
+        tiny = torch.finfo(u.dtype).tiny ** 0.5
+        eps_i = self.eps * x_norm / u_norm.clamp_min(tiny)
+        shape = (rows,) + (1,) * (x.dim() - 1)
+        step = (eps_i.reshape(shape) * u).to(x.dtype)
+
+        def score_at(x_new):
+            if pooled:
+                logits = models.head_logits(self.model, cap, x_new)
+            else:
+                logits = models.logits_of(models.resume(self.model, cap, x_new))
+            return self._score(logits, labels, partner)
+
+        diff = (score_at(x + step) - score_at(x - step)) / (2 * eps_i.to(x.dtype))
+        return gs.detach(), diff.sum()

@@ -1,0 +1,438 @@
+"""Everything cat_fast knows about a model's structure: the only module that looks inside one.
+
+Objectives (`CAT`, `GradientSupervision`) ask this module three questions: *capture* the hidden state
+``h_m`` of a batch during the model's own forward, *resume* the model from a replacement ``h̃`` at that
+layer, and read the *pooled representation* that feeds the classification projection. No Hugging Face
+modeling file is imported; the model is driven through its own ``forward`` with hooks.
+
+Conventions and choices
+-----------------------
+Encoder layers.
+    The layer list is the shallowest ``nn.ModuleList`` under ``model.base_model`` whose children all have
+    the same class and own parameters (``bert.encoder.layer``, ``distilbert.transformer.layer``,
+    ``albert.encoder.albert_layer_groups``, ...). Layers are identified by CALL ORDER during a forward, not
+    by module: ALBERT calls its single shared layer group ``num_hidden_layers`` times and each call is one
+    layer. Each forward checks that the list was called exactly ``config.num_hidden_layers`` times.
+    Decoder-only models (any submodule with ``is_causal=True`` or ``config.is_decoder``), encoder-decoder
+    models, models without such a list, heads other than ``*ForSequenceClassification`` /
+    ``*ForQuestionAnswering`` and gradient checkpointing raise ``ValueError`` naming the class and why.
+
+``h_m`` (1-indexed, ``0 <= m <= L``).
+    ``h_m`` is the hidden state that layer ``m+1`` consumes (its first positional argument, or its
+    ``hidden_states`` keyword) for ``m < L`` and the output of layer ``L`` for ``m = L``. For every supported
+    architecture this equals ``hidden_states[m]`` of ``output_hidden_states=True`` (tested), including
+    DeBERTa-v2, whose encoder applies a convolution after layer 1: ``hidden_states[1]`` is the conv output,
+    i.e. the input of layer 2, which is what we mix. (Replacing layer 1's *module output* instead would run
+    the conv again on the mixture and mix a different quantity than SPEC's ``hidden_states[m]``.)
+    ``m = 0`` is the input of layer 1 (the embedding output; for ALBERT after its embedding projection).
+    Caveat: on DeBERTa-v2 with a conv, ``m = 0`` mixes only the input of layer 1; the conv branch still
+    reads the unmixed embeddings, exactly as a hook on layer 1's input would.
+
+Capture and resume (no recomputation of lower layers).
+    `capture` runs the model's own forward once with hooks that record each layer call's output (as the
+    layer returned it: tensor or tuple), the embedding output and ``h_m``. `resume` calls the model's own
+    forward again with the embedding module and layer calls ``1..m`` short-circuited (they return the cached
+    outputs without computing) and with ``h̃`` passed to layer ``m+1`` in place of ``h_m``. Layers ``m+1..L``
+    therefore receive exactly the arguments the model itself computes (extended attention mask in whatever
+    form its attention implementation uses, DeBERTa's relative positions and rel-embeddings, ...), and the
+    pooler/head run natively. Passing ``attention_mask=`` to `resume` (CMIX mask modes other than ``self``)
+    replaces the 2-D mask given to the model, so it builds its own extended mask from it. The embedding
+    module is skipped when the base model has an ``embeddings`` submodule (all supported architectures);
+    otherwise it runs again (cheap) and its output is ignored. Short-circuiting works by setting an
+    instance-level ``forward`` on the layer modules for the duration of the call (restored afterwards), which
+    is why gradient checkpointing (which re-runs ``forward`` during backward) is refused.
+
+Dropout (train mode).
+    `resume(..., same_dropout=True)` (default) restores the random-number-generator state that the captured
+    forward had when layer ``m+1`` started, so layers ``m+1..L`` and the head draw the same dropout masks as
+    in the clean forward; the caller's RNG state is restored afterwards. Consequence: with ``h̃ = h_m`` the
+    resumed logits equal the clean logits bit-for-bit, in train mode too, so a CAT counterfactual differs
+    from its factual only by the mixing. The same holds for `head_logits` (re-running only the head).
+    Saving/restoring RNG state is host-side bookkeeping (no device synchronisation).
+
+Pooled representation.
+    The input of the classification projection module: ``model.classifier`` if present, else ``model.score``,
+    else the last ``nn.Linear`` with ``out_features == num_labels`` (``qa_outputs`` for QA). When that module
+    takes the whole sequence (RoBERTa, ELECTRA classification heads) the representation is its first-token
+    row; `head_logits` then re-runs the head on the sequence with row 0 replaced, so it is exact for any head
+    that reads only the first token and a faithful "first-token" function otherwise.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = [
+    "ModelStructure",
+    "Capture",
+    "structure",
+    "num_layers",
+    "capture",
+    "resume",
+    "head_logits",
+    "grad_wrt_pooled",
+    "logits_of",
+    "model_inputs",
+]
+
+# Batch keys that are targets or cat_fast metadata, never passed to the model's forward.
+TARGET_KEYS = ("labels", "start_positions", "end_positions", "pairs", "context_mask")
+
+
+@dataclass(frozen=True)
+class ModelStructure:
+    """What cat_fast needs to know about a model; computed once per model by `structure`."""
+
+    model_class: str
+    layer_list_name: str
+    layer_modules: tuple  # unique modules of the layer list, in list order
+    num_layers: int  # number of layer CALLS per forward (L)
+    embeddings: nn.Module | None
+    head: nn.Module
+    head_name: str
+    task: str  # "sequence_classification" | "question_answering"
+
+
+@dataclass
+class Capture:
+    """Result of `capture`: the model outputs of the clean forward and what `resume` needs."""
+
+    layer: int
+    hidden: torch.Tensor  # h_m, part of the clean forward's graph
+    outputs: object  # the model's own output (ModelOutput)
+    inputs: dict  # keyword arguments the model was called with
+    training: bool
+    layer_outputs: list = field(default_factory=list)  # outputs of layer calls 1..m, as returned
+    hidden_loc: tuple | None = None  # where h_m sits in layer m+1's arguments: ("arg", i) / ("kw", name)
+    embedding_output: object = None
+    rng_state: tuple | None = None  # RNG state when layer m+1 started (or after layer L for m = L)
+    head_input: torch.Tensor | None = None  # input of the classification projection (pooled=True)
+    head_rng_state: tuple | None = None
+    pooled: torch.Tensor | None = None  # [B, D] pooled representation (pooled=True)
+
+
+_STRUCTURES: "weakref.WeakKeyDictionary[nn.Module, ModelStructure]" = weakref.WeakKeyDictionary()
+
+
+def _fail(model, why):
+    raise ValueError(f"cat_fast does not support {type(model).__name__}: {why}")
+
+
+def _find_layer_list(model, base):
+    candidates = []
+    for name, mod in base.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) == 0:
+            continue
+        kinds = {type(child) for child in mod}
+        if len(kinds) != 1 or not any(True for _ in mod[0].parameters()):
+            continue
+        candidates.append((name.count("."), name, mod))
+    if not candidates:
+        _fail(model, "no nn.ModuleList of encoder layers found under its base model")
+    depth = min(c[0] for c in candidates)
+    shallowest = [c for c in candidates if c[0] == depth]
+    if len(shallowest) > 1:
+        names = ", ".join(c[1] for c in shallowest)
+        _fail(model, f"several candidate layer lists ({names}); cannot tell which is the encoder")
+    return shallowest[0][1], shallowest[0][2]
+
+
+def _find_head(model, task):
+    if task == "question_answering":
+        names = ("qa_outputs",)
+        width = 2
+    else:
+        names = ("classifier", "score")
+        width = model.config.num_labels
+    for name in names:
+        mod = getattr(model, name, None)
+        if isinstance(mod, nn.Module):
+            return name, mod
+    last = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and mod.out_features == width:
+            last = (name, mod)
+    if last is None:
+        _fail(model, f"no classification projection (nn.Linear with out_features={width}) found")
+    return last
+
+
+def structure(model) -> ModelStructure:
+    """Inspect `model` once (cached): its encoder layer list, embedding module and classification head."""
+    found = _STRUCTURES.get(model)
+    if found is not None:
+        return found
+    cls = type(model).__name__
+    config = getattr(model, "config", None)
+    if config is None:
+        _fail(model, "not a Hugging Face PreTrainedModel (no .config)")
+    if getattr(config, "is_encoder_decoder", False):
+        _fail(model, "encoder-decoder models are not supported (CAT mixes an encoder layer)")
+    causal = [n for n, m in model.named_modules() if getattr(m, "is_causal", False) is True]
+    if getattr(config, "is_decoder", False) or causal:
+        where = f" (causal attention in {causal[0]})" if causal else ""
+        _fail(model, f"decoder-only / causal models are not supported{where}; use a bidirectional encoder")
+    if cls.endswith("ForQuestionAnswering"):
+        task = "question_answering"
+    elif cls.endswith("ForSequenceClassification"):
+        task = "sequence_classification"
+    else:
+        _fail(model, "only *ForSequenceClassification and *ForQuestionAnswering heads are supported")
+    base = getattr(model, "base_model", model)
+    list_name, layer_list = _find_layer_list(model, base)
+    unique = []
+    for child in layer_list:
+        if all(child is not u for u in unique):
+            unique.append(child)
+    n_layers = getattr(config, "num_hidden_layers", None) or len(layer_list)
+    embeddings = getattr(base, "embeddings", None)
+    if not isinstance(embeddings, nn.Module):
+        embeddings = None
+    head_name, head = _find_head(model, task)
+    prefix = getattr(model, "base_model_prefix", "")
+    found = ModelStructure(
+        model_class=cls,
+        layer_list_name=f"{prefix}.{list_name}" if prefix and base is not model else list_name,
+        layer_modules=tuple(unique),
+        num_layers=int(n_layers),
+        embeddings=embeddings,
+        head=head,
+        head_name=head_name,
+        task=task,
+    )
+    _STRUCTURES[model] = found
+    return found
+
+
+def num_layers(model) -> int:
+    """Number of encoder layer calls L per forward (ALBERT: num_hidden_layers, though one module)."""
+    return structure(model).num_layers
+
+
+def model_inputs(batch) -> dict:
+    """The batch without targets and cat_fast metadata: what the model's forward takes."""
+    return {k: v for k, v in batch.items() if k not in TARGET_KEYS}
+
+
+def logits_of(outputs):
+    """`logits` of a classification output; `(start_logits, end_logits)` of a QA output."""
+    if hasattr(outputs, "start_logits"):
+        return outputs.start_logits, outputs.end_logits
+    if hasattr(outputs, "logits"):
+        return outputs.logits
+    return outputs[0]
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _replace_first(out, h):
+    if isinstance(out, tuple):
+        return (h,) + tuple(out[1:])
+    if isinstance(out, list):
+        return [h] + list(out[1:])
+    return h
+
+
+def _hidden_arg(args, kwargs):
+    if args:
+        return args[0], ("arg", 0)
+    for name in ("hidden_states", "hidden_state", "x"):
+        if isinstance(kwargs.get(name), torch.Tensor):
+            return kwargs[name], ("kw", name)
+    raise ValueError("cat_fast: cannot find the hidden-state argument of an encoder layer call")
+
+
+def _rng_get(device):
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _rng_set(device, state):
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+
+
+def _check_trainable_forward(model, st):
+    on = False
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # newer name first
+        if hasattr(type(model), name):
+            on = getattr(model, name)
+            break
+    if on:
+        _fail(model, "gradient checkpointing re-runs layer forwards during backward; disable it for CAT/GS")
+
+
+def capture(model, batch, layer: int, *, pooled: bool = False) -> Capture:
+    """Run the model's own forward once on `batch`, recording ``h_layer`` and what `resume` needs.
+
+    `batch` may contain targets (`labels`, ...); they are not passed to the model. With ``pooled=True`` also
+    record the pooled representation (the input of the classification projection).
+    """
+    st = structure(model)
+    _check_trainable_forward(model, st)
+    L = st.num_layers
+    if not 0 <= layer <= L:
+        raise ValueError(f"layer must be in [0, {L}] for {st.model_class}, got {layer}")
+    inputs = model_inputs(batch)
+    cap = Capture(layer=layer, hidden=None, outputs=None, inputs=inputs, training=model.training)
+    calls = {"started": 0, "done": 0}
+    keep_rng = model.training
+
+    def pre(mod, args, kwargs):
+        k = calls["started"]
+        calls["started"] += 1
+        if k == layer:
+            cap.hidden, cap.hidden_loc = _hidden_arg(args, kwargs)
+            if keep_rng:
+                cap.rng_state = _rng_get(cap.hidden.device)
+
+    def post(mod, args, kwargs, output):
+        k = calls["done"]
+        calls["done"] += 1
+        if k < layer:
+            cap.layer_outputs.append(output)
+        if k == L - 1 and layer == L:
+            cap.hidden = _first(output)
+            if keep_rng:
+                cap.rng_state = _rng_get(cap.hidden.device)
+
+    def emb_post(mod, args, output):
+        cap.embedding_output = output
+
+    def head_pre(mod, args, kwargs):
+        x, _ = _hidden_arg(args, kwargs)
+        cap.head_input = x
+        cap.pooled = x[:, 0] if x.dim() == 3 else x
+        if keep_rng:
+            cap.head_rng_state = _rng_get(x.device)
+
+    handles = []
+    try:
+        for mod in st.layer_modules:
+            handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(mod.register_forward_hook(post, with_kwargs=True))
+        if st.embeddings is not None:
+            handles.append(st.embeddings.register_forward_hook(emb_post))
+        if pooled:
+            handles.append(st.head.register_forward_pre_hook(head_pre, with_kwargs=True))
+        cap.outputs = model(**inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    if calls["started"] != L:
+        _fail(model, f"its layer list '{st.layer_list_name}' was called {calls['started']} times in one forward, "
+                     f"expected {L} (config.num_hidden_layers)")
+    if pooled and cap.head_input is None:
+        _fail(model, f"its classification module '{st.head_name}' was not called in the forward")
+    return cap
+
+
+def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, same_dropout: bool = True):
+    """Run layers ``m+1..L`` and the model's own head on `h_tilde` in place of ``h_m``; return the model output.
+
+    The lower layers are not recomputed (see the module docstring). `attention_mask` (2-D, optional)
+    replaces the batch's mask for the resumed layers (CMIX mask modes). Differentiable w.r.t. `h_tilde` and
+    the parameters of layers ``m+1..L`` and the head.
+    """
+    st = structure(model)
+    _check_trainable_forward(model, st)
+    if tuple(h_tilde.shape) != tuple(cap.hidden.shape):
+        raise ValueError(f"h_tilde must have the shape of h_m {tuple(cap.hidden.shape)}, got {tuple(h_tilde.shape)}")
+    m, L = cap.layer, st.num_layers
+    restore_rng = same_dropout and cap.rng_state is not None and model.training
+    device = h_tilde.device
+    saved_rng = _rng_get(device) if restore_rng else None
+    calls = {"n": 0}
+    patched = []
+
+    def layer_forward(orig):
+        def forward(*args, **kwargs):
+            k = calls["n"]
+            calls["n"] += 1
+            if k < m:
+                out = cap.layer_outputs[k]
+                if k == L - 1:  # m == L: the last layer's output is replaced
+                    out = _replace_first(out, h_tilde)
+                    if restore_rng:
+                        _rng_set(device, cap.rng_state)
+                return out
+            if k == m:
+                kind, where = cap.hidden_loc
+                if kind == "arg":
+                    args = (h_tilde,) + tuple(args[1:])
+                else:
+                    kwargs = dict(kwargs)
+                    kwargs[where] = h_tilde
+                if restore_rng:
+                    _rng_set(device, cap.rng_state)
+            return orig(*args, **kwargs)
+
+        return forward
+
+    def patch(mod, fwd):
+        had = "forward" in mod.__dict__
+        patched.append((mod, had, mod.__dict__.get("forward")))
+        mod.forward = fwd
+
+    inputs = dict(cap.inputs)
+    if attention_mask is not None:
+        inputs["attention_mask"] = attention_mask
+    try:
+        for mod in st.layer_modules:
+            patch(mod, layer_forward(mod.forward))
+        if st.embeddings is not None and cap.embedding_output is not None:
+            cached = cap.embedding_output
+            patch(st.embeddings, lambda *a, **k: cached)
+        out = model(**inputs)
+    finally:
+        for mod, had, old in reversed(patched):
+            if had:
+                mod.forward = old
+            else:
+                del mod.forward
+        if restore_rng:
+            _rng_set(device, saved_rng)
+    if calls["n"] != L:
+        _fail(model, f"its layer list '{st.layer_list_name}' was called {calls['n']} times when resuming, "
+                     f"expected {L}")
+    return out
+
+
+def head_logits(model, cap: Capture, x: torch.Tensor, *, same_dropout: bool = True):
+    """Logits of the classification projection re-run on a pooled representation `x` [B, D].
+
+    Needs ``capture(..., pooled=True)``. Differentiable w.r.t. `x` and the head's parameters. With
+    ``same_dropout`` the head draws the dropout masks of the captured forward.
+    """
+    st = structure(model)
+    if cap.head_input is None:
+        raise ValueError("head_logits needs capture(..., pooled=True)")
+    inp = cap.head_input
+    if inp.dim() == 3:
+        inp = torch.cat([x.unsqueeze(1), inp[:, 1:]], dim=1)
+    else:
+        inp = x
+    restore = same_dropout and cap.head_rng_state is not None and model.training
+    saved = _rng_get(x.device) if restore else None
+    try:
+        if restore:
+            _rng_set(x.device, cap.head_rng_state)
+        return st.head(inp)
+    finally:
+        if restore:
+            _rng_set(x.device, saved)
+
+
+def grad_wrt_pooled(score: torch.Tensor, cap: Capture, *, create_graph: bool) -> torch.Tensor:
+    """``∇_x score`` for the captured pooled representation x ([B, D]); `score` a scalar of the clean forward."""
+    if cap.head_input is None:
+        raise ValueError("grad_wrt_pooled needs capture(..., pooled=True)")
+    (g,) = torch.autograd.grad(score, cap.head_input, create_graph=create_graph, retain_graph=True)
+    return g[:, 0] if g.dim() == 3 else g

@@ -1,0 +1,238 @@
+// CRM loss forward / backward (docs/KERNELS.md "crm_loss"). Exactly one launch per call.
+// One row slot (tx threads, see common.cuh) per row; online softmax of logits and cf_logits in one
+// read each. reduction none: a grid over rows. mean/sum: ONE block of 1024 threads loops over all rows,
+// each row slot keeps its own running sum (double) of the row losses in row order, and thread 0 adds
+// the slots in slot order at the end -- deterministic, no atomics, no memset.
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <ATen/ops/empty.h>
+
+#include "common.cuh"
+
+namespace cat_fast {
+namespace cuda {
+namespace {
+
+constexpr int kBlock = 256;         // grid-over-rows kernels
+constexpr int kSingleBlock = 1024;  // the one block of a mean/sum forward
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kSingleBlock) crm_loss_forward_kernel(
+    const scalar_t* __restrict__ logits, const scalar_t* __restrict__ cf_logits, const int64_t* __restrict__ labels,
+    acc_t<scalar_t>* __restrict__ loss, acc_t<scalar_t>* __restrict__ stats, int64_t B, int64_t C,
+    acc_t<scalar_t> a1, acc_t<scalar_t> a2, int reduction) {
+  using A = acc_t<scalar_t>;
+  __shared__ SoftmaxState<A> s_red[kSingleBlock / 32];
+  __shared__ double s_sum[kSingleBlock];  // one running sum per row slot (ty <= kSingleBlock)
+  double running = 0.0;                   // used by x == 0 of each slot when reduction != 0
+  const int64_t groups = (B + blockDim.y - 1) / blockDim.y;
+  for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {  // uniform trip count in the block
+    const int64_t r = g * blockDim.y + threadIdx.y;
+    const bool valid = r < B;
+    const scalar_t* z = logits + (valid ? r : 0) * C;
+    const scalar_t* zc = cf_logits + (valid ? r : 0) * C;
+    SoftmaxState<A> st = softmax_identity<A>();
+    SoftmaxState<A> sc = softmax_identity<A>();
+    if (valid) {
+      for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+        softmax_push(st, static_cast<A>(z[c]), static_cast<int>(c));
+        softmax_push(sc, static_cast<A>(zc[c]), static_cast<int>(c));
+      }
+    }
+    st = group_reduce(st, SoftmaxOp{}, s_red);
+    sc = group_reduce(sc, SoftmaxOp{}, s_red);
+    if (valid && threadIdx.x == 0) {
+      const int64_t y = labels[r];
+      CAT_FAST_DEVICE_ASSERT(y >= 0 && y < C);
+      const A phi = A(1) / st.s;
+      const A phi_cf = A(1) / sc.s;
+      const A w = clamp_nan(phi / phi_cf, a1, a2);
+      const A ce = st.m + acc_log(st.s) - static_cast<A>(z[y]);
+      const A l = w * ce;
+      A* s = stats + r * 4;
+      s[0] = w;
+      s[1] = ce;
+      s[2] = phi;
+      s[3] = phi_cf;
+      if (reduction == 0) {
+        loss[r] = l;
+      } else {
+        running += static_cast<double>(l);
+      }
+    }
+  }
+  if (reduction != 0) {  // single-block launch: gridDim.x == 1
+    if (threadIdx.x == 0) s_sum[threadIdx.y] = running;
+    __syncthreads();
+    if (threadIdx.x == 0 && threadIdx.y == 0) {
+      double total = 0.0;
+      for (int k = 0; k < static_cast<int>(blockDim.y); ++k) total += s_sum[k];
+      if (reduction == 1) total /= static_cast<double>(B);  // B == 0 gives NaN, like torch's mean
+      loss[0] = static_cast<A>(total);
+    }
+  }
+}
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kBlock) crm_loss_backward_kernel(
+    const acc_t<scalar_t>* __restrict__ grad, const scalar_t* __restrict__ logits,
+    const scalar_t* __restrict__ cf_logits, const int64_t* __restrict__ labels,
+    const acc_t<scalar_t>* __restrict__ stats, scalar_t* __restrict__ grad_logits, scalar_t* __restrict__ grad_cf,
+    int64_t B, int64_t C, acc_t<scalar_t> a1, acc_t<scalar_t> a2, int reduction, bool detach_weight) {
+  using A = acc_t<scalar_t>;
+  __shared__ SoftmaxState<A> s_red[kBlock / 32];
+  const A g_all = reduction == 0 ? A(0) : (reduction == 1 ? grad[0] / static_cast<A>(B) : grad[0]);
+  const int64_t groups = (B + blockDim.y - 1) / blockDim.y;
+  for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {  // uniform trip count in the block
+    const int64_t r = g * blockDim.y + threadIdx.y;
+    const bool valid = r < B;
+    const int64_t rr = valid ? r : 0;
+    const scalar_t* z = logits + rr * C;
+    const scalar_t* zc = cf_logits + rr * C;
+    const A* s = stats + rr * 4;
+    const A w = s[0], ce = s[1], phi = s[2], phi_cf = s[3];
+    const A ratio = phi / phi_cf;
+    const bool active = valid && !detach_weight && a1 < ratio && ratio < a2;
+
+    SoftmaxState<A> st = softmax_identity<A>();
+    SoftmaxState<A> sc = softmax_identity<A>();
+    if (valid) {
+      for (int64_t c = threadIdx.x; c < C; c += blockDim.x) softmax_push(st, static_cast<A>(z[c]), static_cast<int>(c));
+    }
+    if (active) {
+      for (int64_t c = threadIdx.x; c < C; c += blockDim.x) softmax_push(sc, static_cast<A>(zc[c]), static_cast<int>(c));
+    }
+    st = group_reduce(st, SoftmaxOp{}, s_red);  // every thread of the block calls both
+    sc = group_reduce(sc, SoftmaxOp{}, s_red);
+    if (!valid) continue;
+
+    const int64_t y = labels[r];
+    CAT_FAST_DEVICE_ASSERT(y >= 0 && y < C);
+    const A go = reduction == 0 ? grad[r] : g_all;
+    const A inv_s = A(1) / st.s;
+    const A ka = go * w;
+    const A kb = active ? go * ce / phi_cf * phi : A(0);  // go * ce / phi_cf * dphi, dphi = phi (oh - p)
+    scalar_t* o = grad_logits + r * C;
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+      const A p = acc_exp(static_cast<A>(z[c]) - st.m) * inv_s;
+      const A v = ka * (p - (c == y ? A(1) : A(0))) + kb * ((c == st.idx ? A(1) : A(0)) - p);
+      o[c] = static_cast<scalar_t>(v);
+    }
+    scalar_t* oc = grad_cf + r * C;
+    if (!active) {
+      for (int64_t c = threadIdx.x; c < C; c += blockDim.x) oc[c] = static_cast<scalar_t>(A(0));
+      continue;
+    }
+    // - go * ce * phi / phi_cf^2 * dphi_cf, dphi_cf = phi_cf (oh_cf - p_cf)
+    const A inv_sc = A(1) / sc.s;
+    const A kc = -go * ce * phi / (phi_cf * phi_cf) * phi_cf;
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+      const A p = acc_exp(static_cast<A>(zc[c]) - sc.m) * inv_sc;
+      oc[c] = static_cast<scalar_t>(kc * ((c == sc.idx ? A(1) : A(0)) - p));
+    }
+  }
+}
+
+void check_crm(const char* op, const at::Tensor& logits, const at::Tensor& cf_logits, const at::Tensor& labels,
+               int64_t reduction) {
+  TORCH_CHECK(logits.is_cuda() && cf_logits.is_cuda() && labels.is_cuda() && cf_logits.device() == logits.device() &&
+                  labels.device() == logits.device(),
+              op, ": logits, cf_logits and labels must be CUDA tensors on one device");
+  TORCH_CHECK(logits.dim() == 2, op, ": logits must have shape [B,C], got ", logits.sizes());
+  TORCH_CHECK(cf_logits.sizes() == logits.sizes(), op, ": cf_logits must have the shape of logits");
+  TORCH_CHECK(cf_logits.scalar_type() == logits.scalar_type(), op, ": cf_logits must have the dtype of logits");
+  TORCH_CHECK(logits.size(1) >= 1 || logits.size(0) == 0, op, ": logits need at least one class");
+  TORCH_CHECK(logits.size(1) <= INT32_MAX, op, ": too many classes");
+  TORCH_CHECK(labels.scalar_type() == at::kLong && labels.dim() == 1 && labels.size(0) == logits.size(0), op,
+              ": labels must be int64 of shape [B]");
+  TORCH_CHECK(reduction >= 0 && reduction <= 2, op, ": reduction must be 0 (none), 1 (mean) or 2 (sum)");
+  TORCH_CHECK(logits.is_contiguous() && cf_logits.is_contiguous() && labels.is_contiguous(), op,
+              ": inputs must be contiguous");
+}
+
+template <typename scalar_t>
+void launch_forward(const at::Tensor& logits, const at::Tensor& cf_logits, const at::Tensor& labels, at::Tensor& loss,
+                    at::Tensor& stats, double a1, double a2, int reduction, cudaStream_t stream) {
+  using A = acc_t<scalar_t>;
+  const int64_t B = logits.size(0), C = logits.size(1);
+  const bool single = reduction != 0;
+  const RowCfg cfg = single ? row_cfg(C, kSingleBlock, kSingleBlock) : row_cfg(C, kBlock);
+  const unsigned grid = single ? 1u : grid_for((B + cfg.ty - 1) / cfg.ty);
+  crm_loss_forward_kernel<scalar_t><<<grid, dim3(cfg.tx, cfg.ty), 0, stream>>>(
+      logits.const_data_ptr<scalar_t>(), cf_logits.const_data_ptr<scalar_t>(), labels.const_data_ptr<int64_t>(),
+      loss.mutable_data_ptr<A>(), stats.mutable_data_ptr<A>(), B, C, static_cast<A>(a1), static_cast<A>(a2),
+      reduction);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename scalar_t>
+void launch_backward(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& cf_logits,
+                     const at::Tensor& labels, const at::Tensor& stats, at::Tensor& grad_logits, at::Tensor& grad_cf,
+                     double a1, double a2, int reduction, bool detach_weight, cudaStream_t stream) {
+  using A = acc_t<scalar_t>;
+  const int64_t B = logits.size(0), C = logits.size(1);
+  const RowCfg cfg = row_cfg(C, kBlock);
+  crm_loss_backward_kernel<scalar_t><<<grid_for((B + cfg.ty - 1) / cfg.ty), dim3(cfg.tx, cfg.ty), 0, stream>>>(
+      grad.const_data_ptr<A>(), logits.const_data_ptr<scalar_t>(), cf_logits.const_data_ptr<scalar_t>(),
+      labels.const_data_ptr<int64_t>(), stats.const_data_ptr<A>(), grad_logits.mutable_data_ptr<scalar_t>(),
+      grad_cf.mutable_data_ptr<scalar_t>(), B, C, static_cast<A>(a1), static_cast<A>(a2), reduction, detach_weight);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+std::tuple<at::Tensor, at::Tensor> crm_loss_forward(const at::Tensor& logits, const at::Tensor& cf_logits,
+                                                    const at::Tensor& labels, double a1, double a2,
+                                                    int64_t reduction) {
+  check_crm("crm_loss_forward", logits, cf_logits, labels, reduction);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const int64_t B = logits.size(0);
+  const auto acc_opts = logits.options().dtype(acc_scalar_type(logits.scalar_type()));
+  at::Tensor stats = at::empty({B, 4}, acc_opts);
+  at::Tensor loss = reduction == 0 ? at::empty({B}, acc_opts) : at::empty(std::vector<int64_t>{}, acc_opts);
+  if (reduction == 0 && B == 0) return {loss, stats};  // mean/sum of nothing still runs (writes 0 / NaN)
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "crm_loss_forward_cuda", [&] {
+    launch_forward<scalar_t>(logits, cf_logits, labels, loss, stats, a1, a2, static_cast<int>(reduction), stream);
+  });
+  return {loss, stats};
+}
+
+std::tuple<at::Tensor, at::Tensor> crm_loss_backward(const at::Tensor& grad, const at::Tensor& logits,
+                                                     const at::Tensor& cf_logits, const at::Tensor& labels,
+                                                     const at::Tensor& stats, double a1, double a2,
+                                                     int64_t reduction, bool detach_weight) {
+  check_crm("crm_loss_backward", logits, cf_logits, labels, reduction);
+  const int64_t B = logits.size(0);
+  const at::ScalarType acc_dt = acc_scalar_type(logits.scalar_type());
+  TORCH_CHECK(grad.is_cuda() && stats.is_cuda() && grad.device() == logits.device() &&
+                  stats.device() == logits.device(),
+              "crm_loss_backward: grad and stats must be on the device of logits");
+  TORCH_CHECK(reduction == 0 ? grad.numel() == B : grad.numel() == 1,
+              "crm_loss_backward: grad must have shape [B] for reduction none, [] otherwise");
+  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == B && stats.size(1) == 4,
+              "crm_loss_backward: stats must have shape [B,4]");
+  TORCH_CHECK(grad.scalar_type() == acc_dt && stats.scalar_type() == acc_dt,
+              "crm_loss_backward: grad and stats must have the accumulation dtype");
+  TORCH_CHECK(grad.is_contiguous() && stats.is_contiguous(), "crm_loss_backward: grad and stats must be contiguous");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  at::Tensor grad_logits = at::empty(logits.sizes(), logits.options());
+  at::Tensor grad_cf = at::empty(cf_logits.sizes(), cf_logits.options());
+  if (grad_logits.numel() == 0) return {grad_logits, grad_cf};
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "crm_loss_backward_cuda", [&] {
+    launch_backward<scalar_t>(grad, logits, cf_logits, labels, stats, grad_logits, grad_cf, a1, a2,
+                              static_cast<int>(reduction), detach_weight, stream);
+  });
+  return {grad_logits, grad_cf};
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace cat_fast
+
+TORCH_LIBRARY_IMPL(cat_fast, CUDA, m) {
+  m.impl("crm_loss_forward", &cat_fast::cuda::crm_loss_forward);
+  m.impl("crm_loss_backward", &cat_fast::cuda::crm_loss_backward);
+}

@@ -1,0 +1,175 @@
+// gs_cosine_loss primitives (docs/KERNELS.md "gs_cosine_loss primitives").
+// One row slot (tx threads, see common.cuh) per row of x / y, 16-byte packs when K allows.
+//   gs_row_dots:    out[i] = (x_i.y_i, x_i.x_i, y_i.y_i), reduced in a fixed order inside the slot.
+//   gs_row_combine: u_i = c0 x_i + c1 y_i, v_i = c2 x_i + c3 y_i, one pass (read 2 rows, write 2).
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <ATen/ops/empty.h>
+
+#include "common.cuh"
+
+namespace cat_fast {
+namespace cuda {
+namespace {
+
+constexpr int kBlock = 256;
+
+template <typename scalar_t, int V>
+__global__ void __launch_bounds__(kBlock) gs_row_dots_kernel(const scalar_t* __restrict__ x,
+                                                             const scalar_t* __restrict__ y,
+                                                             acc_t<scalar_t>* __restrict__ out, int64_t N, int64_t K) {
+  using A = acc_t<scalar_t>;
+  __shared__ Vals<A, 3> s_red[kBlock / 32];
+  const int64_t groups = (N + blockDim.y - 1) / blockDim.y;
+  const int64_t Kv = K / V;
+  for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {  // uniform trip count in the block
+    const int64_t r = g * blockDim.y + threadIdx.y;
+    const bool valid = r < N;
+    Vals<A, 3> acc = {{A(0), A(0), A(0)}};
+    if (valid) {
+      const scalar_t* xr = x + r * K;
+      const scalar_t* yr = y + r * K;
+      for (int64_t j = threadIdx.x; j < Kv; j += blockDim.x) {
+        A a[V], b[V];
+        load_acc<scalar_t, V>(xr, j, a);
+        load_acc<scalar_t, V>(yr, j, b);
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          acc.v[0] += a[e] * b[e];
+          acc.v[1] += a[e] * a[e];
+          acc.v[2] += b[e] * b[e];
+        }
+      }
+    }
+    acc = group_reduce(acc, SumOp{}, s_red);
+    if (valid && threadIdx.x == 0) {
+      A* o = out + r * 3;
+      o[0] = acc.v[0];
+      o[1] = acc.v[1];
+      o[2] = acc.v[2];
+    }
+  }
+}
+
+template <typename scalar_t, int V>
+__global__ void __launch_bounds__(kBlock) gs_row_combine_kernel(const scalar_t* __restrict__ x,
+                                                                const scalar_t* __restrict__ y,
+                                                                const acc_t<scalar_t>* __restrict__ coef,
+                                                                scalar_t* __restrict__ u, scalar_t* __restrict__ v,
+                                                                int64_t N, int64_t K) {
+  using A = acc_t<scalar_t>;
+  const int64_t groups = (N + blockDim.y - 1) / blockDim.y;
+  const int64_t Kv = K / V;
+  for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {
+    const int64_t r = g * blockDim.y + threadIdx.y;
+    if (r >= N) continue;
+    const A* c = coef + r * 4;
+    const A c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3];
+    const int64_t off = r * K;
+    for (int64_t j = threadIdx.x; j < Kv; j += blockDim.x) {
+      A a[V], b[V], ou[V], ov[V];
+      load_acc<scalar_t, V>(x + off, j, a);
+      load_acc<scalar_t, V>(y + off, j, b);
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        ou[e] = c0 * a[e] + c1 * b[e];
+        ov[e] = c2 * a[e] + c3 * b[e];
+      }
+      store_acc<scalar_t, V>(u + off, j, ou);
+      store_acc<scalar_t, V>(v + off, j, ov);
+    }
+  }
+}
+
+void check_xy(const char* op, const at::Tensor& x, const at::Tensor& y) {
+  TORCH_CHECK(x.is_cuda() && y.is_cuda() && y.device() == x.device(), op, ": x and y must be CUDA tensors on one device");
+  TORCH_CHECK(x.dim() == 2, op, ": x must have shape [N,K], got ", x.sizes());
+  TORCH_CHECK(y.sizes() == x.sizes(), op, ": y must have the shape of x");
+  TORCH_CHECK(y.scalar_type() == x.scalar_type(), op, ": y must have the dtype of x");
+  TORCH_CHECK(x.is_contiguous() && y.is_contiguous(), op, ": x and y must be contiguous");
+}
+
+template <typename scalar_t>
+void launch_dots(const at::Tensor& x, const at::Tensor& y, at::Tensor& out, cudaStream_t stream) {
+  using A = acc_t<scalar_t>;
+  constexpr int V = vec16<scalar_t>();
+  const int64_t N = x.size(0), K = x.size(1);
+  const bool vec = K % V == 0 && aligned16(x.data_ptr()) && aligned16(y.data_ptr());
+  const RowCfg cfg = row_cfg(vec ? K / V : K, kBlock);
+  const dim3 block(cfg.tx, cfg.ty);
+  const unsigned grid = grid_for((N + cfg.ty - 1) / cfg.ty);
+  const scalar_t* xp = x.const_data_ptr<scalar_t>();
+  const scalar_t* yp = y.const_data_ptr<scalar_t>();
+  A* op = out.mutable_data_ptr<A>();
+  if (vec) {
+    gs_row_dots_kernel<scalar_t, V><<<grid, block, 0, stream>>>(xp, yp, op, N, K);
+  } else {
+    gs_row_dots_kernel<scalar_t, 1><<<grid, block, 0, stream>>>(xp, yp, op, N, K);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename scalar_t>
+void launch_combine(const at::Tensor& x, const at::Tensor& y, const at::Tensor& coef, at::Tensor& u, at::Tensor& v,
+                    cudaStream_t stream) {
+  using A = acc_t<scalar_t>;
+  constexpr int V = vec16<scalar_t>();
+  const int64_t N = x.size(0), K = x.size(1);
+  const bool vec = K % V == 0 && aligned16(x.data_ptr()) && aligned16(y.data_ptr()) && aligned16(u.data_ptr()) &&
+                   aligned16(v.data_ptr());
+  const RowCfg cfg = row_cfg(vec ? K / V : K, kBlock);
+  const dim3 block(cfg.tx, cfg.ty);
+  const unsigned grid = grid_for((N + cfg.ty - 1) / cfg.ty);
+  const scalar_t* xp = x.const_data_ptr<scalar_t>();
+  const scalar_t* yp = y.const_data_ptr<scalar_t>();
+  const A* cp = coef.const_data_ptr<A>();
+  scalar_t* up = u.mutable_data_ptr<scalar_t>();
+  scalar_t* vp = v.mutable_data_ptr<scalar_t>();
+  if (vec) {
+    gs_row_combine_kernel<scalar_t, V><<<grid, block, 0, stream>>>(xp, yp, cp, up, vp, N, K);
+  } else {
+    gs_row_combine_kernel<scalar_t, 1><<<grid, block, 0, stream>>>(xp, yp, cp, up, vp, N, K);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+at::Tensor gs_row_dots(const at::Tensor& x, const at::Tensor& y) {
+  check_xy("gs_row_dots", x, y);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t N = x.size(0);
+  at::Tensor out = at::empty({N, 3}, x.options().dtype(acc_scalar_type(x.scalar_type())));
+  if (N == 0) return out;
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gs_row_dots_cuda",
+                                  [&] { launch_dots<scalar_t>(x, y, out, stream); });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> gs_row_combine(const at::Tensor& x, const at::Tensor& y, const at::Tensor& coef) {
+  check_xy("gs_row_combine", x, y);
+  const int64_t N = x.size(0);
+  TORCH_CHECK(coef.is_cuda() && coef.device() == x.device(), "gs_row_combine: coef must be on the device of x");
+  TORCH_CHECK(coef.dim() == 2 && coef.size(0) == N && coef.size(1) == 4, "gs_row_combine: coef must have shape [N,4]");
+  TORCH_CHECK(coef.scalar_type() == acc_scalar_type(x.scalar_type()) && coef.is_contiguous(),
+              "gs_row_combine: coef must be a contiguous tensor of the accumulation dtype");
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor u = at::empty(x.sizes(), x.options());
+  at::Tensor v = at::empty(x.sizes(), x.options());
+  if (u.numel() == 0) return {u, v};
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gs_row_combine_cuda",
+                                  [&] { launch_combine<scalar_t>(x, y, coef, u, v, stream); });
+  return {u, v};
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace cat_fast
+
+TORCH_LIBRARY_IMPL(cat_fast, CUDA, m) {
+  m.impl("gs_row_dots", &cat_fast::cuda::gs_row_dots);
+  m.impl("gs_row_combine", &cat_fast::cuda::gs_row_combine);
+}

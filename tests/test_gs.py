@@ -1,0 +1,140 @@
+"""cat_fast.GradientSupervision: the GS term reaches the parameters, is exact, first-order agrees, sdpa message."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cat_fast import models
+from cat_fast.gs import DOUBLE_BACKWARD_HINT, GradientSupervision, double_backward_error, pair_by_group
+from tests.conftest import tiny_batch, tiny_model
+
+PAIRS = torch.tensor([1, 0, 3, 2])
+LABELS = torch.tensor([0, 1, 2, 0])
+
+
+def batch_f(arch="bert", **kw):
+    b = tiny_batch(arch, **kw)
+    b["labels"] = LABELS.clone()
+    return b
+
+
+def param_grads(model, loss):
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)])
+
+
+@pytest.mark.parametrize("representation", ["pooled", "layer:1", 0])
+def test_gs_term_reaches_the_parameters_and_changes_the_gradient(representation):
+    model = tiny_model("bert").eval()
+    batch = batch_f()
+    loss, info = GradientSupervision(model, representation=representation)(batch, PAIRS)
+    gs_only = loss - info["ce_loss"].new_tensor(0) - F.cross_entropy(model(**models.model_inputs(batch)).logits,
+                                                                     LABELS)
+    g_gs = param_grads(model, gs_only)
+    assert g_gs.abs().max() > 1e-6  # ∂L_GS/∂θ ≠ 0 (a detached g would give exactly 0)
+    ce_only, _ = GradientSupervision(model, weight=0.0, representation=representation)(batch, PAIRS)
+    assert (param_grads(model, loss) - param_grads(model, ce_only)).abs().max() > 1e-6
+    assert float(info["gs_pairs"]) == 4.0 and 0.0 < float(info["gs_loss"]) < 2.0
+
+
+def test_exact_gs_gradient_matches_finite_differences_float64():
+    model = tiny_model("bert", dtype=torch.float64).eval()
+    batch = batch_f()
+    gs = GradientSupervision(model, weight=5.0, representation="layer:1")
+    w = model.bert.encoder.layer[1].attention.self.query.weight
+    loss, _ = gs(batch, PAIRS)
+    (grad,) = torch.autograd.grad(loss, w)
+    h = 1e-6
+    for idx in [(0, 0), (3, 7), (17, 2)]:
+        with torch.no_grad():
+            w[idx] += h
+            up = gs(batch, PAIRS)[0].item()
+            w[idx] -= 2 * h
+            down = gs(batch, PAIRS)[0].item()
+            w[idx] += h
+        fd = (up - down) / (2 * h)
+        assert abs(fd - grad[idx].item()) <= 1e-6 + 1e-4 * abs(fd), (idx, fd, grad[idx].item())
+
+
+@pytest.mark.parametrize("representation", ["pooled", "layer:2"])
+@pytest.mark.parametrize("target", ["counterfactual", "factual"])
+def test_first_order_agrees_with_exact_float64(representation, target):
+    model = tiny_model("bert", dtype=torch.float64).eval()
+    batch = batch_f()
+    kw = dict(weight=1.0, representation=representation, target=target)
+    exact, info_e = GradientSupervision(model, mode="exact", **kw)(batch, PAIRS)
+    first, info_f = GradientSupervision(model, mode="first_order", **kw)(batch, PAIRS)
+    torch.testing.assert_close(first, exact)  # the reported value is the true loss
+    ce = F.cross_entropy(model(**models.model_inputs(batch)).logits, LABELS)
+    ge, gf = param_grads(model, exact - ce), param_grads(model, first - ce)
+    assert ge.abs().max() > 1e-6
+    assert F.cosine_similarity(ge, gf, dim=0) > 0.99
+
+
+def test_first_order_keeps_dropout_masks_in_train_mode():
+    model = tiny_model("bert", dtype=torch.float64, hidden_dropout_prob=0.2).train()
+    batch = batch_f()
+    torch.manual_seed(0)
+    exact, _ = GradientSupervision(model, representation="layer:1")(batch, PAIRS)
+    ge = param_grads(model, exact)
+    torch.manual_seed(0)
+    first, _ = GradientSupervision(model, representation="layer:1", mode="first_order")(batch, PAIRS)
+    gf = param_grads(model, first)
+    assert F.cosine_similarity(ge, gf, dim=0) > 0.99
+
+
+def test_same_label_and_missing_pairs_are_skipped():
+    model = tiny_model("bert").eval()
+    batch = batch_f()
+    loss, info = GradientSupervision(model)(batch, torch.tensor([3, -1, -1, 0]))  # 0 and 3 share label 0
+    assert float(info["gs_pairs"]) == 0.0 and float(info["gs_loss"]) == 0.0
+    torch.testing.assert_close(loss, info["ce_loss"])
+
+
+def test_random_pairs_pick_other_samples_reproducibly():
+    model = tiny_model("bert").eval()
+    batch = batch_f(batch=4)
+    a = GradientSupervision(model, random_pairs=True, generator=torch.Generator().manual_seed(0))(batch)[0]
+    b = GradientSupervision(model, random_pairs=True, generator=torch.Generator().manual_seed(0))(batch)[0]
+    torch.testing.assert_close(a, b)
+    from cat_fast.gs import _random_pairs
+
+    p = _random_pairs(50, torch.device("cpu"), torch.Generator().manual_seed(1))
+    assert (p != torch.arange(50)).all() and p.min() >= 0 and p.max() < 50
+
+
+def test_factual_target_differs_from_counterfactual():
+    model = tiny_model("bert").eval()
+    batch = batch_f()
+    a = GradientSupervision(model, target="counterfactual")(batch, PAIRS)[1]["gs_loss"]
+    b = GradientSupervision(model, target="factual")(batch, PAIRS)[1]["gs_loss"]
+    assert float(a) != float(b)
+
+
+def test_pair_by_group():
+    got = pair_by_group(torch.tensor([5, 7, 5, 9, 7, 5]))
+    assert got.tolist() == [2, 4, 5, -1, 1, 0]
+
+
+def test_exact_mode_on_sdpa_without_double_backward_raises_the_fix():
+    model = tiny_model("bert", attn="sdpa").eval()
+    batch = batch_f(padded=False)  # no padding: CPU sdpa takes its flash kernel (no double backward)
+    with pytest.raises(RuntimeError) as err:
+        GradientSupervision(model, representation="layer:0")(batch, PAIRS)
+    msg = str(err.value)
+    assert msg == DOUBLE_BACKWARD_HINT and "\n" not in msg
+    assert 'attn_implementation="eager"' in msg and "SDPBackend.MATH" in msg and "first_order" in msg
+    loss, _ = GradientSupervision(model, representation="layer:0", mode="first_order")(batch, PAIRS)
+    loss.backward()  # first order needs no double backward
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        loss, _ = GradientSupervision(model, representation="layer:0")(batch, PAIRS)
+    loss.backward()
+
+
+def test_double_backward_error_message_mapping():
+    exc = RuntimeError("derivative for aten::_scaled_dot_product_efficient_attention_backward is not implemented")
+    mapped = double_backward_error(exc)
+    assert isinstance(mapped, RuntimeError) and str(mapped) == DOUBLE_BACKWARD_HINT
+    assert double_backward_error(RuntimeError("CUDA out of memory")) is None

@@ -1,0 +1,186 @@
+"""cat_fast.models: layer discovery, capture/resume exactness on every supported encoder, pooled representation."""
+import pytest
+import torch
+
+from cat_fast import models
+from tests.conftest import TINY_ARCHS, tiny_batch, tiny_model
+
+LAYER_LISTS = {
+    "bert": "bert.encoder.layer",
+    "roberta": "roberta.encoder.layer",
+    "distilbert": "distilbert.transformer.layer",
+    "albert": "albert.encoder.albert_layer_groups",
+    "electra": "electra.encoder.layer",
+    "deberta-v2": "deberta.encoder.layer",
+}
+CASES = [(a, "eager") for a in TINY_ARCHS] + [("bert", "sdpa")]
+
+
+def ground_truth_logits(model, batch, m, h_new, attention_mask=None):
+    """Full forward with a hook that puts h_new in place of h_m (input of layer m+1, or output of layer L)."""
+    st = models.structure(model)
+    L = st.num_layers
+    calls = {"pre": 0, "post": 0}
+
+    def pre(mod, args, kwargs):
+        k = calls["pre"]
+        calls["pre"] += 1
+        if k == m:
+            if args:
+                return (h_new,) + tuple(args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": h_new}
+        return None
+
+    def post(mod, args, output):
+        k = calls["post"]
+        calls["post"] += 1
+        if k == L - 1 and m == L:
+            return (h_new,) + tuple(output[1:]) if isinstance(output, tuple) else h_new
+        return None
+
+    handles = []
+    for mod in st.layer_modules:
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mod.register_forward_hook(post))
+    inputs = models.model_inputs(batch)
+    if attention_mask is not None:
+        inputs["attention_mask"] = attention_mask
+    try:
+        return model(**inputs).logits
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_structure_finds_the_encoder_layers(arch):
+    model = tiny_model(arch, num_layers=3)
+    st = models.structure(model)
+    assert st.layer_list_name == LAYER_LISTS[arch]
+    assert st.num_layers == 3
+    assert st.task == "sequence_classification"
+    assert len(st.layer_modules) == (1 if arch == "albert" else 3)  # ALBERT: one shared group, called 3 times
+
+
+@pytest.mark.parametrize("arch,attn", CASES)
+def test_capture_is_hidden_states_and_resume_reproduces_logits(arch, attn):
+    model = tiny_model(arch, attn=attn).eval()
+    batch = tiny_batch(arch)
+    with torch.no_grad():
+        ref = model(**models.model_inputs(batch), output_hidden_states=True)
+        for m in range(models.num_layers(model) + 1):
+            cap = models.capture(model, batch, m)
+            torch.testing.assert_close(cap.hidden, ref.hidden_states[m], atol=1e-6, rtol=0)
+            torch.testing.assert_close(cap.outputs.logits, ref.logits, atol=1e-6, rtol=0)
+            out = models.resume(model, cap, cap.hidden.clone())
+            torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch,attn", CASES)
+def test_resume_on_a_mixture_equals_hooked_full_forward(arch, attn):
+    model = tiny_model(arch, attn=attn).eval()
+    batch = tiny_batch(arch)
+    perm = torch.tensor([2, 3, 1, 0])
+    lam = torch.tensor([0.3, 0.7, 0.5, 0.9]).view(-1, 1, 1)
+    with torch.no_grad():
+        for m in range(models.num_layers(model) + 1):
+            cap = models.capture(model, batch, m)
+            h_mix = lam * cap.hidden[perm] + (1 - lam) * cap.hidden
+            got = models.resume(model, cap, h_mix).logits
+            want = ground_truth_logits(model, batch, m, h_mix)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+            assert (got - cap.outputs.logits).abs().max() > 1e-4  # the mixture matters
+            if m >= 1:  # union mask: the model builds its own extended mask from the 2-D mask we pass
+                mask = batch["attention_mask"]
+                union = (mask.bool() | mask[perm].bool()).long()
+                got_u = models.resume(model, cap, h_mix, attention_mask=union).logits
+                want_u = ground_truth_logits(model, batch, m, h_mix, attention_mask=union)
+                torch.testing.assert_close(got_u, want_u, atol=1e-5, rtol=0)
+                if m < models.num_layers(model):  # layers after m see the mask: it is really used
+                    assert (got_u - got).abs().max() > 1e-6
+
+
+def test_resume_skips_embeddings_and_lower_layers():
+    model = tiny_model("bert", num_layers=3).eval()
+    batch = tiny_batch("bert")
+    calls = []
+    watched = {"emb": model.bert.embeddings.word_embeddings, "l0": model.bert.encoder.layer[0].attention,
+               "l1": model.bert.encoder.layer[1].attention, "l2": model.bert.encoder.layer[2].attention}
+    for name, mod in watched.items():
+        mod.register_forward_hook(lambda *a, name=name: calls.append(name))
+    cap = models.capture(model, batch, 2)
+    assert calls == ["emb", "l0", "l1", "l2"]
+    calls.clear()
+    models.resume(model, cap, cap.hidden)
+    assert calls == ["l2"]
+
+
+@pytest.mark.parametrize("arch", ["bert", "deberta-v2"])
+def test_train_mode_resume_uses_the_same_dropout_masks(arch):
+    model = tiny_model(arch, hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.3).train()
+    batch = tiny_batch(arch)
+    torch.manual_seed(0)
+    cap = models.capture(model, batch, 1)
+    state = torch.get_rng_state()
+    same = models.resume(model, cap, cap.hidden).logits
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's RNG stream is left as it was
+    torch.testing.assert_close(same, cap.outputs.logits, atol=1e-6, rtol=0)
+    other = models.resume(model, cap, cap.hidden, same_dropout=False).logits
+    assert (other - cap.outputs.logits).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_pooled_representation_and_head_logits(arch):
+    model = tiny_model(arch).eval()
+    batch = tiny_batch(arch)
+    with torch.no_grad():
+        cap = models.capture(model, batch, 0, pooled=True)
+        assert cap.pooled.shape == (4, 32)
+        torch.testing.assert_close(models.head_logits(model, cap, cap.pooled), cap.outputs.logits, atol=1e-6, rtol=0)
+        moved = models.head_logits(model, cap, cap.pooled + 1.0)
+        assert (moved - cap.outputs.logits).abs().max() > 1e-4
+        ref = model(**models.model_inputs(batch), output_hidden_states=True)
+        if arch == "bert":
+            torch.testing.assert_close(cap.pooled, model.bert.pooler(ref.hidden_states[-1]))
+        if arch in ("roberta", "electra"):  # the head takes the sequence: first-token row
+            torch.testing.assert_close(cap.pooled, ref.hidden_states[-1][:, 0])
+
+
+def test_pooled_gradient_is_the_head_input_gradient():
+    model = tiny_model("roberta").eval()
+    cap = models.capture(model, tiny_batch("roberta"), 0, pooled=True)
+    x = cap.pooled.detach().requires_grad_(True)
+    (want,) = torch.autograd.grad(models.head_logits(model, cap, x)[:, 1].sum(), x)
+    got = models.grad_wrt_pooled(cap.outputs.logits[:, 1].sum(), cap, create_graph=False)
+    torch.testing.assert_close(got, want)
+
+
+def test_question_answering_model_resumes_exactly():
+    model = tiny_model("bert", task="qa").eval()
+    batch = tiny_batch("bert")
+    st = models.structure(model)
+    assert st.task == "question_answering" and st.head_name == "qa_outputs"
+    with torch.no_grad():
+        cap = models.capture(model, batch, 2)
+        s, e = models.logits_of(models.resume(model, cap, cap.hidden))
+        torch.testing.assert_close(s, cap.outputs.start_logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(e, cap.outputs.end_logits, atol=1e-5, rtol=0)
+
+
+def test_decoder_only_model_is_refused_with_a_clear_error():
+    model = tiny_model("gpt2", num_layers=2)
+    with pytest.raises(ValueError, match=r"GPT2ForSequenceClassification.*(decoder|causal)"):
+        models.structure(model)
+
+
+def test_gradient_checkpointing_is_refused():
+    model = tiny_model("bert")
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match="gradient checkpointing"):
+        models.capture(model, tiny_batch("bert"), 1)
+
+
+def test_layer_out_of_range_is_refused():
+    model = tiny_model("bert", num_layers=3)
+    with pytest.raises(ValueError, match=r"layer must be in \[0, 3\]"):
+        models.capture(model, tiny_batch("bert"), 4)
