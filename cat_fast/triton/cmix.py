@@ -29,49 +29,43 @@ def _cmix_fwd_kernel(h_ptr, lam_ptr, partner_ptr, out_ptr, BT, T, D, lam_sb, lam
 
 
 @triton.jit
-def _cmix_bwd_kernel(grad_ptr, h_ptr, lam_ptr, partner_ptr, gh_ptr, glam_ptr, B, BT, T, D,
-                     lam_sb, lam_st, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_B: tl.constexpr, ACC: tl.constexpr):
-    # grid: (row tiles over B*T). A program owns rows (k, t) of grad_h and grad_lam, loops over D.
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = r < BT
-    r64 = r.to(tl.int64)
-    k = r64 // T
-    t = r64 - k * T
-    pk = tl.load(partner_ptr + k, mask=rmask, other=0)
-    lam_k = tl.load(lam_ptr + k * lam_sb + t * lam_st, mask=rmask, other=0.0).to(ACC)
-    own = r64 * D
+def _cmix_bwd_kernel(grad_ptr, h_ptr, lam_ptr, partner_ptr, gh_ptr, glam_ptr, B, T, D,
+                     lam_sb, lam_st, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
+                     ACC: tl.constexpr):
+    # grid: (B*T,). A program owns row (k, t) of grad_h and grad_lam[k, t]; it loops over D.
+    r = tl.program_id(0).to(tl.int64)
+    k = r // T
+    t = r - k * T
+    pk = tl.load(partner_ptr + k)
+    lam_k = tl.load(lam_ptr + k * lam_sb + t * lam_st).to(ACC)
+    own = r * D
     oth = (pk * T + t) * D
     bar = tl.arange(0, BLOCK_B)
-    glam = tl.zeros([BLOCK_R], ACC)
+    glam_vec = tl.zeros([BLOCK_D], ACC)
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         cmask = cols < D
-        m2 = rmask[:, None] & cmask[None, :]
-        g = tl.load(grad_ptr + own[:, None] + cols[None, :], mask=m2, other=0.0).to(ACC)
-        hk = tl.load(h_ptr + own[:, None] + cols[None, :], mask=m2, other=0.0).to(ACC)
-        hp = tl.load(h_ptr + oth[:, None] + cols[None, :], mask=m2, other=0.0).to(ACC)
-        glam += tl.sum((hp - hk) * g, axis=1)
-        acc = (1.0 - lam_k)[:, None] * g
+        g = tl.load(grad_ptr + own + cols, mask=cmask, other=0.0).to(ACC)
+        hk = tl.load(h_ptr + own + cols, mask=cmask, other=0.0).to(ACC)
+        hp = tl.load(h_ptr + oth + cols, mask=cmask, other=0.0).to(ACC)
+        glam_vec += (hp - hk) * g
+        acc = (1.0 - lam_k) * g
         # contributions of every sample i with partner[i] == k, in increasing i (deterministic)
         for b0 in range(0, B, BLOCK_B):
             bidx = b0 + bar
             pv = tl.load(partner_ptr + bidx, mask=bidx < B, other=-1)
-            hit = (pv[None, :] == k[:, None]) & rmask[:, None]
-            cnt = tl.max(tl.sum(hit.to(tl.int32), axis=1), axis=0)
-            prev = tl.full([BLOCK_R], -1, tl.int32)
+            hit = pv == k
+            cnt = tl.sum(hit.to(tl.int32), axis=0)
+            prev = tl.min(bar, axis=0) - 1  # int32 scalar -1 (loop-carried type)
             for _j in range(0, cnt):
-                cand = tl.where(hit & (bar[None, :] > prev[:, None]), bar[None, :], BLOCK_B)
-                j = tl.min(cand, axis=1)  # BLOCK_B where this row has no further match
-                valid = (j < BLOCK_B) & rmask
+                j = tl.min(tl.where(hit & (bar > prev), bar, BLOCK_B), axis=0)
                 i = (b0 + j).to(tl.int64)
-                li = tl.load(lam_ptr + i * lam_sb + t * lam_st, mask=valid, other=0.0).to(ACC)
-                gi = tl.load(grad_ptr + ((i * T + t) * D)[:, None] + cols[None, :],
-                             mask=valid[:, None] & cmask[None, :], other=0.0).to(ACC)
-                acc += li[:, None] * gi
+                li = tl.load(lam_ptr + i * lam_sb + t * lam_st).to(ACC)
+                gi = tl.load(grad_ptr + (i * T + t) * D + cols, mask=cmask, other=0.0).to(ACC)
+                acc += li * gi
                 prev = j
-        tl.store(gh_ptr + own[:, None] + cols[None, :], acc.to(gh_ptr.dtype.element_ty), mask=m2)
-    tl.store(glam_ptr + r64, glam, mask=rmask)
+        tl.store(gh_ptr + own + cols, acc.to(gh_ptr.dtype.element_ty), mask=cmask)
+    tl.store(glam_ptr + r, tl.sum(glam_vec, axis=0))
 
 
 def _lam_strides(lam: torch.Tensor, T: int):
@@ -107,11 +101,9 @@ def cmix_backward(grad: torch.Tensor, h: torch.Tensor, lam: torch.Tensor, partne
         return grad_h, grad_lam
     lam_sb, lam_st = _lam_strides(lam, T)
     BLOCK_D = min(pow2_at_least(D), 1024)
-    BLOCK_R = max(1, min(1024 // BLOCK_D, pow2_at_least(BT)))
     BLOCK_B = min(pow2_at_least(B), 128)
-    num_warps = 4
-    grid = (triton.cdiv(BT, BLOCK_R),)
-    _cmix_bwd_kernel[grid](grad, h, lam, partner, grad_h, grad_lam, B, BT, T, D, lam_sb, lam_st,
-                           BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, BLOCK_B=BLOCK_B,
-                           ACC=acc_tl_dtype(h), num_warps=num_warps)
+    num_warps = 4 if BLOCK_D >= 512 else (2 if BLOCK_D >= 128 else 1)
+    _cmix_bwd_kernel[(BT,)](grad, h, lam, partner, grad_h, grad_lam, B, T, D, lam_sb, lam_st,
+                            BLOCK_D=BLOCK_D, BLOCK_B=BLOCK_B, ACC=acc_tl_dtype(h),
+                            num_warps=num_warps)
     return grad_h, grad_lam

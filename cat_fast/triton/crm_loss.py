@@ -6,6 +6,9 @@ import triton.language as tl
 from ._common import acc_tl_dtype, acc_torch_dtype, row_softmax_stats, row_tiles, scalar_acc, split_scalar
 
 _MAX_BLOCK_C = 2048
+# single-program (mean/sum) forward: one SM does all rows, so use big tiles and many warps
+_SINGLE_TILE = 16384
+_SINGLE_WARPS = 16
 
 
 @triton.jit
@@ -124,9 +127,11 @@ def crm_loss_forward(logits: torch.Tensor, cf_logits: torch.Tensor, labels: torc
         grid = (triton.cdiv(B, BLOCK_R),)
     else:
         # one program loops over all rows: bigger row tiles, fewer serial steps
-        BLOCK_R, BLOCK_C = row_tiles(B, C, _MAX_BLOCK_C, 4096, max_rows=512)
+        BLOCK_R, BLOCK_C = row_tiles(B, C, _MAX_BLOCK_C * 2, _SINGLE_TILE, max_rows=512)
         grid = (1,)
     nw = 8 if BLOCK_R * BLOCK_C >= 2048 else 4
+    if reduction != 0 and BLOCK_R * BLOCK_C >= 8192:
+        nw = _SINGLE_WARPS
     _crm_fwd_kernel[grid](logits, cf_logits, labels, loss, stats, B, C,
                           *split_scalar(a1), *split_scalar(a2), REDUCTION=reduction,
                           BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, ACC=acc_tl_dtype(logits), num_warps=nw)

@@ -48,12 +48,12 @@ __global__ void __launch_bounds__(kBlock) cal_step_kernel(A* __restrict__ lam, c
     if (!valid) continue;
     for (int64_t j = threadIdx.x; j < L; j += blockDim.x) {
       const A v = row[j];
-      A dnorm = A(0);
-      if (v != A(0) && n != A(0)) {
+      A dnorm = A(0);  // 0 where lam == 0 (or, for p != 1, where the row norm is 0)
+      if (v != A(0)) {
         const A sgn = v > A(0) ? A(1) : A(-1);
         if (p == A(1)) {
-          dnorm = sgn;
-        } else {
+          dnorm = sgn;  // exactly sign(lam); the norm is not computed for p == 1
+        } else if (n != A(0)) {
           const A ratio = (v < A(0) ? -v : v) / n;
           dnorm = sgn * (p == A(2) ? ratio : acc_pow(ratio, p - A(1)));
         }
@@ -74,7 +74,8 @@ void launch(at::Tensor& lam, const at::Tensor& grad, double lr, double p, double
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-at::Tensor& cal_step_(at::Tensor& lam, const at::Tensor& grad, double lr, double p, double lo, double hi) {
+// Schema returns () (in place only): see docs/KERNELS.md.
+void cal_step_(at::Tensor& lam, const at::Tensor& grad, double lr, double p, double lo, double hi) {
   TORCH_CHECK(lam.is_cuda() && grad.is_cuda() && grad.device() == lam.device(),
               "cal_step_: lam and grad must be CUDA tensors on one device");
   TORCH_CHECK(lam.scalar_type() == at::kFloat || lam.scalar_type() == at::kDouble,
@@ -84,14 +85,13 @@ at::Tensor& cal_step_(at::Tensor& lam, const at::Tensor& grad, double lr, double
               "cal_step_: grad must have the shape and dtype of lam");
   TORCH_CHECK(lam.is_contiguous() && grad.is_contiguous(), "cal_step_: lam and grad must be contiguous");
   const c10::cuda::CUDAGuard guard(lam.device());
-  if (lam.numel() == 0) return lam;
+  if (lam.numel() == 0) return;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (lam.scalar_type() == at::kDouble) {
     launch<double>(lam, grad, lr, p, lo, hi, stream);
   } else {
     launch<float>(lam, grad, lr, p, lo, hi, stream);
   }
-  return lam;
 }
 
 }  // namespace

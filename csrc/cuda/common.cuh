@@ -23,7 +23,6 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
-#include <limits>
 
 #ifdef CAT_FAST_DEVICE_CHECKS
 #define CAT_FAST_DEVICE_ASSERT(cond) CUDA_KERNEL_ASSERT(cond)
@@ -62,9 +61,17 @@ __device__ __forceinline__ double acc_pow(double x, double y) { return pow(x, y)
 __device__ __forceinline__ float acc_sqrt(float x) { return sqrtf(x); }
 __device__ __forceinline__ double acc_sqrt(double x) { return sqrt(x); }
 
+// -inf without std::numeric_limits (a host constexpr: needs --expt-relaxed-constexpr, which the
+// CMake build does not pass).
 template <typename A>
-__device__ __forceinline__ A neg_inf() {
-  return -std::numeric_limits<A>::infinity();
+__device__ __forceinline__ A neg_inf();
+template <>
+__device__ __forceinline__ float neg_inf<float>() {
+  return __int_as_float(0xff800000u);
+}
+template <>
+__device__ __forceinline__ double neg_inf<double>() {
+  return __longlong_as_double(static_cast<long long>(0xfff0000000000000ull));
 }
 
 // NaN-propagating clamp (like torch.clamp): NaN stays NaN.

@@ -184,7 +184,7 @@ void launch_backward(const at::Tensor& grad, const at::Tensor& logits, const at:
 
 std::tuple<at::Tensor, at::Tensor> crm_loss_forward(const at::Tensor& logits, const at::Tensor& cf_logits,
                                                     const at::Tensor& labels, double a1, double a2,
-                                                    int64_t reduction) {
+                                                    int64_t reduction, bool /*detach_weight: backward only*/) {
   check_crm("crm_loss_forward", logits, cf_logits, labels, reduction);
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t B = logits.size(0);
