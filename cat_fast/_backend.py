@@ -5,6 +5,7 @@ default for the tensors' device (CPU: `cpp`, else `reference`; CUDA: per op, whi
 `triton` / `cuda` measured faster in benchmarks/RESULTS.md, else the other, else `reference`).
 """
 import contextlib
+import functools
 import importlib.util
 import os
 import threading
@@ -33,7 +34,9 @@ def triton_interpreted():
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.lru_cache(maxsize=None)
 def _available():
+    # Fixed for the life of the process (what was built and imported); cached: it sits on every op's hot path.
     from .ops import _registry
 
     found = ["reference"]

@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-batch-size", type=_positive_int, default=64)
     t.add_argument("--out", metavar="DIR", help="output directory (default: runs/TASK-METHOD-seedN)")
     t.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --out")
+    t.add_argument("--no-checkpoint", action="store_true",
+                   help="write metrics and curves but not the model weights (for seed sweeps)")
     g = t.add_argument_group("CAT / GS")
     g.add_argument("--warmup-epochs", type=_nonneg_int, default=1, help="CAT methods: plain ERM epochs first (default 1)")
     g.add_argument("--cat-layers", type=_int_list, metavar="M,M,...", help="CAT mixing layers Q (default: the objective's)")
@@ -586,7 +588,8 @@ def _train(args) -> Dict:
         for s in eval_sets[1:]:
             results.update(s.evaluate(model, args.eval_batch_size, device, args.bf16))
 
-        _save_checkpoint(tmp, model, tokenizer, ckpt_meta)
+        if not args.no_checkpoint:
+            _save_checkpoint(tmp, model, tokenizer, ckpt_meta)
         metrics = {
             "method": method,
             "task": args.task,

@@ -62,3 +62,10 @@ def noncontiguous(x):
     if x.dim() < 2:
         return torch.stack((x, x), -1)[..., 0]
     return x.transpose(0, -1).contiguous().transpose(0, -1)
+
+
+def without_ties(logits):
+    """Lift each row's maximum clear of the runner-up: with tied maxima, max-softmax has many subgradients
+    (the kernels take the first index, torch.amax splits the gradient), and bf16 rounding makes ties common."""
+    top = logits.argmax(-1, keepdim=True)
+    return logits.scatter_add(-1, top, torch.full_like(top, 0.5, dtype=logits.dtype))

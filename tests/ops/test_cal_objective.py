@@ -4,14 +4,14 @@ import torch
 import cat_fast
 from cat_fast.ops import cal_objective
 
-from .conftest import dtypes_for, noncontiguous, run, tolerance
+from .conftest import dtypes_for, noncontiguous, run, tolerance, without_ties
 
 SHAPES = [(1, 2), (5, 3), (8, 7), (3, 130)]
 
 
 def _inputs(shape, dtype, device, seed):
     generator = torch.Generator().manual_seed(seed)
-    logits = (3 * torch.randn(shape, generator=generator, dtype=torch.float64)).to(device=device, dtype=dtype)
+    logits = without_ties(3 * torch.randn(shape, generator=generator, dtype=torch.float64)).to(device=device, dtype=dtype)
     labels = torch.randint(0, shape[1], (shape[0],), generator=generator).to(device)
     return logits, labels
 

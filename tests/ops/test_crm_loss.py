@@ -4,13 +4,13 @@ import torch
 import cat_fast
 from cat_fast.ops import crm_loss, crm_weights
 
-from .conftest import dtypes_for, noncontiguous, run, tolerance
+from .conftest import dtypes_for, noncontiguous, run, tolerance, without_ties
 
 
 def _inputs(shape, dtype, device, seed):
     generator = torch.Generator().manual_seed(seed)
-    logits = (2 * torch.randn(shape, generator=generator, dtype=torch.float64)).to(device=device, dtype=dtype)
-    cf_logits = (2 * torch.randn(shape, generator=generator, dtype=torch.float64)).to(device=device, dtype=dtype)
+    logits = without_ties(2 * torch.randn(shape, generator=generator, dtype=torch.float64)).to(device=device, dtype=dtype)
+    cf_logits = without_ties(2 * torch.randn(shape, generator=generator, dtype=torch.float64)).to(device=device, dtype=dtype)
     labels = torch.randint(0, shape[1], (shape[0],), generator=generator).to(device)
     return logits, cf_logits, labels
 
