@@ -1,7 +1,8 @@
 """Source build of cat_fast: C++ CPU kernels always, CUDA kernels when torch has CUDA and nvcc is found.
 
 Switches: CAT_FAST_SKIP_CUDA=1 never builds CUDA; CAT_FAST_FORCE_CUDA=1 builds it even when no GPU
-is visible (set TORCH_CUDA_ARCH_LIST then). Install with `pip install --no-build-isolation .` so the
+is visible (set TORCH_CUDA_ARCH_LIST then); CAT_FAST_DEVICE_CHECKS=1 compiles device-side range asserts
+into the CUDA kernels (partner, labels). Install with `pip install --no-build-isolation .` so the
 extension is built against the torch already installed.
 """
 import glob
@@ -33,10 +34,13 @@ def _extension():
     cxx = ["-O3", "-std=c++20", "-DCAT_FAST_PYTHON_MODULE"]
     if _build_cuda():
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+        nvcc = ["-O3", "-std=c++20"]
+        if _flag("CAT_FAST_DEVICE_CHECKS"):
+            nvcc.append("-DCAT_FAST_DEVICE_CHECKS")  # device-side asserts on partner / label ranges
         return cpp_extension.CUDAExtension(
             "cat_fast._C",
             sources + sorted(glob.glob("csrc/cuda/*.cu")),
-            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++20"]},
+            extra_compile_args={"cxx": cxx, "nvcc": nvcc},
         )
     return cpp_extension.CppExtension("cat_fast._C", sources, extra_compile_args={"cxx": cxx})
 

@@ -4,7 +4,7 @@
 // ----------------------------
 // The Python wrappers validate `partner` and `labels` before any kernel runs (doing that on the
 // device would need a host synchronisation), so the kernels trust them by default. Build with
-// -DCAT_FAST_DEVICE_CHECKS (e.g. add it to the nvcc flags in setup.py) to turn on
+// -DCAT_FAST_DEVICE_CHECKS (install with CAT_FAST_DEVICE_CHECKS=1, see setup.py) to turn on
 // CUDA_KERNEL_ASSERT device asserts for out-of-range partner / label indices; a failing assert
 // aborts the kernel and surfaces as a CUDA error on the next synchronising call. Off by default.
 //

@@ -49,7 +49,7 @@ def tolerance(dtype):
 
 
 def dtypes_for(device):
-    return (torch.float64, torch.float32, torch.bfloat16) if device == "cpu" else (torch.float32, torch.bfloat16)
+    return (torch.float64, torch.float32, torch.bfloat16) if device == "cpu" else (torch.float32, torch.bfloat16, torch.float16)
 
 
 def run(backend, fn, *args, **kwargs):
