@@ -5,7 +5,6 @@ default for the tensors' device (CPU: `cpp`, else `reference`; CUDA: per op, whi
 `triton` / `cuda` measured faster in benchmarks/RESULTS.md, else the other, else `reference`).
 """
 import contextlib
-import functools
 import importlib.util
 import os
 import threading
@@ -34,9 +33,17 @@ def triton_interpreted():
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=None)
+_AVAILABLE = []
+
+
 def _available():
     # Fixed for the life of the process (what was built and imported); cached: it sits on every op's hot path.
+    if not _AVAILABLE:
+        _AVAILABLE.append(_find_available())
+    return _AVAILABLE[0]
+
+
+def _find_available():
     from .ops import _registry
 
     found = ["reference"]

@@ -4,7 +4,7 @@ import torch
 import cat_fast
 from cat_fast.ops import cal_objective
 
-from .conftest import dtypes_for, noncontiguous, run, tolerance, without_ties
+from .conftest import assert_outputs_match, dtypes_for, noncontiguous, run, without_ties
 
 SHAPES = [(1, 2), (5, 3), (8, 7), (3, 130)]
 
@@ -23,15 +23,15 @@ def test_matches_reference(backend, device, shape, gamma, eta):
         logits, labels = _inputs(shape, dtype, device, seed)
         grad_out = torch.randn(shape[0], dtype=torch.float64).to(device)
 
-        def outputs(which):
+        def outputs(which, logits, grad_out):
             x = logits.detach().requires_grad_()
             out = run(which, cal_objective, x, labels, gamma, eta)
             out.backward(grad_out.to(out.dtype))
             return out, x.grad
 
-        for name, e, g in zip(("objective", "grad_logits"), outputs("reference"), outputs(backend)):
-            assert g.dtype == e.dtype, name
-            torch.testing.assert_close(g.float(), e.float(), **tolerance(dtype), msg=lambda m: f"{name} {dtype}: {m}")
+        truth = outputs("reference", logits.double(), grad_out)
+        names = ("objective", "grad_logits")
+        assert_outputs_match(names, outputs(backend, logits, grad_out), outputs("reference", logits, grad_out), truth, dtype)
 
 
 def test_noncontiguous_and_int32_labels(backend, device):

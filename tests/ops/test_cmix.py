@@ -5,7 +5,7 @@ import cat_fast
 from cat_fast import reference
 from cat_fast.ops import cmix
 
-from .conftest import dtypes_for, noncontiguous, run, tolerance
+from .conftest import assert_outputs_match, dtypes_for, noncontiguous, run
 
 SHAPES = [(1, 1, 1), (3, 5, 7), (4, 17, 64), (5, 3, 130)]
 
@@ -31,19 +31,17 @@ def test_matches_reference(backend, device, shape, per_token, partner_kind):
         h, lam, partner = _inputs(shape, dtype, device, per_token, partner_kind, seed)
         grad_out = torch.randn(h.shape, dtype=torch.float64).to(device=device, dtype=dtype)
 
-        def outputs(which, h, lam):
+        def outputs(which, h, lam, grad_out):
             h = h.detach().requires_grad_()
             lam = lam.detach().requires_grad_()
             out, _ = run(which, cmix, h, lam, partner)
             out.backward(grad_out)
             return out, h.grad, lam.grad
 
-        expected = outputs("reference", h, lam)
-        got = outputs(backend, h, lam)
-        tol = tolerance(dtype)
-        for name, e, g in zip(("h_mix", "grad_h", "grad_lam"), expected, got):
-            assert g.dtype == e.dtype, name
-            torch.testing.assert_close(g.float(), e.float(), **tol, msg=lambda m: f"{name} {dtype}: {m}")
+        truth = outputs("reference", h.double(), lam.double(), grad_out.double())
+        assert_outputs_match(
+            ("h_mix", "grad_h", "grad_lam"), outputs(backend, h, lam, grad_out), outputs("reference", h, lam, grad_out), truth, dtype
+        )
 
 
 def test_noncontiguous_inputs(backend, device):

@@ -4,7 +4,7 @@ import torch
 import cat_fast
 from cat_fast.ops import gs_cosine_loss
 
-from .conftest import dtypes_for, noncontiguous, run, tolerance
+from .conftest import assert_outputs_match, dtypes_for, noncontiguous, run
 
 
 def _inputs(shape, dtype, device, seed, zero_row=False):
@@ -24,15 +24,15 @@ def test_matches_reference(backend, device, shape, reduction, zero_row):
         g, g_hat = _inputs(shape, dtype, device, seed, zero_row)
         grad_out = torch.randn(shape[0] if reduction == "none" else (), dtype=torch.float64).to(device)
 
-        def outputs(which):
+        def outputs(which, g, g_hat):
             x, y = g.detach().requires_grad_(), g_hat.detach().requires_grad_()
             out = run(which, gs_cosine_loss, x, y, reduction)
             out.backward(grad_out.to(out.dtype))
             return out, x.grad, y.grad
 
-        for name, e, got in zip(("loss", "grad_g", "grad_g_hat"), outputs("reference"), outputs(backend)):
-            assert got.dtype == e.dtype and got.shape == e.shape, name
-            torch.testing.assert_close(got.float(), e.float(), **tolerance(dtype), msg=lambda m: f"{name} {dtype}: {m}")
+        truth = outputs("reference", g.double(), g_hat.double())
+        names = ("loss", "grad_g", "grad_g_hat")
+        assert_outputs_match(names, outputs(backend, g, g_hat), outputs("reference", g, g_hat), truth, dtype)
 
 
 def test_noncontiguous(backend, device):
