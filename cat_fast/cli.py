@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adv-steps", type=_nonneg_int, help="CAL steps (default: 3 for cat and cat-gs, 0 for cat-star)")
     g.add_argument("--adv-lr", type=float, default=2e-2)
     g.add_argument("--mask-mode", default="self", choices=("self", "partner", "union", "intersection"))
+    g.add_argument("--cat-update", choices=("sum", "alternate"), default="sum",
+                   help="CAT update: one summed ERM + CRM loss (default), or the paper's alternating CRM then ERM steps")
+    g.add_argument("--crm-lr", type=float, default=2e-5, help="learning rate of the CRM step with --cat-update alternate")
     g.add_argument("--gs-weight", type=float, default=1.0, help="weight of the GS loss (gs, gs-random, cat-gs; default 1.0)")
 
     e = sub.add_parser("eval", help="evaluate a trained classifier", description="Evaluate a checkpoint written by `cat-fast train`.")
@@ -440,6 +443,9 @@ def _build_objective(args, model):
             warmup_steps=0,  # the warm-up epochs are run here, as plain ERM
             gs_weight=args.gs_weight if method == "cat-gs" else 0.0,
             generator=generator,
+            update=args.cat_update,
+            # the paper's alternating step: a separate optimizer (lr 2e-5 in the paper) steps on CRM first
+            crm_optimizer=torch.optim.AdamW(model.parameters(), lr=args.crm_lr) if args.cat_update == "alternate" else None,
         )
     if method in GS_METHODS:
         from .gs import GradientSupervision

@@ -3,7 +3,8 @@
 Seeds are interleaved (every method's seed 0 first) so that a run cut short by a deadline still has the
 same seeds for every method. Usage: python scripts/quality_jobs.py PROTOCOL [...] --root DIR
 Protocols: sentiment, nli (full CAD train, the GS paper's Table 3 protocol) and fewshot-sentiment,
-fewshot-nli (the CAT paper's Table 1 protocol: k originals per class, originals only for every method).
+fewshot-nli (the CAT paper's Table 1 protocol: k originals per class, originals only for every method);
+alternate-<protocol>: the `cat` runs of that protocol with the paper's alternating CRM/ERM update.
 """
 import argparse
 
@@ -22,6 +23,14 @@ FEWSHOT = {
 
 
 def jobs(protocol, root):
+    if protocol.startswith("alternate-"):
+        # CAT with the paper's alternating update (a separate CRM step, lr 2e-5) on the same protocols
+        base = protocol.split("-", 1)[1]
+        flags = "--method cat --cat-update alternate --crm-lr 2e-5"
+        for line in jobs(base, root):
+            if " --method cat " in line:
+                yield line.replace("--method cat ", flags + " ").replace("/cat/", "/cat-alternate/")
+        return
     if protocol in FULL:
         for seed in SEEDS:
             for method in METHODS:
@@ -40,7 +49,8 @@ def jobs(protocol, root):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("protocols", nargs="+", choices=("sentiment", "nli", "fewshot-sentiment", "fewshot-nli"))
+    bases = ("sentiment", "nli", "fewshot-sentiment", "fewshot-nli")
+    parser.add_argument("protocols", nargs="+", choices=bases + tuple(f"alternate-{b}" for b in bases))
     parser.add_argument("--root", default="runs/quality")
     args = parser.parse_args()
     for protocol in args.protocols:

@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-ORDER = ("erm-orig", "erm", "gs", "gs-random", "cat-star", "cat", "cat-gs")
+ORDER = ("erm-orig", "erm", "gs", "gs-random", "cat-star", "cat", "cat-alternate", "cat-gs")
 
 
 def load(paths):
@@ -21,8 +21,8 @@ def load(paths):
     for path in paths:
         for line in open(path):
             run = json.loads(line)
-            protocol = run["run"].rsplit("/", 2)[0]
-            groups[(protocol, run["method"])].append(run)
+            protocol, method, _seed = run["run"].rsplit("/", 2)  # .../<method label>/seedN
+            groups[(protocol, method)].append(run)
     return groups
 
 

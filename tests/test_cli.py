@@ -112,6 +112,16 @@ def test_methods_sentiment(tiny, tmp_path, method):
         assert m["history"][0]["info"]["gs_pairs"] > 0
 
 
+def test_cat_alternate_update_takes_a_separate_crm_step(tiny, tmp_path):
+    summed, alternate = tmp_path / "sum", tmp_path / "alternate"
+    assert run(small_train(tiny, summed, "--seed", 3, method="cat"))[0] == 0
+    assert run(small_train(tiny, alternate, "--seed", 3, "--cat-update", "alternate", "--crm-lr", 1e-3, method="cat"))[0] == 0
+    m_sum, m_alt = (json.loads((d / "metrics.json").read_text()) for d in (summed, alternate))
+    assert m_alt["config"]["cat_update"] == "alternate" and m_sum["config"]["cat_update"] == "sum"
+    assert m_alt["history"][0] == m_sum["history"][0]  # the ERM warm-up epoch is identical
+    assert m_alt["history"][1]["train_loss"] != m_sum["history"][1]["train_loss"]  # ERM alone vs ERM + CRM
+
+
 def test_nli_gs_with_files_and_data_override(tiny, tmp_path):
     files = [D.builtin_path("nli", "dev", k) for k in ("original", "revised_premise", "revised_hypothesis")]
     out = tmp_path / "nli"

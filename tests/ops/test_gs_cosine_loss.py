@@ -21,6 +21,8 @@ def _inputs(shape, dtype, device, seed, zero_row=False):
 @pytest.mark.parametrize("zero_row", [False, True])
 def test_matches_reference(backend, device, shape, reduction, zero_row):
     for seed, dtype in enumerate(dtypes_for(device)):
+        if zero_row and dtype == torch.float16:
+            continue  # the gradient at a zero row is ~1/eps = 1e8: beyond float16's range (inf), in every backend
         g, g_hat = _inputs(shape, dtype, device, seed, zero_row)
         grad_out = torch.randn(shape[0] if reduction == "none" else (), dtype=torch.float64).to(device)
 
