@@ -9,6 +9,8 @@ REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 
 def _forward_backward(family):
     def backward(ctx, grad_loss, _grad_stats):
+        if grad_loss is None:
+            return (None,) * 7
         logits, cf_logits, labels, stats = ctx.saved_tensors
         grad_logits, grad_cf = family.crm_loss_backward(
             grad_loss.contiguous(), logits, cf_logits, labels, stats, ctx.a1, ctx.a2, ctx.reduction, ctx.detach_weight
@@ -21,6 +23,7 @@ def _forward_backward(family):
 def _setup(ctx, inputs, output):
     logits, cf_logits, labels, ctx.a1, ctx.a2, ctx.reduction, ctx.detach_weight = inputs
     ctx.save_for_backward(logits, cf_logits, labels, output[1])
+    ctx.set_materialize_grads(False)  # no zero-filled gradient for the unused `stats` output: one launch per backward
 
 
 def _fake_forward(logits, cf_logits, labels, a1, a2, reduction, detach_weight):

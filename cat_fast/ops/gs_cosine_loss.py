@@ -45,6 +45,11 @@ def _save_inputs(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
+def _save_inputs_unmaterialized(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+    ctx.set_materialize_grads(False)  # an unused output (u or v) needs no zero-filled gradient
+
+
 _registry.register(
     "gs_row_dots",
     lambda x, y: x.new_empty((x.shape[0], 3), dtype=_registry.acc_dtype(x.dtype)),
@@ -55,7 +60,7 @@ _registry.register(
     "gs_row_combine",
     lambda x, y, coef: (torch.empty_like(x), torch.empty_like(x)),
     _row_combine_backward,
-    _save_inputs,
+    _save_inputs_unmaterialized,
 )
 
 

@@ -48,6 +48,19 @@ def test_detached_weight_gives_weighted_cross_entropy_gradient(backend, device):
     assert cf_logits.grad is None
 
 
+def test_backward_runs_only_the_backward_kernel(backend, device):
+    """No zero-filled gradient for the unused `stats` output: the backward is the one fused kernel."""
+    logits, cf_logits, labels = _inputs((8, 3), torch.float32, device, 5)
+    logits.requires_grad_()
+    loss = run(backend, crm_loss, logits, cf_logits, labels)
+    seed = torch.ones_like(loss)
+    with torch.profiler.profile() as prof:
+        torch.autograd.grad(loss, logits, grad_outputs=seed)
+    names = [event.name for event in prof.events()]
+    assert any("crm_loss_backward" in name for name in names)
+    assert not any(name in ("aten::zeros", "aten::zero_", "aten::fill_", "aten::zeros_like") for name in names), names
+
+
 def test_weights_match_reference(backend, device):
     logits, cf_logits, _ = _inputs((9, 4), torch.float32, device, 4)
     expected = run("reference", crm_weights, logits, cf_logits, 0.9, 2.0)
