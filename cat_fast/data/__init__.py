@@ -17,43 +17,8 @@ Typical use::
         pairs = batch.pop("pairs")                      # int64 [B], -1 = no counterfactual in batch
         loss, info = gs(batch, pairs)
 """
-from .batching import Collator, GroupBatchSampler, TokenizedData, make_batches
-from .core import (
-    DATA_DIR,
-    TASKS,
-    CadData,
-    DataError,
-    TaskSpec,
-    builtin_path,
-    builtin_train_files,
-    clean,
-    few_shot,
-    load_builtin,
-    load_eval,
-    load_nli,
-    load_sentiment,
-    load_train,
-    read_tsv,
-)
+from . import batching, core
+from .batching import *  # noqa: F401,F403  (the public names are listed in each module's __all__)
+from .core import *  # noqa: F401,F403
 
-__all__ = [
-    "DataError",
-    "TaskSpec",
-    "TASKS",
-    "CadData",
-    "DATA_DIR",
-    "builtin_path",
-    "builtin_train_files",
-    "clean",
-    "read_tsv",
-    "load_sentiment",
-    "load_nli",
-    "load_train",
-    "load_eval",
-    "load_builtin",
-    "few_shot",
-    "TokenizedData",
-    "GroupBatchSampler",
-    "Collator",
-    "make_batches",
-]
+__all__ = core.__all__ + batching.__all__

@@ -46,6 +46,8 @@ __all__ = [
     "CadData",
     "DATA_DIR",
     "builtin_path",
+    "builtin_train_files",
+    "clean",
     "read_tsv",
     "load_sentiment",
     "load_nli",
