@@ -85,24 +85,21 @@ def _fail(message) -> None:
 # argument parsing
 
 
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
-    return v
+def _int_at_least(low: int, what: str):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            v = low - 1
+        if v < low:
+            raise argparse.ArgumentTypeError(f"expected a {what} integer, got {s!r}")
+        return v
+
+    return parse
 
 
-def _nonneg_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {s!r}")
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {s!r}")
-    return v
+_positive_int = _int_at_least(1, "positive")
+_nonneg_int = _int_at_least(0, "non-negative")
 
 
 def _int_list(s: str) -> List[int]:
