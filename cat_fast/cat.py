@@ -215,7 +215,7 @@ class CAT:
         h = cap.hidden
         score = logits.gather(1, labels[partner].unsqueeze(1)).sum()
         (g,) = torch.autograd.grad(score, h, create_graph=True, retain_graph=True)
-        check_double_backward(g)
+        check_double_backward(g, self.model)
         with torch.no_grad():
             h_mix, _ = cmix(h.detach(), lam, partner)
             g_hat = h_mix - h

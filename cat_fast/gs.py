@@ -86,8 +86,12 @@ def has_missing_double_backward(t: torch.Tensor) -> bool:
     return False
 
 
-def check_double_backward(g: torch.Tensor) -> None:
-    """Raise the one-line `DOUBLE_BACKWARD_HINT` error when `g` (built with create_graph) cannot be differentiated."""
+def check_double_backward(g: torch.Tensor, model) -> None:
+    """Raise the one-line `DOUBLE_BACKWARD_HINT` error when `g` (built with create_graph through `model`'s
+    attention) cannot be differentiated. Eager attention is plain matmuls and softmax, always twice
+    differentiable: the graph walk (milliseconds of host time per step) runs only for other implementations."""
+    if getattr(model.config, "_attn_implementation", None) == "eager":
+        return
     if has_missing_double_backward(g):
         raise RuntimeError(DOUBLE_BACKWARD_HINT)
 
@@ -194,8 +198,8 @@ class GradientSupervision:
                 g = models.grad_wrt_pooled(score, cap, create_graph=exact)
             else:
                 (g,) = torch.autograd.grad(score, x, create_graph=exact, retain_graph=True)
-            if exact:
-                check_double_backward(g)
+            if exact and not pooled:  # the pooled representation's g differentiates only the head: no attention
+                check_double_backward(g, self.model)
                 gs = masked_mean(gs_cosine_loss(g, g_hat, reduction="none"), valid)
                 loss = ce + self.weight * gs
             else:
