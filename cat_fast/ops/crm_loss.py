@@ -43,8 +43,9 @@ _registry.register(
 )
 
 
-def _validate_args(logits, cf_logits, labels, a1, a2):
-    _validate.classes("logits", logits, labels)
+def _validate_pair(logits, cf_logits, a1, a2):
+    _validate.tensor("logits", logits, ndims=(2,))
+    _validate.nonempty_batch("logits", logits)
     _validate.tensor("cf_logits", cf_logits, ndims=(2,))
     _validate.shape("cf_logits", cf_logits, logits.shape, "like logits")
     if cf_logits.dtype != logits.dtype:
@@ -58,13 +59,12 @@ def _validate_args(logits, cf_logits, labels, a1, a2):
 
 def crm_weights(logits, cf_logits, a1=0.0, a2=10.0):
     """The clipped importance weights `clip(max softmax(logits_i) / max softmax(cf_logits_i), a1, a2)`: [B], no gradient."""
-    _validate.tensor("logits", logits, ndims=(2,))
-    labels = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
-    a1, a2 = _validate_args(logits, cf_logits, labels, a1, a2)
+    a1, a2 = _validate_pair(logits, cf_logits, a1, a2)
     backend = _backend.select("crm_loss", logits.device)
     with torch.no_grad():
         if backend == "reference":
             return reference.crm_weights(logits, cf_logits, a1, a2)
+        labels = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)  # the kernel's CE column is unused
         _, stats = _registry.kernels(backend).crm_loss_forward(
             logits.contiguous(), cf_logits.contiguous(), labels, a1, a2, 0, True
         )
@@ -77,7 +77,8 @@ def crm_loss(logits, cf_logits, labels, a1=0.0, a2=10.0, detach_weight=True, red
     Phi = the highest class probability. With detach_weight=False the weight's gradient flows into
     both logits (zero where the ratio is clipped).
     """
-    a1, a2 = _validate_args(logits, cf_logits, labels, a1, a2)
+    _validate.classes("logits", logits, labels)
+    a1, a2 = _validate_pair(logits, cf_logits, a1, a2)
     _validate.choice("reduction", reduction, tuple(REDUCTIONS))
     if not isinstance(detach_weight, bool):
         raise TypeError(f"detach_weight: expected a bool, got {type(detach_weight).__name__}")
