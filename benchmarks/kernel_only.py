@@ -1,13 +1,71 @@
 """Kernel-only timings of the cmix kernels (no Python wrapper, no autograd), against a device copy.
 
 `triton.testing.do_bench` (CUDA events, median). Separates kernel time from the host overhead that the
-op-level suite includes. Usage on a GPU: python benchmarks/kernel_only.py
+op-level suite includes. Before timing, the kernels are checked against a float64 computation on shapes
+that reach every CUDA path (tile kernels with one or several d-splits per token, the row-kernel fallbacks
+for B > 256 and for D not a multiple of the 16-byte pack), and the backward is checked to be bitwise
+deterministic. Usage on a GPU: python benchmarks/kernel_only.py [--no-check]
 """
+import sys
+
 import torch
 import triton.testing
 
 import cat_fast
 from cat_fast.ops import _registry
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+# (B, T, D, per_token, partner kind): tile path (S = 1 and S > 1), ragged chunks, B = 256, and fallbacks.
+CHECK_CASES = [
+    (64, 512, 1024, False, "permutation"),
+    (64, 300, 1024, True, "repeats"),
+    (64, 7, 1024, False, "permutation"),  # small T: d split over several blocks + split sum
+    (256, 9, 512, True, "repeats"),
+    (33, 5, 200, True, "permutation"),  # 25 bf16 packs / 50 fp32 packs per row: ragged last chunk
+    (1, 1, 8, False, "permutation"),
+    (4, 17, 64, True, "repeats"),
+    (300, 3, 64, False, "repeats"),  # B > 256: row kernels
+    (5, 3, 130, True, "repeats"),  # D not a multiple of the pack: row kernels
+]
+
+
+def _inputs(B, T, D, dtype, per_token, kind, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h = torch.randn(B, T, D, device="cuda", dtype=dtype, generator=g)
+    grad = torch.randn(B, T, D, device="cuda", dtype=dtype, generator=g)
+    lam = torch.rand((B, T) if per_token else (B,), device="cuda", generator=g)
+    if kind == "permutation":
+        partner = torch.randperm(B, device="cuda", generator=g)
+    else:
+        partner = torch.randint(0, max(B // 2, 1), (B,), device="cuda", generator=g)
+    return h, grad, lam, partner
+
+
+def _float64(h, grad, lam, partner):
+    h, grad, lam = h.double(), grad.double(), lam.double()
+    l = lam.reshape(lam.shape[0], -1, 1)
+    out = l * h[partner] + (1 - l) * h
+    grad_h = ((1 - l) * grad).index_add(0, partner, l * grad)
+    grad_lam = ((h[partner] - h) * grad).sum(-1)
+    return out, grad_h, grad_lam
+
+
+def check(kernels):
+    for B, T, D, per_token, kind in CHECK_CASES:
+        for dtype, tol in TOLERANCE.items():
+            h, grad, lam, partner = _inputs(B, T, D, dtype, per_token, kind)
+            out = kernels.cmix_forward(h, lam, partner)
+            grad_h, grad_lam = kernels.cmix_backward(grad, h, lam, partner)
+            grad_h2, grad_lam2 = kernels.cmix_backward(grad, h, lam, partner)
+            want = _float64(h, grad, lam, partner)
+            for name, got, ref in zip(("out", "grad_h", "grad_lam"), (out, grad_h, grad_lam), want):
+                # grad_lam sums D products: scale the tolerance by sqrt(D)
+                scale = D**0.5 if name == "grad_lam" else 1.0
+                torch.testing.assert_close(got.double(), ref, rtol=tol * scale, atol=tol * scale,
+                                           msg=lambda m: f"{name} {B}x{T}x{D} {dtype} {kind} per_token={per_token}: {m}")
+            assert torch.equal(grad_h, grad_h2) and torch.equal(grad_lam, grad_lam2), f"nondeterministic {B}x{T}x{D} {dtype}"
+    print(f"check: {len(CHECK_CASES)} shapes x {len(TOLERANCE)} dtypes match float64, backward bitwise deterministic")
 
 
 def main():
@@ -17,6 +75,8 @@ def main():
     copy_ms = triton.testing.do_bench(lambda: copy_dst.copy_(copy_src), return_mode="median")
     copy_bw = 2 * copy_src.numel() / copy_ms / 1e6
     print(f"copy bandwidth {copy_bw:,.0f} GB/s (read + write)")
+    if "--no-check" not in sys.argv and "cuda" in cat_fast.backends():
+        check(_registry.kernels("cuda"))
     for dtype in (torch.bfloat16, torch.float32):
         h = torch.randn(B, T, D, device="cuda", dtype=dtype)
         grad = torch.randn_like(h)
@@ -33,6 +93,20 @@ def main():
             for name, ms, moved in (("forward", fwd, 2 * nbytes), ("backward", bwd, 3 * nbytes), ("fwd+bwd", fwd + bwd, 5 * nbytes)):
                 bw = moved / ms / 1e6
                 print(f"cmix {name:8s} {backend:6s} {str(dtype):15s} {ms * 1e3:8.1f} us {bw:8,.0f} GB/s {100 * bw / copy_bw:5.1f}% of copy")
+    # other shapes / lambda kinds, cuda only (same traffic model)
+    if "cuda" in cat_fast.backends():
+        kernels = _registry.kernels("cuda")
+        for (b, t, d, per_token, kind) in ((64, 512, 1024, True, "repeats"), (256, 128, 1024, False, "permutation"),
+                                           (64, 64, 1024, False, "permutation"), (32, 512, 4096, False, "permutation")):
+            for dtype in (torch.bfloat16, torch.float32):
+                h, grad, lam, partner = _inputs(b, t, d, dtype, per_token, kind)
+                nbytes = h.numel() * h.element_size()
+                fwd = triton.testing.do_bench(lambda: kernels.cmix_forward(h, lam, partner), return_mode="median")
+                bwd = triton.testing.do_bench(lambda: kernels.cmix_backward(grad, h, lam, partner), return_mode="median")
+                label = f"[{b},{t},{d}] {'per-token' if per_token else 'per-sample'} {kind}"
+                for name, ms, moved in (("forward", fwd, 2 * nbytes), ("backward", bwd, 3 * nbytes), ("fwd+bwd", fwd + bwd, 5 * nbytes)):
+                    bw = moved / ms / 1e6
+                    print(f"cmix {name:8s} cuda   {str(dtype):15s} {ms * 1e3:8.1f} us {bw:8,.0f} GB/s {100 * bw / copy_bw:5.1f}% of copy  {label}")
 
 
 if __name__ == "__main__":

@@ -23,13 +23,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 OP_ORDER = ("cmix", "cal_objective", "cal_step_", "crm_loss", "gs_cosine_loss")
 BACKEND_ORDER = ("triton", "cuda", "cpp", "reference", "compile")
-METHOD_ORDER = ("plain", "naive_cat", "cat", "gs_exact", "gs_first_order", "gs_pooled")
+METHOD_ORDER = ("plain", "naive_cat", "cat", "cat_eager", "gs_exact", "gs_first_order", "gs_first_order_fwd",
+                "gs_pooled")
 METHOD_LABEL = {
     "plain": "(1) plain fine-tuning",
     "naive_cat": "(2) naive CAT (eager, reference ops)",
-    "cat": "(3) cat_fast.CAT",
+    "cat": "(3) cat_fast.CAT (CUDA-graph CAL)",
+    "cat_eager": "(3e) cat_fast.CAT, cuda_graph=False",
     "gs_exact": "(4) GS exact, token level (h_0)",
-    "gs_first_order": "(5) GS first-order, token level (h_0)",
+    "gs_first_order": "(5) GS first-order central, token level (h_0)",
+    "gs_first_order_fwd": "(5f) GS first-order forward, token level (h_0)",
     "gs_pooled": "(6) GS exact, pooled",
 }
 
@@ -227,7 +230,7 @@ def step_section(records):
     text = table(header, rows)
     largest = {}
     for e in steps:
-        if "flop_ratio_final_backward" in e and e["method"] != "plain":
+        if "flop_ratio_final_backward" in e and e["method"] in ("naive_cat", "cat"):
             if e["method"] not in largest or size_key(e.get("size")) > size_key(largest[e["method"]].get("size")):
                 largest[e["method"]] = e
     ratios = ", ".join(f"{m} {e['flop_ratio']:.2f} → {e['flop_ratio_final_backward']:.2f} ({e.get('size')})"
@@ -242,7 +245,9 @@ def step_section(records):
         "the final counterfactual forward, which runs without autograd (detached CRM weight). Counting a backward "
         "of that final pass as well (the issue's formula) gives: "
         + ratios + ".",
-        "Model TFLOP/s = those FLOPs / step time (only for (1)–(3)).",
+        "GS first-order at h_0 (FLOP × (1) column): g is an input-only backward (~1 forward) and each perturbed pass "
+        "a forward + full backward (3 forwards): central (2 passes) 10/3 = 3.33×, forward (1 pass) 7/3 = 2.33×.",
+        "Model TFLOP/s = those FLOPs / step time.",
     ]
     return text + "\n\n" + "\n".join(f"- {n}" for n in notes)
 
@@ -276,7 +281,8 @@ def sync_section(records):
 
 
 def plot(records, path, device_name=None):
-    steps = [e for e in step_records(records) if e.get("method") in ("plain", "naive_cat", "cat") and "error" not in e]
+    steps = [e for e in step_records(records) if e.get("method") in ("plain", "naive_cat", "cat", "cat_eager")
+             and "error" not in e and e.get("size") != "32x512"]
     if not steps:
         return False
     import matplotlib
@@ -285,7 +291,7 @@ def plot(records, path, device_name=None):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for method, marker in (("plain", "o"), ("naive_cat", "s"), ("cat", "^")):
+    for method, marker in (("plain", "o"), ("naive_cat", "s"), ("cat", "^"), ("cat_eager", "v")):
         points = sorted((e["batch"], e["tokens_per_s"], e["size"]) for e in steps if e["method"] == method)
         if points:
             ax.plot([p[0] for p in points], [p[1] for p in points], marker=marker, label=METHOD_LABEL[method])

@@ -8,10 +8,12 @@ bf16 autocast, AdamW (fused on CUDA), B x T = 8x128, 32x128, 64x256; each sample
                  with output_hidden_states, h_m = hidden_states[9]; layers 10..12 + pooler + classifier called
                  directly with the model's own (SDPA) mask; 3 CAL steps with torch.autograd.grad w.r.t. lambda
                  only; final counterfactual forward without autograd (detached CRM weight); loss = ERM + CRM.
-3. `cat`         `cat_fast.CAT(model, layers=[8, 9, 10], adv_steps=3)`.
+3. `cat`         `cat_fast.CAT(model, layers=[8, 9, 10], adv_steps=3)` (CAL loop replayed as CUDA graphs).
+3e. `cat_eager`  the same with `cuda_graph=False` (the eager CAL loop), for the graphs' effect side by side.
 4. `gs_exact`    `GradientSupervision(representation=0, mode="exact")` (token level, embedding output), eager
                  attention (double backward), pairs = a random permutation.
-5. `gs_first_order` the same with mode="first_order" and SDPA attention.
+5. `gs_first_order` the same with mode="first_order" and SDPA attention (SPEC's central difference, 2 passes).
+5f. `gs_first_order_fwd` the same with difference="forward" (one perturbed pass; the clean pass is reused).
 6. `gs_pooled`   `GradientSupervision(representation="pooled", mode="exact")` (the paper's text setting);
                  SDPA (the double backward only crosses the head); falls back to eager if SDPA refuses.
 
@@ -38,7 +40,8 @@ from benchmarks import _harness as H
 
 pytestmark = [pytest.mark.benchmark(timer=H.virtual_clock), pytest.mark.bench_step]
 
-METHODS = ("plain", "naive_cat", "cat", "gs_exact", "gs_first_order", "gs_pooled")
+METHODS = ("plain", "naive_cat", "cat", "cat_eager", "gs_exact", "gs_first_order", "gs_first_order_fwd", "gs_pooled")
+GS_LONG_METHODS = ("plain", "gs_exact", "gs_first_order", "gs_first_order_fwd")  # the T = 512 size
 CAT_LAYERS = [8, 9, 10]
 NAIVE_LAYER = 9
 ADV_STEPS = 3
@@ -49,17 +52,17 @@ CPU_SMOKE = os.environ.get("CAT_FAST_BENCH_STEP_CPU", "0") == "1" and not H.HAS_
 
 
 def setting():
-    """(device, config kwargs, sizes, mixing layers, naive layer, warm-up steps, timed steps)."""
+    """(device, config kwargs, sizes, GS long-sequence size, mixing layers, naive layer, warm-up, timed steps)."""
     if CPU_SMOKE:
         config = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, intermediate_size=128,
                       vocab_size=2000, max_position_embeddings=64)
-        return "cpu", config, ("2x16", "4x32"), [2, 3], 3, 1, 2
+        return "cpu", config, ("2x16", "4x32"), "2x64", [2, 3], 3, 1, 2
     warmup = max(1, H.env_int("CAT_FAST_BENCH_STEP_WARMUP", 5))
     steps = min(25, max(1, H.env_int("CAT_FAST_BENCH_STEP_STEPS", 20)))
-    return "cuda", {}, ("8x128", "32x128", "64x256"), CAT_LAYERS, NAIVE_LAYER, warmup, steps
+    return "cuda", {}, ("8x128", "32x128", "64x256"), "32x512", CAT_LAYERS, NAIVE_LAYER, warmup, steps
 
 
-DEVICE, CONFIG, SIZES, LAYERS, NAIVE_M, WARMUP, STEPS = setting()
+DEVICE, CONFIG, SIZES, LONG_SIZE, LAYERS, NAIVE_M, WARMUP, STEPS = setting()
 SKIP = None if (H.HAS_CUDA or CPU_SMOKE) else H.NO_CUDA_REASON + " (CAT_FAST_BENCH_STEP_CPU=1: tiny CPU smoke run)"
 
 
@@ -109,7 +112,8 @@ def model_flops(config, batch, tokens, method, m=None, adv_steps=ADV_STEPS, fina
     forward = 2 * (matmul params) * tokens + attention 4 * B * T^2 * D per layer (+ pooler/classifier per sample);
     backward = 2 x forward. CAT adds, per CAL step, a forward of layers m+1..L (+ head) and an input-only
     backward of those (~1 x forward: no weight-gradient matmuls), plus the final counterfactual forward of
-    layers m+1..L. With the default detached CRM weight that final pass has no backward (the implementations
+    layers m+1..L. First-order GS at h_0 adds g (an input-only backward, ~1 x forward) and per perturbed pass a
+    forward and a full backward (3 x forward): 2 passes (central) → 10/3 = 3.33x, 1 pass (forward) → 7/3 = 2.33x. With the default detached CRM weight that final pass has no backward (the implementations
     run it without autograd); `final_backward=True` counts one anyway (2 x forward more), the issue's formula.
     Embedding lookups, layer norms, softmax and elementwise work are not counted.
     """
@@ -119,9 +123,12 @@ def model_flops(config, batch, tokens, method, m=None, adv_steps=ADV_STEPS, fina
     head = 2 * batch * (D * D + D * C)
     forward = L * layer + head
     total = 3 * forward
-    if method in ("naive_cat", "cat"):
+    if method in ("naive_cat", "cat", "cat_eager"):
         upper = (L - m) * layer + head
         total += adv_steps * 2 * upper + upper * (3 if final_backward else 1)
+    if method.startswith("gs_first_order"):  # representation h_0: every pass covers all L layers
+        passes = 1 if method.endswith("_fwd") else 2
+        total += forward + passes * 3 * forward  # g (input-only backward) + each pass's forward and backward
     return total
 
 
@@ -152,9 +159,9 @@ def make_step(method, model, optimizer, batch, pairs):
     if method == "naive_cat":
         return naive_cat_step(model, batch, finish_step)
 
-    if method == "cat":
+    if method in ("cat", "cat_eager"):
         cat = cat_fast.CAT(model, layers=LAYERS, adv_steps=ADV_STEPS, alpha=ALPHA, beta=BETA, gamma=GAMMA, eta=ETA,
-                           adv_lr=ADV_LR)
+                           adv_lr=ADV_LR, cuda_graph=method == "cat")
 
         def step():
             with autocast():
@@ -162,12 +169,14 @@ def make_step(method, model, optimizer, batch, pairs):
             finish_step(loss)
         return step
 
-    representation, mode = {
-        "gs_exact": (0, "exact"),
-        "gs_first_order": (0, "first_order"),
-        "gs_pooled": ("pooled", "exact"),
+    representation, mode, difference = {
+        "gs_exact": (0, "exact", "central"),
+        "gs_first_order": (0, "first_order", "central"),
+        "gs_first_order_fwd": (0, "first_order", "forward"),
+        "gs_pooled": ("pooled", "exact", "central"),
     }[method]
-    gs = cat_fast.GradientSupervision(model, weight=1.0, representation=representation, mode=mode)
+    gs = cat_fast.GradientSupervision(model, weight=1.0, representation=representation, mode=mode,
+                                      difference=difference)
 
     def step():
         with autocast():
@@ -305,7 +314,7 @@ def measure_step(method, size):
             extra["attn"] = getattr(config, "_attn_implementation", attn)
             extra.update(step_ms=median_ms, step_min_ms=min_ms, peak_mib=peak,
                          tokens_per_s=batch_size * tokens / (median_ms * 1e-3))
-            if method in ("plain", "naive_cat", "cat"):
+            if method in ("plain", "naive_cat", "cat", "cat_eager") or method.startswith("gs_first_order"):
                 m = NAIVE_M if method == "naive_cat" else sum(LAYERS) / len(LAYERS)
                 extra["flops"] = model_flops(config, batch_size, tokens, method, m)
                 extra["flops_final_backward"] = model_flops(config, batch_size, tokens, method, m, final_backward=True)
@@ -326,7 +335,8 @@ def _param(method, size):
     return pytest.param(method, size, id=f"{size}-{method}", marks=marks)
 
 
-@pytest.mark.parametrize("method,size", [_param(method, size) for size in SIZES for method in METHODS])
+@pytest.mark.parametrize("method,size", [_param(method, size) for size in SIZES for method in METHODS]
+                         + [_param(method, LONG_SIZE) for method in GS_LONG_METHODS])
 def test_step(benchmark, method, size):
     if not CPU_SMOKE and H.deadline_passed("step"):
         pytest.skip("time budget for step benchmarks exhausted")
@@ -390,6 +400,10 @@ def measure_sync(size):
         # Hugging Face's SDPA mask creation itself syncs on a padded batch (`padding_mask.all()` in
         # transformers.masking_utils), so CAT is also checked on a batch without attention_mask (no padding).
         no_mask = {k: v for k, v in batch.items() if k != "attention_mask"}
+        for inputs in (batch, no_mask):  # capture this CAT's CUDA graphs (capturing synchronises) before checking
+            cat_fb(inputs)()
+            optimizer.zero_grad(set_to_none=True)
+        _sync()
         extra = {"size": size, "device": DEVICE}
         for name, fn in (("sync_plain", plain_fb(batch)), ("sync_cat", cat_fb(batch)),
                          ("sync_plain_nomask", plain_fb(no_mask)), ("sync_cat_nomask", cat_fb(no_mask))):

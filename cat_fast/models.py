@@ -112,6 +112,7 @@ class Capture:
     head_input: torch.Tensor | None = None  # input of the classification projection (pooled=True)
     head_rng_state: tuple | None = None
     pooled: torch.Tensor | None = None  # [B, D] pooled representation (pooled=True)
+    rng_marker: object = None  # called by `resume` where it would restore rng_state (cat_fast.cal_graph)
 
 
 _STRUCTURES: "weakref.WeakKeyDictionary[nn.Module, ModelStructure]" = weakref.WeakKeyDictionary()
@@ -362,6 +363,8 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
                     out = _replace_first(out, h_tilde)
                     if restore_rng:
                         _rng_set(device, cap.rng_state)
+                    if cap.rng_marker is not None:
+                        cap.rng_marker()
                 return out
             if k == m:
                 kind, where = cap.hidden_loc
@@ -372,6 +375,8 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
                     kwargs[where] = h_tilde
                 if restore_rng:
                     _rng_set(device, cap.rng_state)
+                if cap.rng_marker is not None:
+                    cap.rng_marker()
             return orig(*args, **kwargs)
 
         return forward

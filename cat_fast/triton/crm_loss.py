@@ -6,24 +6,32 @@ import triton.language as tl
 from ._common import acc_tl_dtype, acc_torch_dtype, row_softmax_stats, row_tiles, scalar_acc, split_scalar
 
 _MAX_BLOCK_C = 2048
-# single-program (mean/sum) forward: one SM does all rows, so use big tiles and many warps
+# mean/sum forward: big tiles and many warps (a program may loop over several tiles)
 _SINGLE_TILE = 16384
 _SINGLE_WARPS = 16
+# mean/sum forward: most programs (partial sums); a power of two (the last program loads them as one block)
+_MAX_PROGRAMS = 1024
+
+# (device, stream) -> int32 completion counter of the mean/sum forward, see _counter
+_counters = {}
 
 
 @triton.jit
-def _crm_fwd_kernel(logits_ptr, cf_ptr, labels_ptr, loss_ptr, stats_ptr, B, C,
+def _crm_fwd_kernel(logits_ptr, cf_ptr, labels_ptr, loss_ptr, stats_ptr, part_ptr, count_ptr, B, C, TILES,
                     a1_hi, a1_lo, a2_hi, a2_lo, REDUCTION: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr):
-    # REDUCTION 0: grid over row tiles, one tile each. 1/2: a single program loops over all tiles.
+                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, ACC: tl.constexpr):
+    # REDUCTION 0: grid over row tiles, one tile each. 1/2: each program sums the losses of TILES
+    # consecutive tiles into one partial (float64); the program that increments the counter last adds
+    # the partials in a fixed order, writes the loss and resets the counter to 0.
     a1 = scalar_acc(a1_hi, a1_lo, ACC)
     a2 = scalar_acc(a2_hi, a2_lo, ACC)
+    pid = tl.program_id(0)
     if REDUCTION == 0:
-        t_start = tl.program_id(0)
-        t_end = t_start + 1
+        t_start = pid
+        t_end = pid + 1
     else:
-        t_start = 0
-        t_end = tl.cdiv(B, BLOCK_R)
+        t_start = pid * TILES
+        t_end = tl.minimum(t_start + TILES, tl.cdiv(B, BLOCK_R))
     total = tl.zeros([BLOCK_R], ACC)
     for tile in range(t_start, t_end):
         rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -47,10 +55,18 @@ def _crm_fwd_kernel(logits_ptr, cf_ptr, labels_ptr, loss_ptr, stats_ptr, B, C,
         else:
             total += tl.where(rmask, l, 0.0)
     if REDUCTION != 0:
-        tot = tl.sum(total, axis=0)
-        if REDUCTION == 1:
-            tot = tot / B
-        tl.store(loss_ptr, tot)
+        n = tl.num_programs(0)
+        tl.store(part_ptr + pid, tl.sum(total, axis=0).to(tl.float64))
+        tl.debug_barrier()  # the partial is stored before the (acq_rel) increment publishes it
+        done = tl.atomic_add(count_ptr, 1)  # the old count
+        if done == n - 1:
+            offs = tl.arange(0, BLOCK_P)
+            parts = tl.load(part_ptr + offs, mask=offs < n, other=0.0, cache_modifier=".cg")
+            tot = tl.sum(parts, axis=0)
+            if REDUCTION == 1:
+                tot = tot / B
+            tl.store(loss_ptr, tot.to(loss_ptr.dtype.element_ty))
+            tl.store(count_ptr, 0)  # ready for the next launch on this stream
 
 
 @triton.jit
@@ -107,6 +123,26 @@ def _crm_bwd_kernel(grad_ptr, logits_ptr, cf_ptr, labels_ptr, stats_ptr, gl_ptr,
         tl.store(gcf_ptr + offs, gc.to(gcf_ptr.dtype.element_ty), mask=m2)
 
 
+def _counter(device: torch.device) -> torch.Tensor:
+    """The completion counter of the mean/sum forward: 0 before every launch (its last program resets it).
+
+    One per (device, stream): launches on one stream run in order, launches on different streams may
+    overlap and must not share one. Made (zeroed) once. During CUDA-graph capture a fresh zeroed counter
+    is used instead: a captured fill only runs at replay, so a persistent counter made then would not be
+    zeroed for eager calls.
+    """
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(1, dtype=torch.int32, device=device)
+        key = (device.type, device.index, torch.cuda.current_stream(device).stream_id)
+    else:
+        key = (device.type, device.index, None)
+    counter = _counters.get(key)
+    if counter is None:
+        counter = _counters.setdefault(key, torch.zeros(1, dtype=torch.int32, device=device))
+    return counter
+
+
 def crm_loss_forward(logits: torch.Tensor, cf_logits: torch.Tensor, labels: torch.Tensor,
                      a1: float, a2: float, reduction: int, detach_weight: bool = False):
     # detach_weight does not change the forward (it only selects the backward; see docs/KERNELS.md)
@@ -120,21 +156,27 @@ def crm_loss_forward(logits: torch.Tensor, cf_logits: torch.Tensor, labels: torc
     else:
         raise ValueError(f"crm_loss_forward: reduction must be 0, 1 or 2, got {reduction}")
     stats = torch.empty((B, 4), dtype=acc, device=logits.device)
+    parts = counter = loss  # placeholders, unused by reduction none
+    tiles = 1
     if reduction == 0:
         if B == 0:
             return loss, stats
         BLOCK_R, BLOCK_C = row_tiles(B, C, _MAX_BLOCK_C, 2048, max_rows=64)
         grid = (triton.cdiv(B, BLOCK_R),)
     else:
-        # one program loops over all rows: bigger row tiles, fewer serial steps
         BLOCK_R, BLOCK_C = row_tiles(B, C, _MAX_BLOCK_C * 2, _SINGLE_TILE, max_rows=512)
-        grid = (1,)
+        n_tiles = max(1, triton.cdiv(B, BLOCK_R))
+        tiles = triton.cdiv(n_tiles, _MAX_PROGRAMS)
+        grid = (triton.cdiv(n_tiles, tiles),)
+        parts = torch.empty(grid, dtype=torch.float64, device=logits.device)
+        counter = _counter(logits.device)
     nw = 8 if BLOCK_R * BLOCK_C >= 2048 else 4
     if reduction != 0 and BLOCK_R * BLOCK_C >= 8192:
         nw = _SINGLE_WARPS
-    _crm_fwd_kernel[grid](logits, cf_logits, labels, loss, stats, B, C,
+    _crm_fwd_kernel[grid](logits, cf_logits, labels, loss, stats, parts, counter, B, C, tiles,
                           *split_scalar(a1), *split_scalar(a2), REDUCTION=reduction,
-                          BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, ACC=acc_tl_dtype(logits), num_warps=nw)
+                          BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, BLOCK_P=_MAX_PROGRAMS, ACC=acc_tl_dtype(logits),
+                          num_warps=nw)
     return loss, stats
 
 

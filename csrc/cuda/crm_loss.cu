@@ -1,14 +1,26 @@
 // CRM loss forward / backward (docs/KERNELS.md "crm_loss"). Exactly one launch per call.
 // One row slot (tx threads, see common.cuh) per row; online softmax of logits and cf_logits in one
-// read each. reduction none: a grid over rows. mean/sum: ONE block of 1024 threads loops over all rows,
-// each row slot keeps its own running sum (double) of the row losses in row order, and thread 0 adds
-// the slots in slot order at the end -- deterministic, no atomics, no memset.
+// read each. reduction none: a grid over rows. mean/sum: blocks of 1024 threads (the same row slots
+// whatever B, so row losses and stats do not depend on the path); each slot keeps its own running sum
+// (double) of the row losses in row order and the block adds its slots in a fixed order (block_sum).
+// Up to kSingleMaxGroups row groups: one block loops over all rows and writes the loss. Larger B:
+// up to kMaxPartials blocks, each owning `chunk` consecutive row groups, write one partial (double)
+// each; the block that increments the completion counter last adds the partials in a fixed order
+// (block-index strided, then block_sum), writes the loss and resets the counter to 0. The summation
+// order depends only on B and C (not on timing or the GPU model): deterministic, no float atomics. No
+// memset per call: the counter, one per (device, stream), is zeroed once when made (completion_counter).
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "common.cuh"
 
@@ -16,20 +28,45 @@ namespace cat_fast {
 namespace cuda {
 namespace {
 
-constexpr int kBlock = 256;         // grid-over-rows kernels
-constexpr int kSingleBlock = 1024;  // the one block of a mean/sum forward
+constexpr int kBlock = 256;              // grid-over-rows kernels
+constexpr int kReduceBlock = 1024;       // the blocks of a mean/sum forward
+constexpr int64_t kSingleMaxGroups = 4;  // mean/sum over at most this many row groups: one block, no counter
+constexpr int64_t kMaxPartials = 1024;   // most blocks (partial sums) of a multi-block mean/sum
+
+// Sum of v over all threads of the block, valid in thread (0,0); fixed order. Every thread of the block
+// must call it. smem: one double per warp.
+__device__ __forceinline__ double block_sum(double v, double* smem) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += shfl_xor(v, o);
+  const int t = threadIdx.y * blockDim.x + threadIdx.x;
+  const int warps = static_cast<int>(blockDim.x * blockDim.y) >> 5;
+  __syncthreads();  // smem may still be read by a previous call
+  if ((t & 31) == 0) smem[t >> 5] = v;
+  __syncthreads();
+  double r = 0.0;
+  if (t == 0) {
+    for (int w = 0; w < warps; ++w) r += smem[w];
+  }
+  return r;
+}
 
 template <typename scalar_t>
-__global__ void __launch_bounds__(kSingleBlock) crm_loss_forward_kernel(
+__global__ void __launch_bounds__(kReduceBlock) crm_loss_forward_kernel(
     const scalar_t* __restrict__ logits, const scalar_t* __restrict__ cf_logits, const int64_t* __restrict__ labels,
-    acc_t<scalar_t>* __restrict__ loss, acc_t<scalar_t>* __restrict__ stats, int64_t B, int64_t C,
-    acc_t<scalar_t> a1, acc_t<scalar_t> a2, int reduction) {
+    acc_t<scalar_t>* __restrict__ loss, acc_t<scalar_t>* __restrict__ stats, double* __restrict__ partials,
+    int* __restrict__ counter, int64_t B, int64_t C, int64_t chunk, acc_t<scalar_t> a1, acc_t<scalar_t> a2,
+    int reduction) {
   using A = acc_t<scalar_t>;
-  __shared__ SoftmaxState<A> s_red[kSingleBlock / 32];
-  __shared__ double s_sum[kSingleBlock];  // one running sum per row slot (ty <= kSingleBlock)
-  double running = 0.0;                   // used by x == 0 of each slot when reduction != 0
+  __shared__ SoftmaxState<A> s_red[kReduceBlock / 32];
+  __shared__ double s_sum[kReduceBlock / 32];
+  __shared__ bool s_last;
+  double running = 0.0;  // used by x == 0 of each slot when reduction != 0
   const int64_t groups = (B + blockDim.y - 1) / blockDim.y;
-  for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {  // uniform trip count in the block
+  // none: grid-stride over row groups; mean/sum: `chunk` consecutive row groups per block
+  const int64_t g_begin = reduction == 0 ? blockIdx.x : static_cast<int64_t>(blockIdx.x) * chunk;
+  const int64_t g_end = reduction == 0 || g_begin + chunk > groups ? groups : g_begin + chunk;
+  const int64_t g_step = reduction == 0 ? gridDim.x : 1;
+  for (int64_t g = g_begin; g < g_end; g += g_step) {  // uniform trip count in the block
     const int64_t r = g * blockDim.y + threadIdx.y;
     const bool valid = r < B;
     const scalar_t* z = logits + (valid ? r : 0) * C;
@@ -64,15 +101,28 @@ __global__ void __launch_bounds__(kSingleBlock) crm_loss_forward_kernel(
       }
     }
   }
-  if (reduction != 0) {  // single-block launch: gridDim.x == 1
-    if (threadIdx.x == 0) s_sum[threadIdx.y] = running;
-    __syncthreads();
-    if (threadIdx.x == 0 && threadIdx.y == 0) {
-      double total = 0.0;
-      for (int k = 0; k < static_cast<int>(blockDim.y); ++k) total += s_sum[k];
-      if (reduction == 1) total /= static_cast<double>(B);  // B == 0 gives NaN, like torch's mean
-      loss[0] = static_cast<A>(total);
+  if (reduction == 0) return;
+  const bool lead = threadIdx.x == 0 && threadIdx.y == 0;
+  double total = block_sum(running, s_sum);
+  if (gridDim.x > 1) {  // the block that finishes last adds the partials of all blocks
+    if (lead) {
+      partials[blockIdx.x] = total;
+      __threadfence();  // the partial is visible before the count says so
+      s_last = atomicAdd(counter, 1) == static_cast<int>(gridDim.x) - 1;
+      if (s_last) __threadfence();
     }
+    __syncthreads();
+    if (!s_last) return;
+    const int t = threadIdx.y * blockDim.x + threadIdx.x;
+    const int nt = blockDim.x * blockDim.y;
+    double v = 0.0;
+    for (int k = t; k < static_cast<int>(gridDim.x); k += nt) v += __ldcg(partials + k);  // L2, not a stale L1
+    total = block_sum(v, s_sum);
+    if (lead) *counter = 0;  // ready for the next launch on this stream
+  }
+  if (lead) {
+    if (reduction == 1) total /= static_cast<double>(B);  // B == 0 gives NaN, like torch's mean
+    loss[0] = static_cast<A>(total);
   }
 }
 
@@ -153,18 +203,51 @@ void check_crm(const char* op, const at::Tensor& logits, const at::Tensor& cf_lo
               ": inputs must be contiguous");
 }
 
+// Completion counter of the multi-block mean/sum: 0 before every launch, since each launch's last
+// block sets it back to 0. One per (device, stream): launches on one stream run in order, launches on
+// different streams may overlap and must not share one. Made once (at::zeros: one memset, on the first
+// call only) and never freed (the map is leaked so it outlives the caching allocator). During CUDA-graph
+// capture a fresh zeroed counter is used instead: a captured memset only runs at replay, so a persistent
+// counter made then would not be zeroed for eager calls.
+at::Tensor completion_counter(const at::Tensor& like, const c10::cuda::CUDAStream& stream) {
+  const auto opts = like.options().dtype(at::kInt);
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+    return at::zeros({1}, opts);
+  }
+  static std::mutex mutex;
+  static auto* counters = new std::map<std::pair<int, int64_t>, at::Tensor>();
+  const std::lock_guard<std::mutex> lock(mutex);
+  at::Tensor& counter = (*counters)[{static_cast<int>(stream.device_index()), static_cast<int64_t>(stream.id())}];
+  if (!counter.defined()) counter = at::zeros({1}, opts);
+  return counter;
+}
+
 template <typename scalar_t>
 void launch_forward(const at::Tensor& logits, const at::Tensor& cf_logits, const at::Tensor& labels, at::Tensor& loss,
-                    at::Tensor& stats, double a1, double a2, int reduction, cudaStream_t stream) {
+                    at::Tensor& stats, double a1, double a2, int reduction, const c10::cuda::CUDAStream& stream) {
   using A = acc_t<scalar_t>;
   const int64_t B = logits.size(0), C = logits.size(1);
-  const bool single = reduction != 0;
-  const RowCfg cfg = single ? row_cfg(C, kSingleBlock, kSingleBlock) : row_cfg(C, kBlock);
-  const unsigned grid = single ? 1u : grid_for((B + cfg.ty - 1) / cfg.ty);
-  crm_loss_forward_kernel<scalar_t><<<grid, dim3(cfg.tx, cfg.ty), 0, stream>>>(
+  const bool reduce = reduction != 0;
+  const RowCfg cfg = reduce ? row_cfg(C, kReduceBlock, kReduceBlock) : row_cfg(C, kBlock);
+  const int64_t groups = (B + cfg.ty - 1) / cfg.ty;
+  unsigned grid = 1;
+  int64_t chunk = groups;
+  at::Tensor partials, counter;
+  if (!reduce) {
+    grid = grid_for(groups);
+    chunk = 0;
+  } else if (groups > kSingleMaxGroups) {
+    chunk = (groups + kMaxPartials - 1) / kMaxPartials;
+    grid = static_cast<unsigned>((groups + chunk - 1) / chunk);
+    partials = at::empty({static_cast<int64_t>(grid)}, logits.options().dtype(at::kDouble));
+    counter = completion_counter(logits, stream);
+  }
+  crm_loss_forward_kernel<scalar_t><<<grid, dim3(cfg.tx, cfg.ty), 0, stream.stream()>>>(
       logits.const_data_ptr<scalar_t>(), cf_logits.const_data_ptr<scalar_t>(), labels.const_data_ptr<int64_t>(),
-      loss.mutable_data_ptr<A>(), stats.mutable_data_ptr<A>(), B, C, static_cast<A>(a1), static_cast<A>(a2),
-      reduction);
+      loss.mutable_data_ptr<A>(), stats.mutable_data_ptr<A>(),
+      partials.defined() ? partials.mutable_data_ptr<double>() : nullptr,
+      counter.defined() ? counter.mutable_data_ptr<int>() : nullptr, B, C, chunk, static_cast<A>(a1),
+      static_cast<A>(a2), reduction);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -192,7 +275,7 @@ std::tuple<at::Tensor, at::Tensor> crm_loss_forward(const at::Tensor& logits, co
   at::Tensor stats = at::empty({B, 4}, acc_opts);
   at::Tensor loss = reduction == 0 ? at::empty({B}, acc_opts) : at::empty(std::vector<int64_t>{}, acc_opts);
   if (reduction == 0 && B == 0) return {loss, stats};  // mean/sum of nothing still runs (writes 0 / NaN)
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const c10::cuda::CUDAStream stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "crm_loss_forward_cuda", [&] {
     launch_forward<scalar_t>(logits, cf_logits, labels, loss, stats, a1, a2, static_cast<int>(reduction), stream);
   });

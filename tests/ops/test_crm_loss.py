@@ -4,7 +4,7 @@ import torch
 import cat_fast
 from cat_fast.ops import crm_loss, crm_weights
 
-from .conftest import assert_outputs_match, dtypes_for, noncontiguous, run, without_ties
+from .conftest import assert_outputs_match, dtypes_for, noncontiguous, run, tolerance, without_ties
 
 
 def _inputs(shape, dtype, device, seed):
@@ -35,6 +35,83 @@ def test_matches_reference(backend, device, shape, reduction, detach_weight, cli
         truth = outputs("reference", logits.double(), cf_logits.double())
         names = ("loss", "grad_logits", "grad_cf_logits")
         assert_outputs_match(names, outputs(backend, logits, cf_logits), outputs("reference", logits, cf_logits), truth, dtype)
+
+
+def _few_triton_programs(backend, device, monkeypatch):
+    """On the CPU (Triton interpreter) cap the mean/sum forward at 4 programs, so a few thousand rows
+    already give several programs, each over several row tiles."""
+    if backend == "triton" and device == "cpu":
+        from cat_fast.triton import crm_loss as triton_crm
+
+        monkeypatch.setattr(triton_crm, "_MAX_PROGRAMS", 4)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_large_batch_matches_reference(backend, device, reduction, monkeypatch):
+    """Batches large enough for the multi-block (CUDA) / multi-program (Triton) mean and sum: per-block
+    partial sums added by the block that finishes last."""
+    _few_triton_programs(backend, device, monkeypatch)
+    # cuda: C=3 -> 2344 groups of 256 rows, 782 blocks of 3 groups; C=300 -> 1000 blocks of one 3-row group;
+    # C=1000 -> one 1024-thread row per group, 1000 blocks of 2 groups
+    shapes = [(5000, 3), (700, 130)] if device == "cpu" else [(600_000, 3), (3000, 300), (2000, 1000)]
+    for shape in shapes:
+        for seed, dtype in enumerate(dtypes_for(device)[:2]):
+            logits, cf_logits, labels = _inputs(shape, dtype, device, seed)
+            got = run(backend, crm_loss, logits, cf_logits, labels, 0.5, 2.0, True, reduction)
+            truth = run("reference", crm_loss, logits.double(), cf_logits.double(), labels, 0.5, 2.0, True, reduction)
+            assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32) and got.shape == ()
+            torch.testing.assert_close(got.double(), truth, **tolerance(dtype), msg=lambda m: f"{shape} {dtype}: {m}")
+
+
+def test_large_batch_mean_is_bitwise_reproducible(backend, device, monkeypatch):
+    """Fixed summation order, no float atomics: repeated calls give the same bits, also after calls of other
+    sizes in between (each launch resets its completion counter) and, on CUDA, from two streams at once
+    (one counter per stream)."""
+    _few_triton_programs(backend, device, monkeypatch)
+    shape = (600_000, 3) if device == "cuda" else (5000, 3)
+    logits, cf_logits, labels = _inputs(shape, torch.float32, device, 11)
+
+    def loss(rows=shape[0]):
+        return run(backend, crm_loss, logits[:rows], cf_logits[:rows], labels[:rows], 0.0, 10.0, True, "mean")
+
+    first = loss()
+    truth = run("reference", crm_loss, logits.double(), cf_logits.double(), labels, 0.0, 10.0, True, "mean")
+    torch.testing.assert_close(first.double(), truth, **tolerance(torch.float32))
+    for rows in (100, shape[0] // 7, shape[0]):
+        got = loss(rows)
+        expected = run("reference", crm_loss, logits[:rows].double(), cf_logits[:rows].double(), labels[:rows],
+                       0.0, 10.0, True, "mean")
+        torch.testing.assert_close(got.double(), expected, **tolerance(torch.float32), msg=lambda m: f"{rows} rows: {m}")
+    assert torch.equal(loss(), first)
+    if device == "cuda":
+        main = torch.cuda.current_stream()
+        streams = (torch.cuda.Stream(), torch.cuda.Stream())
+        results = []
+        for stream in streams:
+            stream.wait_stream(main)
+        for _ in range(8):
+            for stream in streams:
+                with torch.cuda.stream(stream):
+                    results.append(loss())
+        for stream in streams:
+            main.wait_stream(stream)
+        torch.cuda.synchronize()
+        for got in results:
+            assert torch.equal(got, first)
+
+
+def test_cuda_row_values_do_not_depend_on_the_reduction_path(backend, device):
+    """The multi-block mean keeps the row slots of the single-block one (and, for C <= 256, of reduction
+    none): the same stats bits for the same rows."""
+    if backend != "cuda":
+        pytest.skip("row-slot layout of the CUDA kernels")
+    logits, cf_logits, labels = _inputs((600_000, 3), torch.float32, device, 12)
+    forward = cat_fast.ops._registry.kernels(backend).crm_loss_forward
+    _, stats = forward(logits, cf_logits, labels, 0.5, 2.0, 1, True)
+    _, stats_single = forward(logits[:1000], cf_logits[:1000], labels[:1000], 0.5, 2.0, 1, True)  # one block
+    _, stats_none = forward(logits, cf_logits, labels, 0.5, 2.0, 0, True)
+    assert torch.equal(stats[:1000], stats_single)
+    assert torch.equal(stats, stats_none)
 
 
 def test_detached_weight_gives_weighted_cross_entropy_gradient(backend, device):
