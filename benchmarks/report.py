@@ -208,8 +208,8 @@ def step_section(records):
     by_size = {}
     for e in steps:
         by_size.setdefault(e.get("size"), {})[e["method"]] = e
-    header = ["B×T", "method", "attn", "step ms", "tokens/s", "peak MiB", "time × (1)", "memory × (1)",
-              "FLOP × (1)", "model TFLOP/s"]
+    header = ["B×T", "method", "attn", "step ms", "tokens/s", "peak MiB", "time × (1)", "paired time × (1)",
+              "memory × (1)", "FLOP × (1)", "model TFLOP/s"]
     rows = []
     for size in sorted(by_size, key=size_key):
         methods = by_size[size]
@@ -224,8 +224,11 @@ def step_section(records):
                 continue
             time_ratio = e["step_ms"] / base["step_ms"] if base_ok else None
             mem_ratio = (e["peak_mib"] / base["peak_mib"]) if base_ok and e.get("peak_mib") and base.get("peak_mib") else None
+            paired = e.get("paired_ratio")
+            paired = fmt(paired, 2) + f" ({e['paired_step_ms']:.1f} / {e['paired_plain_ms']:.1f} ms)" if paired else "—"
             row += [fmt(e.get("step_ms"), 1), fmt(e.get("tokens_per_s"), 0), fmt(e.get("peak_mib"), 0),
-                    fmt(time_ratio, 2), fmt(mem_ratio, 2), fmt(e.get("flop_ratio"), 2), fmt(e.get("tflops_per_s"), 1)]
+                    fmt(time_ratio, 2), paired, fmt(mem_ratio, 2), fmt(e.get("flop_ratio"), 2),
+                    fmt(e.get("tflops_per_s"), 1)]
             rows.append(row)
     text = table(header, rows)
     largest = {}
@@ -239,7 +242,10 @@ def step_section(records):
     notes = [
         "Step = forward, loss, backward, AdamW step, zero_grad; bf16 autocast; median of "
         f"{timer} over {steps[0].get('timed_steps', '?')} steps after {steps[0].get('warmup_steps', '?')} warm-up steps. "
-        "Peak memory = torch.cuda.max_memory_allocated over the timed steps (weights, grads, AdamW state included).",
+        "Peak memory = torch.cuda.max_memory_allocated over the timed steps (weights, grads, AdamW state included). "
+        "`paired time × (1)`: the method and a plain SDPA step on a second model, timed in alternating blocks right "
+        "after (4 rounds); median method / median plain of that pair (both medians in parentheses). The small-batch "
+        "steps are host-bound and drift between cases; the pair shares the drift. The targets are read on it.",
         "FLOP × (1): matmul FLOPs from the config (forward 2·params·tokens + attention 4·B·T²·D·L, backward 2×), "
         "CAT adds per CAL step a forward + input-only backward of layers m+1..L (m = 9, the mean of {8, 9, 10}) and "
         "the final counterfactual forward, which runs without autograd (detached CRM weight). Counting a backward "

@@ -18,7 +18,9 @@ bf16 autocast, AdamW (fused on CUDA), B x T = 8x128, 32x128, 64x256; each sample
                  SDPA (the double backward only crosses the head); falls back to eager if SDPA refuses.
 
 Timing: >= 5 warm-up steps, then CUDA events around each of <= 25 timed steps (CAT_FAST_BENCH_STEP_WARMUP,
-CAT_FAST_BENCH_STEP_STEPS; defaults 5 and 20), median reported. Peak memory: torch.cuda.max_memory_allocated over
+CAT_FAST_BENCH_STEP_STEPS; defaults 5 and 20), median reported. Then, for every method but plain, a paired
+measurement: a plain SDPA step on its own model is built beside it and the two are timed in alternating blocks
+(4 rounds of steps/4 each, after warm-up); `paired_ratio` = median method / median plain of that pair. Peak memory: torch.cuda.max_memory_allocated over
 the timed steps (stats reset after warm-up; includes weights, grads and AdamW state). Errors and OOM are recorded
 per case (extra_info["error"]) and do not stop the run. FLOPs of plain and CAT from the config (see `model_flops`).
 `test_cat_host_sync` runs one CAT step (and, for attribution, one plain step) under
@@ -277,6 +279,39 @@ def time_steps(step, warmup, steps):
     return statistics.median(times), min(times), peak
 
 
+def _timed_block(step, n):
+    if DEVICE != "cuda":
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            step()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for start, end in zip(starts, ends):
+        start.record()
+        step()
+        end.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def time_paired(step, plain_step, warmup, steps, rounds=4):
+    """Median step time of `step` and of a plain step timed in alternating blocks (same process, same minutes):
+    the small-batch steps are host-bound and drift by up to ±20 % between runs, the pair does not."""
+    for _ in range(warmup):
+        plain_step()
+        step()
+    _sync()
+    per_round = max(1, steps // rounds)
+    times, plain_times = [], []
+    for _ in range(rounds):
+        plain_times += _timed_block(plain_step, per_round)
+        times += _timed_block(step, per_round)
+    return statistics.median(times), statistics.median(plain_times)
+
+
 def _attn_for(method):
     return "eager" if method == "gs_exact" else "sdpa"
 
@@ -312,6 +347,13 @@ def measure_step(method, size):
                 median_ms, min_ms, peak = time_steps(step, WARMUP, STEPS)
             config = model.config
             extra["attn"] = getattr(config, "_attn_implementation", attn)
+            if method != "plain":  # paired timing against a plain SDPA step built beside it
+                plain_model = make_model("sdpa")
+                plain_opt = make_optimizer(plain_model)
+                plain_step = make_step("plain", plain_model, plain_opt, batch, pairs)
+                paired_ms, plain_ms = time_paired(step, plain_step, WARMUP, STEPS)
+                extra.update(paired_step_ms=paired_ms, paired_plain_ms=plain_ms, paired_ratio=paired_ms / plain_ms)
+                plain_model = plain_opt = plain_step = None
             extra.update(step_ms=median_ms, step_min_ms=min_ms, peak_mib=peak,
                          tokens_per_s=batch_size * tokens / (median_ms * 1e-3))
             if method in ("plain", "naive_cat", "cat", "cat_eager") or method.startswith("gs_first_order"):

@@ -201,14 +201,14 @@ class GradientSupervision:
 
         pooled = self.layer is None
         with torch.enable_grad():
-            cap = models.capture(self.model, batch, 0 if pooled else self.layer, pooled=pooled)
+            exact = self.mode == "exact"
+            cap = models.capture(self.model, batch, None if pooled else self.layer, pooled=pooled, rng=not exact)
             x = cap.pooled if pooled else cap.hidden
             logits = models.logits_of(cap.outputs)
             z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
             ce = F.cross_entropy(z, labels)
             g_hat = (x.index_select(0, partner) - x).detach()
             score = self._score(logits, labels, partner).sum()
-            exact = self.mode == "exact"
             if pooled:
                 g = models.grad_wrt_pooled(score, cap, create_graph=exact)
             else:

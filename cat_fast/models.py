@@ -94,6 +94,7 @@ class ModelStructure:
     head: nn.Module
     head_name: str
     task: str  # "sequence_classification" | "question_answering"
+    checkpoint_flags: tuple = ()  # modules with a `gradient_checkpointing` attribute (Hugging Face's switch)
 
 
 @dataclass
@@ -203,6 +204,7 @@ def structure(model) -> ModelStructure:
         head=head,
         head_name=head_name,
         task=task,
+        checkpoint_flags=tuple(m for m in model.modules() if hasattr(m, "gradient_checkpointing")),
     )
     _STRUCTURES[model] = found
     return found
@@ -261,30 +263,31 @@ def _rng_set(device, state):
 
 
 def _check_trainable_forward(model, st):
-    on = False
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # newer name first
-        if hasattr(type(model), name):
-            on = getattr(model, name)
-            break
-    if on:
+    # Hugging Face's is_activation_checkpointing walks every module on each call (~1 ms of host time per
+    # step for BERT-base); the modules that carry the flag are found once, in `structure`.
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in st.checkpoint_flags):
         _fail(model, "gradient checkpointing re-runs layer forwards during backward; disable it for CAT/GS")
 
 
-def capture(model, batch, layer: int, *, pooled: bool = False) -> Capture:
+def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool = True) -> Capture:
     """Run the model's own forward once on `batch`, recording ``h_layer`` and what `resume` needs.
 
     `batch` may contain targets (`labels`, ...); they are not passed to the model. With ``pooled=True`` also
-    record the pooled representation (the input of the classification projection).
+    record the pooled representation (the input of the classification projection). ``layer=None`` (with
+    ``pooled=True``) records only the pooled representation: no hook on the encoder layers, less host work
+    (no `resume` from such a capture). ``rng=False``: no RNG states recorded (no same-dropout re-runs).
     """
     st = structure(model)
     _check_trainable_forward(model, st)
     L = st.num_layers
-    if not 0 <= layer <= L:
+    if layer is None and not pooled:
+        raise ValueError("capture(layer=None) records nothing unless pooled=True")
+    if layer is not None and not 0 <= layer <= L:
         raise ValueError(f"layer must be in [0, {L}] for {st.model_class}, got {layer}")
     inputs = model_inputs(batch)
     cap = Capture(layer=layer, hidden=None, outputs=None, inputs=inputs, training=model.training)
     calls = {"started": 0, "done": 0}
-    keep_rng = model.training
+    keep_rng = model.training and rng
 
     def pre(mod, args, kwargs):
         k = calls["started"]
@@ -316,18 +319,19 @@ def capture(model, batch, layer: int, *, pooled: bool = False) -> Capture:
 
     handles = []
     try:
-        for mod in st.layer_modules:
-            handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
-            handles.append(mod.register_forward_hook(post, with_kwargs=True))
-        if st.embeddings is not None:
-            handles.append(st.embeddings.register_forward_hook(emb_post))
+        if layer is not None:
+            for mod in st.layer_modules:
+                handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+                handles.append(mod.register_forward_hook(post, with_kwargs=True))
+            if st.embeddings is not None:
+                handles.append(st.embeddings.register_forward_hook(emb_post))
         if pooled:
             handles.append(st.head.register_forward_pre_hook(head_pre, with_kwargs=True))
         cap.outputs = model(**inputs)
     finally:
         for h in handles:
             h.remove()
-    if calls["started"] != L:
+    if layer is not None and calls["started"] != L:
         _fail(model, f"its layer list '{st.layer_list_name}' was called {calls['started']} times in one forward, "
                      f"expected {L} (config.num_hidden_layers)")
     if pooled and cap.head_input is None:

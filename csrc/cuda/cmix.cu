@@ -39,9 +39,17 @@
 
 #include <ATen/ops/empty.h>
 
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <initializer_list>
 #include <map>
 #include <mutex>
+#include <set>
+#include <string>
 #include <tuple>
+#include <type_traits>
 
 #include "common.cuh"
 
@@ -192,8 +200,8 @@ __global__ void __launch_bounds__(kBlock) cmix_backward_kernel(const scalar_t* _
 // ================================================================ tile kernels
 constexpr int kTileThreads = 256;  // most threads of a tile block
 constexpr int kTileMaxRows = 256;  // largest batch B of the tile path
-constexpr int kFwdRowsPerThread = 8;  // forward tile: B * W <= 8 * 256 packs (32 KiB of shared memory)
-constexpr int kBwdRowsPerThread = 4;  // backward tile: 2 x B * W <= 2 x 4 * 256 packs (32 KiB)
+constexpr int kFwdRowsPerThread = 8;  // default forward tile: B * W <= 8 * 256 packs (32 KiB of shared memory)
+constexpr int kBwdRowsPerThread = 4;  // default backward tile: 2 x B * W <= 2 x 4 * 256 packs (32 KiB)
 
 template <typename scalar_t, int V>
 using PackT = Pack<scalar_t, V>;
@@ -227,10 +235,13 @@ __device__ __forceinline__ PackT<scalar_t, V> lds_pack(const PackT<scalar_t, V>*
 extern __shared__ __align__(16) unsigned char cmix_tile_smem[];
 
 // out[i,t,:] = lam_it * h[partner[i],t,:] + (1 - lam_it) * h[i,t,:], tile by tile.
-// blockDim.x = threads = a multiple of 32 and of W = 1 << w_log2; shared memory B * W packs.
-// (64 registers, no spills at 4 blocks of 256 per SM: up to 4 x 32 KiB of loads in flight per SM.)
-template <typename scalar_t, int V, int P>
-__global__ void __launch_bounds__(kTileThreads, 4) cmix_forward_tile_kernel(
+// blockDim.x = threads = a multiple of 32 and of W = 1 << w_log2; a tile is B rows x W*K packs, shared
+// memory B * W * K packs. Each thread owns the K pack columns j, j + W, ..., j + (K-1) W of the chunk
+// (each load instruction of a warp stays W consecutive packs of a row) and up to P rows.
+// Default instantiation P = 8, K = 1, MINB = 4 (64 registers, no spills at 4 blocks of 256 per SM: up to
+// 4 x 32 KiB of loads in flight per SM); the others exist for CAT_FAST_CMIX_PLAN tuning.
+template <typename scalar_t, int V, int P, int K, int MINB>
+__global__ void __launch_bounds__(kTileThreads, MINB) cmix_forward_tile_kernel(
     const scalar_t* __restrict__ h, const acc_t<scalar_t>* __restrict__ lam, const int64_t* __restrict__ partner,
     scalar_t* __restrict__ out, int B, int64_t T, int64_t D, bool lam_per_token, int w_log2, int64_t chunks,
     int64_t tiles) {
@@ -242,9 +253,13 @@ __global__ void __launch_bounds__(kTileThreads, 4) cmix_forward_tile_kernel(
 
   const int tid = threadIdx.x;
   const int W = 1 << w_log2;
-  const int j = tid & (W - 1);        // pack column of the chunk owned by this thread
+  const int WK = W * K;               // packs per tile row
+  const int j = tid & (W - 1);        // first pack column of the chunk owned by this thread
   const int r = tid >> w_log2;        // first row owned by this thread
   const int R = blockDim.x >> w_log2; // row stride
+  // shared slot of (row r, column j) and slots between rows b and b + R (tid and blockDim.x when K == 1)
+  const int slot = K == 1 ? tid : r * WK + j;
+  const int qstride = K == 1 ? static_cast<int>(blockDim.x) : R * WK;
   const int64_t Dv = D / V;
   const int64_t row_step = int64_t(R) * T * Dv;  // packs between rows b and b + R of one token
   const Pk* __restrict__ hv = reinterpret_cast<const Pk*>(h);
@@ -257,17 +272,20 @@ __global__ void __launch_bounds__(kTileThreads, 4) cmix_forward_tile_kernel(
   }
 
   int64_t u = blockIdx.x;  // grid <= tiles
-  Pk regs[P];
+  Pk regs[P][K];
   A lam_r = A(0);
   // Issues the loads of tile u: this thread's packs of h, and lam[tid, t] (blockDim.x >= B).
   auto load = [&](int64_t tile) {
     const int64_t t = tile / chunks;
-    const int64_t jj = (tile - t * chunks) * W + j;
-    if (jj < Dv) {
-      const Pk* src = hv + (r * T + t) * Dv + jj;
+    const int64_t jj = (tile - t * chunks) * WK + j;
 #pragma unroll
-      for (int q = 0; q < P; ++q) {
-        if (r + q * R < B) regs[q] = src[q * row_step];
+    for (int kk = 0; kk < K; ++kk) {
+      if (jj + kk * W < Dv) {
+        const Pk* src = hv + (r * T + t) * Dv + jj + kk * W;
+#pragma unroll
+        for (int q = 0; q < P; ++q) {
+          if (r + q * R < B) regs[q][kk] = src[q * row_step];
+        }
       }
     }
     if (tid < B) lam_r = lam[lam_per_token ? tid * T + t : tid];
@@ -276,13 +294,15 @@ __global__ void __launch_bounds__(kTileThreads, 4) cmix_forward_tile_kernel(
 
   while (true) {
     const int64_t t = u / chunks;
-    const int64_t jj = (u - t * chunks) * W + j;
-    const bool col_ok = jj < Dv;  // the same for every row of this thread (and for its partner rows)
-    __syncthreads();              // the previous tile's readers are done with s_h / s_lam
-    if (col_ok) {
+    const int64_t jj = (u - t * chunks) * WK + j;
+    __syncthreads();  // the previous tile's readers are done with s_h / s_lam
 #pragma unroll
-      for (int q = 0; q < P; ++q) {
-        if (r + q * R < B) s_h[tid + q * blockDim.x] = regs[q];  // = s_h[b * W + j], b = r + q * R
+    for (int kk = 0; kk < K; ++kk) {
+      if (jj + kk * W < Dv) {  // the same for every row of this thread (and for its partner rows)
+#pragma unroll
+        for (int q = 0; q < P; ++q) {
+          if (r + q * R < B) s_h[slot + q * qstride + kk * W] = regs[q][kk];  // = s_h[b * WK + kk * W + j]
+        }
       }
     }
     if (tid < B) s_lam[tid] = lam_r;
@@ -291,20 +311,23 @@ __global__ void __launch_bounds__(kTileThreads, 4) cmix_forward_tile_kernel(
     const int64_t next = u + gridDim.x;
     if (next < tiles) load(next);  // in flight while this tile is computed and stored
 
-    if (col_ok) {
-      Pk* dst = ov + (r * T + t) * Dv + jj;
 #pragma unroll
-      for (int q = 0; q < P; ++q) {
-        const int b = r + q * R;
-        if (b < B) {
-          const A l = s_lam[b];
-          const A keep = A(1) - l;
-          A a[V], x[V], c[V];
-          widen<scalar_t, V>(lds_pack<scalar_t, V>(s_h, s_part[b] * W + j), a);
-          widen<scalar_t, V>(lds_pack<scalar_t, V>(s_h, tid + q * blockDim.x), x);
+    for (int kk = 0; kk < K; ++kk) {
+      if (jj + kk * W < Dv) {
+        Pk* dst = ov + (r * T + t) * Dv + jj + kk * W;
 #pragma unroll
-          for (int e = 0; e < V; ++e) c[e] = l * a[e] + keep * x[e];
-          dst[q * row_step] = narrow<scalar_t, V>(c);
+        for (int q = 0; q < P; ++q) {
+          const int b = r + q * R;
+          if (b < B) {
+            const A l = s_lam[b];
+            const A keep = A(1) - l;
+            A a[V], x[V], c[V];
+            widen<scalar_t, V>(lds_pack<scalar_t, V>(s_h, s_part[b] * WK + kk * W + j), a);
+            widen<scalar_t, V>(lds_pack<scalar_t, V>(s_h, slot + q * qstride + kk * W), x);
+#pragma unroll
+            for (int e = 0; e < V; ++e) c[e] = l * a[e] + keep * x[e];
+            dst[q * row_step] = narrow<scalar_t, V>(c);
+          }
         }
       }
     }
@@ -317,10 +340,13 @@ __global__ void __launch_bounds__(kTileThreads, 4) cmix_forward_tile_kernel(
 //   grad_h[k,t,:] = (1 - lam_kt) grad[k,t,:] + sum_{i : partner[i]==k, i ascending} lam_it grad[i,t,:]
 //   lam_out[s, k, t] = sum over the unit's d of (h[partner[k],t,d] - h[k,t,d]) grad[k,t,d]
 // (lam_out is grad_lam itself when S == 1, else the [S,B,T] workspace of cmix_lam_split_sum_kernel.)
-// Shared memory: grad tile then h tile, B * W packs each. (~105-127 registers, no spills: 2 blocks of
-// 256 per SM, each with its next chunk's 32 KiB of loads in flight; 3 blocks per SM would spill.)
-template <typename scalar_t, int V, int P>
-__global__ void __launch_bounds__(kTileThreads, 2) cmix_backward_tile_kernel(
+// Shared memory: grad tile then h tile, B * W * K packs each; thread columns as in the forward tile kernel.
+// Default instantiation P = 4, K = 1, MINB = 2 (~105-127 registers, no spills: 2 blocks of 256 per SM,
+// each with its next chunk's 32 KiB of loads in flight; 3 blocks per SM would spill); the others exist
+// for CAT_FAST_CMIX_PLAN tuning. The dot product of a row is summed per thread over its chunks in order
+// and, within a chunk, over its K columns in order, then over the W lanes.
+template <typename scalar_t, int V, int P, int K, int MINB>
+__global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
     const scalar_t* __restrict__ grad, const scalar_t* __restrict__ h, const acc_t<scalar_t>* __restrict__ lam,
     const int64_t* __restrict__ partner, scalar_t* __restrict__ grad_h, acc_t<scalar_t>* __restrict__ lam_out, int B,
     int64_t T, int64_t D, bool lam_per_token, int w_log2, int64_t chunks, int S) {
@@ -336,8 +362,11 @@ __global__ void __launch_bounds__(kTileThreads, 2) cmix_backward_tile_kernel(
   const int j = tid & (W - 1);
   const int r = tid >> w_log2;
   const int R = blockDim.x >> w_log2;
+  const int WK = W * K;        // packs per tile row
+  const int slot = K == 1 ? tid : r * WK + j;  // as in the forward tile kernel
+  const int qstride = K == 1 ? static_cast<int>(blockDim.x) : R * WK;
   Pk* s_g = reinterpret_cast<Pk*>(cmix_tile_smem);
-  Pk* s_h = s_g + B * W;
+  Pk* s_h = s_g + B * WK;
   const int64_t Dv = D / V;
   const int64_t units = T * S;
   const int64_t row_step = int64_t(R) * T * Dv;  // packs between rows b and b + R of one token
@@ -402,17 +431,20 @@ __global__ void __launch_bounds__(kTileThreads, 2) cmix_backward_tile_kernel(
   int64_t c = s * chunks / S;
   int64_t c_end = (s + 1) * chunks / S;
 
-  Pk gr[P], hr[P];
+  Pk gr[P][K], hr[P][K];
   A lam_r = A(0);
   auto load = [&](int64_t tt, int64_t cc) {
-    const int64_t jj = cc * W + j;
-    if (jj < Dv) {
-      const int64_t o = (r * T + tt) * Dv + jj;
+    const int64_t jj = cc * WK + j;
 #pragma unroll
-      for (int q = 0; q < P; ++q) {
-        if (r + q * R < B) {
-          gr[q] = gv[o + q * row_step];
-          hr[q] = hv[o + q * row_step];
+    for (int kk = 0; kk < K; ++kk) {
+      if (jj + kk * W < Dv) {
+        const int64_t o = (r * T + tt) * Dv + jj + kk * W;
+#pragma unroll
+        for (int q = 0; q < P; ++q) {
+          if (r + q * R < B) {
+            gr[q][kk] = gv[o + q * row_step];
+            hr[q][kk] = hv[o + q * row_step];
+          }
         }
       }
     }
@@ -425,15 +457,17 @@ __global__ void __launch_bounds__(kTileThreads, 2) cmix_backward_tile_kernel(
   for (int q = 0; q < P; ++q) gl[q] = A(0);
 
   while (true) {
-    const int64_t jj = c * W + j;
-    const bool col_ok = jj < Dv;
+    const int64_t jj = c * WK + j;
     __syncthreads();  // the previous chunk's readers are done with the tiles / s_lam
-    if (col_ok) {
 #pragma unroll
-      for (int q = 0; q < P; ++q) {
-        if (r + q * R < B) {  // slot b * W + j, b = r + q * R
-          s_g[tid + q * blockDim.x] = gr[q];
-          s_h[tid + q * blockDim.x] = hr[q];
+    for (int kk = 0; kk < K; ++kk) {
+      if (jj + kk * W < Dv) {
+#pragma unroll
+        for (int q = 0; q < P; ++q) {
+          if (r + q * R < B) {  // slot b * WK + kk * W + j, b = r + q * R
+            s_g[slot + q * qstride + kk * W] = gr[q][kk];
+            s_h[slot + q * qstride + kk * W] = hr[q][kk];
+          }
         }
       }
     }
@@ -453,35 +487,39 @@ __global__ void __launch_bounds__(kTileThreads, 2) cmix_backward_tile_kernel(
     const bool more = nu < units;
     if (more) load(nt, nc);  // in flight while this chunk is computed and stored
 
-    if (col_ok) {
-      Pk* dst = ghv + (r * T + t) * Dv + jj;
 #pragma unroll
-      for (int q = 0; q < P; ++q) {
-        const int b = r + q * R;
-        if (b < B) {
-          const A lk = s_lam[b];
-          const A keep = A(1) - lk;
-          A g0[V], a[V], x[V], acc[V];
-          widen<scalar_t, V>(lds_pack<scalar_t, V>(s_g, tid + q * blockDim.x), g0);
-          widen<scalar_t, V>(lds_pack<scalar_t, V>(s_h, s_part[b] * W + j), a);
-          widen<scalar_t, V>(lds_pack<scalar_t, V>(s_h, tid + q * blockDim.x), x);
-          A dot = A(0);
+    for (int kk = 0; kk < K; ++kk) {
+      if (jj + kk * W < Dv) {  // the same for every row of this thread (and for its partner / match rows)
+        Pk* dst = ghv + (r * T + t) * Dv + jj + kk * W;
+        const int col = kk * W + j;  // column of the tile
 #pragma unroll
-          for (int e = 0; e < V; ++e) {
-            acc[e] = keep * g0[e];
-            dot += (a[e] - x[e]) * g0[e];
+        for (int q = 0; q < P; ++q) {
+          const int b = r + q * R;
+          if (b < B) {
+            const A lk = s_lam[b];
+            const A keep = A(1) - lk;
+            A g0[V], a[V], x[V], acc[V];
+            widen<scalar_t, V>(lds_pack<scalar_t, V>(s_g, slot + q * qstride + kk * W), g0);
+            widen<scalar_t, V>(lds_pack<scalar_t, V>(s_h, s_part[b] * WK + col), a);
+            widen<scalar_t, V>(lds_pack<scalar_t, V>(s_h, slot + q * qstride + kk * W), x);
+            A dot = A(0);
+#pragma unroll
+            for (int e = 0; e < V; ++e) {
+              acc[e] = keep * g0[e];
+              dot += (a[e] - x[e]) * g0[e];
+            }
+            gl[q] += dot;
+            const int m1 = s_off[b + 1];
+            for (int m = s_off[b]; m < m1; ++m) {
+              const int i = s_list[m];
+              const A li = s_lam[i];
+              A gi[V];
+              widen<scalar_t, V>(lds_pack<scalar_t, V>(s_g, i * WK + col), gi);
+#pragma unroll
+              for (int e = 0; e < V; ++e) acc[e] += li * gi[e];
+            }
+            dst[q * row_step] = narrow<scalar_t, V>(acc);
           }
-          gl[q] += dot;
-          const int m1 = s_off[b + 1];
-          for (int m = s_off[b]; m < m1; ++m) {
-            const int i = s_list[m];
-            const A li = s_lam[i];
-            A gi[V];
-            widen<scalar_t, V>(lds_pack<scalar_t, V>(s_g, i * W + j), gi);
-#pragma unroll
-            for (int e = 0; e < V; ++e) acc[e] += li * gi[e];
-          }
-          dst[q * row_step] = narrow<scalar_t, V>(acc);
         }
       }
     }
@@ -516,54 +554,334 @@ __global__ void cmix_lam_split_sum_kernel(const A* __restrict__ ws, A* __restric
   }
 }
 
-// Tile geometry for a batch of B rows of Dv packs, rows_per_thread = P of the kernel.
+// Tile geometry for a batch of B rows of Dv packs: rows_per_thread = P of the kernel, packs = K.
 struct TilePlan {
-  int w_log2;      // W = 1 << w_log2 packs per row chunk (<= 32: one aligned lane segment of a warp)
+  int w_log2;      // W = 1 << w_log2 lanes per row chunk (<= 32: one aligned lane segment of a warp)
+  int packs;       // K pack columns per thread and row: a chunk is W * K packs
   int threads;     // block size: a multiple of 32 and of W, >= B
-  int64_t chunks;  // chunks per token position, ceil(Dv / W)
-  size_t smem;     // bytes of one B x W pack tile
+  int64_t chunks;  // chunks per token position, ceil(Dv / (W * K))
+  size_t smem;     // bytes of one B x (W * K) pack tile
 };
 
+// w_force (CAT_FAST_CMIX_PLAN): a power of two <= 32 used instead of the heuristic W, unless it would
+// need more than rows_per_thread rows a thread (then the heuristic W is kept).
 template <typename scalar_t, int V>
-bool plan_tiles(int64_t B, int64_t Dv, int rows_per_thread, TilePlan& plan) {
-  if (B < 1 || B > kTileMaxRows || Dv < 1) return false;
+bool plan_tiles(int64_t B, int64_t Dv, int rows_per_thread, TilePlan& plan, int packs = 1, int w_force = 0) {
+  if (B < 1 || B > kTileMaxRows || Dv < 1 || packs < 1) return false;
+  const int64_t K = packs;
   int64_t w = 32;
-  while (w > 1 && w / 2 >= Dv) w /= 2;  // no wider than the row
+  while (w > 1 && w * K / 2 >= Dv) w /= 2;  // no wider than the row
   while (w > 1 && B * w > int64_t(rows_per_thread) * kTileThreads) w /= 2;  // <= rows_per_thread rows a thread
   // a narrower chunk when the last one would leave more than 1/8 of the row's packs padding
-  while (w > 4 && Dv % w != 0 && ((Dv + w - 1) / w * w - Dv) * 8 > Dv) w /= 2;
+  while (w > 4 && Dv % (w * K) != 0 && ((Dv + w * K - 1) / (w * K) * (w * K) - Dv) * 8 > Dv) w /= 2;
+  if (w_force >= 1 && w_force <= 32 && (w_force & (w_force - 1)) == 0 &&
+      B * w_force <= int64_t(rows_per_thread) * kTileThreads) {
+    w = w_force;
+  }
   const int64_t rows = B < kTileThreads / w ? B : kTileThreads / w;  // rows in flight per pass
   const int64_t threads = (rows * w + 31) / 32 * 32;                  // <= kTileThreads
   if (B > (threads / w) * rows_per_thread) return false;              // not reached for B <= kTileMaxRows
   int w_log2 = 0;
   while ((int64_t(1) << w_log2) < w) ++w_log2;
   plan.w_log2 = w_log2;
+  plan.packs = packs;
   plan.threads = static_cast<int>(threads);
-  plan.chunks = (Dv + w - 1) / w;
-  plan.smem = static_cast<size_t>(B * w) * sizeof(Pack<scalar_t, V>);
+  plan.chunks = (Dv + w * K - 1) / (w * K);
+  plan.smem = static_cast<size_t>(B * w * K) * sizeof(Pack<scalar_t, V>);
   return true;
 }
 
-// Blocks of `kernel` (threads, smem) resident on the whole (current) device at once; the occupancy
-// query is cached per (kernel, device, threads, smem).
+// Blocks of `kernel` (threads, smem) resident per SM (0: it cannot run so); the occupancy query is
+// cached per (kernel, device, threads, smem). strict: a failing query raises, else it reads as 0.
 template <typename Kernel>
-int64_t resident_blocks(Kernel kernel, int threads, size_t smem) {
+int blocks_per_sm(Kernel kernel, int threads, size_t smem, bool strict = true) {
   static std::mutex mutex;
-  static std::map<std::tuple<const void*, int, int, size_t>, int64_t> cache;
+  static std::map<std::tuple<const void*, int, int, size_t>, int> cache;
   const int device = c10::cuda::current_device();
   const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), device, threads, smem);
   std::lock_guard<std::mutex> lock(mutex);
   const auto found = cache.find(key);
   if (found != cache.end()) return found->second;
   int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
-  const int64_t resident =
-      int64_t(per_sm > 0 ? per_sm : 1) * at::cuda::getDeviceProperties(device)->multiProcessorCount;
-  cache.emplace(key, resident);
-  return resident;
+  if (strict) {
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  } else if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess) {
+    (void)cudaGetLastError();
+    per_sm = 0;
+  }
+  cache.emplace(key, per_sm);
+  return per_sm;
+}
+
+int64_t sm_count() {
+  return at::cuda::getDeviceProperties(c10::cuda::current_device())->multiProcessorCount;
+}
+
+// Blocks of `kernel` (threads, smem) resident on the whole (current) device at once.
+template <typename Kernel>
+int64_t resident_blocks(Kernel kernel, int threads, size_t smem) {
+  const int per_sm = blocks_per_sm(kernel, threads, smem);
+  return int64_t(per_sm > 0 ? per_sm : 1) * sm_count();
+}
+
+// Whether `kernel` can be launched with `smem` bytes of dynamic shared memory on the current device
+// (static + dynamic <= the opt-in limit per block); raises the kernel's dynamic shared memory limit
+// (needed above 48 KiB) when it is below `smem`. Never raises; cached per (kernel, device, smem).
+template <typename Kernel>
+bool dynamic_smem_ok(Kernel kernel, size_t smem) {
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, int, size_t>, bool> cache;
+  const int device = c10::cuda::current_device();
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), device, smem);
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto found = cache.find(key);
+  if (found != cache.end()) return found->second;
+  cudaFuncAttributes attr;
+  bool ok = cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(kernel)) == cudaSuccess;
+  if (ok && smem > static_cast<size_t>(attr.maxDynamicSharedSizeBytes)) {
+    const size_t optin = at::cuda::getDeviceProperties(device)->sharedMemPerBlockOptin;
+    ok = attr.sharedSizeBytes + smem <= optin &&
+         cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(smem)) == cudaSuccess;
+  }
+  if (!ok) (void)cudaGetLastError();
+  cache.emplace(key, ok);
+  return ok;
+}
+
+// ================================================================ tuning overrides
+// CAT_FAST_CMIX_PLAN="key=value,key=value,..." (',' or ';' between items; any subset), read once per
+// process, for tuning the tile plan without rebuilding (benchmarks/cmix_sweep.py). Keys:
+//   fwd_w, bwd_w          W, lanes per row chunk: 1, 2, 4, 8, 16, 32. Used when B * W <= rows * 256,
+//                         else the heuristic W (for the rows per thread in use) is kept.
+//   fwd_rows, bwd_rows    P, the rows per thread the kernel is compiled for: 2, 4, 8.
+//   fwd_packs, bwd_packs  K, 16-byte pack columns per thread and row (a chunk is W * K packs): 1, 2.
+//   bwd_minb              min blocks per SM of the backward's __launch_bounds__ (register cap):
+//                         1, 2 or 3 where instantiated (see backward_tile_kernel_for), else the default.
+//   fwd_bps, bwd_bps      at most this many resident blocks per SM (grid cap): 1..64.
+//   bwd_split             S, d-splits per token (capped to the chunks), instead of the fill rule.
+//   fill                  the fill threshold of the split rule: [0, 1].
+//   verbose               1: print the plan of each (op, dtype, shape) once to stderr.
+// float / bfloat16 / half have every (P, K) variant; double only the default kernels. Malformed or
+// out-of-range items are ignored (one note on stderr); an override that does not fit a launch
+// (variant not instantiated, shared memory over the device limit, no resident block) falls back to
+// the default plan for that launch. Unset or empty: the default plan, unchanged.
+struct PlanOverride {
+  int fwd_w = 0, bwd_w = 0, fwd_rows = 0, bwd_rows = 0, fwd_packs = 0, bwd_packs = 0, bwd_minb = 0;
+  int fwd_bps = 0, bwd_bps = 0, bwd_split = 0;
+  double fill = -1.0;  // < 0: default
+  bool verbose = false;
+  bool fwd() const { return fwd_w || fwd_rows || fwd_packs || fwd_bps; }
+  bool bwd() const { return bwd_w || bwd_rows || bwd_packs || bwd_minb || bwd_bps || bwd_split || fill >= 0; }
+};
+
+std::string trim(const std::string& s) {
+  const size_t b = s.find_first_not_of(" \t\r\n");
+  if (b == std::string::npos) return "";
+  const size_t e = s.find_last_not_of(" \t\r\n");
+  return s.substr(b, e - b + 1);
+}
+
+bool parse_int(const std::string& v, long lo, long hi, int& out) {
+  if (v.empty()) return false;
+  char* end = nullptr;
+  errno = 0;
+  const long x = std::strtol(v.c_str(), &end, 10);
+  if (errno != 0 || end == v.c_str() || *end != '\0' || x < lo || x > hi) return false;
+  out = static_cast<int>(x);
+  return true;
+}
+
+bool parse_one_of(const std::string& v, std::initializer_list<int> allowed, int& out) {
+  int x = 0;
+  if (!parse_int(v, INT32_MIN, INT32_MAX, x)) return false;
+  for (int a : allowed) {
+    if (x == a) {
+      out = x;
+      return true;
+    }
+  }
+  return false;
+}
+
+bool parse_unit(const std::string& v, double& out) {
+  if (v.empty()) return false;
+  char* end = nullptr;
+  errno = 0;
+  const double x = std::strtod(v.c_str(), &end);
+  if (errno != 0 || end == v.c_str() || *end != '\0' || !std::isfinite(x) || x < 0.0 || x > 1.0) return false;
+  out = x;
+  return true;
+}
+
+PlanOverride parse_plan(const char* env) {
+  PlanOverride o;
+  if (env == nullptr) return o;
+  const std::string spec(env);
+  std::string bad;
+  size_t pos = 0;
+  while (pos <= spec.size()) {
+    size_t end = spec.find_first_of(",;", pos);
+    if (end == std::string::npos) end = spec.size();
+    const std::string item = trim(spec.substr(pos, end - pos));
+    pos = end + 1;
+    if (item.empty()) continue;
+    const size_t eq = item.find('=');
+    const std::string key = trim(item.substr(0, eq));
+    const std::string val = eq == std::string::npos ? "" : trim(item.substr(eq + 1));
+    bool ok = false;
+    int flag = 0;
+    if (key == "fwd_w") ok = parse_one_of(val, {1, 2, 4, 8, 16, 32}, o.fwd_w);
+    else if (key == "bwd_w") ok = parse_one_of(val, {1, 2, 4, 8, 16, 32}, o.bwd_w);
+    else if (key == "fwd_rows") ok = parse_one_of(val, {2, 4, 8}, o.fwd_rows);
+    else if (key == "bwd_rows") ok = parse_one_of(val, {2, 4, 8}, o.bwd_rows);
+    else if (key == "fwd_packs") ok = parse_one_of(val, {1, 2}, o.fwd_packs);
+    else if (key == "bwd_packs") ok = parse_one_of(val, {1, 2}, o.bwd_packs);
+    else if (key == "bwd_minb") ok = parse_one_of(val, {1, 2, 3}, o.bwd_minb);
+    else if (key == "fwd_bps") ok = parse_int(val, 1, 64, o.fwd_bps);
+    else if (key == "bwd_bps") ok = parse_int(val, 1, 64, o.bwd_bps);
+    else if (key == "bwd_split") ok = parse_int(val, 1, 1 << 20, o.bwd_split);
+    else if (key == "fill") ok = parse_unit(val, o.fill);
+    else if (key == "verbose") {
+      ok = parse_one_of(val, {0, 1}, flag);
+      if (ok) o.verbose = flag == 1;
+    }
+    if (!ok) bad += (bad.empty() ? "" : ", ") + item;
+  }
+  if (!bad.empty()) std::fprintf(stderr, "cat_fast: CAT_FAST_CMIX_PLAN: ignored %s\n", bad.c_str());
+  return o;
+}
+
+const PlanOverride& plan_override() {
+  static const PlanOverride o = parse_plan(std::getenv("CAT_FAST_CMIX_PLAN"));
+  return o;
+}
+
+// One line per distinct plan description (verbose=1).
+void print_plan_once(const std::string& line) {
+  static std::mutex mutex;
+  static std::set<std::string> seen;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (seen.insert(line).second) {
+    std::fprintf(stderr, "%s\n", line.c_str());
+    std::fflush(stderr);
+  }
+}
+
+template <typename scalar_t>
+std::string plan_line(const char* op, int64_t B, int64_t T, int64_t D, const TilePlan& plan, int P, int minb,
+                      int per_sm, int64_t grid, int64_t work, int64_t S, const std::string& source) {
+  char buf[512];
+  std::snprintf(buf, sizeof(buf),
+                "cat_fast cmix plan: %s %s [%lld,%lld,%lld]: W=%d K=%d rows=%d minb=%d threads=%d smem=%zu "
+                "blocks/SM=%d grid=%lld %s=%lld S=%lld (%s)",
+                op, c10::toString(c10::CppTypeToScalarType<scalar_t>::value), static_cast<long long>(B),
+                static_cast<long long>(T), static_cast<long long>(D), 1 << plan.w_log2, plan.packs, P, minb,
+                plan.threads, plan.smem, per_sm, static_cast<long long>(grid), S > 0 ? "units" : "tiles",
+                static_cast<long long>(work), static_cast<long long>(S > 0 ? S : 1), source.c_str());
+  return buf;
+}
+
+// ---------------------------------------------------------------- tile kernel variants
+template <typename scalar_t>
+using FwdTileKernel = void (*)(const scalar_t*, const acc_t<scalar_t>*, const int64_t*, scalar_t*, int, int64_t,
+                               int64_t, bool, int, int64_t, int64_t);
+template <typename scalar_t>
+using BwdTileKernel = void (*)(const scalar_t*, const scalar_t*, const acc_t<scalar_t>*, const int64_t*,
+                               scalar_t*, acc_t<scalar_t>*, int, int64_t, int64_t, bool, int, int64_t, int);
+
+// __launch_bounds__ min blocks: forward 4 (64 registers) up to 8 packs of loads a thread, else 2;
+// backward (2 tiles) 2 up to 4 packs per tile a thread, else 1.
+constexpr int fwd_min_blocks(int P, int K) { return P * K <= 8 ? 4 : 2; }
+constexpr int bwd_default_min_blocks(int P, int K) { return P * K >= 8 ? 1 : 2; }
+
+// The instantiated (P, K) of the forward; nullptr where not instantiated. Default first.
+template <typename scalar_t, int V>
+FwdTileKernel<scalar_t> forward_tile_kernel_for(int P, int K) {
+#define CAT_FAST_CMIX_FWD(P_, K_) \
+  if (P == P_ && K == K_) return cmix_forward_tile_kernel<scalar_t, V, P_, K_, fwd_min_blocks(P_, K_)>;
+  CAT_FAST_CMIX_FWD(kFwdRowsPerThread, 1)
+  if constexpr (!std::is_same<scalar_t, double>::value) {  // tuning alternatives
+    CAT_FAST_CMIX_FWD(2, 1)
+    CAT_FAST_CMIX_FWD(4, 1)
+    CAT_FAST_CMIX_FWD(2, 2)
+    CAT_FAST_CMIX_FWD(4, 2)
+    CAT_FAST_CMIX_FWD(8, 2)
+  }
+#undef CAT_FAST_CMIX_FWD
+  return nullptr;
+}
+
+// The instantiated (P, K, MINB) of the backward; nullptr where not instantiated. Default first. MINB
+// choices by packs a thread and tile P * K: 2 -> {2, 3}, 4 -> {1, 2}, 8 -> {1}.
+template <typename scalar_t, int V>
+BwdTileKernel<scalar_t> backward_tile_kernel_for(int P, int K, int M) {
+#define CAT_FAST_CMIX_BWD(P_, K_, M_) \
+  if (P == P_ && K == K_ && M == M_) return cmix_backward_tile_kernel<scalar_t, V, P_, K_, M_>;
+  CAT_FAST_CMIX_BWD(kBwdRowsPerThread, 1, 2)
+  if constexpr (!std::is_same<scalar_t, double>::value) {  // tuning alternatives
+    CAT_FAST_CMIX_BWD(2, 1, 2)
+    CAT_FAST_CMIX_BWD(2, 1, 3)
+    CAT_FAST_CMIX_BWD(4, 1, 1)
+    CAT_FAST_CMIX_BWD(2, 2, 1)
+    CAT_FAST_CMIX_BWD(2, 2, 2)
+    CAT_FAST_CMIX_BWD(8, 1, 1)
+    CAT_FAST_CMIX_BWD(4, 2, 1)
+  }
+#undef CAT_FAST_CMIX_BWD
+  return nullptr;
 }
 
 // ================================================================ launchers
+template <typename scalar_t>
+void run_forward_tiles(FwdTileKernel<scalar_t> kernel, const TilePlan& plan, int64_t resident, const scalar_t* hp,
+                       const acc_t<scalar_t>* lp, const int64_t* pp, scalar_t* op, int64_t B, int64_t T, int64_t D,
+                       bool per_token, cudaStream_t stream, int64_t& grid_out) {
+  const int64_t tiles = T * plan.chunks;
+  const unsigned grid = grid_for(tiles < resident ? tiles : resident);
+  kernel<<<grid, plan.threads, plan.smem, stream>>>(hp, lp, pp, op, static_cast<int>(B), T, D, per_token,
+                                                     plan.w_log2, plan.chunks, tiles);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  grid_out = grid;
+}
+
+// The forward tile launch under CAT_FAST_CMIX_PLAN; false (nothing launched) where it does not apply.
+template <typename scalar_t, int V>
+bool launch_forward_override(const PlanOverride& ov, const scalar_t* hp, const acc_t<scalar_t>* lp,
+                             const int64_t* pp, scalar_t* op, int64_t B, int64_t T, int64_t D, bool per_token,
+                             cudaStream_t stream) {
+  const int P = ov.fwd_rows ? ov.fwd_rows : kFwdRowsPerThread;
+  const int K = ov.fwd_packs ? ov.fwd_packs : 1;
+  std::string why;
+  TilePlan plan;
+  auto kernel = forward_tile_kernel_for<scalar_t, V>(P, K);
+  int per_sm = 0;
+  if (kernel == nullptr) {
+    why = "fwd_rows/fwd_packs not instantiated for this dtype";
+  } else if (!plan_tiles<scalar_t, V>(B, D / V, P, plan, K, ov.fwd_w)) {
+    why = "no tile plan";
+  } else if (!dynamic_smem_ok(kernel, plan.smem)) {
+    why = "shared memory over the device limit";
+  } else if ((per_sm = blocks_per_sm(kernel, plan.threads, plan.smem, /*strict=*/false)) < 1) {
+    why = "no resident block";
+  }
+  if (!why.empty()) {
+    if (ov.verbose) print_plan_once(std::string("cat_fast cmix plan: forward override not applied (") + why + ")");
+    return false;
+  }
+  if (ov.fwd_bps > 0 && ov.fwd_bps < per_sm) per_sm = ov.fwd_bps;
+  int64_t grid = 0;
+  run_forward_tiles<scalar_t>(kernel, plan, int64_t(per_sm) * sm_count(), hp, lp, pp, op, B, T, D, per_token, stream,
+                              grid);
+  if (ov.verbose) {
+    std::string source = "override";
+    if (ov.fwd_w && (1 << plan.w_log2) != ov.fwd_w) source += ", fwd_w ignored: B * W > rows * 256";
+    print_plan_once(plan_line<scalar_t>("forward", B, T, D, plan, P, fwd_min_blocks(P, K), per_sm, grid,
+                                        T * plan.chunks, 0, source));
+  }
+  return true;
+}
+
 template <typename scalar_t>
 void launch_forward(const at::Tensor& h, const at::Tensor& lam, const at::Tensor& partner, at::Tensor& out,
                     bool per_token, cudaStream_t stream) {
@@ -576,16 +894,22 @@ void launch_forward(const at::Tensor& h, const at::Tensor& lam, const at::Tensor
   const int64_t* pp = partner.const_data_ptr<int64_t>();
   scalar_t* op = out.mutable_data_ptr<scalar_t>();
 
-  TilePlan plan;
-  if (vec && plan_tiles<scalar_t, V>(B, D / V, kFwdRowsPerThread, plan)) {
-    auto kernel = cmix_forward_tile_kernel<scalar_t, V, kFwdRowsPerThread>;
-    const int64_t tiles = T * plan.chunks;
-    const int64_t resident = resident_blocks(kernel, plan.threads, plan.smem);
-    const unsigned grid = grid_for(tiles < resident ? tiles : resident);
-    kernel<<<grid, plan.threads, plan.smem, stream>>>(hp, lp, pp, op, static_cast<int>(B), T, D, per_token,
-                                                       plan.w_log2, plan.chunks, tiles);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return;
+  if (vec) {
+    const PlanOverride& ov = plan_override();
+    if (ov.fwd() && launch_forward_override<scalar_t, V>(ov, hp, lp, pp, op, B, T, D, per_token, stream)) return;
+    TilePlan plan;
+    if (plan_tiles<scalar_t, V>(B, D / V, kFwdRowsPerThread, plan)) {
+      auto kernel = cmix_forward_tile_kernel<scalar_t, V, kFwdRowsPerThread, 1, fwd_min_blocks(kFwdRowsPerThread, 1)>;
+      const int64_t resident = resident_blocks(kernel, plan.threads, plan.smem);
+      int64_t grid = 0;
+      run_forward_tiles<scalar_t>(kernel, plan, resident, hp, lp, pp, op, B, T, D, per_token, stream, grid);
+      if (ov.verbose) {
+        print_plan_once(plan_line<scalar_t>("forward", B, T, D, plan, kFwdRowsPerThread,
+                                            fwd_min_blocks(kFwdRowsPerThread, 1), static_cast<int>(resident / sm_count()),
+                                            grid, T * plan.chunks, 0, "default"));
+      }
+      return;
+    }
   }
 
   const RowCfg cfg = row_cfg(vec ? D / V : D, kBlock);
@@ -597,6 +921,106 @@ void launch_forward(const at::Tensor& h, const at::Tensor& lam, const at::Tensor
     cmix_forward_kernel<scalar_t, 1><<<grid, block, 0, stream>>>(hp, lp, pp, op, B, T, D, per_token);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The backward tile launch(es). One unit per token position (grad_lam reduced in the block, one launch)
+// unless the T units fill the resident blocks badly (fill = units / (waves * resident) < threshold, 3/4
+// by default: few or ragged waves); then the chunks of a token are split over S blocks (the smallest S
+// that fills to the threshold, else the best fill) and a second tiny kernel sums the S partial dot
+// products. split > 0 (CAT_FAST_CMIX_PLAN bwd_split) sets S directly (capped to the chunks).
+template <typename scalar_t>
+void run_backward_tiles(BwdTileKernel<scalar_t> kernel, const TilePlan& plan, int64_t resident, double threshold,
+                        int split, const scalar_t* gp, const scalar_t* hp, const acc_t<scalar_t>* lp,
+                        const int64_t* pp, scalar_t* ghp, acc_t<scalar_t>* glp, const at::Tensor& grad_lam,
+                        int64_t B, int64_t T, int64_t D, bool per_token, cudaStream_t stream, int64_t& grid_out,
+                        int64_t& S_out) {
+  using A = acc_t<scalar_t>;
+  const size_t smem = 2 * plan.smem;  // grad tile + h tile
+  auto fill = [&](int64_t s) {
+    const int64_t units = T * s;
+    return double(units) / double((units + resident - 1) / resident * resident);
+  };
+  int64_t S = 1;
+  if (split > 0) {
+    S = split < plan.chunks ? split : plan.chunks;
+  } else if (fill(1) < threshold) {
+    double best = fill(1);
+    for (int64_t s = 2; s <= plan.chunks; ++s) {
+      const double f = fill(s);
+      if (f > best) {
+        best = f;
+        S = s;
+      }
+      if (f >= threshold) break;
+    }
+  }
+  const int64_t units = T * S;
+  const unsigned grid = grid_for(units < resident ? units : resident);
+  at::Tensor ws;
+  A* lam_out = glp;
+  if (S > 1) {
+    ws = at::empty({S, B, T}, grad_lam.options());
+    lam_out = ws.mutable_data_ptr<A>();
+  }
+  kernel<<<grid, plan.threads, smem, stream>>>(gp, hp, lp, pp, ghp, lam_out, static_cast<int>(B), T, D, per_token,
+                                                plan.w_log2, plan.chunks, static_cast<int>(S));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (S > 1) {
+    const int64_t n = B * T;
+    cmix_lam_split_sum_kernel<A><<<grid_for((n + 255) / 256), 256, 0, stream>>>(lam_out, glp, n,
+                                                                                 static_cast<int>(S));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  grid_out = grid;
+  S_out = S;
+}
+
+constexpr double kBwdFillThreshold = 0.75;
+
+// The backward tile launch under CAT_FAST_CMIX_PLAN; false (nothing launched) where it does not apply.
+template <typename scalar_t, int V>
+bool launch_backward_override(const PlanOverride& ov, const scalar_t* gp, const scalar_t* hp,
+                              const acc_t<scalar_t>* lp, const int64_t* pp, scalar_t* ghp, acc_t<scalar_t>* glp,
+                              const at::Tensor& grad_lam, int64_t B, int64_t T, int64_t D, bool per_token,
+                              cudaStream_t stream) {
+  const int P = ov.bwd_rows ? ov.bwd_rows : kBwdRowsPerThread;
+  const int K = ov.bwd_packs ? ov.bwd_packs : 1;
+  int M = ov.bwd_minb ? ov.bwd_minb : bwd_default_min_blocks(P, K);
+  std::string source = "override";
+  auto kernel = backward_tile_kernel_for<scalar_t, V>(P, K, M);
+  if (kernel == nullptr && ov.bwd_minb) {
+    M = bwd_default_min_blocks(P, K);
+    kernel = backward_tile_kernel_for<scalar_t, V>(P, K, M);
+    source += ", bwd_minb ignored: not instantiated";
+  }
+  std::string why;
+  TilePlan plan;
+  int per_sm = 0;
+  if (kernel == nullptr) {
+    why = "bwd_rows/bwd_packs not instantiated for this dtype";
+  } else if (!plan_tiles<scalar_t, V>(B, D / V, P, plan, K, ov.bwd_w)) {
+    why = "no tile plan";
+  } else if (!dynamic_smem_ok(kernel, 2 * plan.smem)) {
+    why = "shared memory over the device limit";
+  } else if ((per_sm = blocks_per_sm(kernel, plan.threads, 2 * plan.smem, /*strict=*/false)) < 1) {
+    why = "no resident block";
+  }
+  if (!why.empty()) {
+    if (ov.verbose) print_plan_once(std::string("cat_fast cmix plan: backward override not applied (") + why + ")");
+    return false;
+  }
+  if (ov.bwd_bps > 0 && ov.bwd_bps < per_sm) per_sm = ov.bwd_bps;
+  const double threshold = ov.fill >= 0 ? ov.fill : kBwdFillThreshold;
+  int64_t grid = 0, S = 1;
+  run_backward_tiles<scalar_t>(kernel, plan, int64_t(per_sm) * sm_count(), threshold, ov.bwd_split, gp, hp, lp, pp,
+                               ghp, glp, grad_lam, B, T, D, per_token, stream, grid, S);
+  if (ov.verbose) {
+    if (ov.bwd_w && (1 << plan.w_log2) != ov.bwd_w) source += ", bwd_w ignored: B * W > rows * 256";
+    TilePlan shown = plan;
+    shown.smem = 2 * plan.smem;
+    print_plan_once(plan_line<scalar_t>("backward", B, T, D, shown, P, M, per_sm, grid, T * S, S, source));
+  }
+  return true;
 }
 
 template <typename scalar_t>
@@ -614,49 +1038,28 @@ void launch_backward(const at::Tensor& grad, const at::Tensor& h, const at::Tens
   scalar_t* ghp = grad_h.mutable_data_ptr<scalar_t>();
   A* glp = grad_lam.mutable_data_ptr<A>();
 
-  TilePlan plan;
-  if (vec && plan_tiles<scalar_t, V>(B, D / V, kBwdRowsPerThread, plan)) {
-    auto kernel = cmix_backward_tile_kernel<scalar_t, V, kBwdRowsPerThread>;
-    const size_t smem = 2 * plan.smem;  // grad tile + h tile
-    const int64_t resident = resident_blocks(kernel, plan.threads, smem);
-    // One unit per token position (grad_lam reduced in the block, one launch) unless the T units
-    // fill the resident blocks badly (fill = units / (waves * resident) < 3/4: few or ragged waves);
-    // then the chunks of a token are split over S blocks (the smallest S that fills to 3/4, else the
-    // best fill) and a second tiny kernel sums the S partial dot products.
-    auto fill = [&](int64_t s) {
-      const int64_t units = T * s;
-      return double(units) / double((units + resident - 1) / resident * resident);
-    };
-    int64_t S = 1;
-    if (fill(1) < 0.75) {
-      double best = fill(1);
-      for (int64_t s = 2; s <= plan.chunks; ++s) {
-        const double f = fill(s);
-        if (f > best) {
-          best = f;
-          S = s;
-        }
-        if (f >= 0.75) break;
+  if (vec) {
+    const PlanOverride& ov = plan_override();
+    if (ov.bwd() &&
+        launch_backward_override<scalar_t, V>(ov, gp, hp, lp, pp, ghp, glp, grad_lam, B, T, D, per_token, stream)) {
+      return;
+    }
+    TilePlan plan;
+    if (plan_tiles<scalar_t, V>(B, D / V, kBwdRowsPerThread, plan)) {
+      constexpr int M = bwd_default_min_blocks(kBwdRowsPerThread, 1);
+      auto kernel = cmix_backward_tile_kernel<scalar_t, V, kBwdRowsPerThread, 1, M>;
+      const int64_t resident = resident_blocks(kernel, plan.threads, 2 * plan.smem);
+      int64_t grid = 0, S = 1;
+      run_backward_tiles<scalar_t>(kernel, plan, resident, kBwdFillThreshold, 0, gp, hp, lp, pp, ghp, glp, grad_lam,
+                                   B, T, D, per_token, stream, grid, S);
+      if (ov.verbose) {
+        TilePlan shown = plan;
+        shown.smem = 2 * plan.smem;
+        print_plan_once(plan_line<scalar_t>("backward", B, T, D, shown, kBwdRowsPerThread, M,
+                                            static_cast<int>(resident / sm_count()), grid, T * S, S, "default"));
       }
+      return;
     }
-    const int64_t units = T * S;
-    const unsigned grid = grid_for(units < resident ? units : resident);
-    at::Tensor ws;
-    A* lam_out = glp;
-    if (S > 1) {
-      ws = at::empty({S, B, T}, grad_lam.options());
-      lam_out = ws.mutable_data_ptr<A>();
-    }
-    kernel<<<grid, plan.threads, smem, stream>>>(gp, hp, lp, pp, ghp, lam_out, static_cast<int>(B), T, D,
-                                                  per_token, plan.w_log2, plan.chunks, static_cast<int>(S));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (S > 1) {
-      const int64_t n = B * T;
-      cmix_lam_split_sum_kernel<A><<<grid_for((n + 255) / 256), 256, 0, stream>>>(lam_out, glp, n,
-                                                                                   static_cast<int>(S));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-    return;
   }
 
   const RowCfg cfg = row_cfg(vec ? D / V : D, kBlock);
