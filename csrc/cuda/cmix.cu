@@ -656,8 +656,9 @@ bool dynamic_smem_ok(Kernel kernel, size_t smem) {
 //                         else the heuristic W (for the rows per thread in use) is kept.
 //   fwd_rows, bwd_rows    P, the rows per thread the kernel is compiled for: 2, 4, 8.
 //   fwd_packs, bwd_packs  K, 16-byte pack columns per thread and row (a chunk is W * K packs): 1, 2.
-//   bwd_minb              min blocks per SM of the backward's __launch_bounds__ (register cap):
-//                         1, 2 or 3 where instantiated (see backward_tile_kernel_for), else the default.
+//   bwd_minb              min blocks per SM of the backward's __launch_bounds__ (register cap): 1, 2, 3
+//                         where instantiated for (P, K) (see backward_tile_kernel_for), else the default
+//                         (2 for P * K <= 4, 1 for P * K = 8).
 //   fwd_bps, bwd_bps      at most this many resident blocks per SM (grid cap): 1..64.
 //   bwd_split             S, d-splits per token (capped to the chunks), instead of the fill rule.
 //   fill                  the fill threshold of the split rule: [0, 1].
@@ -782,6 +783,17 @@ std::string plan_line(const char* op, int64_t B, int64_t T, int64_t D, const Til
   return buf;
 }
 
+constexpr const char* kNoTilePlan = "no tile plan";  // B > kTileMaxRows: the row kernels, as by default
+
+template <typename scalar_t>
+std::string plan_note(const char* op, int64_t B, int64_t T, int64_t D, const std::string& why) {
+  char buf[512];
+  std::snprintf(buf, sizeof(buf), "cat_fast cmix plan: %s %s [%lld,%lld,%lld]: override not applied (%s), default plan",
+                op, c10::toString(c10::CppTypeToScalarType<scalar_t>::value), static_cast<long long>(B),
+                static_cast<long long>(T), static_cast<long long>(D), why.c_str());
+  return buf;
+}
+
 // ---------------------------------------------------------------- tile kernel variants
 template <typename scalar_t>
 using FwdTileKernel = void (*)(const scalar_t*, const acc_t<scalar_t>*, const int64_t*, scalar_t*, int, int64_t,
@@ -791,7 +803,7 @@ using BwdTileKernel = void (*)(const scalar_t*, const scalar_t*, const acc_t<sca
                                scalar_t*, acc_t<scalar_t>*, int, int64_t, int64_t, bool, int, int64_t, int);
 
 // __launch_bounds__ min blocks: forward 4 (64 registers) up to 8 packs of loads a thread, else 2;
-// backward (2 tiles) 2 up to 4 packs per tile a thread, else 1.
+// backward (2 tiles) 2 up to 4 packs per tile a thread, else 1 (bwd_minb overrides where instantiated).
 constexpr int fwd_min_blocks(int P, int K) { return P * K <= 8 ? 4 : 2; }
 constexpr int bwd_default_min_blocks(int P, int K) { return P * K >= 8 ? 1 : 2; }
 
@@ -813,7 +825,10 @@ FwdTileKernel<scalar_t> forward_tile_kernel_for(int P, int K) {
 }
 
 // The instantiated (P, K, MINB) of the backward; nullptr where not instantiated. Default first. MINB
-// choices by packs a thread and tile P * K: 2 -> {2, 3}, 4 -> {1, 2}, 8 -> {1}.
+// choices by packs a thread and tile P * K: 2 -> {2, 3}, 4 -> {1, 2}, 8 -> {1, 2}. (sm_90 ptxas: no
+// spills, except (8, 1, 2) for the 16-bit types: 24 bytes. (4, 2, 2) and (8, 1, 2) run 2 blocks of 2 x
+// 32 KiB tiles per SM at B * W = 2048 packs, twice the default's loads in flight; 3 blocks per SM at
+// P * K = 4 would spill.)
 template <typename scalar_t, int V>
 BwdTileKernel<scalar_t> backward_tile_kernel_for(int P, int K, int M) {
 #define CAT_FAST_CMIX_BWD(P_, K_, M_) \
@@ -827,6 +842,8 @@ BwdTileKernel<scalar_t> backward_tile_kernel_for(int P, int K, int M) {
     CAT_FAST_CMIX_BWD(2, 2, 2)
     CAT_FAST_CMIX_BWD(8, 1, 1)
     CAT_FAST_CMIX_BWD(4, 2, 1)
+    CAT_FAST_CMIX_BWD(8, 1, 2)
+    CAT_FAST_CMIX_BWD(4, 2, 2)
   }
 #undef CAT_FAST_CMIX_BWD
   return nullptr;
@@ -859,14 +876,14 @@ bool launch_forward_override(const PlanOverride& ov, const scalar_t* hp, const a
   if (kernel == nullptr) {
     why = "fwd_rows/fwd_packs not instantiated for this dtype";
   } else if (!plan_tiles<scalar_t, V>(B, D / V, P, plan, K, ov.fwd_w)) {
-    why = "no tile plan";
+    why = kNoTilePlan;
   } else if (!dynamic_smem_ok(kernel, plan.smem)) {
     why = "shared memory over the device limit";
   } else if ((per_sm = blocks_per_sm(kernel, plan.threads, plan.smem, /*strict=*/false)) < 1) {
     why = "no resident block";
   }
   if (!why.empty()) {
-    if (ov.verbose) print_plan_once(std::string("cat_fast cmix plan: forward override not applied (") + why + ")");
+    if (ov.verbose && why != kNoTilePlan) print_plan_once(plan_note<scalar_t>("forward", B, T, D, why));
     return false;
   }
   if (ov.fwd_bps > 0 && ov.fwd_bps < per_sm) per_sm = ov.fwd_bps;
@@ -999,14 +1016,14 @@ bool launch_backward_override(const PlanOverride& ov, const scalar_t* gp, const 
   if (kernel == nullptr) {
     why = "bwd_rows/bwd_packs not instantiated for this dtype";
   } else if (!plan_tiles<scalar_t, V>(B, D / V, P, plan, K, ov.bwd_w)) {
-    why = "no tile plan";
+    why = kNoTilePlan;
   } else if (!dynamic_smem_ok(kernel, 2 * plan.smem)) {
     why = "shared memory over the device limit";
   } else if ((per_sm = blocks_per_sm(kernel, plan.threads, 2 * plan.smem, /*strict=*/false)) < 1) {
     why = "no resident block";
   }
   if (!why.empty()) {
-    if (ov.verbose) print_plan_once(std::string("cat_fast cmix plan: backward override not applied (") + why + ")");
+    if (ov.verbose && why != kNoTilePlan) print_plan_once(plan_note<scalar_t>("backward", B, T, D, why));
     return false;
   }
   if (ov.bwd_bps > 0 && ov.bwd_bps < per_sm) per_sm = ov.bwd_bps;
