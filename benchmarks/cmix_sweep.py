@@ -37,7 +37,8 @@ RESULT_TAG = "CMIX_SWEEP_RESULT "
 
 # Knobs (csrc/cuda/cmix.cu, "tuning overrides"): fwd_w / bwd_w (1..32, powers of two; B * W <= rows * 256),
 # fwd_rows / bwd_rows (2, 4, 8), fwd_packs / bwd_packs (1, 2), bwd_minb (1, 2, 3 where instantiated),
-# fwd_bps / bwd_bps (blocks per SM cap), bwd_split, fill. Defaults: forward W=32 rows=8 packs=1 (64 x 32-pack
+# fwd_bps / bwd_bps (blocks per SM cap), bwd_split, fill, fwd_async / bwd_async (0, 1: cp.async
+# double-buffered tiles; rows 4 or 8, packs 1, bwd_minb 2 or 3 at rows 4). Defaults: forward W=32 rows=8 packs=1 (64 x 32-pack
 # tiles of 32 KiB, 4 blocks/SM); backward W=16 rows=4 packs=1 minb=2 (2 x 16 KiB tiles, 2 blocks/SM); fill
 # 0.75. Each entry pairs a forward variant (left comment) with a backward variant (right); at B=64.
 PLANS = [
@@ -51,6 +52,13 @@ PLANS = [
     "fwd_bps=3,bwd_w=8",                                        # 3 blocks/SM | default kernel at W=8
     "fwd_bps=2,bwd_split=2",                                    # 2 blocks/SM | 2 d-splits per token
     "fwd_rows=4,fwd_w=8,bwd_rows=4,bwd_packs=2,bwd_minb=2,bwd_split=2",  # 8 KiB tiles | W=16 x 2, 2 splits
+    # cp.async double-buffered tiles (fwd_async / bwd_async; 2 shared stages, no register prefetch):
+    "fwd_async=1,bwd_async=1",                                  # W=32, 2 x 32 KiB, 3 blocks/SM | W=16, 2 x 2 x 16 KiB
+    "fwd_async=1,fwd_w=16,bwd_async=1,bwd_w=8",                 # W=16, 2 x 16 KiB | W=8, 2 x 2 x 8 KiB
+    "fwd_async=1,fwd_rows=4,bwd_async=1,bwd_minb=3",            # rows 4, W=16 | W=16, 3 blocks/SM
+    "fwd_async=1,fwd_w=8,bwd_async=1,bwd_rows=8,bwd_w=32",      # W=8, 2 x 8 KiB | W=32, 2 x 2 x 32 KiB
+    "fwd_async=1,fwd_bps=2,bwd_async=1,bwd_bps=1",              # 2 blocks/SM | W=16, 1 block/SM
+    "bwd_async=1,bwd_split=2",                                  # default | async, 2 d-splits per token
     "",                                                         # default again: run-to-run noise
 ]
 

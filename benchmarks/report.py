@@ -137,7 +137,7 @@ def op_section(records, device):
         header = ["shape", "dtype", "backend", "fwd µs"]
         if has_bwd:
             header.append("fwd+bwd µs")
-        header += ["GB/s", "% copy BW"] if device == "cuda" else ["GB/s"]
+        header += ["GB/s", "% copy BW", "GPU µs", "GPU % copy BW"] if device == "cuda" else ["GB/s"]
         header += ["× reference", "× compile"] if device == "cuda" else ["× reference"]
         if launches:
             header.append("launches fwd/bwd" if has_bwd else "launches")
@@ -155,6 +155,8 @@ def op_section(records, device):
             row.append(fmt(e.get("gbps"), 1))
             if device == "cuda":
                 row.append(fmt(e.get("pct_copy_bw"), 1))
+                row.append(fmt(e.get("gpu_ms"), 1, 1e3))
+                row.append(fmt(e.get("pct_copy_bw_gpu"), 1))
             for base in (("reference", "compile") if device == "cuda" else ("reference",)):
                 ref = case.get(base)
                 if ref and "error" not in ref and op_time(ref) and op_time(e):
@@ -365,7 +367,12 @@ OP_NOTES = (
     "speedup of the fwd+bwd time over eager reference / torch.compile(reference) (default mode, automatic dynamic "
     "shapes). `reference` runs through the public op (same validation as the fused backends). Launches = device "
     "activities (kernels + memcpy/memset) per call counted with torch.profiler (target 1 per direction). "
-    "Small-row cases are latency-bound: there GB/s measures launch overhead, not bandwidth."
+    "Small-row cases are latency-bound: there GB/s measures launch overhead, not bandwidth. "
+    "`GPU µs` / `GPU % copy BW`: the same call (fwd+bwd, or fwd for cal_step_) timed with the host ahead of the "
+    "GPU (a ~2 ms spin kernel queued before the start event, L2 flushed): the GPU time of every kernel the op "
+    "launches and the gaps between them, without the Python/dispatch latency of the call — what the op costs inside "
+    "a training step whose host runs ahead. The columns before it include that latency (~0.1–0.4 ms a call on the "
+    "benchmark machine's host)."
 )
 
 

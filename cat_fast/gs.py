@@ -177,6 +177,8 @@ class GradientSupervision:
         self.generator = generator
         self.difference = difference
         self.low_memory = bool(low_memory)
+        self.model_structure = st
+        self._closed_form = None  # pooled exact g: closed form for a linear head (None: not checked yet)
 
     def _score(self, logits, labels, partner):
         """Per-sample scalar whose x-gradient is g: the partner-class logit, or the factual CE."""
@@ -210,7 +212,9 @@ class GradientSupervision:
             g_hat = (x.index_select(0, partner) - x).detach()
             score = self._score(logits, labels, partner).sum()
             if pooled:
-                g = models.grad_wrt_pooled(score, cap, create_graph=exact)
+                g = self._linear_head_gradient(cap, logits, labels, partner) if exact else None
+                if g is None:
+                    g = models.grad_wrt_pooled(score, cap, create_graph=exact)
             else:
                 (g,) = torch.autograd.grad(score, x, create_graph=exact, retain_graph=True)
             if exact:
@@ -223,6 +227,29 @@ class GradientSupervision:
                 loss = ce + self.weight * (gs.detach() + term)
         info = {"ce_loss": ce.detach(), "gs_loss": gs.detach(), "gs_pairs": valid.sum().to(ce.dtype)}
         return loss, info
+
+    def _linear_head_gradient(self, cap, logits, labels, partner):
+        """g in closed form when the head is one nn.Linear on the [B, D] pooled vector (BERT, DistilBERT, ALBERT,
+        DeBERTa-v2): ∇_x f_c = W[c]; ∇_x CE = (softmax − onehot) W. Same value as the autograd double backward,
+        without its host work. Checked once against autograd per instance; None when not applicable."""
+        head = self.model_structure.head
+        x = cap.head_input
+        if self._closed_form is False or not isinstance(head, torch.nn.Linear) or x is None or x.dim() != 2:
+            return None
+        weight = head.weight
+        if self.target == "counterfactual":
+            g = weight.index_select(0, labels[partner])
+        else:
+            z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+            probs = torch.softmax(z, dim=-1) - F.one_hot(labels, z.shape[-1]).to(z.dtype)
+            g = probs @ weight.to(z.dtype)
+        if self._closed_form is None:  # first call: the model's logits must be exactly head(x)
+            reference = models.grad_wrt_pooled(self._score(logits, labels, partner).sum(), cap, create_graph=False)
+            tol = 1e-2 if reference.dtype in (torch.float16, torch.bfloat16) else 1e-4
+            self._closed_form = bool(torch.allclose(g.detach().to(reference.dtype), reference, rtol=tol, atol=tol))
+            if not self._closed_form:
+                return None
+        return g.to(x.dtype) if x.dtype != g.dtype and x.dtype == torch.float64 else g
 
     def _first_order(self, cap, x, g, g_hat, logits, labels, partner, valid, pooled):
         """``(L_GS, term)``: `term` has value 0 and gradient ``∇_θ (uᵀ∇_x f_c)`` by finite differences."""

@@ -10,7 +10,9 @@
 // traffic is the minimum: forward reads h and writes out (2N bytes, N = size of h); backward reads
 // grad and h and writes grad_h (3N) plus the [B,T] grad_lam. Blocks are persistent (grid <= resident
 // blocks) and software-pipelined: the 16-byte loads of the block's next tile are issued into
-// registers before the current tile is computed from shared memory. Each thread owns a fixed pack
+// registers before the current tile is computed from shared memory (optional, CAT_FAST_CMIX_PLAN
+// fwd_async / bwd_async, sm_80+: issued as cp.async copies into a second shared-memory stage instead, so
+// no registers hold prefetched data; same arithmetic, same results). Each thread owns a fixed pack
 // column j of the chunk and the rows b = r, r + R, r + 2R, ... (r = thread / W, R = threads / W).
 //   forward:  tile sequence u = (t, c), c fastest, grid-strided over blocks.
 //   backward: a unit is (t, split s): the chunks [c0(s), c1(s)) of token t, walked in order by one
@@ -234,13 +236,54 @@ __device__ __forceinline__ PackT<scalar_t, V> lds_pack(const PackT<scalar_t, V>*
 // Dynamic shared memory of the tile kernels: the B x W pack tiles (16-byte aligned).
 extern __shared__ __align__(16) unsigned char cmix_tile_smem[];
 
+// cp.async (sm_80+) global -> shared copies of the ASYNC tile kernels (CAT_FAST_CMIX_PLAN fwd_async /
+// bwd_async): 16-byte packs bypass L1 (.cg); the lam values (4 or 8 bytes) go through .ca. Below sm_80
+// (host side never selects the ASYNC kernels there; this keeps them correct if it did, or if the code
+// were JIT-compiled from older PTX) they are plain synchronous copies, which the kernels' barrier
+// placement makes equally correct. One commit group per tile; at most one group outstanding.
+template <typename T>
+__device__ __forceinline__ void cp_async_copy(T* smem, const T* gmem) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8 || sizeof(T) == 16, "cp.async sizes");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  if constexpr (sizeof(T) == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(gmem), "n"(sizeof(T)) : "memory");
+  }
+#else
+  if constexpr (sizeof(T) == 16) {
+    *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
+  } else {
+    *smem = *gmem;
+  }
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits for all of this thread's committed copies (a __syncthreads must follow before other threads read them).
+__device__ __forceinline__ void cp_async_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
+}
+
 // out[i,t,:] = lam_it * h[partner[i],t,:] + (1 - lam_it) * h[i,t,:], tile by tile.
 // blockDim.x = threads = a multiple of 32 and of W = 1 << w_log2; a tile is B rows x W*K packs, shared
 // memory B * W * K packs. Each thread owns the K pack columns j, j + W, ..., j + (K-1) W of the chunk
 // (each load instruction of a warp stays W consecutive packs of a row) and up to P rows.
 // Default instantiation P = 8, K = 1, MINB = 4 (64 registers, no spills at 4 blocks of 256 per SM: up to
 // 4 x 32 KiB of loads in flight per SM); the others exist for CAT_FAST_CMIX_PLAN tuning.
-template <typename scalar_t, int V, int P, int K, int MINB>
+// ASYNC (CAT_FAST_CMIX_PLAN fwd_async=1): the next tile is copied global -> shared by cp.async into a
+// second shared stage (2 x B * W * K packs, lam double-buffered too) instead of through registers; per
+// tile: wait for its copies, one barrier (which also retires the readers of the other stage), issue the
+// next tile's copies into the other stage, compute. Same arithmetic, bitwise the same results.
+template <typename scalar_t, int V, int P, int K, int MINB, bool ASYNC = false>
 __global__ void __launch_bounds__(kTileThreads, MINB) cmix_forward_tile_kernel(
     const scalar_t* __restrict__ h, const acc_t<scalar_t>* __restrict__ lam, const int64_t* __restrict__ partner,
     scalar_t* __restrict__ out, int B, int64_t T, int64_t D, bool lam_per_token, int w_log2, int64_t chunks,
@@ -248,8 +291,10 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_forward_tile_kernel(
   using A = acc_t<scalar_t>;
   using Pk = PackT<scalar_t, V>;
   __shared__ int s_part[kTileMaxRows];
-  __shared__ A s_lam[kTileMaxRows];
-  Pk* s_h = reinterpret_cast<Pk*>(cmix_tile_smem);
+  __shared__ A s_lam_buf[(ASYNC ? 2 : 1) * kTileMaxRows];
+  Pk* const s_base = reinterpret_cast<Pk*>(cmix_tile_smem);
+  Pk* s_h = s_base;
+  A* s_lam = s_lam_buf;
 
   const int tid = threadIdx.x;
   const int W = 1 << w_log2;
@@ -272,6 +317,25 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_forward_tile_kernel(
   }
 
   int64_t u = blockIdx.x;  // grid <= tiles
+  int stage = 0;           // ASYNC: shared stage of tile u
+  // ASYNC: issues (and commits) the cp.async copies of tile `tile` into shared stage st.
+  auto issue = [&](int64_t tile, int st) {
+    const int64_t t = tile / chunks;
+    const int64_t jj = (tile - t * chunks) * WK + j;
+    Pk* dh = s_base + st * (B * WK);
+#pragma unroll
+    for (int kk = 0; kk < K; ++kk) {
+      if (jj + kk * W < Dv) {
+        const Pk* src = hv + (r * T + t) * Dv + jj + kk * W;
+#pragma unroll
+        for (int q = 0; q < P; ++q) {
+          if (r + q * R < B) cp_async_copy(dh + slot + q * qstride + kk * W, src + q * row_step);
+        }
+      }
+    }
+    if (tid < B) cp_async_copy(s_lam_buf + st * kTileMaxRows + tid, lam + (lam_per_token ? tid * T + t : tid));
+    cp_async_commit();
+  };
   Pk regs[P][K];
   A lam_r = A(0);
   // Issues the loads of tile u: this thread's packs of h, and lam[tid, t] (blockDim.x >= B).
@@ -290,26 +354,43 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_forward_tile_kernel(
     }
     if (tid < B) lam_r = lam[lam_per_token ? tid * T + t : tid];
   };
-  load(u);
+  if constexpr (ASYNC) {
+    issue(u, 0);
+  } else {
+    load(u);
+  }
 
   while (true) {
     const int64_t t = u / chunks;
     const int64_t jj = (u - t * chunks) * WK + j;
-    __syncthreads();  // the previous tile's readers are done with s_h / s_lam
+    if constexpr (ASYNC) {
+      cp_async_wait_all();  // this thread's copies of tile u (the only group outstanding)
+      __syncthreads();      // everyone's copies of tile u landed; the previous tile's readers are done
+      s_h = s_base + stage * (B * WK);
+      s_lam = s_lam_buf + stage * kTileMaxRows;
+    } else {
+      __syncthreads();  // the previous tile's readers are done with s_h / s_lam
 #pragma unroll
-    for (int kk = 0; kk < K; ++kk) {
-      if (jj + kk * W < Dv) {  // the same for every row of this thread (and for its partner rows)
+      for (int kk = 0; kk < K; ++kk) {
+        if (jj + kk * W < Dv) {  // the same for every row of this thread (and for its partner rows)
 #pragma unroll
-        for (int q = 0; q < P; ++q) {
-          if (r + q * R < B) s_h[slot + q * qstride + kk * W] = regs[q][kk];  // = s_h[b * WK + kk * W + j]
+          for (int q = 0; q < P; ++q) {
+            if (r + q * R < B) s_h[slot + q * qstride + kk * W] = regs[q][kk];  // = s_h[b * WK + kk * W + j]
+          }
         }
       }
+      if (tid < B) s_lam[tid] = lam_r;
+      __syncthreads();
     }
-    if (tid < B) s_lam[tid] = lam_r;
-    __syncthreads();
 
     const int64_t next = u + gridDim.x;
-    if (next < tiles) load(next);  // in flight while this tile is computed and stored
+    if (next < tiles) {  // in flight while this tile is computed and stored
+      if constexpr (ASYNC) {
+        issue(next, stage ^ 1);
+      } else {
+        load(next);
+      }
+    }
 
 #pragma unroll
     for (int kk = 0; kk < K; ++kk) {
@@ -333,6 +414,7 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_forward_tile_kernel(
     }
     if (next >= tiles) break;
     u = next;
+    if constexpr (ASYNC) stage ^= 1;
   }
 }
 
@@ -345,7 +427,12 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_forward_tile_kernel(
 // each with its next chunk's 32 KiB of loads in flight; 3 blocks per SM would spill); the others exist
 // for CAT_FAST_CMIX_PLAN tuning. The dot product of a row is summed per thread over its chunks in order
 // and, within a chunk, over its K columns in order, then over the W lanes.
-template <typename scalar_t, int V, int P, int K, int MINB>
+// ASYNC (CAT_FAST_CMIX_PLAN bwd_async=1): the next chunk's grad and h tiles are copied global -> shared by
+// cp.async into a second shared stage (2 stages x (grad tile + h tile) = 4 x B * W * K packs; lam
+// double-buffered too), so no registers hold prefetched data. Per chunk: wait for its copies, one barrier
+// (which also retires the readers of the other stage), issue the next chunk's copies into the other
+// stage, compute from shared memory exactly as below (bitwise the same results).
+template <typename scalar_t, int V, int P, int K, int MINB, bool ASYNC = false>
 __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
     const scalar_t* __restrict__ grad, const scalar_t* __restrict__ h, const acc_t<scalar_t>* __restrict__ lam,
     const int64_t* __restrict__ partner, scalar_t* __restrict__ grad_h, acc_t<scalar_t>* __restrict__ lam_out, int B,
@@ -356,7 +443,8 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
   __shared__ int s_fill[kTileMaxRows];     // match counts, then fill cursors
   __shared__ int s_off[kTileMaxRows + 1];  // CSR offsets of the matches of each row
   __shared__ int s_list[kTileMaxRows];     // matches, increasing i within each row
-  __shared__ A s_lam[kTileMaxRows];
+  __shared__ A s_lam_buf[(ASYNC ? 2 : 1) * kTileMaxRows];
+  A* s_lam = s_lam_buf;
   const int tid = threadIdx.x;
   const int W = 1 << w_log2;
   const int j = tid & (W - 1);
@@ -365,7 +453,8 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
   const int WK = W * K;        // packs per tile row
   const int slot = K == 1 ? tid : r * WK + j;  // as in the forward tile kernel
   const int qstride = K == 1 ? static_cast<int>(blockDim.x) : R * WK;
-  Pk* s_g = reinterpret_cast<Pk*>(cmix_tile_smem);
+  Pk* const s_base = reinterpret_cast<Pk*>(cmix_tile_smem);
+  Pk* s_g = s_base;
   Pk* s_h = s_g + B * WK;
   const int64_t Dv = D / V;
   const int64_t units = T * S;
@@ -431,6 +520,30 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
   int64_t c = s * chunks / S;
   int64_t c_end = (s + 1) * chunks / S;
 
+  int stage = 0;  // ASYNC: shared stage of the chunk (t, c)
+  // ASYNC: issues (and commits) the cp.async copies of chunk cc of token tt into shared stage st
+  // (grad tile at st * 2 * B * WK, h tile after it).
+  auto issue = [&](int64_t tt, int64_t cc, int st) {
+    const int64_t jj = cc * WK + j;
+    Pk* dg = s_base + st * (2 * B * WK);
+    Pk* dh = dg + B * WK;
+#pragma unroll
+    for (int kk = 0; kk < K; ++kk) {
+      if (jj + kk * W < Dv) {
+        const int64_t o = (r * T + tt) * Dv + jj + kk * W;
+#pragma unroll
+        for (int q = 0; q < P; ++q) {
+          if (r + q * R < B) {
+            const int d = slot + q * qstride + kk * W;
+            cp_async_copy(dg + d, gv + o + q * row_step);
+            cp_async_copy(dh + d, hv + o + q * row_step);
+          }
+        }
+      }
+    }
+    if (tid < B) cp_async_copy(s_lam_buf + st * kTileMaxRows + tid, lam + (lam_per_token ? tid * T + tt : tid));
+    cp_async_commit();
+  };
   Pk gr[P][K], hr[P][K];
   A lam_r = A(0);
   auto load = [&](int64_t tt, int64_t cc) {
@@ -450,7 +563,11 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
     }
     if (tid < B) lam_r = lam[lam_per_token ? tid * T + tt : tid];
   };
-  load(t, c);
+  if constexpr (ASYNC) {
+    issue(t, c, 0);
+  } else {
+    load(t, c);
+  }
 
   A gl[P];
 #pragma unroll
@@ -458,21 +575,29 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
 
   while (true) {
     const int64_t jj = c * WK + j;
-    __syncthreads();  // the previous chunk's readers are done with the tiles / s_lam
+    if constexpr (ASYNC) {
+      cp_async_wait_all();  // this thread's copies of chunk (t, c) (the only group outstanding)
+      __syncthreads();      // everyone's copies landed; the previous chunk's readers are done with the other stage
+      s_g = s_base + stage * (2 * B * WK);
+      s_h = s_g + B * WK;
+      s_lam = s_lam_buf + stage * kTileMaxRows;
+    } else {
+      __syncthreads();  // the previous chunk's readers are done with the tiles / s_lam
 #pragma unroll
-    for (int kk = 0; kk < K; ++kk) {
-      if (jj + kk * W < Dv) {
+      for (int kk = 0; kk < K; ++kk) {
+        if (jj + kk * W < Dv) {
 #pragma unroll
-        for (int q = 0; q < P; ++q) {
-          if (r + q * R < B) {  // slot b * WK + kk * W + j, b = r + q * R
-            s_g[slot + q * qstride + kk * W] = gr[q][kk];
-            s_h[slot + q * qstride + kk * W] = hr[q][kk];
+          for (int q = 0; q < P; ++q) {
+            if (r + q * R < B) {  // slot b * WK + kk * W + j, b = r + q * R
+              s_g[slot + q * qstride + kk * W] = gr[q][kk];
+              s_h[slot + q * qstride + kk * W] = hr[q][kk];
+            }
           }
         }
       }
+      if (tid < B) s_lam[tid] = lam_r;
+      __syncthreads();
     }
-    if (tid < B) s_lam[tid] = lam_r;
-    __syncthreads();
 
     // next chunk of this block: the unit's next chunk, or the first chunk of its next unit
     int64_t nu = u, nt = t, nc = c + 1, nce = c_end;
@@ -485,7 +610,13 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
       nce = (ns + 1) * chunks / S;
     }
     const bool more = nu < units;
-    if (more) load(nt, nc);  // in flight while this chunk is computed and stored
+    if (more) {  // in flight while this chunk is computed and stored
+      if constexpr (ASYNC) {
+        issue(nt, nc, stage ^ 1);
+      } else {
+        load(nt, nc);
+      }
+    }
 
 #pragma unroll
     for (int kk = 0; kk < K; ++kk) {
@@ -540,6 +671,7 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
     s = ns;
     c = nc;
     c_end = nce;
+    if constexpr (ASYNC) stage ^= 1;
   }
 }
 
@@ -662,6 +794,10 @@ bool dynamic_smem_ok(Kernel kernel, size_t smem) {
 //   fwd_bps, bwd_bps      at most this many resident blocks per SM (grid cap): 1..64.
 //   bwd_split             S, d-splits per token (capped to the chunks), instead of the fill rule.
 //   fill                  the fill threshold of the split rule: [0, 1].
+//   fwd_async, bwd_async  1: the cp.async double-buffered tile kernels (ASYNC above; sm_80+, float /
+//                         bfloat16 / half, K = 1, P = 4 or 8): twice the shared memory of the tile
+//                         (forward 2 x B * W * 16 bytes, backward 4 x B * W * 16 bytes), no register
+//                         prefetch. bwd_minb: 2, or 3 at P = 4. 0: the register-prefetch kernels (default).
 //   verbose               1: print the plan of each (op, dtype, shape) once to stderr.
 // float / bfloat16 / half have every (P, K) variant; double only the default kernels. Malformed or
 // out-of-range items are ignored (one note on stderr); an override that does not fit a launch
@@ -670,10 +806,13 @@ bool dynamic_smem_ok(Kernel kernel, size_t smem) {
 struct PlanOverride {
   int fwd_w = 0, bwd_w = 0, fwd_rows = 0, bwd_rows = 0, fwd_packs = 0, bwd_packs = 0, bwd_minb = 0;
   int fwd_bps = 0, bwd_bps = 0, bwd_split = 0;
+  int fwd_async = 0, bwd_async = 0;
   double fill = -1.0;  // < 0: default
   bool verbose = false;
-  bool fwd() const { return fwd_w || fwd_rows || fwd_packs || fwd_bps; }
-  bool bwd() const { return bwd_w || bwd_rows || bwd_packs || bwd_minb || bwd_bps || bwd_split || fill >= 0; }
+  bool fwd() const { return fwd_w || fwd_rows || fwd_packs || fwd_bps || fwd_async; }
+  bool bwd() const {
+    return bwd_w || bwd_rows || bwd_packs || bwd_minb || bwd_bps || bwd_split || bwd_async || fill >= 0;
+  }
 };
 
 std::string trim(const std::string& s) {
@@ -743,6 +882,8 @@ PlanOverride parse_plan(const char* env) {
     else if (key == "bwd_bps") ok = parse_int(val, 1, 64, o.bwd_bps);
     else if (key == "bwd_split") ok = parse_int(val, 1, 1 << 20, o.bwd_split);
     else if (key == "fill") ok = parse_unit(val, o.fill);
+    else if (key == "fwd_async") ok = parse_one_of(val, {0, 1}, o.fwd_async);
+    else if (key == "bwd_async") ok = parse_one_of(val, {0, 1}, o.bwd_async);
     else if (key == "verbose") {
       ok = parse_one_of(val, {0, 1}, flag);
       if (ok) o.verbose = flag == 1;
@@ -849,14 +990,49 @@ BwdTileKernel<scalar_t> backward_tile_kernel_for(int P, int K, int M) {
   return nullptr;
 }
 
+// The cp.async (ASYNC) variants: float / bfloat16 / half only, K = 1, P = 4 (default rows) or 8;
+// forward MINB as fwd_min_blocks, backward MINB = 2 (kBwdAsyncMinBlocks; also 3 at P = 4: 3 x (2 x 2 x
+// 16 KiB + 6 KiB) of shared memory fits an sm_90 SM at B * W = 1024). nullptr where not instantiated.
+constexpr int kBwdAsyncMinBlocks = 2;
+
+template <typename scalar_t, int V>
+FwdTileKernel<scalar_t> forward_tile_async_kernel_for(int P, int K) {
+  if constexpr (!std::is_same<scalar_t, double>::value) {
+#define CAT_FAST_CMIX_FWD_ASYNC(P_, K_) \
+  if (P == P_ && K == K_) return cmix_forward_tile_kernel<scalar_t, V, P_, K_, fwd_min_blocks(P_, K_), true>;
+    CAT_FAST_CMIX_FWD_ASYNC(kFwdRowsPerThread, 1)
+    CAT_FAST_CMIX_FWD_ASYNC(4, 1)
+#undef CAT_FAST_CMIX_FWD_ASYNC
+  }
+  return nullptr;
+}
+
+template <typename scalar_t, int V>
+BwdTileKernel<scalar_t> backward_tile_async_kernel_for(int P, int K, int M) {
+  if constexpr (!std::is_same<scalar_t, double>::value) {
+#define CAT_FAST_CMIX_BWD_ASYNC(P_, K_, M_) \
+  if (P == P_ && K == K_ && M == M_) return cmix_backward_tile_kernel<scalar_t, V, P_, K_, M_, true>;
+    CAT_FAST_CMIX_BWD_ASYNC(kBwdRowsPerThread, 1, kBwdAsyncMinBlocks)
+    CAT_FAST_CMIX_BWD_ASYNC(kBwdRowsPerThread, 1, 3)
+    CAT_FAST_CMIX_BWD_ASYNC(8, 1, kBwdAsyncMinBlocks)
+#undef CAT_FAST_CMIX_BWD_ASYNC
+  }
+  return nullptr;
+}
+
+// Whether the current device runs cp.async (compute capability 8.0+).
+bool device_has_cp_async() {
+  return at::cuda::getDeviceProperties(c10::cuda::current_device())->major >= 8;
+}
+
 // ================================================================ launchers
 template <typename scalar_t>
 void run_forward_tiles(FwdTileKernel<scalar_t> kernel, const TilePlan& plan, int64_t resident, const scalar_t* hp,
                        const acc_t<scalar_t>* lp, const int64_t* pp, scalar_t* op, int64_t B, int64_t T, int64_t D,
-                       bool per_token, cudaStream_t stream, int64_t& grid_out) {
+                       bool per_token, cudaStream_t stream, int64_t& grid_out, int stages = 1) {
   const int64_t tiles = T * plan.chunks;
   const unsigned grid = grid_for(tiles < resident ? tiles : resident);
-  kernel<<<grid, plan.threads, plan.smem, stream>>>(hp, lp, pp, op, static_cast<int>(B), T, D, per_token,
+  kernel<<<grid, plan.threads, stages * plan.smem, stream>>>(hp, lp, pp, op, static_cast<int>(B), T, D, per_token,
                                                      plan.w_log2, plan.chunks, tiles);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   grid_out = grid;
@@ -869,17 +1045,22 @@ bool launch_forward_override(const PlanOverride& ov, const scalar_t* hp, const a
                              cudaStream_t stream) {
   const int P = ov.fwd_rows ? ov.fwd_rows : kFwdRowsPerThread;
   const int K = ov.fwd_packs ? ov.fwd_packs : 1;
+  const bool async = ov.fwd_async == 1;
+  const int stages = async ? 2 : 1;  // shared tile stages
   std::string why;
   TilePlan plan;
-  auto kernel = forward_tile_kernel_for<scalar_t, V>(P, K);
+  auto kernel = async ? forward_tile_async_kernel_for<scalar_t, V>(P, K) : forward_tile_kernel_for<scalar_t, V>(P, K);
   int per_sm = 0;
-  if (kernel == nullptr) {
-    why = "fwd_rows/fwd_packs not instantiated for this dtype";
+  if (async && !device_has_cp_async()) {
+    why = "fwd_async needs compute capability 8.0+";
+  } else if (kernel == nullptr) {
+    why = async ? "fwd_async: fwd_rows/fwd_packs not instantiated for this dtype"
+                : "fwd_rows/fwd_packs not instantiated for this dtype";
   } else if (!plan_tiles<scalar_t, V>(B, D / V, P, plan, K, ov.fwd_w)) {
     why = kNoTilePlan;
-  } else if (!dynamic_smem_ok(kernel, plan.smem)) {
+  } else if (!dynamic_smem_ok(kernel, stages * plan.smem)) {
     why = "shared memory over the device limit";
-  } else if ((per_sm = blocks_per_sm(kernel, plan.threads, plan.smem, /*strict=*/false)) < 1) {
+  } else if ((per_sm = blocks_per_sm(kernel, plan.threads, stages * plan.smem, /*strict=*/false)) < 1) {
     why = "no resident block";
   }
   if (!why.empty()) {
@@ -889,11 +1070,13 @@ bool launch_forward_override(const PlanOverride& ov, const scalar_t* hp, const a
   if (ov.fwd_bps > 0 && ov.fwd_bps < per_sm) per_sm = ov.fwd_bps;
   int64_t grid = 0;
   run_forward_tiles<scalar_t>(kernel, plan, int64_t(per_sm) * sm_count(), hp, lp, pp, op, B, T, D, per_token, stream,
-                              grid);
+                              grid, stages);
   if (ov.verbose) {
-    std::string source = "override";
+    std::string source = async ? "override, async" : "override";
     if (ov.fwd_w && (1 << plan.w_log2) != ov.fwd_w) source += ", fwd_w ignored: B * W > rows * 256";
-    print_plan_once(plan_line<scalar_t>("forward", B, T, D, plan, P, fwd_min_blocks(P, K), per_sm, grid,
+    TilePlan shown = plan;
+    shown.smem = stages * plan.smem;
+    print_plan_once(plan_line<scalar_t>("forward", B, T, D, shown, P, fwd_min_blocks(P, K), per_sm, grid,
                                         T * plan.chunks, 0, source));
   }
   return true;
@@ -950,9 +1133,9 @@ void run_backward_tiles(BwdTileKernel<scalar_t> kernel, const TilePlan& plan, in
                         int split, const scalar_t* gp, const scalar_t* hp, const acc_t<scalar_t>* lp,
                         const int64_t* pp, scalar_t* ghp, acc_t<scalar_t>* glp, const at::Tensor& grad_lam,
                         int64_t B, int64_t T, int64_t D, bool per_token, cudaStream_t stream, int64_t& grid_out,
-                        int64_t& S_out) {
+                        int64_t& S_out, int stages = 1) {
   using A = acc_t<scalar_t>;
-  const size_t smem = 2 * plan.smem;  // grad tile + h tile
+  const size_t smem = 2 * stages * plan.smem;  // grad tile + h tile, per stage
   auto fill = [&](int64_t s) {
     const int64_t units = T * s;
     return double(units) / double((units + resident - 1) / resident * resident);
@@ -1002,24 +1185,33 @@ bool launch_backward_override(const PlanOverride& ov, const scalar_t* gp, const 
                               cudaStream_t stream) {
   const int P = ov.bwd_rows ? ov.bwd_rows : kBwdRowsPerThread;
   const int K = ov.bwd_packs ? ov.bwd_packs : 1;
-  int M = ov.bwd_minb ? ov.bwd_minb : bwd_default_min_blocks(P, K);
-  std::string source = "override";
-  auto kernel = backward_tile_kernel_for<scalar_t, V>(P, K, M);
+  const bool async = ov.bwd_async == 1;
+  const int stages = async ? 2 : 1;  // shared stages of (grad tile, h tile)
+  const int M_default = async ? kBwdAsyncMinBlocks : bwd_default_min_blocks(P, K);
+  int M = ov.bwd_minb ? ov.bwd_minb : M_default;
+  std::string source = async ? "override, async" : "override";
+  auto kernel_for = [&](int m) {
+    return async ? backward_tile_async_kernel_for<scalar_t, V>(P, K, m) : backward_tile_kernel_for<scalar_t, V>(P, K, m);
+  };
+  auto kernel = kernel_for(M);
   if (kernel == nullptr && ov.bwd_minb) {
-    M = bwd_default_min_blocks(P, K);
-    kernel = backward_tile_kernel_for<scalar_t, V>(P, K, M);
+    M = M_default;
+    kernel = kernel_for(M);
     source += ", bwd_minb ignored: not instantiated";
   }
   std::string why;
   TilePlan plan;
   int per_sm = 0;
-  if (kernel == nullptr) {
-    why = "bwd_rows/bwd_packs not instantiated for this dtype";
+  if (async && !device_has_cp_async()) {
+    why = "bwd_async needs compute capability 8.0+";
+  } else if (kernel == nullptr) {
+    why = async ? "bwd_async: bwd_rows/bwd_packs not instantiated for this dtype"
+                : "bwd_rows/bwd_packs not instantiated for this dtype";
   } else if (!plan_tiles<scalar_t, V>(B, D / V, P, plan, K, ov.bwd_w)) {
     why = kNoTilePlan;
-  } else if (!dynamic_smem_ok(kernel, 2 * plan.smem)) {
+  } else if (!dynamic_smem_ok(kernel, 2 * stages * plan.smem)) {
     why = "shared memory over the device limit";
-  } else if ((per_sm = blocks_per_sm(kernel, plan.threads, 2 * plan.smem, /*strict=*/false)) < 1) {
+  } else if ((per_sm = blocks_per_sm(kernel, plan.threads, 2 * stages * plan.smem, /*strict=*/false)) < 1) {
     why = "no resident block";
   }
   if (!why.empty()) {
@@ -1030,11 +1222,11 @@ bool launch_backward_override(const PlanOverride& ov, const scalar_t* gp, const 
   const double threshold = ov.fill >= 0 ? ov.fill : kBwdFillThreshold;
   int64_t grid = 0, S = 1;
   run_backward_tiles<scalar_t>(kernel, plan, int64_t(per_sm) * sm_count(), threshold, ov.bwd_split, gp, hp, lp, pp,
-                               ghp, glp, grad_lam, B, T, D, per_token, stream, grid, S);
+                               ghp, glp, grad_lam, B, T, D, per_token, stream, grid, S, stages);
   if (ov.verbose) {
     if (ov.bwd_w && (1 << plan.w_log2) != ov.bwd_w) source += ", bwd_w ignored: B * W > rows * 256";
     TilePlan shown = plan;
-    shown.smem = 2 * plan.smem;
+    shown.smem = 2 * stages * plan.smem;
     print_plan_once(plan_line<scalar_t>("backward", B, T, D, shown, P, M, per_sm, grid, T * S, S, source));
   }
   return true;
