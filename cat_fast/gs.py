@@ -249,7 +249,7 @@ class GradientSupervision:
             self._closed_form = bool(torch.allclose(g.detach().to(reference.dtype), reference, rtol=tol, atol=tol))
             if not self._closed_form:
                 return None
-        return g.to(x.dtype) if x.dtype != g.dtype and x.dtype == torch.float64 else g
+        return g.to(x.dtype)  # autograd's g has the dtype of x (bf16 under autocast)
 
     def _first_order(self, cap, x, g, g_hat, logits, labels, partner, valid, pooled):
         """``(L_GS, term)``: `term` has value 0 and gradient ``∇_θ (uᵀ∇_x f_c)`` by finite differences."""

@@ -219,3 +219,14 @@ def test_pooled_exact_closed_form_gradient_equals_autograd(arch, closed, target)
         results.append((loss.detach(), backward_grads(model, loss)))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("representation", ["pooled", 0])
+def test_gs_under_bf16_autocast(representation):
+    model = tiny_model("bert", attn="eager").train()
+    gs = GradientSupervision(model, representation=representation)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, info = gs(batch_f(), PAIRS)
+    loss.backward()
+    assert torch.isfinite(loss) and float(info["gs_pairs"]) == 4.0
+    assert gs._closed_form is (True if representation == "pooled" else None)
