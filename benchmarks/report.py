@@ -333,7 +333,7 @@ def git_commit():
 
 def header_section(machine, commit_info, args):
     commit = args.commit or machine.get("git_commit") or (commit_info or {}).get("id") or git_commit() or "unknown"
-    dirty = (commit_info or {}).get("dirty")
+    dirty = (commit_info or {}).get("dirty") and not args.commit
     if machine:
         device = args.device or machine.get("gpu") or "CPU only (no CUDA device)"
     else:  # only the JSONL backup survived (run killed before pytest wrote its JSON)

@@ -1,5 +1,8 @@
 # Sourced at the start of every device (GPU machine) run: carried wheels, the CUDA build, logs in $OUT.
 # Needs `carry: [".whl", ".minilm"]` (datasets wheels; the float16 MiniLM export).
+# The device copy has no usable git history: the commit comes from .bench_commit (ignored; `git rev-parse HEAD >
+# .bench_commit` before the call and carry it).
+[ -f .bench_commit ] && export CAT_FAST_BENCH_COMMIT="$(cat .bench_commit)"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 CAT_FAST_MINILM_DIR="$PWD/.minilm"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH="$PWD:/tmp/site"

@@ -2,6 +2,8 @@
 // One row slot (tx threads, see common.cuh) per row of x / y, 16-byte packs when K allows.
 //   gs_row_dots:    out[i] = (x_i.y_i, x_i.x_i, y_i.y_i), reduced in a fixed order inside the slot.
 //   gs_row_combine: u_i = c0 x_i + c1 y_i, v_i = c2 x_i + c3 y_i, one pass (read 2 rows, write 2).
+// Fewer rows than 2 per SM, each >= 2048 packs: rows cut into runs, one block per (row, run); gs_row_dots then
+// writes per-run partials and a second small kernel adds them per row in run order (2 launches).
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
@@ -84,6 +86,103 @@ __global__ void __launch_bounds__(kBlock) gs_row_combine_kernel(const scalar_t* 
   }
 }
 
+// Few long rows (token-level GS: N = B rows of T*D): one row per block would leave most SMs idle, so each
+// row is cut into `chunks` runs of `chunk` packs, one block (256 threads) per (row, run).
+template <typename scalar_t, int V>
+__global__ void __launch_bounds__(kBlock) gs_row_dots_chunk_kernel(const scalar_t* __restrict__ x,
+                                                                   const scalar_t* __restrict__ y,
+                                                                   acc_t<scalar_t>* __restrict__ partial, int64_t K,
+                                                                   int64_t chunks, int64_t chunk) {
+  using A = acc_t<scalar_t>;
+  __shared__ Vals<A, 3> s_red[kBlock / 32];
+  const int64_t unit = blockIdx.x;
+  const int64_t r = unit / chunks;
+  const int64_t Kv = K / V;
+  const int64_t begin = (unit - r * chunks) * chunk;
+  const int64_t end = begin + chunk < Kv ? begin + chunk : Kv;
+  const scalar_t* xr = x + r * K;
+  const scalar_t* yr = y + r * K;
+  Vals<A, 3> acc = {{A(0), A(0), A(0)}};
+  for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
+    A a[V], b[V];
+    load_acc<scalar_t, V>(xr, j, a);
+    load_acc<scalar_t, V>(yr, j, b);
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      acc.v[0] += a[e] * b[e];
+      acc.v[1] += a[e] * a[e];
+      acc.v[2] += b[e] * b[e];
+    }
+  }
+  acc = group_reduce(acc, SumOp{}, s_red);
+  if (threadIdx.x == 0) {
+    A* o = partial + unit * 3;
+    o[0] = acc.v[0];
+    o[1] = acc.v[1];
+    o[2] = acc.v[2];
+  }
+}
+
+// out[r, k] = sum over the runs of row r, in run order (deterministic).
+template <typename A>
+__global__ void gs_row_dots_sum_kernel(const A* __restrict__ partial, A* __restrict__ out, int64_t N, int64_t chunks) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= N * 3) return;
+  const int64_t r = i / 3, k = i - r * 3;
+  A total = A(0);
+  for (int64_t c = 0; c < chunks; ++c) total += partial[(r * chunks + c) * 3 + k];
+  out[i] = total;
+}
+
+template <typename scalar_t, int V>
+__global__ void __launch_bounds__(kBlock) gs_row_combine_chunk_kernel(const scalar_t* __restrict__ x,
+                                                                      const scalar_t* __restrict__ y,
+                                                                      const acc_t<scalar_t>* __restrict__ coef,
+                                                                      scalar_t* __restrict__ u, scalar_t* __restrict__ v,
+                                                                      int64_t K, int64_t chunks, int64_t chunk) {
+  using A = acc_t<scalar_t>;
+  const int64_t unit = blockIdx.x;
+  const int64_t r = unit / chunks;
+  const int64_t Kv = K / V;
+  const int64_t begin = (unit - r * chunks) * chunk;
+  const int64_t end = begin + chunk < Kv ? begin + chunk : Kv;
+  const A* c = coef + r * 4;
+  const A c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3];
+  const int64_t off = r * K;
+  for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
+    A a[V], b[V], ou[V], ov[V];
+    load_acc<scalar_t, V>(x + off, j, a);
+    load_acc<scalar_t, V>(y + off, j, b);
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      ou[e] = c0 * a[e] + c1 * b[e];
+      ov[e] = c2 * a[e] + c3 * b[e];
+    }
+    store_acc<scalar_t, V>(u + off, j, ou);
+    store_acc<scalar_t, V>(v + off, j, ov);
+  }
+}
+
+// Runs per row for the chunked kernels: 1 (the row-slot kernels) unless the rows are too few to fill the device
+// (< 2 per SM) and long (>= 2048 packs); then about 4 blocks per SM in total, each run >= 1024 packs.
+struct Chunking {
+  int64_t chunks = 1;
+  int64_t chunk = 0;  // packs per run
+};
+
+inline Chunking chunking(int64_t N, int64_t units) {
+  Chunking c;
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  if (N <= 0 || N >= 2 * sms || units < 2048) return c;
+  int64_t chunks = (4 * sms + N - 1) / N;
+  const int64_t most = (units + 1023) / 1024;
+  chunks = chunks < most ? chunks : most;
+  if (chunks <= 1) return c;
+  c.chunk = (units + chunks - 1) / chunks;
+  c.chunks = (units + c.chunk - 1) / c.chunk;
+  return c;
+}
+
 void check_xy(const char* op, const at::Tensor& x, const at::Tensor& y) {
   TORCH_CHECK(x.is_cuda() && y.is_cuda() && y.device() == x.device(), op, ": x and y must be CUDA tensors on one device");
   TORCH_CHECK(x.dim() == 2, op, ": x must have shape [N,K], got ", x.sizes());
@@ -104,6 +203,22 @@ void launch_dots(const at::Tensor& x, const at::Tensor& y, at::Tensor& out, cuda
   const scalar_t* xp = x.const_data_ptr<scalar_t>();
   const scalar_t* yp = y.const_data_ptr<scalar_t>();
   A* op = out.mutable_data_ptr<A>();
+  const Chunking ch = chunking(N, vec ? K / V : K);
+  if (ch.chunks > 1) {
+    at::Tensor partial = at::empty({N * ch.chunks, 3}, out.options());
+    A* pp = partial.mutable_data_ptr<A>();
+    const unsigned units = static_cast<unsigned>(N * ch.chunks);
+    if (vec) {
+      gs_row_dots_chunk_kernel<scalar_t, V><<<units, kBlock, 0, stream>>>(xp, yp, pp, K, ch.chunks, ch.chunk);
+    } else {
+      gs_row_dots_chunk_kernel<scalar_t, 1><<<units, kBlock, 0, stream>>>(xp, yp, pp, K, ch.chunks, ch.chunk);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const unsigned sum_grid = static_cast<unsigned>((N * 3 + kBlock - 1) / kBlock);
+    gs_row_dots_sum_kernel<A><<<sum_grid, kBlock, 0, stream>>>(pp, op, N, ch.chunks);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
   if (vec) {
     gs_row_dots_kernel<scalar_t, V><<<grid, block, 0, stream>>>(xp, yp, op, N, K);
   } else {
@@ -128,6 +243,17 @@ void launch_combine(const at::Tensor& x, const at::Tensor& y, const at::Tensor& 
   const A* cp = coef.const_data_ptr<A>();
   scalar_t* up = u.mutable_data_ptr<scalar_t>();
   scalar_t* vp = v.mutable_data_ptr<scalar_t>();
+  const Chunking ch = chunking(N, vec ? K / V : K);
+  if (ch.chunks > 1) {
+    const unsigned units = static_cast<unsigned>(N * ch.chunks);
+    if (vec) {
+      gs_row_combine_chunk_kernel<scalar_t, V><<<units, kBlock, 0, stream>>>(xp, yp, cp, up, vp, K, ch.chunks, ch.chunk);
+    } else {
+      gs_row_combine_chunk_kernel<scalar_t, 1><<<units, kBlock, 0, stream>>>(xp, yp, cp, up, vp, K, ch.chunks, ch.chunk);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
   if (vec) {
     gs_row_combine_kernel<scalar_t, V><<<grid, block, 0, stream>>>(xp, yp, cp, up, vp, N, K);
   } else {

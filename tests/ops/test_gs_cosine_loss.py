@@ -16,7 +16,7 @@ def _inputs(shape, dtype, device, seed, zero_row=False):
     return g.to(device=device, dtype=dtype), g_hat.to(device=device, dtype=dtype)
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (4, 37), (3, 5, 7), (2, 1025)], ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (4, 37), (3, 5, 7), (2, 1025), (4, 16, 1024), (3, 20001)], ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("zero_row", [False, True])
 def test_matches_reference(backend, device, shape, reduction, zero_row):
