@@ -138,7 +138,7 @@ def op_section(records, device):
         if has_bwd:
             header.append("fwd+bwd µs")
         header += ["GB/s", "% copy BW", "GPU µs", "GPU % copy BW"] if device == "cuda" else ["GB/s"]
-        header += ["× reference", "× compile"] if device == "cuda" else ["× reference"]
+        header += ["× reference", "× compile", "GPU × compile"] if device == "cuda" else ["× reference"]
         if launches:
             header.append("launches fwd/bwd" if has_bwd else "launches")
         rows = []
@@ -163,6 +163,10 @@ def op_section(records, device):
                     row.append(fmt(op_time(ref) / op_time(e), 2))
                 else:
                     row.append("—")
+            if device == "cuda":
+                ref = case.get("compile")
+                ok = ref and "error" not in ref and ref.get("gpu_ms") and e.get("gpu_ms")
+                row.append(fmt(ref["gpu_ms"] / e["gpu_ms"], 2) if ok else "—")
             if launches:
                 if "launch_error" in e:
                     row.append("error")
@@ -371,8 +375,8 @@ OP_NOTES = (
     "`GPU µs` / `GPU % copy BW`: the same call (fwd+bwd, or fwd for cal_step_) timed with the host ahead of the "
     "GPU (a ~2 ms spin kernel queued before the start event, L2 flushed): the GPU time of every kernel the op "
     "launches and the gaps between them, without the Python/dispatch latency of the call — what the op costs inside "
-    "a training step whose host runs ahead. The columns before it include that latency (~0.1–0.4 ms a call on the "
-    "benchmark machine's host)."
+    "a training step whose host runs ahead. The columns before it include that latency (0.1–1.7 ms a call on the "
+    "benchmark machine's host). `GPU × compile` = torch.compile(reference) GPU time / this row's GPU time."
 )
 
 
