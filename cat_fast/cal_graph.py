@@ -21,6 +21,7 @@ Exactness: the replayed kernels are the eager ones, fed the same values:
   does; the caller's generator state is restored afterwards.
 * Autocast: the steps run under the caller's autocast dtype with the weight-cast cache off, so every replay
   casts the CURRENT weights (the optimizer updates them in place between steps; graphs keep their addresses).
+  Replaced parameters or buffers (new addresses) drop every graph: the next step captures again.
 * The lower layers are not part of the graph: `models.resume` short-circuits them, so their cached outputs
   are only placeholders here (zero buffers shared by every graph of a shape); nothing downstream of h̃ reads
   them for the supported encoders.
@@ -126,11 +127,18 @@ class CALGraphs:
         self._statics = {}  # signature without the layer -> _Statics
         self._pool = None
         self._warned = set()
+        self._weights_seen = None
 
     @property
     def num_graphs(self) -> int:
         """Number of captured signatures (each: one CAL-step graph and one final-forward graph)."""
         return sum(1 for g in self._graphs.values() if g is not None)
+
+    def _weights(self):
+        """Addresses of the model's parameters and buffers: graphs read these addresses, so a replaced tensor
+        (a new head module, ``p.data = ...``, ``model.to(...)``) invalidates every graph."""
+        model = self.cat.model
+        return tuple(t.data_ptr() for t in model.parameters()) + tuple(t.data_ptr() for t in model.buffers())
 
     @staticmethod
     def usable(h) -> bool:
@@ -149,6 +157,12 @@ class CALGraphs:
         """``(λ after adv_steps CAL steps, counterfactual logits)``, or None when this signature runs eagerly.
 
         `h` is ``h_m`` detached, `lam` the initial λ (not modified)."""
+        weights = self._weights()
+        if weights != self._weights_seen:  # parameters replaced (not updated in place): graphs would read old ones
+            self._graphs.clear()
+            self._statics.clear()
+            self._pool = None
+            self._weights_seen = weights
         base, sig = self._signature(cap, h, lam, partner, targets, allow)
         graphs = self._graphs.get(sig, False)
         if graphs is False:

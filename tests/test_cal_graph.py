@@ -145,3 +145,22 @@ def test_cuda_graph_is_not_used_off_cuda_and_max_graphs_is_checked():
     with pytest.raises(ValueError, match="max_graphs"):
         CAT(model, max_graphs=1.5)
     assert cat_fast.CAT is CAT
+
+
+@cuda
+def test_replaced_parameters_drop_the_graphs():
+    # Graphs read parameter addresses: a new head module must not be served by a graph captured on the old one.
+    model = tiny_model("bert", num_layers=4, attn="sdpa").cuda().eval()
+    batch = {k: v.cuda() for k, v in tiny_batch("bert", batch=6, length=11).items()}
+    cat = CAT(model, layers=[2], generator=torch.Generator().manual_seed(0))
+    cat(batch)
+    assert cat.graphs.num_graphs == 1
+    torch.manual_seed(1)
+    model.classifier = torch.nn.Linear(32, 3).cuda()
+    twin = torch.Generator()
+    twin.set_state(cat.generator.get_state())  # the same λ and partner draws for the eager twin
+    eager = CAT(model, layers=[2], cuda_graph=False, generator=twin).losses(batch)
+    graph = cat.losses(batch)
+    assert cat.graphs.num_graphs == 1  # the old pair dropped, a new one captured on the new head
+    for key in ("crm_loss", "lambda_after", "cal_objective"):
+        torch.testing.assert_close(graph[2][key], eager[2][key], rtol=1e-6, atol=1e-6, msg=key)
