@@ -21,7 +21,7 @@ def _inputs(shape, dtype, device, seed):
 def test_matches_reference(backend, device, shape, gamma, eta):
     for seed, dtype in enumerate(dtypes_for(device)):
         logits, labels = _inputs(shape, dtype, device, seed)
-        grad_out = torch.randn(shape[0], dtype=torch.float64).to(device)
+        grad_out = torch.randn(shape[0], generator=torch.Generator().manual_seed(100 + seed), dtype=torch.float64).to(device)
 
         def outputs(which, logits, grad_out):
             x = logits.detach().requires_grad_()

@@ -29,7 +29,8 @@ def _inputs(shape, dtype, device, per_token, partner_kind, seed):
 def test_matches_reference(backend, device, shape, per_token, partner_kind):
     for seed, dtype in enumerate(dtypes_for(device)):
         h, lam, partner = _inputs(shape, dtype, device, per_token, partner_kind, seed)
-        grad_out = torch.randn(h.shape, dtype=torch.float64).to(device=device, dtype=dtype)
+        generator = torch.Generator().manual_seed(100 + seed)
+        grad_out = torch.randn(h.shape, generator=generator, dtype=torch.float64).to(device=device, dtype=dtype)
 
         def outputs(which, h, lam, grad_out):
             h = h.detach().requires_grad_()
@@ -39,8 +40,10 @@ def test_matches_reference(backend, device, shape, per_token, partner_kind):
             return out, h.grad, lam.grad
 
         truth = outputs("reference", h.double(), lam.double(), grad_out.double())
+        lam_terms = shape[2] * (1 if per_token else shape[1])  # grad_lam sums over D (and T for per-sample λ)
         assert_outputs_match(
-            ("h_mix", "grad_h", "grad_lam"), outputs(backend, h, lam, grad_out), outputs("reference", h, lam, grad_out), truth, dtype
+            ("h_mix", "grad_h", "grad_lam"), outputs(backend, h, lam, grad_out), outputs("reference", h, lam, grad_out), truth, dtype,
+            terms={"grad_lam": lam_terms},
         )
 
 

@@ -22,7 +22,7 @@ def _inputs(shape, dtype, device, seed):
 def test_matches_reference(backend, device, shape, reduction, detach_weight, clip):
     for seed, dtype in enumerate(dtypes_for(device)):
         logits, cf_logits, labels = _inputs(shape, dtype, device, seed)
-        grad_out = torch.randn(shape[0] if reduction == "none" else (), dtype=torch.float64).to(device)
+        grad_out = torch.randn(shape[0] if reduction == "none" else (), generator=torch.Generator().manual_seed(100 + seed), dtype=torch.float64).to(device)
 
         def outputs(which, logits, cf_logits):
             z = logits.detach().requires_grad_()
