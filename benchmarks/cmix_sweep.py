@@ -66,7 +66,6 @@ PLANS = [
 # ---------------------------------------------------------------------------------------------- child
 def child(args):
     import torch
-    import triton.testing
 
     sys.path.insert(0, HERE)
     sys.path.append(os.path.dirname(HERE))  # the repository root, when cat_fast is not installed
@@ -81,11 +80,7 @@ def child(args):
         return 2
     kernels = _registry.kernels("cuda")
 
-    copy_src = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
-    copy_dst = torch.empty_like(copy_src)
-    copy_ms = triton.testing.do_bench(lambda: copy_dst.copy_(copy_src), return_mode="median")
-    result["copy_gbps"] = 2 * copy_src.numel() / copy_ms / 1e6
-    del copy_src, copy_dst
+    result["copy_gbps"] = kernel_only.copy_gbps()
 
     if not args.no_check:
         if not args.full_check:  # the shapes the plan applies to: tile path (B <= 256, D a multiple of 8)
@@ -103,8 +98,7 @@ def child(args):
         grad = torch.randn_like(h)
         lam = torch.rand(B, device="cuda")
         partner = torch.randperm(B, device="cuda")
-        fwd = triton.testing.do_bench(lambda: kernels.cmix_forward(h, lam, partner), return_mode="median")
-        bwd = triton.testing.do_bench(lambda: kernels.cmix_backward(grad, h, lam, partner), return_mode="median")
+        fwd, bwd = kernel_only.time_fwd_bwd(kernels, h, grad, lam, partner)
         result["times_ms"][name] = {"fwd": fwd, "bwd": bwd, "nbytes": h.numel() * h.element_size()}
     torch.cuda.synchronize()
     print(RESULT_TAG + json.dumps(result), flush=True)

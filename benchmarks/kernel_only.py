@@ -68,12 +68,32 @@ def check(kernels):
     print(f"check: {len(CHECK_CASES)} shapes x {len(TOLERANCE)} dtypes match float64, backward bitwise deterministic")
 
 
+def copy_gbps():
+    """Device-to-device copy bandwidth of a 512 MiB buffer (bytes read + written), do_bench median."""
+    src = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * src.numel() / ms / 1e6
+
+
+def time_fwd_bwd(kernels, h, grad, lam, partner):
+    """Milliseconds (do_bench median) of the cmix forward and backward kernels."""
+    fwd = triton.testing.do_bench(lambda: kernels.cmix_forward(h, lam, partner), return_mode="median")
+    bwd = triton.testing.do_bench(lambda: kernels.cmix_backward(grad, h, lam, partner), return_mode="median")
+    return fwd, bwd
+
+
+def _report(backend, dtype, fwd, bwd, nbytes, copy_bw, label=""):
+    # minimal traffic: forward reads h, writes h_mix (2N); backward reads grad and h, writes grad_h (3N)
+    for name, ms, moved in (("forward", fwd, 2 * nbytes), ("backward", bwd, 3 * nbytes), ("fwd+bwd", fwd + bwd, 5 * nbytes)):
+        bw = moved / ms / 1e6
+        print(f"cmix {name:8s} {backend:6s} {str(dtype):15s} {ms * 1e3:8.1f} us {bw:8,.0f} GB/s "
+              f"{100 * bw / copy_bw:5.1f}% of copy" + (f"  {label}" if label else ""))
+
+
 def main():
     B, T, D = 64, 512, 1024
-    copy_src = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
-    copy_dst = torch.empty_like(copy_src)
-    copy_ms = triton.testing.do_bench(lambda: copy_dst.copy_(copy_src), return_mode="median")
-    copy_bw = 2 * copy_src.numel() / copy_ms / 1e6
+    copy_bw = copy_gbps()
     print(f"copy bandwidth {copy_bw:,.0f} GB/s (read + write)")
     if "--no-check" not in sys.argv and "cuda" in cat_fast.backends():
         check(_registry.kernels("cuda"))
@@ -82,17 +102,10 @@ def main():
         grad = torch.randn_like(h)
         lam = torch.rand(B, device="cuda")
         partner = torch.randperm(B, device="cuda")
-        nbytes = h.numel() * h.element_size()
         for backend in ("cuda", "triton"):
-            if backend not in cat_fast.backends():
-                continue
-            kernels = _registry.kernels(backend)
-            fwd = triton.testing.do_bench(lambda: kernels.cmix_forward(h, lam, partner), return_mode="median")
-            bwd = triton.testing.do_bench(lambda: kernels.cmix_backward(grad, h, lam, partner), return_mode="median")
-            # minimal traffic: forward reads h, writes h_mix (2N); backward reads grad and h, writes grad_h (3N)
-            for name, ms, moved in (("forward", fwd, 2 * nbytes), ("backward", bwd, 3 * nbytes), ("fwd+bwd", fwd + bwd, 5 * nbytes)):
-                bw = moved / ms / 1e6
-                print(f"cmix {name:8s} {backend:6s} {str(dtype):15s} {ms * 1e3:8.1f} us {bw:8,.0f} GB/s {100 * bw / copy_bw:5.1f}% of copy")
+            if backend in cat_fast.backends():
+                fwd, bwd = time_fwd_bwd(_registry.kernels(backend), h, grad, lam, partner)
+                _report(backend, dtype, fwd, bwd, h.numel() * h.element_size(), copy_bw)
     # other shapes / lambda kinds, cuda only (same traffic model)
     if "cuda" in cat_fast.backends():
         kernels = _registry.kernels("cuda")
@@ -100,13 +113,9 @@ def main():
                                            (64, 64, 1024, False, "permutation"), (32, 512, 4096, False, "permutation")):
             for dtype in (torch.bfloat16, torch.float32):
                 h, grad, lam, partner = _inputs(b, t, d, dtype, per_token, kind)
-                nbytes = h.numel() * h.element_size()
-                fwd = triton.testing.do_bench(lambda: kernels.cmix_forward(h, lam, partner), return_mode="median")
-                bwd = triton.testing.do_bench(lambda: kernels.cmix_backward(grad, h, lam, partner), return_mode="median")
+                fwd, bwd = time_fwd_bwd(kernels, h, grad, lam, partner)
                 label = f"[{b},{t},{d}] {'per-token' if per_token else 'per-sample'} {kind}"
-                for name, ms, moved in (("forward", fwd, 2 * nbytes), ("backward", bwd, 3 * nbytes), ("fwd+bwd", fwd + bwd, 5 * nbytes)):
-                    bw = moved / ms / 1e6
-                    print(f"cmix {name:8s} cuda   {str(dtype):15s} {ms * 1e3:8.1f} us {bw:8,.0f} GB/s {100 * bw / copy_bw:5.1f}% of copy  {label}")
+                _report("cuda", dtype, fwd, bwd, h.numel() * h.element_size(), copy_bw, label)
 
 
 if __name__ == "__main__":

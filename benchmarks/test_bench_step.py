@@ -254,32 +254,8 @@ def _free():
         torch.cuda.empty_cache()
 
 
-def time_steps(step, warmup, steps):
-    for _ in range(warmup):
-        step()
-    _sync()
-    if DEVICE == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
-        for start, end in zip(starts, ends):
-            start.record()
-            step()
-            end.record()
-        torch.cuda.synchronize()
-        times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
-        peak = torch.cuda.max_memory_allocated() / 2**20
-    else:
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
-        peak = None
-    return statistics.median(times), min(times), peak
-
-
 def _timed_block(step, n):
+    """Milliseconds of each of `n` calls of `step`: CUDA events on the GPU, perf_counter on the CPU."""
     if DEVICE != "cuda":
         out = []
         for _ in range(n):
@@ -295,6 +271,17 @@ def _timed_block(step, n):
         end.record()
     torch.cuda.synchronize()
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def time_steps(step, warmup, steps):
+    for _ in range(warmup):
+        step()
+    _sync()
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = _timed_block(step, steps)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if DEVICE == "cuda" else None
+    return statistics.median(times), min(times), peak
 
 
 def time_paired(step, plain_step, warmup, steps, rounds=4):

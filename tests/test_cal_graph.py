@@ -12,7 +12,7 @@ from tests.conftest import TINY_ARCHS, tiny_batch, tiny_model
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _steps(model, batches, graph, seed=7, steps=3, autocast=None, qa=False, **kw):
+def _steps(model, batches, graph, seed=7, steps=3, autocast=None, **kw):
     """`steps` CAT training steps (SGD) of `model` on `batches` (cycled); losses, infos, final parameters."""
     torch.manual_seed(seed)
     torch.cuda.manual_seed(seed)
