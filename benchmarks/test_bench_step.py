@@ -10,6 +10,8 @@ bf16 autocast, AdamW (fused on CUDA), B x T = 8x128, 32x128, 64x256; each sample
                  only; final counterfactual forward without autograd (detached CRM weight); loss = ERM + CRM.
 3. `cat`         `cat_fast.CAT(model, layers=[8, 9, 10], adv_steps=3)` (CAL loop replayed as CUDA graphs).
 3e. `cat_eager`  the same with `cuda_graph=False` (the eager CAL loop), for the graphs' effect side by side.
+3f. `cat_full_last` the same (CUDA graphs) with `prune_last_layer=False`: layer L run whole in the counterfactual
+                 passes, for the first-token last layer's effect side by side.
 4. `gs_exact`    `GradientSupervision(representation=0, mode="exact")` (token level, embedding output), eager
                  attention (double backward), pairs = a random permutation.
 5. `gs_first_order` the same with mode="first_order" and SDPA attention (SPEC's central difference, 2 passes).
@@ -42,7 +44,9 @@ from benchmarks import _harness as H
 
 pytestmark = [pytest.mark.benchmark(timer=H.virtual_clock), pytest.mark.bench_step]
 
-METHODS = ("plain", "naive_cat", "cat", "cat_eager", "gs_exact", "gs_first_order", "gs_first_order_fwd", "gs_pooled")
+METHODS = ("plain", "naive_cat", "cat", "cat_eager", "cat_full_last", "gs_exact", "gs_first_order",
+           "gs_first_order_fwd", "gs_pooled")
+CAT_METHODS = ("cat", "cat_eager", "cat_full_last")
 GS_LONG_METHODS = ("plain", "gs_exact", "gs_first_order", "gs_first_order_fwd")  # the T = 512 size
 CAT_LAYERS = [8, 9, 10]
 NAIVE_LAYER = 9
@@ -114,7 +118,8 @@ def model_flops(config, batch, tokens, method, m=None, adv_steps=ADV_STEPS, fina
     forward = 2 * (matmul params) * tokens + attention 4 * B * T^2 * D per layer (+ pooler/classifier per sample);
     backward = 2 x forward. CAT adds, per CAL step, a forward of layers m+1..L (+ head) and an input-only
     backward of those (~1 x forward: no weight-gradient matmuls), plus the final counterfactual forward of
-    layers m+1..L. First-order GS at h_0 adds g (an input-only backward, ~1 x forward) and per perturbed pass a
+    layers m+1..L. `cat_fast.CAT` runs layer L of those passes for the first token only (K and V projections of
+    every token, the rest of the layer for row 0: `prune_last_layer`, the default); `naive_cat` runs it whole. First-order GS at h_0 adds g (an input-only backward, ~1 x forward) and per perturbed pass a
     forward and a full backward (3 x forward): 2 passes (central) → 10/3 = 3.33x, 1 pass (forward) → 7/3 = 2.33x. With the default detached CRM weight that final pass has no backward (the implementations
     run it without autograd); `final_backward=True` counts one anyway (2 x forward more), the issue's formula.
     Embedding lookups, layer norms, softmax and elementwise work are not counted.
@@ -125,8 +130,11 @@ def model_flops(config, batch, tokens, method, m=None, adv_steps=ADV_STEPS, fina
     head = 2 * batch * (D * D + D * C)
     forward = L * layer + head
     total = 3 * forward
-    if method in ("naive_cat", "cat", "cat_eager"):
+    if method == "naive_cat" or method in CAT_METHODS:
         upper = (L - m) * layer + head
+        if method in ("cat", "cat_eager") and m < L:
+            first_token_layer = 2 * n_tok * 2 * D * D + 2 * batch * (2 * D * D + 2 * D * I) + 4 * batch * tokens * D
+            upper += first_token_layer - layer
         total += adv_steps * 2 * upper + upper * (3 if final_backward else 1)
     if method.startswith("gs_first_order"):  # representation h_0: every pass covers all L layers
         passes = 1 if method.endswith("_fwd") else 2
@@ -161,9 +169,10 @@ def make_step(method, model, optimizer, batch, pairs):
     if method == "naive_cat":
         return naive_cat_step(model, batch, finish_step)
 
-    if method in ("cat", "cat_eager"):
+    if method in CAT_METHODS:
         cat = cat_fast.CAT(model, layers=LAYERS, adv_steps=ADV_STEPS, alpha=ALPHA, beta=BETA, gamma=GAMMA, eta=ETA,
-                           adv_lr=ADV_LR, cuda_graph=method == "cat")
+                           adv_lr=ADV_LR, cuda_graph=method != "cat_eager",
+                           prune_last_layer=method != "cat_full_last")
 
         def step():
             with autocast():
@@ -343,7 +352,7 @@ def measure_step(method, size):
                 plain_model = plain_opt = plain_step = None
             extra.update(step_ms=median_ms, step_min_ms=min_ms, peak_mib=peak,
                          tokens_per_s=batch_size * tokens / (median_ms * 1e-3))
-            if method in ("plain", "naive_cat", "cat", "cat_eager") or method.startswith("gs_first_order"):
+            if method in ("plain", "naive_cat") + CAT_METHODS or method.startswith("gs_first_order"):
                 m = NAIVE_M if method == "naive_cat" else sum(LAYERS) / len(LAYERS)
                 extra["flops"] = model_flops(config, batch_size, tokens, method, m)
                 extra["flops_final_backward"] = model_flops(config, batch_size, tokens, method, m, final_backward=True)

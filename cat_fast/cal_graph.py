@@ -150,7 +150,7 @@ class CALGraphs:
         autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
         base = (_tensor_sig(h), _tensor_sig(lam), _tensor_sig(partner), _tensor_sig(targets), _tensor_sig(allow),
                 _inputs_sig(cap.inputs), cap.hidden_loc, self.cat.model.training, autocast)
-        hyper = (cat.adv_lr, cat.p, cat.gamma, cat.eta, cat.mask_mode)
+        hyper = (cat.adv_lr, cat.p, cat.gamma, cat.eta, cat.mask_mode, cat._first_token(cap))
         return base, (cap.layer,) + base + hyper
 
     def run(self, cap, h, lam, partner, targets, allow):
@@ -184,7 +184,8 @@ class CALGraphs:
         static_cap = models.Capture(
             layer=cap.layer, hidden=statics.h, outputs=None, inputs=statics.inputs, training=cap.training,
             layer_outputs=[statics.placeholder(o) for o in cap.layer_outputs], hidden_loc=cap.hidden_loc,
-            embedding_output=statics.placeholder(cap.embedding_output), rng_state=None)
+            embedding_output=statics.placeholder(cap.embedding_output), rng_state=None,
+            last_output=statics.placeholder(cap.last_output))
         cat = self.cat
         mask = statics.inputs.get("attention_mask")
         enabled, dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")

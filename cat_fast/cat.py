@@ -16,7 +16,8 @@
    (``torch.autograd.grad(J, λ)``; ``h_m`` is detached and no parameter ``.grad`` is touched), then
    `cat_fast.ops.cal_step_` (which holds the ``−‖λ_i‖_p`` term and the clamp to [0, 1]). Layers ``m+1..L``
    run on ``h̃`` via `cat_fast.models.resume` with exactly the arguments the model passes them, on the same
-   dropout masks as the clean forward. ``adv_steps=0`` is CAT*.
+   dropout masks as the clean forward (except layer L when it is pruned to its first token: see below).
+   ``adv_steps=0`` is CAT*.
 5. CRM on the optimised (detached) λ: ``crm_loss(M(h), M(h̃), y, a1, a2, detach_weight)``; ERM = CE(M(h), y).
    With ``detach_weight=True`` (default) CRM gets no gradient through ``M(h̃)``, so that last counterfactual
    forward runs without autograd (saves its activations); with ``detach_weight=False`` it is differentiated and
@@ -62,6 +63,15 @@ replayed, which removes their host overhead (`cat_fast.cal_graph`); same values 
 dropout masks. Up to ``max_graphs`` signatures are captured; others (and any model whose capture fails, with a
 warning) run eagerly. ``cuda_graph=False`` always runs eagerly.
 
+First-token last layer (``prune_last_layer=True``, the default; sequence classification): when the model's head
+reads only row 0 of the last hidden state and its last layer has the Bert layout (checked once per model by
+`cat_fast.models.first_token_ok`), every counterfactual pass (CAL steps and the final one) runs layer L for the
+first token only: keys and values of all tokens, the rest of the layer for row 0 — the same logits and
+λ-gradients with ~1/6 of that layer's matmul FLOPs. In train mode that layer's dropout masks in the
+counterfactual passes are fresh draws (all layers below it keep the clean forward's masks), so at λ = 0 the
+counterfactual differs from the factual by that layer's dropout; ``prune_last_layer=False`` runs the full layer
+with the clean masks (then λ = 0 gives ω = 1 exactly).
+
 Randomness: with ``generator=None`` λ and partners are drawn on the model's device from the global RNG and the
 layer from the global CPU RNG. With a CPU ``torch.Generator`` everything is drawn from it on the CPU (λ through a
 Beta sample on a forked CPU RNG seeded from it) and copied to the device (non-blocking): reproducible.
@@ -98,7 +108,7 @@ class CAT:
     def __init__(self, model, layers=None, alpha=0.3, beta=0.3, gamma=10.0, eta=20.0, adv_steps=3, adv_lr=2e-2,
                  p=1.0, a1=0.0, a2=10.0, mask_mode="self", detach_weight=True, update="sum", warmup_steps=0,
                  partner="permutation", gs_weight=0.0, generator=None, crm_optimizer=None, cuda_graph=True,
-                 max_graphs=8):
+                 max_graphs=8, prune_last_layer=True):
         st = models.structure(model)
         L = st.num_layers
         if layers is None:
@@ -149,6 +159,7 @@ class CAT:
         self.step = 0
         self.qa = st.task == "question_answering"
         self.cuda_graph = bool(cuda_graph)
+        self.prune_last_layer = bool(prune_last_layer)
         self.graphs = CALGraphs(self, max_graphs=max_graphs)
 
     # ----------------------------------------------------------------- public API
@@ -186,6 +197,7 @@ class CAT:
         mask = cap.inputs.get("attention_mask")
 
         h_det = h.detach()
+        self._first_token(cap)  # the once-per-model check runs here, outside any graph capture
         replayed = None
         if self.cuda_graph and self.detach_weight and CALGraphs.usable(h):
             replayed = self.graphs.run(cap, h_det, lam0, partner, targets, allow)
@@ -301,10 +313,15 @@ class CAT:
     def _cal_step(self, lam, grad):
         cal_step_(lam, grad, self.adv_lr, self.p)
 
+    def _first_token(self, cap):
+        return (self.prune_last_layer and not self.qa and cap.layer < self.structure.num_layers
+                and models.first_token_ok(self.model, cap))
+
     def _cf_logits(self, cap, h, lam, partner, mask, allow):
         coef = lam if allow is None else lam.unsqueeze(1) * allow
         h_mix, mask_mix = cmix(h, coef, partner, mask, self.mask_mode)
-        out = models.resume(self.model, cap, h_mix, attention_mask=None if self.mask_mode == "self" else mask_mix)
+        out = models.resume(self.model, cap, h_mix, attention_mask=None if self.mask_mode == "self" else mask_mix,
+                            first_token=self._first_token(cap))
         return models.logits_of(out)
 
     def _qa_allow(self, batch, targets, T, device):

@@ -300,7 +300,7 @@ def _detached(cap):
 
     return dataclasses.replace(cap, hidden=detach(cap.hidden), outputs=None, layer_outputs=detach(cap.layer_outputs),
                                embedding_output=detach(cap.embedding_output), head_input=detach(cap.head_input),
-                               pooled=None)
+                               pooled=None, last_output=detach(cap.last_output))
 
 
 class _ScaleProbe(torch.autograd.Function):

@@ -50,6 +50,17 @@ Dropout (train mode).
     from its factual only by the mixing. The same holds for `head_logits` (re-running only the head).
     Saving/restoring RNG state is host-side bookkeeping (no device synchronisation).
 
+First-token last layer (``resume(..., first_token=True)``).
+    When the head reads only row 0 of the last layer's output (sequence classifiers with a [CLS] pooler or
+    head), the last layer is run for that row only: keys and values of every token, everything else for row 0
+    (`cat_fast.first_token_layer`; Bert-layout layers). Rows 1.. of the returned last hidden state are then the
+    last layer's INPUT rows, not its output. `first_token_ok` decides, once per model, whether this is exact:
+    the layer must have the supported layout and, on a real batch in eval mode without autocast, the resumed
+    logits must not change when rows 1.. are NaN and must equal the full layer's (rtol 1e-4 for float32
+    weights, 2e-2 for 16-bit). In train mode the row's dropout masks in that layer are drawn afresh (the
+    attention dropout of one query row and the hidden dropout of one row cannot reproduce the clean forward's
+    draws); every layer below it keeps the clean forward's masks.
+
 Pooled representation.
     The input of the classification projection module: ``model.classifier`` if present, else ``model.score``,
     else the last ``nn.Linear`` with ``out_features == num_labels`` (``qa_outputs`` for QA). When that module
@@ -65,6 +76,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import first_token_layer
+
 __all__ = [
     "ModelStructure",
     "Capture",
@@ -72,6 +85,7 @@ __all__ = [
     "num_layers",
     "capture",
     "resume",
+    "first_token_ok",
     "head_logits",
     "grad_wrt_pooled",
     "logits_of",
@@ -114,6 +128,7 @@ class Capture:
     head_rng_state: tuple | None = None
     pooled: torch.Tensor | None = None  # [B, D] pooled representation (pooled=True)
     rng_marker: object = None  # called by `resume` where it would restore rng_state (cat_fast.cal_graph)
+    last_output: object = None  # layer L's output as returned (its format, for `resume(..., first_token=True)`)
 
 
 _STRUCTURES: "weakref.WeakKeyDictionary[nn.Module, ModelStructure]" = weakref.WeakKeyDictionary()
@@ -302,6 +317,8 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
         calls["done"] += 1
         if k < layer:
             cap.layer_outputs.append(output)
+        if k == L - 1:
+            cap.last_output = output
         if k == L - 1 and layer == L:
             cap.hidden = _first(output)
             if keep_rng:
@@ -339,12 +356,14 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
     return cap
 
 
-def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, same_dropout: bool = True):
+def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, same_dropout: bool = True,
+           first_token: bool = False, first_token_fill: float | None = None):
     """Run layers ``m+1..L`` and the model's own head on `h_tilde` in place of ``h_m``; return the model output.
 
     The lower layers are not recomputed (see the module docstring). `attention_mask` (2-D, optional)
     replaces the batch's mask for the resumed layers (CMIX mask modes). Differentiable w.r.t. `h_tilde` and
-    the parameters of layers ``m+1..L`` and the head.
+    the parameters of layers ``m+1..L`` and the head. ``first_token=True``: the last layer computes row 0
+    only (module docstring; check `first_token_ok` first); `first_token_fill` sets its other rows (the probe).
     """
     st = structure(model)
     _check_trainable_forward(model, st)
@@ -356,8 +375,12 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
     saved_rng = _rng_get(device) if restore_rng else None
     calls = {"n": 0}
     patched = []
+    first_token = (first_token and m < L and len(st.layer_modules) == L
+                   and first_token_layer.supported(st.layer_modules[-1]))
 
-    def layer_forward(orig):
+    def layer_forward(mod):
+        orig = mod.forward
+
         def forward(*args, **kwargs):
             k = calls["n"]
             calls["n"] += 1
@@ -381,6 +404,10 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
                     _rng_set(device, cap.rng_state)
                 if cap.rng_marker is not None:
                     cap.rng_marker()
+            if k == L - 1 and first_token:
+                out = first_token_layer.forward(mod, args, kwargs, first_token_fill)
+                if out is not None:
+                    return _replace_first(cap.last_output, out)
             return orig(*args, **kwargs)
 
         return forward
@@ -395,7 +422,7 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
         inputs["attention_mask"] = attention_mask
     try:
         for mod in st.layer_modules:
-            patch(mod, layer_forward(mod.forward))
+            patch(mod, layer_forward(mod))
         if st.embeddings is not None and cap.embedding_output is not None:
             cached = cap.embedding_output
             patch(st.embeddings, lambda *a, **k: cached)
@@ -412,6 +439,40 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
         _fail(model, f"its layer list '{st.layer_list_name}' was called {calls['n']} times when resuming, "
                      f"expected {L}")
     return out
+
+
+_FIRST_TOKEN: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def first_token_ok(model, cap: Capture) -> bool:
+    """Whether ``resume(..., first_token=True)`` is exact for `model` (module docstring); decided once per model
+    on the first capture with ``m < L`` (two no-grad resumes of that batch and one host synchronisation)."""
+    known = _FIRST_TOKEN.get(model)
+    if known is not None:
+        return known
+    st = structure(model)
+    if (st.task != "sequence_classification" or len(st.layer_modules) != st.num_layers
+            or not first_token_layer.supported(st.layer_modules[-1])):
+        _FIRST_TOKEN[model] = False
+        return False
+    if cap.layer >= st.num_layers or cap.last_output is None:
+        return False  # no layer to run after h_m here: decide on a later capture
+    modes = [(mod, mod.training) for mod in model.modules()]
+    h = cap.hidden.detach()
+    try:
+        model.eval()
+        with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
+            full = logits_of(resume(model, cap, h)).float()
+            pruned = logits_of(resume(model, cap, h, first_token=True, first_token_fill=float("nan"))).float()
+    finally:
+        for mod, mode in modes:
+            mod.training = mode
+    half = next(model.parameters()).dtype in (torch.float16, torch.bfloat16)
+    tol = 2e-2 if half else 1e-4
+    ok = bool(torch.isfinite(pruned).all()) and torch.allclose(pruned, full, rtol=tol,
+                                                               atol=tol * (1.0 + float(full.abs().max())))
+    _FIRST_TOKEN[model] = ok
+    return ok
 
 
 def head_logits(model, cap: Capture, x: torch.Tensor, *, same_dropout: bool = True):

@@ -164,3 +164,20 @@ def test_replaced_parameters_drop_the_graphs():
     assert cat.graphs.num_graphs == 1  # the old pair dropped, a new one captured on the new head
     for key in ("crm_loss", "lambda_after", "cal_objective"):
         torch.testing.assert_close(graph[2][key], eager[2][key], rtol=1e-6, atol=1e-6, msg=key)
+
+
+@cuda
+@pytest.mark.parametrize("autocast,tol", [(None, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16-autocast"])
+def test_pruned_last_layer_gives_the_full_layer_step_on_cuda(autocast, tol):
+    # Graph path, eval mode (no dropout): the first-token last layer changes no value beyond rounding.
+    model = tiny_model("bert", num_layers=4, attn="sdpa").cuda().eval()
+    batches = [{k: v.cuda() for k, v in tiny_batch("bert", batch=6, length=11, seed=s).items()} for s in (1, 2)]
+    pruned = _steps(copy.deepcopy(model), batches, graph=True, autocast=autocast, layers=[1, 2, 3])
+    full = _steps(copy.deepcopy(model), batches, graph=True, autocast=autocast, layers=[1, 2, 3],
+                  prune_last_layer=False)
+    assert pruned[3]._first_token(cat_fast.models.capture(model, batches[0], 2))
+    torch.testing.assert_close(pruned[0], full[0], rtol=tol, atol=tol)
+    for got, want in zip(pruned[1], full[1]):
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=tol, atol=tol, msg=key)
+    torch.testing.assert_close(pruned[2], full[2], rtol=tol, atol=tol)

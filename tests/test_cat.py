@@ -82,11 +82,62 @@ def test_each_sample_gets_its_own_lambda_gradient(monkeypatch):
 
 def test_zero_lambda_makes_crm_equal_erm_in_train_mode(monkeypatch):
     model = tiny_model("bert", hidden_dropout_prob=0.3).train()
-    cat = CAT(model, adv_steps=0, generator=gen())
+    cat = CAT(model, adv_steps=0, generator=gen(), prune_last_layer=False)
     monkeypatch.setattr(cat, "_draw_lambda", lambda B, device, dtype: torch.zeros(B, device=device, dtype=dtype))
     erm, crm, info = cat.losses(tiny_batch("bert"))
     torch.testing.assert_close(info["crm_weight_mean"], torch.tensor(1.0))  # same dropout masks: ω = 1 exactly
     torch.testing.assert_close(crm, erm)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_pruned_last_layer_draws_its_own_dropout_in_train_mode(monkeypatch, dropout):
+    # The first-token last layer cannot replay the clean forward's draws of that layer (documented): with
+    # dropout its counterfactual at λ = 0 differs from the factual by that layer's dropout only.
+    model = tiny_model("bert", hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout).train()
+    cat = CAT(model, layers=[1], adv_steps=0, generator=gen())
+    monkeypatch.setattr(cat, "_draw_lambda", lambda B, device, dtype: torch.zeros(B, device=device, dtype=dtype))
+    erm, crm, info = cat.losses(tiny_batch("bert"))
+    assert cat._first_token(models.capture(model, tiny_batch("bert"), 1))
+    if dropout == 0.0:
+        torch.testing.assert_close(info["crm_weight_mean"], torch.tensor(1.0))
+        torch.testing.assert_close(crm, erm)
+    else:
+        assert float(info["crm_weight_mean"]) != 1.0
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta", "electra"])
+@pytest.mark.parametrize("detach_weight", [True, False])
+def test_pruned_last_layer_gives_the_same_step(arch, detach_weight):
+    # Eval mode, float64: loss, info and every parameter gradient equal with and without the first-token last
+    # layer (padding rows, mixing at every layer below the last, CAL steps on).
+    results = []
+    for prune in (True, False):
+        model = tiny_model(arch, dtype=torch.float64, num_layers=3).eval()
+        cat = CAT(model, layers=[0, 1, 2], adv_steps=2, adv_lr=0.5, generator=gen(5), detach_weight=detach_weight,
+                  mask_mode="union", prune_last_layer=prune)
+        steps = []
+        for _ in range(3):  # three draws of the layer
+            loss, info = cat(tiny_batch(arch, batch=5))
+            loss.backward()
+            steps.append((loss.detach(), {k: v.clone() for k, v in info.items()}))
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((steps, grads))
+    (steps_p, grads_p), (steps_f, grads_f) = results
+    for (lp, ip), (lf, i_f) in zip(steps_p, steps_f):
+        torch.testing.assert_close(lp, lf, rtol=1e-10, atol=1e-12)
+        for k in ip:
+            torch.testing.assert_close(ip[k], i_f[k], rtol=1e-10, atol=1e-12)
+    assert grads_p.keys() == grads_f.keys()
+    for n in grads_p:
+        torch.testing.assert_close(grads_p[n], grads_f[n], rtol=1e-9, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize("arch", ["distilbert", "albert", "deberta-v2"])
+def test_other_layer_layouts_run_the_full_last_layer(arch):
+    model = tiny_model(arch).eval()
+    cat = CAT(model, generator=gen())
+    cat(tiny_batch(arch))
+    assert not cat._first_token(models.capture(model, tiny_batch(arch), cat.layers[0]))
 
 
 def test_warmup_is_plain_erm():

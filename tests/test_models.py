@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from cat_fast import models
-from tests.conftest import TINY_ARCHS, tiny_batch, tiny_model
+from tests.conftest import TINY_ARCHS, tiny_batch, tiny_config, tiny_model, transformers
 
 LAYER_LISTS = {
     "bert": "bert.encoder.layer",
@@ -185,3 +185,62 @@ def test_layer_out_of_range_is_refused():
     model = tiny_model("bert", num_layers=3)
     with pytest.raises(ValueError, match=r"layer must be in \[0, 3\]"):
         models.capture(model, tiny_batch("bert"), 4)
+
+
+# ----------------------------------------------------------------------------- first-token last layer
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta", "electra"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_first_token_last_layer_gives_the_full_logits_and_gradients(arch, attn):
+    model = tiny_model(arch, attn=attn, dtype=torch.float64).eval()
+    batch = tiny_batch(arch, batch=5)
+    for m in range(3):
+        cap = models.capture(model, batch, m)
+        assert models.first_token_ok(model, cap)
+        union = batch["attention_mask"] | batch["attention_mask"].flip(0)
+        for mask in (None, union):
+            h = cap.hidden.detach().clone().requires_grad_(True)
+            full = models.resume(model, cap, h, attention_mask=mask).logits
+            (g_full,) = torch.autograd.grad(full.square().sum(), h)
+            pruned = models.resume(model, cap, h, attention_mask=mask, first_token=True).logits
+            (g_pruned,) = torch.autograd.grad(pruned.square().sum(), h)
+            torch.testing.assert_close(pruned, full, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(g_pruned, g_full, rtol=1e-10, atol=1e-12)
+
+
+def test_first_token_last_layer_computes_row_zero_only():
+    model = tiny_model("bert", dtype=torch.float64).eval()
+    batch = tiny_batch("bert")
+    cap = models.capture(model, batch, 1)
+    out = models.resume(model, cap, cap.hidden, first_token=True, first_token_fill=float("nan"))
+    assert torch.isfinite(out.logits).all()  # the head reads row 0 only
+    seen = {}
+    last = models.structure(model).layer_modules[-1]
+    handle = last.attention.self.query.register_forward_hook(lambda mod, args, out: seen.update(rows=args[0].shape[1]))
+    try:
+        models.resume(model, cap, cap.hidden, first_token=True)
+    finally:
+        handle.remove()
+    assert seen["rows"] == 1
+
+
+def test_first_token_is_refused_for_heads_that_read_other_rows():
+    class MeanPooledBertForSequenceClassification(transformers.BertForSequenceClassification):
+        def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, **kwargs):
+            h = self.bert(input_ids=input_ids, attention_mask=attention_mask,
+                          token_type_ids=token_type_ids).last_hidden_state
+            pooled = (h * attention_mask[..., None]).sum(1) / attention_mask.sum(1, keepdim=True)
+            return transformers.modeling_outputs.SequenceClassifierOutput(logits=self.classifier(pooled))
+
+    torch.manual_seed(0)
+    model = MeanPooledBertForSequenceClassification(tiny_config("bert")).eval()
+    assert not models.first_token_ok(model, models.capture(model, tiny_batch("bert"), 1))
+    qa = tiny_model("bert", task="qa").eval()
+    assert not models.first_token_ok(qa, models.capture(qa, tiny_batch("bert"), 1))
+
+
+def test_first_token_check_waits_for_a_capture_below_the_last_layer():
+    model = tiny_model("bert").eval()
+    assert not models.first_token_ok(model, models.capture(model, tiny_batch("bert"), 3))
+    assert models.first_token_ok(model, models.capture(model, tiny_batch("bert"), 2))
