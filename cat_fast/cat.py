@@ -64,7 +64,7 @@ dropout masks. Up to ``max_graphs`` signatures are captured; others (and any mod
 warning) run eagerly. ``cuda_graph=False`` always runs eagerly.
 
 First-token last layer (``prune_last_layer=True``, the default; sequence classification): when the model's head
-reads only row 0 of the last hidden state and its last layer has the Bert layout (checked once per model by
+reads only row 0 of the last hidden state and its last layer has the Bert or DistilBERT layout (checked once per model by
 `cat_fast.models.first_token_ok`), every counterfactual pass (CAL steps and the final one) runs layer L for the
 first token only: keys and values of all tokens, the rest of the layer for row 0 — the same logits and
 λ-gradients with ~1/6 of that layer's matmul FLOPs. In train mode that layer's dropout masks in the

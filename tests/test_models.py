@@ -190,7 +190,7 @@ def test_layer_out_of_range_is_refused():
 # ----------------------------------------------------------------------------- first-token last layer
 
 
-@pytest.mark.parametrize("arch", ["bert", "roberta", "electra"])
+@pytest.mark.parametrize("arch", ["bert", "roberta", "electra", "distilbert"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_first_token_last_layer_gives_the_full_logits_and_gradients(arch, attn):
     model = tiny_model(arch, attn=attn, dtype=torch.float64).eval()
@@ -209,15 +209,17 @@ def test_first_token_last_layer_gives_the_full_logits_and_gradients(arch, attn):
             torch.testing.assert_close(g_pruned, g_full, rtol=1e-10, atol=1e-12)
 
 
-def test_first_token_last_layer_computes_row_zero_only():
-    model = tiny_model("bert", dtype=torch.float64).eval()
-    batch = tiny_batch("bert")
+@pytest.mark.parametrize("arch", ["bert", "distilbert"])
+def test_first_token_last_layer_computes_row_zero_only(arch):
+    model = tiny_model(arch, dtype=torch.float64).eval()
+    batch = tiny_batch(arch)
     cap = models.capture(model, batch, 1)
     out = models.resume(model, cap, cap.hidden, first_token=True, first_token_fill=float("nan"))
     assert torch.isfinite(out.logits).all()  # the head reads row 0 only
     seen = {}
     last = models.structure(model).layer_modules[-1]
-    handle = last.attention.self.query.register_forward_hook(lambda mod, args, out: seen.update(rows=args[0].shape[1]))
+    query = last.attention.q_lin if arch == "distilbert" else last.attention.self.query
+    handle = query.register_forward_hook(lambda mod, args, out: seen.update(rows=args[0].shape[1]))
     try:
         models.resume(model, cap, cap.hidden, first_token=True)
     finally:
