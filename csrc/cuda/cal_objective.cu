@@ -16,6 +16,20 @@ namespace {
 
 constexpr int kBlock = 256;
 
+// Online softmax state of row z (the identity where !valid), reduced over the row slot; every thread of the
+// block must call it (group_reduce).
+template <typename scalar_t>
+__device__ __forceinline__ SoftmaxState<acc_t<scalar_t>> row_softmax_state(const scalar_t* __restrict__ z, int64_t C,
+                                                                           bool valid,
+                                                                           SoftmaxState<acc_t<scalar_t>>* s_red) {
+  using A = acc_t<scalar_t>;
+  SoftmaxState<A> st = softmax_identity<A>();
+  if (valid) {
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) softmax_push(st, static_cast<A>(z[c]), static_cast<int>(c));
+  }
+  return group_reduce(st, SoftmaxOp{}, s_red);
+}
+
 // out[i] = gamma * (logsumexp(z_i) - z_i[y_i]) + eta * max softmax(z_i)
 template <typename scalar_t>
 __global__ void __launch_bounds__(kBlock) cal_objective_forward_kernel(const scalar_t* __restrict__ logits,
@@ -30,11 +44,7 @@ __global__ void __launch_bounds__(kBlock) cal_objective_forward_kernel(const sca
     const int64_t r = g * blockDim.y + threadIdx.y;
     const bool valid = r < B;
     const scalar_t* z = logits + (valid ? r : 0) * C;
-    SoftmaxState<A> st = softmax_identity<A>();
-    if (valid) {
-      for (int64_t c = threadIdx.x; c < C; c += blockDim.x) softmax_push(st, static_cast<A>(z[c]), static_cast<int>(c));
-    }
-    st = group_reduce(st, SoftmaxOp{}, s_red);
+    const SoftmaxState<A> st = row_softmax_state(z, C, valid, s_red);
     if (valid && threadIdx.x == 0) {
       const int64_t y = labels[r];
       CAT_FAST_DEVICE_ASSERT(y >= 0 && y < C);
@@ -59,11 +69,7 @@ __global__ void __launch_bounds__(kBlock) cal_objective_backward_kernel(const ac
     const int64_t r = g * blockDim.y + threadIdx.y;
     const bool valid = r < B;
     const scalar_t* z = logits + (valid ? r : 0) * C;
-    SoftmaxState<A> st = softmax_identity<A>();
-    if (valid) {
-      for (int64_t c = threadIdx.x; c < C; c += blockDim.x) softmax_push(st, static_cast<A>(z[c]), static_cast<int>(c));
-    }
-    st = group_reduce(st, SoftmaxOp{}, s_red);
+    const SoftmaxState<A> st = row_softmax_state(z, C, valid, s_red);
     if (!valid) continue;
     const int64_t y = labels[r];
     CAT_FAST_DEVICE_ASSERT(y >= 0 && y < C);

@@ -922,16 +922,17 @@ void print_plan_once(const std::string& line) {
   }
 }
 
+// tiles: the shared tiles of plan.smem bytes a block of the launch holds.
 template <typename scalar_t>
-std::string plan_line(const char* op, int64_t B, int64_t T, int64_t D, const TilePlan& plan, int P, int minb,
-                      int per_sm, int64_t grid, int64_t work, int64_t S, const std::string& source) {
+std::string plan_line(const char* op, int64_t B, int64_t T, int64_t D, const TilePlan& plan, int tiles, int P,
+                      int minb, int per_sm, int64_t grid, int64_t work, int64_t S, const std::string& source) {
   char buf[512];
   std::snprintf(buf, sizeof(buf),
                 "cat_fast cmix plan: %s %s [%lld,%lld,%lld]: W=%d K=%d rows=%d minb=%d threads=%d smem=%zu "
                 "blocks/SM=%d grid=%lld %s=%lld S=%lld (%s)",
                 op, c10::toString(c10::CppTypeToScalarType<scalar_t>::value), static_cast<long long>(B),
                 static_cast<long long>(T), static_cast<long long>(D), 1 << plan.w_log2, plan.packs, P, minb,
-                plan.threads, plan.smem, per_sm, static_cast<long long>(grid), S > 0 ? "units" : "tiles",
+                plan.threads, tiles * plan.smem, per_sm, static_cast<long long>(grid), S > 0 ? "units" : "tiles",
                 static_cast<long long>(work), static_cast<long long>(S > 0 ? S : 1), source.c_str());
   return buf;
 }
@@ -1050,48 +1051,83 @@ void run_forward_tiles(FwdTileKernel<scalar_t> kernel, const TilePlan& plan, int
   grid_out = grid;
 }
 
+// The tile settings of one direction under CAT_FAST_CMIX_PLAN, the defaults where a key is unset.
+struct TileOverride {
+  const char* op;   // "forward" or "backward"
+  const char* key;  // "fwd" or "bwd": the prefix of the direction's CAT_FAST_CMIX_PLAN keys
+  int w;            // W forced on plan_tiles, 0: the heuristic W
+  int P;            // rows per thread
+  int K;            // packs
+  int bps;          // cap on the resident blocks per SM, 0: none
+  bool async;
+};
+
+// Fits the override's tile `kernel` (`tiles` shared tiles of plan.smem bytes a block) to a batch of B rows of
+// D elements: sets plan and per_sm (resident blocks per SM, capped to t.bps). False where it does not fit
+// (verbose: noted on stderr, unless there is no tile plan at all, as by default).
+template <typename scalar_t, int V, typename Kernel>
+bool fit_override_tiles(const TileOverride& t, bool verbose, Kernel kernel, int tiles, int64_t B, int64_t T,
+                        int64_t D, TilePlan& plan, int& per_sm) {
+  const std::string key = t.key;
+  std::string why;
+  if (t.async && !device_has_cp_async()) {
+    why = key + "_async needs compute capability 8.0+";
+  } else if (kernel == nullptr) {
+    why = (t.async ? key + "_async: " : "") + key + "_rows/" + key + "_packs not instantiated for this dtype";
+  } else if (!plan_tiles<scalar_t, V>(B, D / V, t.P, plan, t.K, t.w)) {
+    why = kNoTilePlan;
+  } else if (!dynamic_smem_ok(kernel, tiles * plan.smem)) {
+    why = "shared memory over the device limit";
+  } else if ((per_sm = blocks_per_sm(kernel, plan.threads, tiles * plan.smem, /*strict=*/false)) < 1) {
+    why = "no resident block";
+  }
+  if (!why.empty()) {
+    if (verbose && why != kNoTilePlan) print_plan_once(plan_note<scalar_t>(t.op, B, T, D, why));
+    return false;
+  }
+  if (t.bps > 0 && t.bps < per_sm) per_sm = t.bps;
+  return true;
+}
+
+// The source of an override's plan line: "override", async, `notes`, and a forced W that plan_tiles did not take.
+std::string override_source(const TileOverride& t, const TilePlan& plan, const std::string& notes = "") {
+  std::string source = t.async ? "override, async" : "override";
+  source += notes;
+  if (t.w && (1 << plan.w_log2) != t.w) source += std::string(", ") + t.key + "_w ignored: B * W > rows * 256";
+  return source;
+}
+
 // The forward tile launch under CAT_FAST_CMIX_PLAN; false (nothing launched) where it does not apply.
 template <typename scalar_t, int V>
 bool launch_forward_override(const PlanOverride& ov, const scalar_t* hp, const acc_t<scalar_t>* lp,
                              const int64_t* pp, scalar_t* op, int64_t B, int64_t T, int64_t D, bool per_token,
                              cudaStream_t stream) {
-  const int P = ov.fwd_rows ? ov.fwd_rows : kFwdRowsPerThread;
-  const int K = ov.fwd_packs ? ov.fwd_packs : 1;
-  const bool async = ov.fwd_async == 1;
-  const int stages = async ? 2 : 1;  // shared tile stages
-  std::string why;
+  const TileOverride t{"forward", "fwd", ov.fwd_w, ov.fwd_rows ? ov.fwd_rows : kFwdRowsPerThread,
+                       ov.fwd_packs ? ov.fwd_packs : 1, ov.fwd_bps, ov.fwd_async == 1};
+  const int stages = t.async ? 2 : 1;  // shared tile stages
+  auto kernel = t.async ? forward_tile_async_kernel_for<scalar_t, V>(t.P, t.K)
+                        : forward_tile_kernel_for<scalar_t, V>(t.P, t.K);
   TilePlan plan;
-  auto kernel = async ? forward_tile_async_kernel_for<scalar_t, V>(P, K) : forward_tile_kernel_for<scalar_t, V>(P, K);
   int per_sm = 0;
-  if (async && !device_has_cp_async()) {
-    why = "fwd_async needs compute capability 8.0+";
-  } else if (kernel == nullptr) {
-    why = async ? "fwd_async: fwd_rows/fwd_packs not instantiated for this dtype"
-                : "fwd_rows/fwd_packs not instantiated for this dtype";
-  } else if (!plan_tiles<scalar_t, V>(B, D / V, P, plan, K, ov.fwd_w)) {
-    why = kNoTilePlan;
-  } else if (!dynamic_smem_ok(kernel, stages * plan.smem)) {
-    why = "shared memory over the device limit";
-  } else if ((per_sm = blocks_per_sm(kernel, plan.threads, stages * plan.smem, /*strict=*/false)) < 1) {
-    why = "no resident block";
-  }
-  if (!why.empty()) {
-    if (ov.verbose && why != kNoTilePlan) print_plan_once(plan_note<scalar_t>("forward", B, T, D, why));
-    return false;
-  }
-  if (ov.fwd_bps > 0 && ov.fwd_bps < per_sm) per_sm = ov.fwd_bps;
+  if (!fit_override_tiles<scalar_t, V>(t, ov.verbose, kernel, stages, B, T, D, plan, per_sm)) return false;
   int64_t grid = 0;
   run_forward_tiles<scalar_t>(kernel, plan, int64_t(per_sm) * sm_count(), hp, lp, pp, op, B, T, D, per_token, stream,
                               grid, stages);
   if (ov.verbose) {
-    std::string source = async ? "override, async" : "override";
-    if (ov.fwd_w && (1 << plan.w_log2) != ov.fwd_w) source += ", fwd_w ignored: B * W > rows * 256";
-    TilePlan shown = plan;
-    shown.smem = stages * plan.smem;
-    print_plan_once(plan_line<scalar_t>("forward", B, T, D, shown, P, fwd_min_blocks(P, K), per_sm, grid,
-                                        T * plan.chunks, 0, source));
+    print_plan_once(plan_line<scalar_t>("forward", B, T, D, plan, stages, t.P, fwd_min_blocks(t.P, t.K), per_sm, grid,
+                                        T * plan.chunks, 0, override_source(t, plan)));
   }
   return true;
+}
+
+// Launches the row kernel `kernel` with `args` over `rows` rows of `units` work items, a row slot a row.
+template <typename Kernel, typename... Args>
+void launch_rows(Kernel kernel, int64_t rows, int64_t units, cudaStream_t stream, Args... args) {
+  const RowCfg cfg = row_cfg(units, kBlock);
+  const dim3 block(cfg.tx, cfg.ty);
+  const unsigned grid = grid_for((rows + cfg.ty - 1) / cfg.ty);
+  kernel<<<grid, block, 0, stream>>>(args...);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename scalar_t>
@@ -1116,7 +1152,7 @@ void launch_forward(const at::Tensor& h, const at::Tensor& lam, const at::Tensor
       int64_t grid = 0;
       run_forward_tiles<scalar_t>(kernel, plan, resident, hp, lp, pp, op, B, T, D, per_token, stream, grid);
       if (ov.verbose) {
-        print_plan_once(plan_line<scalar_t>("forward", B, T, D, plan, kFwdRowsPerThread,
+        print_plan_once(plan_line<scalar_t>("forward", B, T, D, plan, 1, kFwdRowsPerThread,
                                             fwd_min_blocks(kFwdRowsPerThread, 1), static_cast<int>(resident / sm_count()),
                                             grid, T * plan.chunks, 0, "default"));
       }
@@ -1124,15 +1160,8 @@ void launch_forward(const at::Tensor& h, const at::Tensor& lam, const at::Tensor
     }
   }
 
-  const RowCfg cfg = row_cfg(vec ? D / V : D, kBlock);
-  const dim3 block(cfg.tx, cfg.ty);
-  const unsigned grid = grid_for((B * T + cfg.ty - 1) / cfg.ty);
-  if (vec) {
-    cmix_forward_kernel<scalar_t, V><<<grid, block, 0, stream>>>(hp, lp, pp, op, B, T, D, per_token);
-  } else {
-    cmix_forward_kernel<scalar_t, 1><<<grid, block, 0, stream>>>(hp, lp, pp, op, B, T, D, per_token);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  auto kernel = vec ? cmix_forward_kernel<scalar_t, V> : cmix_forward_kernel<scalar_t, 1>;
+  launch_rows(kernel, B * T, vec ? D / V : D, stream, hp, lp, pp, op, B, T, D, per_token);
 }
 
 // The backward tile launch(es). One unit per token position (grad_lam reduced in the block, one launch)
@@ -1195,51 +1224,32 @@ bool launch_backward_override(const PlanOverride& ov, const scalar_t* gp, const 
                               const acc_t<scalar_t>* lp, const int64_t* pp, scalar_t* ghp, acc_t<scalar_t>* glp,
                               const at::Tensor& grad_lam, int64_t B, int64_t T, int64_t D, bool per_token,
                               cudaStream_t stream) {
-  const int P = ov.bwd_rows ? ov.bwd_rows : kBwdRowsPerThread;
-  const int K = ov.bwd_packs ? ov.bwd_packs : 1;
-  const bool async = ov.bwd_async == 1;
-  const int stages = async ? 2 : 1;  // shared stages of (grad tile, h tile)
-  const int M_default = async ? kBwdAsyncMinBlocks : bwd_default_min_blocks(P, K);
+  const TileOverride t{"backward", "bwd", ov.bwd_w, ov.bwd_rows ? ov.bwd_rows : kBwdRowsPerThread,
+                       ov.bwd_packs ? ov.bwd_packs : 1, ov.bwd_bps, ov.bwd_async == 1};
+  const int stages = t.async ? 2 : 1;  // shared stages of (grad tile, h tile)
+  const int M_default = t.async ? kBwdAsyncMinBlocks : bwd_default_min_blocks(t.P, t.K);
   int M = ov.bwd_minb ? ov.bwd_minb : M_default;
-  std::string source = async ? "override, async" : "override";
+  std::string minb_note;
   auto kernel_for = [&](int m) {
-    return async ? backward_tile_async_kernel_for<scalar_t, V>(P, K, m) : backward_tile_kernel_for<scalar_t, V>(P, K, m);
+    return t.async ? backward_tile_async_kernel_for<scalar_t, V>(t.P, t.K, m)
+                   : backward_tile_kernel_for<scalar_t, V>(t.P, t.K, m);
   };
   auto kernel = kernel_for(M);
   if (kernel == nullptr && ov.bwd_minb) {
     M = M_default;
     kernel = kernel_for(M);
-    source += ", bwd_minb ignored: not instantiated";
+    minb_note = ", bwd_minb ignored: not instantiated";
   }
-  std::string why;
   TilePlan plan;
   int per_sm = 0;
-  if (async && !device_has_cp_async()) {
-    why = "bwd_async needs compute capability 8.0+";
-  } else if (kernel == nullptr) {
-    why = async ? "bwd_async: bwd_rows/bwd_packs not instantiated for this dtype"
-                : "bwd_rows/bwd_packs not instantiated for this dtype";
-  } else if (!plan_tiles<scalar_t, V>(B, D / V, P, plan, K, ov.bwd_w)) {
-    why = kNoTilePlan;
-  } else if (!dynamic_smem_ok(kernel, 2 * stages * plan.smem)) {
-    why = "shared memory over the device limit";
-  } else if ((per_sm = blocks_per_sm(kernel, plan.threads, 2 * stages * plan.smem, /*strict=*/false)) < 1) {
-    why = "no resident block";
-  }
-  if (!why.empty()) {
-    if (ov.verbose && why != kNoTilePlan) print_plan_once(plan_note<scalar_t>("backward", B, T, D, why));
-    return false;
-  }
-  if (ov.bwd_bps > 0 && ov.bwd_bps < per_sm) per_sm = ov.bwd_bps;
+  if (!fit_override_tiles<scalar_t, V>(t, ov.verbose, kernel, 2 * stages, B, T, D, plan, per_sm)) return false;
   const double threshold = ov.fill >= 0 ? ov.fill : kBwdFillThreshold;
   int64_t grid = 0, S = 1;
   run_backward_tiles<scalar_t>(kernel, plan, int64_t(per_sm) * sm_count(), threshold, ov.bwd_split, gp, hp, lp, pp,
                                ghp, glp, grad_lam, B, T, D, per_token, stream, grid, S, stages);
   if (ov.verbose) {
-    if (ov.bwd_w && (1 << plan.w_log2) != ov.bwd_w) source += ", bwd_w ignored: B * W > rows * 256";
-    TilePlan shown = plan;
-    shown.smem = 2 * stages * plan.smem;
-    print_plan_once(plan_line<scalar_t>("backward", B, T, D, shown, P, M, per_sm, grid, T * S, S, source));
+    print_plan_once(plan_line<scalar_t>("backward", B, T, D, plan, 2 * stages, t.P, M, per_sm, grid, T * S, S,
+                                        override_source(t, plan, minb_note)));
   }
   return true;
 }
@@ -1274,24 +1284,15 @@ void launch_backward(const at::Tensor& grad, const at::Tensor& h, const at::Tens
       run_backward_tiles<scalar_t>(kernel, plan, resident, kBwdFillThreshold, 0, gp, hp, lp, pp, ghp, glp, grad_lam,
                                    B, T, D, per_token, stream, grid, S);
       if (ov.verbose) {
-        TilePlan shown = plan;
-        shown.smem = 2 * plan.smem;
-        print_plan_once(plan_line<scalar_t>("backward", B, T, D, shown, kBwdRowsPerThread, M,
+        print_plan_once(plan_line<scalar_t>("backward", B, T, D, plan, 2, kBwdRowsPerThread, M,
                                             static_cast<int>(resident / sm_count()), grid, T * S, S, "default"));
       }
       return;
     }
   }
 
-  const RowCfg cfg = row_cfg(vec ? D / V : D, kBlock);
-  const dim3 block(cfg.tx, cfg.ty);
-  const unsigned grid = grid_for((B * T + cfg.ty - 1) / cfg.ty);
-  if (vec) {
-    cmix_backward_kernel<scalar_t, V><<<grid, block, 0, stream>>>(gp, hp, lp, pp, ghp, glp, B, T, D, per_token);
-  } else {
-    cmix_backward_kernel<scalar_t, 1><<<grid, block, 0, stream>>>(gp, hp, lp, pp, ghp, glp, B, T, D, per_token);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  auto kernel = vec ? cmix_backward_kernel<scalar_t, V> : cmix_backward_kernel<scalar_t, 1>;
+  launch_rows(kernel, B * T, vec ? D / V : D, stream, gp, hp, lp, pp, ghp, glp, B, T, D, per_token);
 }
 
 void check_common(const char* op, const at::Tensor& h, const at::Tensor& lam, const at::Tensor& partner) {

@@ -19,6 +19,45 @@ namespace {
 
 constexpr int kBlock = 256;
 
+// Adds this thread's share of (x.y, x.x, y.y) over packs [begin, end) of one row to acc.
+template <typename scalar_t, int V>
+__device__ __forceinline__ void add_row_dots(const scalar_t* __restrict__ xr, const scalar_t* __restrict__ yr,
+                                             int64_t begin, int64_t end, Vals<acc_t<scalar_t>, 3>& acc) {
+  using A = acc_t<scalar_t>;
+  for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
+    A a[V], b[V];
+    load_acc<scalar_t, V>(xr, j, a);
+    load_acc<scalar_t, V>(yr, j, b);
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      acc.v[0] += a[e] * b[e];
+      acc.v[1] += a[e] * a[e];
+      acc.v[2] += b[e] * b[e];
+    }
+  }
+}
+
+// This thread's share of packs [begin, end) of one row: u = c[0] x + c[1] y, v = c[2] x + c[3] y.
+template <typename scalar_t, int V>
+__device__ __forceinline__ void combine_row(const scalar_t* __restrict__ xr, const scalar_t* __restrict__ yr,
+                                            const acc_t<scalar_t>* __restrict__ c, scalar_t* __restrict__ ur,
+                                            scalar_t* __restrict__ vr, int64_t begin, int64_t end) {
+  using A = acc_t<scalar_t>;
+  const A c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3];
+  for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
+    A a[V], b[V], ou[V], ov[V];
+    load_acc<scalar_t, V>(xr, j, a);
+    load_acc<scalar_t, V>(yr, j, b);
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      ou[e] = c0 * a[e] + c1 * b[e];
+      ov[e] = c2 * a[e] + c3 * b[e];
+    }
+    store_acc<scalar_t, V>(ur, j, ou);
+    store_acc<scalar_t, V>(vr, j, ov);
+  }
+}
+
 template <typename scalar_t, int V>
 __global__ void __launch_bounds__(kBlock) gs_row_dots_kernel(const scalar_t* __restrict__ x,
                                                              const scalar_t* __restrict__ y,
@@ -31,21 +70,7 @@ __global__ void __launch_bounds__(kBlock) gs_row_dots_kernel(const scalar_t* __r
     const int64_t r = g * blockDim.y + threadIdx.y;
     const bool valid = r < N;
     Vals<A, 3> acc = {{A(0), A(0), A(0)}};
-    if (valid) {
-      const scalar_t* xr = x + r * K;
-      const scalar_t* yr = y + r * K;
-      for (int64_t j = threadIdx.x; j < Kv; j += blockDim.x) {
-        A a[V], b[V];
-        load_acc<scalar_t, V>(xr, j, a);
-        load_acc<scalar_t, V>(yr, j, b);
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-          acc.v[0] += a[e] * b[e];
-          acc.v[1] += a[e] * a[e];
-          acc.v[2] += b[e] * b[e];
-        }
-      }
-    }
+    if (valid) add_row_dots<scalar_t, V>(x + r * K, y + r * K, 0, Kv, acc);
     acc = group_reduce(acc, SumOp{}, s_red);
     if (valid && threadIdx.x == 0) {
       A* o = out + r * 3;
@@ -62,27 +87,13 @@ __global__ void __launch_bounds__(kBlock) gs_row_combine_kernel(const scalar_t* 
                                                                 const acc_t<scalar_t>* __restrict__ coef,
                                                                 scalar_t* __restrict__ u, scalar_t* __restrict__ v,
                                                                 int64_t N, int64_t K) {
-  using A = acc_t<scalar_t>;
   const int64_t groups = (N + blockDim.y - 1) / blockDim.y;
   const int64_t Kv = K / V;
   for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {
     const int64_t r = g * blockDim.y + threadIdx.y;
     if (r >= N) continue;
-    const A* c = coef + r * 4;
-    const A c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3];
     const int64_t off = r * K;
-    for (int64_t j = threadIdx.x; j < Kv; j += blockDim.x) {
-      A a[V], b[V], ou[V], ov[V];
-      load_acc<scalar_t, V>(x + off, j, a);
-      load_acc<scalar_t, V>(y + off, j, b);
-#pragma unroll
-      for (int e = 0; e < V; ++e) {
-        ou[e] = c0 * a[e] + c1 * b[e];
-        ov[e] = c2 * a[e] + c3 * b[e];
-      }
-      store_acc<scalar_t, V>(u + off, j, ou);
-      store_acc<scalar_t, V>(v + off, j, ov);
-    }
+    combine_row<scalar_t, V>(x + off, y + off, coef + r * 4, u + off, v + off, 0, Kv);
   }
 }
 
@@ -100,20 +111,8 @@ __global__ void __launch_bounds__(kBlock) gs_row_dots_chunk_kernel(const scalar_
   const int64_t Kv = K / V;
   const int64_t begin = (unit - r * chunks) * chunk;
   const int64_t end = begin + chunk < Kv ? begin + chunk : Kv;
-  const scalar_t* xr = x + r * K;
-  const scalar_t* yr = y + r * K;
   Vals<A, 3> acc = {{A(0), A(0), A(0)}};
-  for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
-    A a[V], b[V];
-    load_acc<scalar_t, V>(xr, j, a);
-    load_acc<scalar_t, V>(yr, j, b);
-#pragma unroll
-    for (int e = 0; e < V; ++e) {
-      acc.v[0] += a[e] * b[e];
-      acc.v[1] += a[e] * a[e];
-      acc.v[2] += b[e] * b[e];
-    }
-  }
+  add_row_dots<scalar_t, V>(x + r * K, y + r * K, begin, end, acc);
   acc = group_reduce(acc, SumOp{}, s_red);
   if (threadIdx.x == 0) {
     A* o = partial + unit * 3;
@@ -140,27 +139,13 @@ __global__ void __launch_bounds__(kBlock) gs_row_combine_chunk_kernel(const scal
                                                                       const acc_t<scalar_t>* __restrict__ coef,
                                                                       scalar_t* __restrict__ u, scalar_t* __restrict__ v,
                                                                       int64_t K, int64_t chunks, int64_t chunk) {
-  using A = acc_t<scalar_t>;
   const int64_t unit = blockIdx.x;
   const int64_t r = unit / chunks;
   const int64_t Kv = K / V;
   const int64_t begin = (unit - r * chunks) * chunk;
   const int64_t end = begin + chunk < Kv ? begin + chunk : Kv;
-  const A* c = coef + r * 4;
-  const A c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3];
   const int64_t off = r * K;
-  for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
-    A a[V], b[V], ou[V], ov[V];
-    load_acc<scalar_t, V>(x + off, j, a);
-    load_acc<scalar_t, V>(y + off, j, b);
-#pragma unroll
-    for (int e = 0; e < V; ++e) {
-      ou[e] = c0 * a[e] + c1 * b[e];
-      ov[e] = c2 * a[e] + c3 * b[e];
-    }
-    store_acc<scalar_t, V>(u + off, j, ou);
-    store_acc<scalar_t, V>(v + off, j, ov);
-  }
+  combine_row<scalar_t, V>(x + off, y + off, coef + r * 4, u + off, v + off, begin, end);
 }
 
 // Runs per row for the chunked kernels: 1 (the row-slot kernels) unless the rows are too few to fill the device
