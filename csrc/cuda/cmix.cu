@@ -524,30 +524,7 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
       __syncwarp();
     }
   }
-  __syncthreads();  // publishes s_part / s_off / s_list
-
-  // 16-bit types (twice the packs per byte of float, so instruction-bound first): the row metadata of this
-  // thread's rows, fixed for the launch, is read once into registers instead of from shared memory at every
-  // chunk — the partner's tile row, the match range and the first match, and with per-sample lam the lam of
-  // the row and of its first match (the values s_lam holds). float keeps the shared reads (no registers left
-  // at 2 blocks per SM).
-  constexpr bool kRowRegs = sizeof(scalar_t) == 2;
-  constexpr int PR = kRowRegs ? P : 1;
-  int prow[PR], mbeg[PR], mend[PR], mfirst[PR];
-  A lam_row[PR], lam_first[PR];
-  if constexpr (kRowRegs) {
-#pragma unroll
-    for (int q = 0; q < P; ++q) {
-      const int b = r + q * R;
-      const bool valid = b < B;
-      prow[q] = valid ? s_part[b] * WK : 0;
-      mbeg[q] = valid ? s_off[b] : 0;
-      mend[q] = valid ? s_off[b + 1] : 0;
-      mfirst[q] = mend[q] > mbeg[q] ? s_list[mbeg[q]] : 0;
-      lam_row[q] = !lam_per_token && valid ? lam[b] : A(0);
-      lam_first[q] = !lam_per_token && mend[q] > mbeg[q] ? lam[mfirst[q]] : A(0);
-    }
-  }
+  // (the first __syncthreads of the loop below publishes s_off / s_list)
 
   int64_t u = blockIdx.x;  // grid <= units
   int64_t t = u / S;
@@ -675,12 +652,11 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
         for (int q = 0; q < P; ++q) {
           const int b = r + q * R;
           if (b < B) {
-            const A lk = kRowRegs && !lam_per_token ? lam_row[q < PR ? q : 0] : s_lam[b];
+            const A lk = s_lam[b];
             const A keep = A(1) - lk;
-            const int partner_row = kRowRegs ? prow[q < PR ? q : 0] : s_part[b] * WK;
             A g0[V], a[V], x[V], acc[V];
             widen<scalar_t, V>(lds_pack<scalar_t, V>(s_g, slot + q * qstride + kk * W), g0);
-            widen<scalar_t, V>(lds_pack<scalar_t, V>(s_h, partner_row + col), a);
+            widen<scalar_t, V>(lds_pack<scalar_t, V>(s_h, s_part[b] * WK + col), a);
             widen<scalar_t, V>(lds_pack<scalar_t, V>(s_h, slot + q * qstride + kk * W), x);
             A dot = A(0);
 #pragma unroll
@@ -689,23 +665,14 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
               dot += (a[e] - x[e]) * g0[e];
             }
             gl[q] += dot;
-            // + lam_i g_i over the matches i of row b, in increasing i (the first one from registers when kRowRegs)
-            auto add_match = [&](int i, A li) {
+            const int m1 = s_off[b + 1];
+            for (int m = s_off[b]; m < m1; ++m) {
+              const int i = s_list[m];
+              const A li = s_lam[i];
               A gi[V];
               widen<scalar_t, V>(lds_pack<scalar_t, V>(s_g, i * WK + col), gi);
 #pragma unroll
               for (int e = 0; e < V; ++e) acc[e] += li * gi[e];
-            };
-            int m = kRowRegs ? mbeg[q < PR ? q : 0] : s_off[b];
-            const int m1 = kRowRegs ? mend[q < PR ? q : 0] : s_off[b + 1];
-            if (kRowRegs && m < m1) {
-              const int i = mfirst[q < PR ? q : 0];
-              add_match(i, lam_per_token ? s_lam[i] : lam_first[q < PR ? q : 0]);
-              ++m;
-            }
-            for (; m < m1; ++m) {
-              const int i = s_list[m];
-              add_match(i, s_lam[i]);
             }
             dst[q * row_step] = narrow<scalar_t, V>(acc);
           }
