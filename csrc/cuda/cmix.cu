@@ -273,14 +273,6 @@ __device__ __forceinline__ void cp_async_wait_all() {
 #endif
 }
 
-// Waits until at most N of this thread's committed copy groups (the newest) are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait_pending() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-#endif
-}
-
 // out[i,t,:] = lam_it * h[partner[i],t,:] + (1 - lam_it) * h[i,t,:], tile by tile.
 // blockDim.x = threads = a multiple of 32 and of W = 1 << w_log2; a tile is B rows x W*K packs, shared
 // memory B * W * K packs. Each thread owns the K pack columns j, j + W, ..., j + (K-1) W of the chunk
@@ -435,14 +427,12 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_forward_tile_kernel(
 // each with its next chunk's 32 KiB of loads in flight; 3 blocks per SM would spill); the others exist
 // for CAT_FAST_CMIX_PLAN tuning. The dot product of a row is summed per thread over its chunks in order
 // and, within a chunk, over its K columns in order, then over the W lanes.
-// ASYNC (CAT_FAST_CMIX_PLAN bwd_async=DEPTH): the grad and h tiles of the next DEPTH chunks are copied
-// global -> shared by cp.async into DEPTH + 1 shared stages (each a grad tile + an h tile = 2 x B * W * K
-// packs; lam staged too), so no registers hold prefetched data. Per chunk: wait for its copies (one
-// commit group per chunk, empty past the last, so "all but the newest DEPTH - 1 groups" is always this
-// chunk), one barrier (which also retires the readers of the stage the previous chunk used), issue the
-// copies of the chunk DEPTH ahead into that stage, compute from shared memory exactly as below (bitwise
-// the same results for every DEPTH).
-template <typename scalar_t, int V, int P, int K, int MINB, bool ASYNC = false, int DEPTH = 1>
+// ASYNC (CAT_FAST_CMIX_PLAN bwd_async=1): the next chunk's grad and h tiles are copied global -> shared by
+// cp.async into a second shared stage (2 stages x (grad tile + h tile) = 4 x B * W * K packs; lam
+// double-buffered too), so no registers hold prefetched data. Per chunk: wait for its copies, one barrier
+// (which also retires the readers of the other stage), issue the next chunk's copies into the other
+// stage, compute from shared memory exactly as below (bitwise the same results).
+template <typename scalar_t, int V, int P, int K, int MINB, bool ASYNC = false>
 __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
     const scalar_t* __restrict__ grad, const scalar_t* __restrict__ h, const acc_t<scalar_t>* __restrict__ lam,
     const int64_t* __restrict__ partner, scalar_t* __restrict__ grad_h, acc_t<scalar_t>* __restrict__ lam_out, int B,
@@ -453,9 +443,7 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
   __shared__ int s_fill[kTileMaxRows];     // match counts, then fill cursors
   __shared__ int s_off[kTileMaxRows + 1];  // CSR offsets of the matches of each row
   __shared__ int s_list[kTileMaxRows];     // matches, increasing i within each row
-  static_assert(DEPTH == 1 || (ASYNC && DEPTH == 2), "prefetch depth 2 exists for the cp.async kernels only");
-  constexpr int kStages = ASYNC ? DEPTH + 1 : 1;
-  __shared__ A s_lam_buf[kStages * kTileMaxRows];
+  __shared__ A s_lam_buf[(ASYNC ? 2 : 1) * kTileMaxRows];
   A* s_lam = s_lam_buf;
   const int tid = threadIdx.x;
   const int W = 1 << w_log2;
@@ -531,16 +519,6 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
   int s = static_cast<int>(u - t * S);
   int64_t c = s * chunks / S;
   int64_t c_end = (s + 1) * chunks / S;
-  // The block's chunk after (uu, tt, ss, cc, cc_end): the unit's next chunk, or the first chunk of its next unit.
-  auto advance = [&](int64_t& uu, int64_t& tt, int& ss, int64_t& cc, int64_t& cc_end) {
-    if (++cc == cc_end) {
-      uu += gridDim.x;
-      tt = uu / S;
-      ss = static_cast<int>(uu - tt * S);
-      cc = ss * chunks / S;
-      cc_end = (ss + 1) * chunks / S;
-    }
-  };
 
   int stage = 0;  // ASYNC: shared stage of the chunk (t, c)
   // ASYNC: issues (and commits) the cp.async copies of chunk cc of token tt into shared stage st
@@ -585,20 +563,8 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
     }
     if (tid < B) lam_r = lam[lam_per_token ? tid * T + tt : tid];
   };
-  // ASYNC: the next chunk to copy (DEPTH ahead of (t, c) once the prologue has issued the first DEPTH).
-  int64_t pu = u, pt = t, pc = c, pc_end = c_end;
-  int ps = s;
-  auto issue_ahead = [&](int st) {
-    if (pu < units) {
-      issue(pt, pc, st);
-      advance(pu, pt, ps, pc, pc_end);
-    } else {
-      cp_async_commit();  // an empty group: one group per chunk position
-    }
-  };
   if constexpr (ASYNC) {
-#pragma unroll
-    for (int d = 0; d < DEPTH; ++d) issue_ahead(d);
+    issue(t, c, 0);
   } else {
     load(t, c);
   }
@@ -610,8 +576,8 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
   while (true) {
     const int64_t jj = c * WK + j;
     if constexpr (ASYNC) {
-      cp_async_wait_pending<DEPTH - 1>();  // this thread's copies of chunk (t, c)
-      __syncthreads();  // everyone's copies landed; the previous chunk's readers are done with its stage
+      cp_async_wait_all();  // this thread's copies of chunk (t, c) (the only group outstanding)
+      __syncthreads();      // everyone's copies landed; the previous chunk's readers are done with the other stage
       s_g = s_base + stage * (2 * B * WK);
       s_h = s_g + B * WK;
       s_lam = s_lam_buf + stage * kTileMaxRows;
@@ -633,14 +599,23 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
       __syncthreads();
     }
 
-    int64_t nu = u, nt = t, nc = c, nce = c_end;
+    // next chunk of this block: the unit's next chunk, or the first chunk of its next unit
+    int64_t nu = u, nt = t, nc = c + 1, nce = c_end;
     int ns = s;
-    advance(nu, nt, ns, nc, nce);
+    if (nc == c_end) {
+      nu = u + gridDim.x;
+      nt = nu / S;
+      ns = static_cast<int>(nu - nt * S);
+      nc = ns * chunks / S;
+      nce = (ns + 1) * chunks / S;
+    }
     const bool more = nu < units;
-    if constexpr (ASYNC) {  // in flight while this chunk is computed and stored
-      issue_ahead(stage == 0 ? kStages - 1 : stage - 1);  // (stage + DEPTH) % kStages
-    } else if (more) {
-      load(nt, nc);
+    if (more) {  // in flight while this chunk is computed and stored
+      if constexpr (ASYNC) {
+        issue(nt, nc, stage ^ 1);
+      } else {
+        load(nt, nc);
+      }
     }
 
 #pragma unroll
@@ -696,7 +671,7 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
     s = ns;
     c = nc;
     c_end = nce;
-    if constexpr (ASYNC) stage = stage + 1 == kStages ? 0 : stage + 1;
+    if constexpr (ASYNC) stage ^= 1;
   }
 }
 
@@ -823,8 +798,6 @@ bool dynamic_smem_ok(Kernel kernel, size_t smem) {
 //                         bfloat16 / half, K = 1, P = 4 or 8): twice the shared memory of the tile
 //                         (forward 2 x B * W * 16 bytes, backward 4 x B * W * 16 bytes), no register
 //                         prefetch. bwd_minb: 2, or 3 at P = 4. 0: the register-prefetch kernels (default).
-//                         bwd_async=2: two chunks copied ahead (3 shared stages: 6 x B * W * 16 bytes),
-//                         at the default P = 4, K = 1, bwd_minb = 2 only.
 //   verbose               1: print the plan of each (op, dtype, shape) once to stderr.
 // float / bfloat16 / half have every (P, K) variant; double only the default kernels. Malformed or
 // out-of-range items are ignored (one note on stderr); an override that does not fit a launch
@@ -910,7 +883,7 @@ PlanOverride parse_plan(const char* env) {
     else if (key == "bwd_split") ok = parse_int(val, 1, 1 << 20, o.bwd_split);
     else if (key == "fill") ok = parse_unit(val, o.fill);
     else if (key == "fwd_async") ok = parse_one_of(val, {0, 1}, o.fwd_async);
-    else if (key == "bwd_async") ok = parse_one_of(val, {0, 1, 2}, o.bwd_async);
+    else if (key == "bwd_async") ok = parse_one_of(val, {0, 1}, o.bwd_async);
     else if (key == "verbose") {
       ok = parse_one_of(val, {0, 1}, flag);
       if (ok) o.verbose = flag == 1;
@@ -1047,17 +1020,14 @@ FwdTileKernel<scalar_t> forward_tile_async_kernel_for(int P, int K) {
   return nullptr;
 }
 
-// depth: chunks copied ahead (bwd_async); 2 only at the default P = 4, MINB = 2 (2 x 3 stages x 2 x 16 KiB
-// at B * W = 1024 fit an sm_90 SM).
 template <typename scalar_t, int V>
-BwdTileKernel<scalar_t> backward_tile_async_kernel_for(int P, int K, int M, int depth) {
+BwdTileKernel<scalar_t> backward_tile_async_kernel_for(int P, int K, int M) {
   if constexpr (!std::is_same<scalar_t, double>::value) {
-#define CAT_FAST_CMIX_BWD_ASYNC(P_, K_, M_, D_) \
-  if (P == P_ && K == K_ && M == M_ && depth == D_) return cmix_backward_tile_kernel<scalar_t, V, P_, K_, M_, true, D_>;
-    CAT_FAST_CMIX_BWD_ASYNC(kBwdRowsPerThread, 1, kBwdAsyncMinBlocks, 1)
-    CAT_FAST_CMIX_BWD_ASYNC(kBwdRowsPerThread, 1, 3, 1)
-    CAT_FAST_CMIX_BWD_ASYNC(8, 1, kBwdAsyncMinBlocks, 1)
-    CAT_FAST_CMIX_BWD_ASYNC(kBwdRowsPerThread, 1, kBwdAsyncMinBlocks, 2)
+#define CAT_FAST_CMIX_BWD_ASYNC(P_, K_, M_) \
+  if (P == P_ && K == K_ && M == M_) return cmix_backward_tile_kernel<scalar_t, V, P_, K_, M_, true>;
+    CAT_FAST_CMIX_BWD_ASYNC(kBwdRowsPerThread, 1, kBwdAsyncMinBlocks)
+    CAT_FAST_CMIX_BWD_ASYNC(kBwdRowsPerThread, 1, 3)
+    CAT_FAST_CMIX_BWD_ASYNC(8, 1, kBwdAsyncMinBlocks)
 #undef CAT_FAST_CMIX_BWD_ASYNC
   }
   return nullptr;
@@ -1255,13 +1225,13 @@ bool launch_backward_override(const PlanOverride& ov, const scalar_t* gp, const 
                               const at::Tensor& grad_lam, int64_t B, int64_t T, int64_t D, bool per_token,
                               cudaStream_t stream) {
   const TileOverride t{"backward", "bwd", ov.bwd_w, ov.bwd_rows ? ov.bwd_rows : kBwdRowsPerThread,
-                       ov.bwd_packs ? ov.bwd_packs : 1, ov.bwd_bps, ov.bwd_async >= 1};
-  const int stages = t.async ? ov.bwd_async + 1 : 1;  // shared stages of (grad tile, h tile)
+                       ov.bwd_packs ? ov.bwd_packs : 1, ov.bwd_bps, ov.bwd_async == 1};
+  const int stages = t.async ? 2 : 1;  // shared stages of (grad tile, h tile)
   const int M_default = t.async ? kBwdAsyncMinBlocks : bwd_default_min_blocks(t.P, t.K);
   int M = ov.bwd_minb ? ov.bwd_minb : M_default;
   std::string minb_note;
   auto kernel_for = [&](int m) {
-    return t.async ? backward_tile_async_kernel_for<scalar_t, V>(t.P, t.K, m, ov.bwd_async)
+    return t.async ? backward_tile_async_kernel_for<scalar_t, V>(t.P, t.K, m)
                    : backward_tile_kernel_for<scalar_t, V>(t.P, t.K, m);
   };
   auto kernel = kernel_for(M);
@@ -1279,7 +1249,7 @@ bool launch_backward_override(const PlanOverride& ov, const scalar_t* gp, const 
                                ghp, glp, grad_lam, B, T, D, per_token, stream, grid, S, stages);
   if (ov.verbose) {
     print_plan_once(plan_line<scalar_t>("backward", B, T, D, plan, 2 * stages, t.P, M, per_sm, grid, T * S, S,
-                                        override_source(t, plan, (stages > 2 ? ", 2 chunks ahead" : "") + minb_note)));
+                                        override_source(t, plan, minb_note)));
   }
   return true;
 }
