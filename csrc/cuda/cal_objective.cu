@@ -102,7 +102,7 @@ void launch_forward(const at::Tensor& logits, const at::Tensor& labels, at::Tens
                     cudaStream_t stream) {
   using A = acc_t<scalar_t>;
   const int64_t B = logits.size(0), C = logits.size(1);
-  const RowCfg cfg = row_cfg(C, kBlock);
+  const RowCfg cfg = class_row_cfg(C, kBlock);
   cal_objective_forward_kernel<scalar_t><<<grid_for((B + cfg.ty - 1) / cfg.ty), dim3(cfg.tx, cfg.ty), 0, stream>>>(
       logits.const_data_ptr<scalar_t>(), labels.const_data_ptr<int64_t>(), out.mutable_data_ptr<A>(), B, C,
       static_cast<A>(gamma), static_cast<A>(eta));
@@ -114,7 +114,7 @@ void launch_backward(const at::Tensor& grad, const at::Tensor& logits, const at:
                      double gamma, double eta, cudaStream_t stream) {
   using A = acc_t<scalar_t>;
   const int64_t B = logits.size(0), C = logits.size(1);
-  const RowCfg cfg = row_cfg(C, kBlock);
+  const RowCfg cfg = class_row_cfg(C, kBlock);
   cal_objective_backward_kernel<scalar_t><<<grid_for((B + cfg.ty - 1) / cfg.ty), dim3(cfg.tx, cfg.ty), 0, stream>>>(
       grad.const_data_ptr<A>(), logits.const_data_ptr<scalar_t>(), labels.const_data_ptr<int64_t>(),
       out.mutable_data_ptr<scalar_t>(), B, C, static_cast<A>(gamma), static_cast<A>(eta));

@@ -230,6 +230,14 @@ inline RowCfg row_cfg(int64_t units, int block = 256, int max_tx = 256) {
   return c;
 }
 
+// Logits rows of a few classes (C <= kThreadRowMax) get one thread each: a slot of the next power of two
+// would idle lanes and spend shuffle reductions on 2-8 values (a 3-class row took 4 lanes).
+constexpr int64_t kThreadRowMax = 8;
+
+inline RowCfg class_row_cfg(int64_t C, int block = 256, int max_tx = 256) {
+  return C <= kThreadRowMax ? RowCfg{1, block} : row_cfg(C, block, max_tx);
+}
+
 inline unsigned grid_for(int64_t groups, int64_t cap = (int64_t(1) << 20)) {
   if (groups < 1) groups = 1;
   return static_cast<unsigned>(groups < cap ? groups : cap);

@@ -228,7 +228,7 @@ void launch_forward(const at::Tensor& logits, const at::Tensor& cf_logits, const
   using A = acc_t<scalar_t>;
   const int64_t B = logits.size(0), C = logits.size(1);
   const bool reduce = reduction != 0;
-  const RowCfg cfg = reduce ? row_cfg(C, kReduceBlock, kReduceBlock) : row_cfg(C, kBlock);
+  const RowCfg cfg = reduce ? class_row_cfg(C, kReduceBlock, kReduceBlock) : class_row_cfg(C, kBlock);
   const int64_t groups = (B + cfg.ty - 1) / cfg.ty;
   unsigned grid = 1;
   int64_t chunk = groups;
@@ -257,7 +257,7 @@ void launch_backward(const at::Tensor& grad, const at::Tensor& logits, const at:
                      double a1, double a2, int reduction, bool detach_weight, cudaStream_t stream) {
   using A = acc_t<scalar_t>;
   const int64_t B = logits.size(0), C = logits.size(1);
-  const RowCfg cfg = row_cfg(C, kBlock);
+  const RowCfg cfg = class_row_cfg(C, kBlock);
   crm_loss_backward_kernel<scalar_t><<<grid_for((B + cfg.ty - 1) / cfg.ty), dim3(cfg.tx, cfg.ty), 0, stream>>>(
       grad.const_data_ptr<A>(), logits.const_data_ptr<scalar_t>(), cf_logits.const_data_ptr<scalar_t>(),
       labels.const_data_ptr<int64_t>(), stats.const_data_ptr<A>(), grad_logits.mutable_data_ptr<scalar_t>(),
