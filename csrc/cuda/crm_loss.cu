@@ -3,7 +3,8 @@
 // read each. reduction none: a grid over rows. mean/sum: blocks of 1024 threads (the same row slots
 // whatever B, so row losses and stats do not depend on the path); each slot keeps its own running sum
 // (double) of the row losses in row order and the block adds its slots in a fixed order (block_sum).
-// Up to kSingleMaxGroups row groups: one block loops over all rows and writes the loss. Larger B:
+// Up to kSingleMaxGroups row groups and kSingleMaxRows rows: one block loops over all rows and writes the
+// loss. Larger B:
 // up to kMaxPartials blocks, each owning `chunk` consecutive row groups, write one partial (double)
 // each; the block that increments the completion counter last adds the partials in a fixed order
 // (block-index strided, then block_sum), writes the loss and resets the counter to 0. The summation
@@ -31,6 +32,7 @@ namespace {
 constexpr int kBlock = 256;              // grid-over-rows kernels
 constexpr int kReduceBlock = 1024;       // the blocks of a mean/sum forward
 constexpr int64_t kSingleMaxGroups = 4;  // mean/sum over at most this many row groups: one block, no counter
+constexpr int64_t kSingleMaxRows = 1024; // ... and at most this many rows (one-thread rows: 1024 to a group)
 constexpr int64_t kMaxPartials = 1024;   // most blocks (partial sums) of a multi-block mean/sum
 
 // Sum of v over all threads of the block, valid in thread (0,0); fixed order. Every thread of the block
@@ -236,7 +238,7 @@ void launch_forward(const at::Tensor& logits, const at::Tensor& cf_logits, const
   if (!reduce) {
     grid = grid_for(groups);
     chunk = 0;
-  } else if (groups > kSingleMaxGroups) {
+  } else if (groups > kSingleMaxGroups || B > kSingleMaxRows) {
     chunk = (groups + kMaxPartials - 1) / kMaxPartials;
     grid = static_cast<unsigned>((groups + chunk - 1) / chunk);
     partials = at::empty({static_cast<int64_t>(grid)}, logits.options().dtype(at::kDouble));
