@@ -51,9 +51,10 @@ def test_large_batch_matches_reference(backend, device, reduction, monkeypatch):
     """Batches large enough for the multi-block (CUDA) / multi-program (Triton) mean and sum: per-block
     partial sums added by the block that finishes last."""
     _few_triton_programs(backend, device, monkeypatch)
-    # cuda: C=3 -> 2344 groups of 256 rows, 782 blocks of 3 groups; C=300 -> 1000 blocks of one 3-row group;
-    # C=1000 -> one 1024-thread row per group, 1000 blocks of 2 groups
-    shapes = [(5000, 3), (700, 130)] if device == "cpu" else [(600_000, 3), (3000, 300), (2000, 1000)]
+    # cuda: C=3 -> one thread per row, groups of 1024 rows: 586 blocks of one group (600,000 rows), 3 blocks
+    # (2,500 rows: few groups, but over the 1,024 rows of a single block); C=300 -> 1000 blocks of one 3-row
+    # group; C=1000 -> one 1024-thread row per group, 1000 blocks of 2 groups
+    shapes = [(5000, 3), (700, 130)] if device == "cpu" else [(600_000, 3), (2500, 3), (3000, 300), (2000, 1000)]
     for shape in shapes:
         for seed, dtype in enumerate(dtypes_for(device)[:2]):
             logits, cf_logits, labels = _inputs(shape, dtype, device, seed)
