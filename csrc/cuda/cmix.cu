@@ -210,8 +210,21 @@ using PackT = Pack<scalar_t, V>;
 
 template <typename scalar_t, int V>
 __device__ __forceinline__ void widen(const PackT<scalar_t, V>& p, acc_t<scalar_t> (&out)[V]) {
+  if constexpr (std::is_same<scalar_t, c10::BFloat16>::value) {
+    // bfloat16 is the upper half of a float: one shift or mask per element from each 32-bit word (the
+    // element-wise conversion spends a byte permute and a multiply on every odd element). Exact either way.
+    static_assert(V % 2 == 0 && sizeof(PackT<scalar_t, V>) == 2 * V, "bfloat16 packs of 32-bit words");
+    uint32_t words[V / 2];
+    memcpy(words, &p, sizeof(words));
 #pragma unroll
-  for (int e = 0; e < V; ++e) out[e] = static_cast<acc_t<scalar_t>>(p.v[e]);
+    for (int k = 0; k < V / 2; ++k) {
+      out[2 * k] = __uint_as_float(words[k] << 16);
+      out[2 * k + 1] = __uint_as_float(words[k] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) out[e] = static_cast<acc_t<scalar_t>>(p.v[e]);
+  }
 }
 
 template <typename scalar_t, int V>
