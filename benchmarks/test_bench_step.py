@@ -119,9 +119,11 @@ def model_flops(config, batch, tokens, method, m=None, adv_steps=ADV_STEPS, fina
     backward = 2 x forward. CAT adds, per CAL step, a forward of layers m+1..L (+ head) and an input-only
     backward of those (~1 x forward: no weight-gradient matmuls), plus the final counterfactual forward of
     layers m+1..L. `cat_fast.CAT` runs layer L of those passes for the first token only (K and V projections of
-    every token, the rest of the layer for row 0: `prune_last_layer`, the default); `naive_cat` runs it whole. First-order GS at h_0 adds g (an input-only backward, ~1 x forward) and per perturbed pass a
-    forward and a full backward (3 x forward): 2 passes (central) → 10/3 = 3.33x, 1 pass (forward) → 7/3 = 2.33x. With the default detached CRM weight that final pass has no backward (the implementations
-    run it without autograd); `final_backward=True` counts one anyway (2 x forward more), the issue's formula.
+    every token, the rest of the layer for row 0: `prune_last_layer`, the default); `naive_cat` and
+    `cat_full_last` run it whole. With the default detached CRM weight that final pass has no backward (the
+    implementations run it without autograd); `final_backward=True` counts one anyway (2 x forward more), the
+    issue's formula. First-order GS at h_0 adds g (an input-only backward, ~1 x forward) and per perturbed pass
+    a forward and a full backward (3 x forward): 2 passes (central) → 10/3 = 3.33x, 1 pass (forward) → 7/3 = 2.33x.
     Embedding lookups, layer norms, softmax and elementwise work are not counted.
     """
     D, I, L, C = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.num_labels

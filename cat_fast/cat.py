@@ -64,9 +64,9 @@ dropout masks. Up to ``max_graphs`` signatures are captured; others (and any mod
 warning) run eagerly. ``cuda_graph=False`` always runs eagerly.
 
 First-token last layer (``prune_last_layer=True``, the default; sequence classification): when the model's head
-reads only row 0 of the last hidden state and its last layer has the Bert or DistilBERT layout (checked once per model by
-`cat_fast.models.first_token_ok`), every counterfactual pass (CAL steps and the final one) runs layer L for the
-first token only: keys and values of all tokens, the rest of the layer for row 0 — the same logits and
+reads only row 0 of the last hidden state and its last layer has the Bert or DistilBERT layout (checked once per
+model by `cat_fast.models.first_token_ok`), every counterfactual pass (CAL steps and the final one) runs layer L
+for the first token only: keys and values of all tokens, the rest of the layer for row 0 — the same logits and
 λ-gradients with ~1/6 of that layer's matmul FLOPs. In train mode that layer's dropout masks in the
 counterfactual passes are fresh draws (all layers below it keep the clean forward's masks), so at λ = 0 the
 counterfactual differs from the factual by that layer's dropout; ``prune_last_layer=False`` runs the full layer
