@@ -110,15 +110,17 @@ def _call_arguments(args, kwargs):
 
 def forward(layer: nn.Module, args, kwargs, fill: float | None = None):
     """Row 0 of `layer(*args, **kwargs)`, as a [B, T, D] tensor whose rows 1.. are the layer's input rows
-    (detached; nothing reads them) or, with `fill`, that constant; None when this call cannot be handled (then
-    run the layer itself)."""
+    (detached; nothing reads them) or, with `fill`, that constant; None when the layer or this call cannot be
+    handled (then run the layer itself)."""
+    layout = _layout(layer)
+    if layout is None or not _layout_ok(layout):
+        return None
     found = _call_arguments(args, kwargs)
     if found is None or not isinstance(found[0], torch.Tensor) or found[0].dim() != 3:
         return None
     x, mask = found
     if mask is not None and (mask.dim() != 4 or mask.shape[-1] != x.shape[1]):
         return None
-    layout = _layout(layer)
     B, T, _ = x.shape
     heads, width = layout.heads, layout.width
     first = x[:, :1]

@@ -375,8 +375,6 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
     saved_rng = _rng_get(device) if restore_rng else None
     calls = {"n": 0}
     patched = []
-    first_token = (first_token and m < L and len(st.layer_modules) == L
-                   and first_token_layer.supported(st.layer_modules[-1]))
 
     def layer_forward(mod):
         orig = mod.forward

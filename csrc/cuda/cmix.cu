@@ -249,6 +249,48 @@ __device__ __forceinline__ PackT<scalar_t, V> lds_pack(const PackT<scalar_t, V>*
 // Dynamic shared memory of the tile kernels: the B x W pack tiles (16-byte aligned).
 extern __shared__ __align__(16) unsigned char cmix_tile_smem[];
 
+// The work of one thread of a tile block (w_log2 = log2 W): the pack columns j, j + W, ..., j + (K-1) W of the
+// chunk and the rows b = r, r + R, r + 2R, ...; `slot` is its shared-memory slot of (row r, column j) and
+// `qstride` the slots between rows b and b + R (threadIdx.x and blockDim.x when K == 1).
+template <int K>
+struct TileLanes {
+  int W, WK, j, r, R, slot, qstride;  // WK: packs per tile row
+  __device__ __forceinline__ explicit TileLanes(int w_log2)
+      : W(1 << w_log2),
+        WK(W * K),
+        j(static_cast<int>(threadIdx.x) & (W - 1)),
+        r(static_cast<int>(threadIdx.x) >> w_log2),
+        R(static_cast<int>(blockDim.x) >> w_log2),
+        slot(K == 1 ? static_cast<int>(threadIdx.x) : r * WK + j),
+        qstride(K == 1 ? static_cast<int>(blockDim.x) : R * WK) {}
+
+  // fn(q, kk, shared slot, global pack index) for each of this thread's packs of token t in the chunk whose
+  // first column is jj - j: rows r + q R < B (q < P), columns jj + kk W < Dv (kk < K), of [B, T, Dv] packs.
+  template <int P, typename Fn>
+  __device__ __forceinline__ void for_each_pack(int B, int64_t T, int64_t Dv, int64_t t, int64_t jj, Fn&& fn) const {
+    const int64_t row_step = int64_t(R) * T * Dv;  // packs between rows b and b + R of one token
+#pragma unroll
+    for (int kk = 0; kk < K; ++kk) {
+      if (jj + kk * W < Dv) {
+        const int64_t o = (r * T + t) * Dv + jj + kk * W;
+#pragma unroll
+        for (int q = 0; q < P; ++q) {
+          if (r + q * R < B) fn(q, kk, slot + q * qstride + kk * W, o + q * row_step);
+        }
+      }
+    }
+  }
+};
+
+// s_part[k] = partner[k] for the B rows of the batch (each checked to be a row of it).
+__device__ __forceinline__ void load_partners(const int64_t* __restrict__ partner, int B, int* s_part) {
+  for (int k = threadIdx.x; k < B; k += blockDim.x) {
+    const int64_t p = partner[k];
+    CAT_FAST_DEVICE_ASSERT(p >= 0 && p < B);
+    s_part[k] = static_cast<int>(p);
+  }
+}
+
 // cp.async (sm_80+) global -> shared copies of the ASYNC tile kernels (CAT_FAST_CMIX_PLAN fwd_async /
 // bwd_async): 16-byte packs bypass L1 (.cg); the lam values (4 or 8 bytes) go through .ca. Below sm_80
 // (host side never selects the ASYNC kernels there; this keeps them correct if it did, or if the code
@@ -310,24 +352,15 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_forward_tile_kernel(
   A* s_lam = s_lam_buf;
 
   const int tid = threadIdx.x;
-  const int W = 1 << w_log2;
-  const int WK = W * K;               // packs per tile row
-  const int j = tid & (W - 1);        // first pack column of the chunk owned by this thread
-  const int r = tid >> w_log2;        // first row owned by this thread
-  const int R = blockDim.x >> w_log2; // row stride
-  // shared slot of (row r, column j) and slots between rows b and b + R (tid and blockDim.x when K == 1)
-  const int slot = K == 1 ? tid : r * WK + j;
-  const int qstride = K == 1 ? static_cast<int>(blockDim.x) : R * WK;
+  const TileLanes<K> lanes(w_log2);
+  const int W = lanes.W, WK = lanes.WK, j = lanes.j, r = lanes.r, R = lanes.R;
+  const int slot = lanes.slot, qstride = lanes.qstride;
   const int64_t Dv = D / V;
   const int64_t row_step = int64_t(R) * T * Dv;  // packs between rows b and b + R of one token
   const Pk* __restrict__ hv = reinterpret_cast<const Pk*>(h);
   Pk* __restrict__ ov = reinterpret_cast<Pk*>(out);
 
-  for (int k = tid; k < B; k += blockDim.x) {
-    const int64_t p = partner[k];
-    CAT_FAST_DEVICE_ASSERT(p >= 0 && p < B);
-    s_part[k] = static_cast<int>(p);
-  }
+  load_partners(partner, B, s_part);
 
   int64_t u = blockIdx.x;  // grid <= tiles
   int stage = 0;           // ASYNC: shared stage of tile u
@@ -336,16 +369,7 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_forward_tile_kernel(
     const int64_t t = tile / chunks;
     const int64_t jj = (tile - t * chunks) * WK + j;
     Pk* dh = s_base + st * (B * WK);
-#pragma unroll
-    for (int kk = 0; kk < K; ++kk) {
-      if (jj + kk * W < Dv) {
-        const Pk* src = hv + (r * T + t) * Dv + jj + kk * W;
-#pragma unroll
-        for (int q = 0; q < P; ++q) {
-          if (r + q * R < B) cp_async_copy(dh + slot + q * qstride + kk * W, src + q * row_step);
-        }
-      }
-    }
+    lanes.template for_each_pack<P>(B, T, Dv, t, jj, [&](int, int, int d, int64_t g) { cp_async_copy(dh + d, hv + g); });
     if (tid < B) cp_async_copy(s_lam_buf + st * kTileMaxRows + tid, lam + (lam_per_token ? tid * T + t : tid));
     cp_async_commit();
   };
@@ -355,16 +379,7 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_forward_tile_kernel(
   auto load = [&](int64_t tile) {
     const int64_t t = tile / chunks;
     const int64_t jj = (tile - t * chunks) * WK + j;
-#pragma unroll
-    for (int kk = 0; kk < K; ++kk) {
-      if (jj + kk * W < Dv) {
-        const Pk* src = hv + (r * T + t) * Dv + jj + kk * W;
-#pragma unroll
-        for (int q = 0; q < P; ++q) {
-          if (r + q * R < B) regs[q][kk] = src[q * row_step];
-        }
-      }
-    }
+    lanes.template for_each_pack<P>(B, T, Dv, t, jj, [&](int q, int kk, int, int64_t g) { regs[q][kk] = hv[g]; });
     if (tid < B) lam_r = lam[lam_per_token ? tid * T + t : tid];
   };
   if constexpr (ASYNC) {
@@ -383,15 +398,7 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_forward_tile_kernel(
       s_lam = s_lam_buf + stage * kTileMaxRows;
     } else {
       __syncthreads();  // the previous tile's readers are done with s_h / s_lam
-#pragma unroll
-      for (int kk = 0; kk < K; ++kk) {
-        if (jj + kk * W < Dv) {  // the same for every row of this thread (and for its partner rows)
-#pragma unroll
-          for (int q = 0; q < P; ++q) {
-            if (r + q * R < B) s_h[slot + q * qstride + kk * W] = regs[q][kk];  // = s_h[b * WK + kk * W + j]
-          }
-        }
-      }
+      lanes.template for_each_pack<P>(B, T, Dv, t, jj, [&](int q, int kk, int d, int64_t) { s_h[d] = regs[q][kk]; });
       if (tid < B) s_lam[tid] = lam_r;
       __syncthreads();
     }
@@ -459,13 +466,9 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
   __shared__ A s_lam_buf[(ASYNC ? 2 : 1) * kTileMaxRows];
   A* s_lam = s_lam_buf;
   const int tid = threadIdx.x;
-  const int W = 1 << w_log2;
-  const int j = tid & (W - 1);
-  const int r = tid >> w_log2;
-  const int R = blockDim.x >> w_log2;
-  const int WK = W * K;        // packs per tile row
-  const int slot = K == 1 ? tid : r * WK + j;  // as in the forward tile kernel
-  const int qstride = K == 1 ? static_cast<int>(blockDim.x) : R * WK;
+  const TileLanes<K> lanes(w_log2);
+  const int W = lanes.W, WK = lanes.WK, j = lanes.j, r = lanes.r, R = lanes.R;
+  const int slot = lanes.slot, qstride = lanes.qstride;
   Pk* const s_base = reinterpret_cast<Pk*>(cmix_tile_smem);
   Pk* s_g = s_base;
   Pk* s_h = s_g + B * WK;
@@ -477,12 +480,8 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
   Pk* __restrict__ ghv = reinterpret_cast<Pk*>(grad_h);
 
   // ---- matches of every row, once per block (warp 0; B <= 256 so at most 8 rounds of 32).
-  for (int k = tid; k < B; k += blockDim.x) {
-    const int64_t p = partner[k];
-    CAT_FAST_DEVICE_ASSERT(p >= 0 && p < B);
-    s_part[k] = static_cast<int>(p);
-    s_fill[k] = 0;
-  }
+  load_partners(partner, B, s_part);
+  for (int k = tid; k < B; k += blockDim.x) s_fill[k] = 0;
   __syncthreads();
   if (tid < 32) {
     const int lane = tid;
@@ -537,43 +536,22 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
   // ASYNC: issues (and commits) the cp.async copies of chunk cc of token tt into shared stage st
   // (grad tile at st * 2 * B * WK, h tile after it).
   auto issue = [&](int64_t tt, int64_t cc, int st) {
-    const int64_t jj = cc * WK + j;
     Pk* dg = s_base + st * (2 * B * WK);
     Pk* dh = dg + B * WK;
-#pragma unroll
-    for (int kk = 0; kk < K; ++kk) {
-      if (jj + kk * W < Dv) {
-        const int64_t o = (r * T + tt) * Dv + jj + kk * W;
-#pragma unroll
-        for (int q = 0; q < P; ++q) {
-          if (r + q * R < B) {
-            const int d = slot + q * qstride + kk * W;
-            cp_async_copy(dg + d, gv + o + q * row_step);
-            cp_async_copy(dh + d, hv + o + q * row_step);
-          }
-        }
-      }
-    }
+    lanes.template for_each_pack<P>(B, T, Dv, tt, cc * WK + j, [&](int, int, int d, int64_t g) {
+      cp_async_copy(dg + d, gv + g);
+      cp_async_copy(dh + d, hv + g);
+    });
     if (tid < B) cp_async_copy(s_lam_buf + st * kTileMaxRows + tid, lam + (lam_per_token ? tid * T + tt : tid));
     cp_async_commit();
   };
   Pk gr[P][K], hr[P][K];
   A lam_r = A(0);
   auto load = [&](int64_t tt, int64_t cc) {
-    const int64_t jj = cc * WK + j;
-#pragma unroll
-    for (int kk = 0; kk < K; ++kk) {
-      if (jj + kk * W < Dv) {
-        const int64_t o = (r * T + tt) * Dv + jj + kk * W;
-#pragma unroll
-        for (int q = 0; q < P; ++q) {
-          if (r + q * R < B) {
-            gr[q][kk] = gv[o + q * row_step];
-            hr[q][kk] = hv[o + q * row_step];
-          }
-        }
-      }
-    }
+    lanes.template for_each_pack<P>(B, T, Dv, tt, cc * WK + j, [&](int q, int kk, int, int64_t g) {
+      gr[q][kk] = gv[g];
+      hr[q][kk] = hv[g];
+    });
     if (tid < B) lam_r = lam[lam_per_token ? tid * T + tt : tid];
   };
   if constexpr (ASYNC) {
@@ -596,18 +574,10 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
       s_lam = s_lam_buf + stage * kTileMaxRows;
     } else {
       __syncthreads();  // the previous chunk's readers are done with the tiles / s_lam
-#pragma unroll
-      for (int kk = 0; kk < K; ++kk) {
-        if (jj + kk * W < Dv) {
-#pragma unroll
-          for (int q = 0; q < P; ++q) {
-            if (r + q * R < B) {  // slot b * WK + kk * W + j, b = r + q * R
-              s_g[slot + q * qstride + kk * W] = gr[q][kk];
-              s_h[slot + q * qstride + kk * W] = hr[q][kk];
-            }
-          }
-        }
-      }
+      lanes.template for_each_pack<P>(B, T, Dv, t, jj, [&](int q, int kk, int d, int64_t) {
+        s_g[d] = gr[q][kk];
+        s_h[d] = hr[q][kk];
+      });
       if (tid < B) s_lam[tid] = lam_r;
       __syncthreads();
     }
