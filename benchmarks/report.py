@@ -23,10 +23,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 OP_ORDER = ("cmix", "cal_objective", "cal_step_", "crm_loss", "gs_cosine_loss")
 BACKEND_ORDER = ("triton", "cuda", "cpp", "reference", "compile")
-METHOD_ORDER = ("plain", "naive_cat", "cat", "cat_eager", "cat_full_last", "gs_exact", "gs_first_order",
+METHOD_ORDER = ("plain", "plain_first_token", "naive_cat", "cat", "cat_eager", "cat_full_last", "gs_exact", "gs_first_order",
                 "gs_first_order_fwd", "gs_pooled")
 METHOD_LABEL = {
     "plain": "(1) plain fine-tuning",
+    "plain_first_token": "(1f) plain, first-token last layer",
     "naive_cat": "(2) naive CAT (eager, reference ops)",
     "cat": "(3) cat_fast.CAT (CUDA-graph CAL)",
     "cat_eager": "(3e) cat_fast.CAT, cuda_graph=False",
@@ -245,6 +246,11 @@ def step_section(records):
                 largest[e["method"]] = e
     ratios = ", ".join(f"{m} {e['flop_ratio']:.2f} → {e['flop_ratio_final_backward']:.2f} ({e.get('size')})"
                        for m, e in sorted(largest.items(), key=lambda kv: rank(kv[0], METHOD_ORDER)))
+    like_for_like = []
+    for size in sorted(by_size, key=size_key):
+        cat, cut = by_size[size].get("cat"), by_size[size].get("plain_first_token")
+        if cat and cut and cat.get("paired_ratio") and cut.get("paired_ratio"):
+            like_for_like.append(f"{size.replace('x', '×')} {cat['paired_ratio'] / cut['paired_ratio']:.2f}")
     timer = "CUDA-event timings" if steps[0].get("device") == "cuda" else "perf_counter timings (CPU smoke run)"
     notes = [
         "Step = forward, loss, backward, AdamW step, zero_grad; bf16 autocast; median of "
@@ -260,8 +266,14 @@ def step_section(records):
         + ratios + ".",
         "GS first-order at h_0 (FLOP × (1) column): g is an input-only backward (~1 forward) and each perturbed pass "
         "a forward + full backward (3 forwards): central (2 passes) 10/3 = 3.33×, forward (1 pass) 7/3 = 2.33×.",
+        "First-token last layer: (1f), (3), (3e), (5), (5f) and (6) run layer L of every pass for row 0 only (keys "
+        "and values of every token, the rest of the layer for row 0; same logits and gradients); their FLOP counts "
+        "include it. (1), (2), (3f) and (4) run it whole.",
         "Model TFLOP/s = those FLOPs / step time.",
     ]
+    if like_for_like:
+        notes.append("CAT against a plain step with the same first-token cut, (3) paired / (1f) paired: "
+                     + ", ".join(like_for_like) + ".")
     return text + "\n\n" + "\n".join(f"- {n}" for n in notes)
 
 

@@ -4,14 +4,17 @@ bf16 autocast, AdamW (fused on CUDA), B x T = 8x128, 32x128, 64x256; each sample
 [T/2, T] (the rest is padding). Methods (every step = forward, loss, backward, optimizer step, zero_grad):
 
 1. `plain`       fine-tuning: CE on the logits (SDPA attention).
+1f. `plain_first_token` the same through `cat_fast.models.first_token_forward` (the last layer for the first
+                 token only, as every pass of `cat` and of the GS methods but `gs_exact` runs it): what the
+                 first-token cut alone gives a plain step, so CAT's ratio to it is shown too.
 2. `naive_cat`   SPEC §1 written directly in eager PyTorch with `cat_fast.reference` ops: lower layers once
                  with output_hidden_states, h_m = hidden_states[9]; layers 10..12 + pooler + classifier called
                  directly with the model's own (SDPA) mask; 3 CAL steps with torch.autograd.grad w.r.t. lambda
                  only; final counterfactual forward without autograd (detached CRM weight); loss = ERM + CRM.
 3. `cat`         `cat_fast.CAT(model, layers=[8, 9, 10], adv_steps=3)` (CAL loop replayed as CUDA graphs).
 3e. `cat_eager`  the same with `cuda_graph=False` (the eager CAL loop), for the graphs' effect side by side.
-3f. `cat_full_last` the same (CUDA graphs) with `prune_last_layer=False`: layer L run whole in the counterfactual
-                 passes, for the first-token last layer's effect side by side.
+3f. `cat_full_last` the same (CUDA graphs) with `prune_last_layer=False`: layer L run whole in every pass, for
+                 the first-token last layer's effect side by side.
 4. `gs_exact`    `GradientSupervision(representation=0, mode="exact")` (token level, embedding output), eager
                  attention (double backward), pairs = a random permutation.
 5. `gs_first_order` the same with mode="first_order" and SDPA attention (SPEC's central difference, 2 passes).
@@ -44,9 +47,12 @@ from benchmarks import _harness as H
 
 pytestmark = [pytest.mark.benchmark(timer=H.virtual_clock), pytest.mark.bench_step]
 
-METHODS = ("plain", "naive_cat", "cat", "cat_eager", "cat_full_last", "gs_exact", "gs_first_order",
-           "gs_first_order_fwd", "gs_pooled")
+METHODS = ("plain", "plain_first_token", "naive_cat", "cat", "cat_eager", "cat_full_last", "gs_exact",
+           "gs_first_order", "gs_first_order_fwd", "gs_pooled")
 CAT_METHODS = ("cat", "cat_eager", "cat_full_last")
+# Methods whose passes run the last layer for the first token only (`prune_last_layer=True`, the default).
+FIRST_TOKEN_METHODS = ("plain_first_token", "cat", "cat_eager", "gs_first_order", "gs_first_order_fwd",
+                       "gs_pooled")
 GS_LONG_METHODS = ("plain", "gs_exact", "gs_first_order", "gs_first_order_fwd")  # the T = 512 size
 CAT_LAYERS = [8, 9, 10]
 NAIVE_LAYER = 9
@@ -118,25 +124,26 @@ def model_flops(config, batch, tokens, method, m=None, adv_steps=ADV_STEPS, fina
     forward = 2 * (matmul params) * tokens + attention 4 * B * T^2 * D per layer (+ pooler/classifier per sample);
     backward = 2 x forward. CAT adds, per CAL step, a forward of layers m+1..L (+ head) and an input-only
     backward of those (~1 x forward: no weight-gradient matmuls), plus the final counterfactual forward of
-    layers m+1..L. `cat_fast.CAT` runs layer L of those passes for the first token only (K and V projections of
-    every token, the rest of the layer for row 0: `prune_last_layer`, the default); `naive_cat` and
-    `cat_full_last` run it whole. With the default detached CRM weight that final pass has no backward (the
+    layers m+1..L. The methods in `FIRST_TOKEN_METHODS` run layer L of every pass (clean forward, CAL steps,
+    final pass, GS passes) for the first token only (K and V projections of every token, the rest of the layer
+    for row 0: `prune_last_layer`, the default); `plain`, `naive_cat`, `cat_full_last` and `gs_exact` run it
+    whole. With the default detached CRM weight the final counterfactual pass has no backward (the
     implementations run it without autograd); `final_backward=True` counts one anyway (2 x forward more), the
     issue's formula. First-order GS at h_0 adds g (an input-only backward, ~1 x forward) and per perturbed pass
-    a forward and a full backward (3 x forward): 2 passes (central) → 10/3 = 3.33x, 1 pass (forward) → 7/3 = 2.33x.
-    Embedding lookups, layer norms, softmax and elementwise work are not counted.
+    a forward and a full backward (3 x forward): 2 passes (central) → 10/3 = 3.33x, 1 pass (forward) → 7/3 = 2.33x
+    (of the same method's own forward). Embedding lookups, layer norms, softmax and elementwise work are not
+    counted.
     """
     D, I, L, C = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.num_labels
     n_tok = batch * tokens
     layer = 2 * n_tok * (4 * D * D + 2 * D * I) + 4 * batch * tokens * tokens * D
+    first_token_layer = 2 * n_tok * 2 * D * D + 2 * batch * (2 * D * D + 2 * D * I) + 4 * batch * tokens * D
+    last = first_token_layer if method in FIRST_TOKEN_METHODS else layer
     head = 2 * batch * (D * D + D * C)
-    forward = L * layer + head
+    forward = (L - 1) * layer + last + head
     total = 3 * forward
     if method == "naive_cat" or method in CAT_METHODS:
-        upper = (L - m) * layer + head
-        if method in ("cat", "cat_eager") and m < L:
-            first_token_layer = 2 * n_tok * 2 * D * D + 2 * batch * (2 * D * D + 2 * D * I) + 4 * batch * tokens * D
-            upper += first_token_layer - layer
+        upper = (L - m - 1) * layer + last + head
         total += adv_steps * 2 * upper + upper * (3 if final_backward else 1)
     if method.startswith("gs_first_order"):  # representation h_0: every pass covers all L layers
         passes = 1 if method.endswith("_fwd") else 2
@@ -154,6 +161,7 @@ def autocast():
 def make_step(method, model, optimizer, batch, pairs):
     """A closure that runs one training step of `method` (forward, loss, backward, optimizer step)."""
     import cat_fast
+    from cat_fast import models
 
     def finish_step(loss):
         loss.backward()
@@ -164,6 +172,14 @@ def make_step(method, model, optimizer, batch, pairs):
         def step():
             with autocast():
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                loss = F.cross_entropy(logits.float(), batch["labels"])
+            finish_step(loss)
+        return step
+
+    if method == "plain_first_token":
+        def step():
+            with autocast():
+                logits = models.first_token_forward(model, batch).logits
                 loss = F.cross_entropy(logits.float(), batch["labels"])
             finish_step(loss)
         return step
@@ -354,7 +370,7 @@ def measure_step(method, size):
                 plain_model = plain_opt = plain_step = None
             extra.update(step_ms=median_ms, step_min_ms=min_ms, peak_mib=peak,
                          tokens_per_s=batch_size * tokens / (median_ms * 1e-3))
-            if method in ("plain", "naive_cat") + CAT_METHODS or method.startswith("gs_first_order"):
+            if method in ("plain", "naive_cat") + CAT_METHODS + FIRST_TOKEN_METHODS:
                 m = NAIVE_M if method == "naive_cat" else sum(LAYERS) / len(LAYERS)
                 extra["flops"] = model_flops(config, batch_size, tokens, method, m)
                 extra["flops_final_backward"] = model_flops(config, batch_size, tokens, method, m, final_backward=True)

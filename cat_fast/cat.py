@@ -65,12 +65,14 @@ warning) run eagerly. ``cuda_graph=False`` always runs eagerly.
 
 First-token last layer (``prune_last_layer=True``, the default; sequence classification): when the model's head
 reads only row 0 of the last hidden state and its last layer has the Bert or DistilBERT layout (checked once per
-model by `cat_fast.models.first_token_ok`), every counterfactual pass (CAL steps and the final one) runs layer L
-for the first token only: keys and values of all tokens, the rest of the layer for row 0 — the same logits and
-λ-gradients with ~1/6 of that layer's matmul FLOPs. In train mode that layer's dropout masks in the
-counterfactual passes are fresh draws (all layers below it keep the clean forward's masks), so at λ = 0 the
-counterfactual differs from the factual by that layer's dropout; ``prune_last_layer=False`` runs the full layer
-with the clean masks (then λ = 0 gives ω = 1 exactly).
+model, on the first batch, by `cat_fast.models.first_token_ready`), every pass of the step — the clean forward
+(and the warm-up / alternate-update ERM forwards), the CAL steps and the final counterfactual pass — runs layer L
+for the first token only: keys and values of all tokens, the rest of the layer for row 0. The logits, losses,
+λ-gradients and parameter gradients are the same, with ~1/6 of that layer's matmul FLOPs. Both the clean and
+the counterfactual passes run the same pruned layer, so in train mode the counterfactual passes still draw the
+clean forward's dropout masks in every layer and λ = 0 gives ω = 1 exactly. With ``gs_weight > 0`` the clean
+forward runs the full layer (its double backward needs the model's own attention); then that layer's dropout in
+the counterfactual passes is a fresh draw. ``prune_last_layer=False`` runs every layer whole.
 
 Randomness: with ``generator=None`` λ and partners are drawn on the model's device from the global RNG and the
 layer from the global CPU RNG. With a CPU ``torch.Generator`` everything is drawn from it on the CPU (λ through a
@@ -186,7 +188,10 @@ class CAT:
     # ----------------------------------------------------------------- steps of Algorithm 1
     def _losses(self, batch):
         m = self._draw_layer()
-        cap = models.capture(self.model, batch, m)
+        # The clean forward prunes its last layer too (same logits), except under CAT + GS, whose double backward
+        # through layers m+1..L needs the model's own attention.
+        prune = self._prunes(batch) and self.gs_weight == 0
+        cap = models.capture(self.model, batch, m, first_token=prune)
         h = cap.hidden
         device = h.device
         B = h.shape[0]
@@ -197,7 +202,6 @@ class CAT:
         mask = cap.inputs.get("attention_mask")
 
         h_det = h.detach()
-        self._first_token(cap)  # the once-per-model check runs here, outside any graph capture
         replayed = None
         if self.cuda_graph and self.detach_weight and CALGraphs.usable(h):
             replayed = self.graphs.run(cap, h_det, lam0, partner, targets, allow)
@@ -254,7 +258,10 @@ class CAT:
 
     def _erm_only(self, batch):
         with torch.enable_grad():
-            outputs = self.model(**models.model_inputs(batch))
+            if self._prunes(batch):
+                outputs = models.first_token_forward(self.model, batch)
+            else:
+                outputs = self.model(**models.model_inputs(batch))
             targets, logits = self._targets(batch, outputs, None)
             erm = self._erm(logits, targets)
         zero = torch.zeros((), device=erm.device, dtype=erm.dtype)
@@ -312,6 +319,11 @@ class CAT:
 
     def _cal_step(self, lam, grad):
         cal_step_(lam, grad, self.adv_lr, self.p)
+
+    def _prunes(self, batch):
+        """Whether this model's last layer runs for the first token only (decided once per model, before any
+        graph capture: `models.first_token_ready`)."""
+        return self.prune_last_layer and not self.qa and models.first_token_ready(self.model, batch)
 
     def _first_token(self, cap):
         return (self.prune_last_layer and not self.qa and cap.layer < self.structure.num_layers

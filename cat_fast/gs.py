@@ -43,6 +43,11 @@ Modes:
   ``difference="forward"``: ``[f_c(x_i + ε_i u_i) − f_c(x_i)] / ε_i`` instead — ONE perturbed pass, the clean pass
   is the clean forward itself (FLOP floor at h_0: 7/3 ≈ 2.33× a plain step instead of 10/3 for central); error
   O(ε) instead of O(ε²).
+  ``prune_last_layer=True`` (default): in first-order mode and for the pooled representation, every pass (the
+  clean forward and the perturbed passes) runs the last layer for the first token only when the model allows it
+  (`cat_fast.models.first_token_ready`; the CAT module docstring): the same values with ~1/6 of that layer's
+  matmuls, and the perturbed passes still draw the clean forward's dropout masks. Exact mode at a token-level
+  representation runs the full layer (its double backward needs the model's own attention).
   ``low_memory=True`` (default): the perturbed passes run inside the caller's ``loss.backward()``, when the
   gradient of x is complete, one after the other — the clean graph above x is freed by then, so at most one
   perturbed graph is alive (peak memory close to a plain step instead of up to three graphs). Their parameter
@@ -151,7 +156,8 @@ class GradientSupervision:
     """``loss, info = gs(batch, pairs)``: cross-entropy + ``weight`` · gradient-supervision loss (module docstring)."""
 
     def __init__(self, model, weight=1.0, representation="pooled", target="counterfactual", mode="exact",
-                 random_pairs=False, eps=1e-3, generator=None, difference="central", low_memory=True):
+                 random_pairs=False, eps=1e-3, generator=None, difference="central", low_memory=True,
+                 prune_last_layer=True):
         st = models.structure(model)
         if st.task != "sequence_classification":
             raise ValueError(f"GradientSupervision supports *ForSequenceClassification models, got {st.model_class}")
@@ -177,6 +183,7 @@ class GradientSupervision:
         self.generator = generator
         self.difference = difference
         self.low_memory = bool(low_memory)
+        self.prune_last_layer = bool(prune_last_layer)
         self.model_structure = st
         self._closed_form = None  # pooled exact g: closed form for a linear head (None: not checked yet)
 
@@ -204,7 +211,10 @@ class GradientSupervision:
         pooled = self.layer is None
         with torch.enable_grad():
             exact = self.mode == "exact"
-            cap = models.capture(self.model, batch, None if pooled else self.layer, pooled=pooled, rng=not exact)
+            prune = (self.prune_last_layer and (pooled or not exact)
+                     and models.first_token_ready(self.model, batch))
+            cap = models.capture(self.model, batch, None if pooled else self.layer, pooled=pooled, rng=not exact,
+                                 first_token=prune)
             x = cap.pooled if pooled else cap.hidden
             logits = models.logits_of(cap.outputs)
             z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
@@ -223,7 +233,8 @@ class GradientSupervision:
                 gs = masked_mean(gs_cosine_loss(g, g_hat, reduction="none"), valid)
                 loss = ce + self.weight * gs
             else:
-                gs, term = self._first_order(cap, x, g.detach(), g_hat, logits, labels, partner, valid, pooled)
+                gs, term = self._first_order(cap, x, g.detach(), g_hat, logits, labels, partner, valid, pooled,
+                                              prune)
                 loss = ce + self.weight * (gs.detach() + term)
         info = {"ce_loss": ce.detach(), "gs_loss": gs.detach(), "gs_pairs": valid.sum().to(ce.dtype)}
         return loss, info
@@ -251,7 +262,7 @@ class GradientSupervision:
                 return None
         return g.to(x.dtype)  # autograd's g has the dtype of x (bf16 under autocast)
 
-    def _first_order(self, cap, x, g, g_hat, logits, labels, partner, valid, pooled):
+    def _first_order(self, cap, x, g, g_hat, logits, labels, partner, valid, pooled, prune):
         """``(L_GS, term)``: `term` has value 0 and gradient ``∇_θ (uᵀ∇_x f_c)`` by finite differences."""
         g_var = g.requires_grad_(True)
         gs = masked_mean(gs_cosine_loss(g_var, g_hat, reduction="none"), valid)
@@ -272,7 +283,7 @@ class GradientSupervision:
                 if pooled:
                     out = models.head_logits(self.model, capture, x_new)
                 else:
-                    out = models.logits_of(models.resume(self.model, capture, x_new))
+                    out = models.logits_of(models.resume(self.model, capture, x_new, first_token=prune))
                 return (self._score(out, labels, partner) / denom).sum()
             return score_at
 

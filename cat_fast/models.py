@@ -71,6 +71,7 @@ Pooled representation.
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -86,6 +87,8 @@ __all__ = [
     "capture",
     "resume",
     "first_token_ok",
+    "first_token_ready",
+    "first_token_forward",
     "head_logits",
     "grad_wrt_pooled",
     "logits_of",
@@ -284,13 +287,16 @@ def _check_trainable_forward(model, st):
         _fail(model, "gradient checkpointing re-runs layer forwards during backward; disable it for CAT/GS")
 
 
-def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool = True) -> Capture:
+def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool = True,
+            first_token: bool = False) -> Capture:
     """Run the model's own forward once on `batch`, recording ``h_layer`` and what `resume` needs.
 
     `batch` may contain targets (`labels`, ...); they are not passed to the model. With ``pooled=True`` also
     record the pooled representation (the input of the classification projection). ``layer=None`` (with
     ``pooled=True``) records only the pooled representation: no hook on the encoder layers, less host work
     (no `resume` from such a capture). ``rng=False``: no RNG states recorded (no same-dropout re-runs).
+    ``first_token=True``: the last layer runs for the first token only when `first_token_ready` has accepted the
+    model and ``layer < L`` (then rows 1.. of its output are its input rows; the logits are the same).
     """
     st = structure(model)
     _check_trainable_forward(model, st)
@@ -344,7 +350,9 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
                 handles.append(st.embeddings.register_forward_hook(emb_post))
         if pooled:
             handles.append(st.head.register_forward_pre_hook(head_pre, with_kwargs=True))
-        cap.outputs = model(**inputs)
+        prune = first_token and (layer is None or layer < L)
+        with _last_layer_first_token(model, st, inputs, prune):
+            cap.outputs = model(**inputs)
     finally:
         for h in handles:
             h.remove()
@@ -440,6 +448,70 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
 
 
 _FIRST_TOKEN: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+# The format of the last layer's output (None: a tensor; n: a tuple of n whose items after the first are None),
+# recorded by the check so that a forward can return its first-token row in that format.
+_LAST_FORMAT: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
+
+
+def _output_format(out):
+    if isinstance(out, torch.Tensor):
+        return None
+    if isinstance(out, (tuple, list)) and out and all(v is None for v in out[1:]):
+        return (type(out), len(out))
+    return False
+
+
+def _formatted(fmt, row):
+    if fmt is None:
+        return row
+    kind, n = fmt
+    return kind((row,) + (None,) * (n - 1))
+
+
+@contextmanager
+def _last_layer_first_token(model, st, inputs, enabled):
+    """While active, the last layer's forward returns its first-token row (`first_token_layer.forward`) when
+    `first_token_ready` accepted the model and the call does not ask for hidden states or attentions."""
+    config = model.config
+    wants_all = any(bool(getattr(config, k, False) if inputs.get(k) is None else inputs[k])
+                    for k in ("output_hidden_states", "output_attentions"))
+    if not enabled or wants_all or _FIRST_TOKEN.get(model) is not True:
+        yield
+        return
+    mod = st.layer_modules[-1]
+    orig, fmt = mod.forward, _LAST_FORMAT.get(model)
+
+    def forward(*args, **kwargs):
+        row = first_token_layer.forward(mod, args, kwargs)
+        return orig(*args, **kwargs) if row is None else _formatted(fmt, row)
+
+    had, old = "forward" in mod.__dict__, mod.__dict__.get("forward")
+    mod.forward = forward
+    try:
+        yield
+    finally:
+        if had:
+            mod.forward = old
+        else:
+            del mod.forward
+
+
+@contextmanager
+def _eval_no_grad(model, device_type):
+    """Eval mode, no autograd, no autocast; the modules' training flags restored on exit."""
+    modes = [(mod, mod.training) for mod in model.modules()]
+    try:
+        model.eval()
+        with torch.no_grad(), torch.autocast(device_type, enabled=False):
+            yield
+    finally:
+        for mod, mode in modes:
+            mod.training = mode
+
+
+def _first_token_layout(st):
+    return (st.task == "sequence_classification" and len(st.layer_modules) == st.num_layers
+            and first_token_layer.supported(st.layer_modules[-1]))
 
 
 def first_token_ok(model, cap: Capture) -> bool:
@@ -449,28 +521,51 @@ def first_token_ok(model, cap: Capture) -> bool:
     if known is not None:
         return known
     st = structure(model)
-    if (st.task != "sequence_classification" or len(st.layer_modules) != st.num_layers
-            or not first_token_layer.supported(st.layer_modules[-1])):
+    if not _first_token_layout(st):
         _FIRST_TOKEN[model] = False
         return False
     if cap.layer >= st.num_layers or cap.last_output is None:
         return False  # no layer to run after h_m here: decide on a later capture
-    modes = [(mod, mod.training) for mod in model.modules()]
+    fmt = _output_format(cap.last_output)
     h = cap.hidden.detach()
-    try:
-        model.eval()
-        with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
-            full = logits_of(resume(model, cap, h)).float()
-            pruned = logits_of(resume(model, cap, h, first_token=True, first_token_fill=float("nan"))).float()
-    finally:
-        for mod, mode in modes:
-            mod.training = mode
+    with _eval_no_grad(model, h.device.type):
+        full = logits_of(resume(model, cap, h)).float()
+        pruned = logits_of(resume(model, cap, h, first_token=True, first_token_fill=float("nan"))).float()
     half = next(model.parameters()).dtype in (torch.float16, torch.bfloat16)
     tol = 2e-2 if half else 1e-4
-    ok = bool(torch.isfinite(pruned).all()) and torch.allclose(pruned, full, rtol=tol,
-                                                               atol=tol * (1.0 + float(full.abs().max())))
+    ok = (fmt is not False and bool(torch.isfinite(pruned).all())
+          and torch.allclose(pruned, full, rtol=tol, atol=tol * (1.0 + float(full.abs().max()))))
+    if ok:
+        _LAST_FORMAT[model] = fmt
     _FIRST_TOKEN[model] = ok
     return ok
+
+
+def first_token_ready(model, batch) -> bool:
+    """`first_token_ok` for `model`, decided if needed on a capture of `batch` below the last layer (eval mode,
+    no autograd: one extra forward, once per model, drawing no random numbers)."""
+    known = _FIRST_TOKEN.get(model)
+    if known is not None:
+        return known
+    st = structure(model)
+    if not _first_token_layout(st):
+        _FIRST_TOKEN[model] = False
+        return False
+    device = next(model.parameters()).device
+    with _eval_no_grad(model, device.type):
+        cap = capture(model, batch, st.num_layers - 1, rng=False)
+    return first_token_ok(model, cap)
+
+
+def first_token_forward(model, batch):
+    """The model's own forward on `batch` (targets left out) with its last layer run for the first token only
+    when `first_token_ready` accepts the model: the same logits and gradients as ``model(**inputs)`` with about
+    5/6 of the last layer's matmuls skipped. For plain fine-tuning loops; the other models run unchanged."""
+    st = structure(model)
+    inputs = model_inputs(batch)
+    ready = first_token_ready(model, batch)
+    with _last_layer_first_token(model, st, inputs, ready):
+        return model(**inputs)
 
 
 def head_logits(model, cap: Capture, x: torch.Tensor, *, same_dropout: bool = True):

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cat_fast import models
+from cat_fast import first_token_layer, models
 from cat_fast.cat import CAT, default_layers
 from tests.conftest import TINY_ARCHS, tiny_batch, tiny_model
 
@@ -89,20 +89,45 @@ def test_zero_lambda_makes_crm_equal_erm_in_train_mode(monkeypatch):
     torch.testing.assert_close(crm, erm)
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.3])
-def test_pruned_last_layer_draws_its_own_dropout_in_train_mode(monkeypatch, dropout):
-    # The first-token last layer cannot replay the clean forward's draws of that layer (documented): with
-    # dropout its counterfactual at λ = 0 differs from the factual by that layer's dropout only.
-    model = tiny_model("bert", hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout).train()
+def _count_first_token_calls(monkeypatch):
+    calls = []
+    real = first_token_layer.forward
+
+    def spy(mod, args, kwargs, fill=None):
+        out = real(mod, args, kwargs, fill)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(first_token_layer, "forward", spy)
+    return calls
+
+
+def test_pruned_last_layer_keeps_the_clean_dropout_in_train_mode(monkeypatch):
+    # The clean forward and the counterfactual passes run the same first-token last layer, so they draw the same
+    # dropout masks in every layer: λ = 0 gives ω = 1 and CRM = ERM exactly, with dropout on.
+    model = tiny_model("bert", hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.3).train()
     cat = CAT(model, layers=[1], adv_steps=0, generator=gen())
     monkeypatch.setattr(cat, "_draw_lambda", lambda B, device, dtype: torch.zeros(B, device=device, dtype=dtype))
+    assert models.first_token_ready(model, tiny_batch("bert"))  # the once-per-model check, before counting
+    calls = _count_first_token_calls(monkeypatch)
     erm, crm, info = cat.losses(tiny_batch("bert"))
-    assert cat._first_token(models.capture(model, tiny_batch("bert"), 1))
-    if dropout == 0.0:
-        torch.testing.assert_close(info["crm_weight_mean"], torch.tensor(1.0))
-        torch.testing.assert_close(crm, erm)
-    else:
-        assert float(info["crm_weight_mean"]) != 1.0
+    assert calls == [True, True]  # the clean forward and the final counterfactual pass
+    torch.testing.assert_close(info["crm_weight_mean"], torch.tensor(1.0))
+    torch.testing.assert_close(crm, erm)
+
+
+def test_cat_with_gs_runs_the_full_last_layer_in_the_clean_forward(monkeypatch):
+    # CAT + GS differentiates the clean logits twice: the clean forward keeps the model's own last layer, so the
+    # counterfactual passes' first-token layer draws fresh dropout there (λ = 0 no longer gives ω = 1).
+    model = tiny_model("bert", hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.3, attn="eager").train()
+    cat = CAT(model, layers=[1], adv_steps=0, generator=gen(), gs_weight=1.0)
+    monkeypatch.setattr(cat, "_draw_lambda", lambda B, device, dtype: torch.zeros(B, device=device, dtype=dtype))
+    assert models.first_token_ready(model, tiny_batch("bert"))  # the once-per-model check, before counting
+    calls = _count_first_token_calls(monkeypatch)
+    erm, cf, info = cat.losses(tiny_batch("bert"))
+    assert calls == [True]  # the final counterfactual pass only
+    assert float(info["crm_weight_mean"]) != 1.0
+    cf.backward()  # the double backward of the GS term goes through the model's own attention
 
 
 @pytest.mark.parametrize("arch", ["bert", "roberta", "electra", "distilbert"])

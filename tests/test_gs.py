@@ -108,11 +108,12 @@ def test_low_memory_first_order_equals_the_graph_version(representation, differe
 def test_first_order_keeps_dropout_masks_in_train_mode():
     model = tiny_model("bert", dtype=torch.float64, hidden_dropout_prob=0.2).train()
     batch = batch_f()
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # exact mode runs the full last layer: first_order too, to draw the same masks
     exact, _ = GradientSupervision(model, representation="layer:1")(batch, PAIRS)
     ge = backward_grads(model, exact)
     torch.manual_seed(0)
-    first, _ = GradientSupervision(model, representation="layer:1", mode="first_order")(batch, PAIRS)
+    first, _ = GradientSupervision(model, representation="layer:1", mode="first_order",
+                                   prune_last_layer=False)(batch, PAIRS)
     gf = backward_grads(model, first)
     assert F.cosine_similarity(ge, gf, dim=0) > 0.99
 
@@ -230,3 +231,25 @@ def test_gs_under_bf16_autocast(representation):
     loss.backward()
     assert torch.isfinite(loss) and float(info["gs_pairs"]) == 4.0
     assert gs._closed_form is (True if representation == "pooled" else None)
+
+
+@pytest.mark.parametrize("arch", ["bert", "distilbert"])
+@pytest.mark.parametrize("representation, mode", [("pooled", "exact"), ("pooled", "first_order"),
+                                                  ("layer:1", "first_order"), (0, "first_order")])
+def test_pruned_last_layer_gives_the_same_loss_and_gradients(arch, representation, mode):
+    # Every pass with the first-token last layer: the same loss and parameter gradients in float64.
+    model = tiny_model(arch, dtype=torch.float64).eval()
+    batch = batch_f(arch)
+    results = []
+    for prune in (True, False):
+        gs = GradientSupervision(model, weight=2.0, representation=representation, mode=mode,
+                                 prune_last_layer=prune)
+        loss, info = gs(batch, PAIRS)
+        results.append((loss.detach(), info, backward_grads(model, loss)))
+    (loss_p, info_p, grad_p), (loss_f, info_f, grad_f) = results
+    assert models.first_token_ready(model, batch)
+    torch.testing.assert_close(loss_p, loss_f, rtol=1e-10, atol=1e-12)
+    for key in info_f:
+        torch.testing.assert_close(info_p[key], info_f[key], rtol=1e-10, atol=1e-12)
+    assert grad_f.abs().max() > 1e-6
+    torch.testing.assert_close(grad_p, grad_f, rtol=1e-9, atol=1e-12)

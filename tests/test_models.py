@@ -246,3 +246,68 @@ def test_first_token_check_waits_for_a_capture_below_the_last_layer():
     model = tiny_model("bert").eval()
     assert not models.first_token_ok(model, models.capture(model, tiny_batch("bert"), 3))
     assert models.first_token_ok(model, models.capture(model, tiny_batch("bert"), 2))
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta", "electra", "distilbert"])
+def test_pruned_clean_forward_gives_the_full_logits_and_gradients(arch):
+    # capture(first_token=True) and first_token_forward: the same logits and parameter gradients as the model's
+    # own forward (float64); rows 1.. of the pruned last layer's output are its input rows.
+    model = tiny_model(arch, dtype=torch.float64).eval()
+    batch = tiny_batch(arch, batch=5)
+    assert models.first_token_ready(model, batch)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def logits_and_grads(out):
+        logits = out.logits
+        return logits, torch.autograd.grad(logits.square().sum(), params, allow_unused=True)
+
+    full, g_full = logits_and_grads(model(**models.model_inputs(batch)))
+    cap = models.capture(model, batch, 1, first_token=True)
+    forward_out = models.first_token_forward(model, batch)
+    for out in (cap.outputs, forward_out):
+        logits, grads = logits_and_grads(out)
+        torch.testing.assert_close(logits, full, rtol=1e-12, atol=1e-12)
+        for g, want in zip(grads, g_full):
+            assert (g is None) == (want is None)
+            if g is not None:
+                torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-12)
+    layer_input = models.capture(model, batch, 2).hidden
+    torch.testing.assert_close(models._first(cap.last_output)[:, 1:], layer_input[:, 1:], rtol=0, atol=0)
+
+
+def test_pruned_clean_forward_is_skipped_where_it_would_change_outputs():
+    model = tiny_model("bert").eval()
+    batch = tiny_batch("bert")
+    assert models.first_token_ready(model, batch)
+    want = model(**models.model_inputs(batch), output_hidden_states=True).hidden_states[-1]
+    got = models.first_token_forward(model, dict(batch, output_hidden_states=True)).hidden_states[-1]
+    torch.testing.assert_close(got, want)  # every row of the last layer is returned whole
+    last = models.capture(model, batch, 3, first_token=True).hidden  # m = L: h_L is the whole last layer
+    torch.testing.assert_close(last, want)
+    albert = tiny_model("albert").eval()
+    assert not models.first_token_ready(albert, tiny_batch("albert"))
+    torch.testing.assert_close(models.first_token_forward(albert, tiny_batch("albert")).logits,
+                               albert(**models.model_inputs(tiny_batch("albert"))).logits)
+
+
+def test_first_token_check_draws_no_random_numbers_and_keeps_train_mode():
+    model = tiny_model("bert", hidden_dropout_prob=0.3).train()
+    state = torch.get_rng_state()
+    assert models.first_token_ready(model, tiny_batch("bert"))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(mod.training for mod in model.modules())
+
+
+@pytest.mark.parametrize("arch", ["bert", "distilbert"])
+def test_pruned_resume_replays_the_pruned_clean_forward_dropout(arch):
+    # Train mode with dropout: resuming a pruned capture on h_m itself with the pruned last layer draws the clean
+    # forward's masks in every layer, the last one included: the same logits bit for bit.
+    model = tiny_model(arch, hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.3, dropout=0.3,
+                       attention_dropout=0.3).train()
+    batch = tiny_batch(arch)
+    assert models.first_token_ready(model, batch)
+    cap = models.capture(model, batch, 1, first_token=True)
+    again = models.resume(model, cap, cap.hidden.detach(), first_token=True).logits
+    assert torch.equal(again, cap.outputs.logits)
+    other = models.capture(model, batch, 1, first_token=True).outputs.logits
+    assert not torch.equal(other, cap.outputs.logits)  # dropout is on: another forward draws other masks
