@@ -57,9 +57,12 @@ First-token last layer (``resume(..., first_token=True)``).
     then the last layer's INPUT rows, not its output. `first_token_ok` decides, once per model, whether this is exact:
     the layer must have the supported layout and, on a real batch in eval mode without autocast, the resumed
     logits must not change when rows 1.. are NaN and must equal the full layer's (rtol 1e-4 for float32
-    weights, 2e-2 for 16-bit). In train mode the row's dropout masks in that layer are drawn afresh (the
-    attention dropout of one query row and the hidden dropout of one row cannot reproduce the clean forward's
-    draws); every layer below it keeps the clean forward's masks.
+    weights, 2e-2 for 16-bit). `first_token_ready` takes that decision before a step (on a no-grad eval capture
+    of its batch), so that the clean forward can be pruned too: ``capture(..., first_token=True)`` and
+    `first_token_forward` (a plain forward) run the same first-token layer; calls that ask for hidden states or
+    attentions, and ``m = L``, run it whole. Dropout: a resume with ``first_token=True`` from a pruned capture
+    draws the capture's masks in every layer, the last included; from a full capture, the last layer's row-0
+    masks are fresh draws (one query row's attention dropout cannot replay the full layer's draws).
 
 Pooled representation.
     The input of the classification projection module: ``model.classifier`` if present, else ``model.score``,
