@@ -33,7 +33,23 @@ def kind_of(name):
     return "elementwise/other"
 
 
-def profile(method, size, steps):
+def busy_time(spans):
+    """(union length of the [start, end] intervals, last end - first start), in the spans' unit."""
+    if not spans:
+        return 0, 0
+    spans.sort()
+    busy, (cur_start, cur_end) = 0, spans[0]
+    for start, end in spans[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    return busy, max(end for _, end in spans) - spans[0][0]
+
+
+def profile(method, size, steps, trace_dir=None):
     batch_size, tokens = (int(v) for v in size.split("x"))
     model = S.make_model(S._attn_for(method))
     optimizer = S.make_optimizer(model)
@@ -44,7 +60,7 @@ def profile(method, size, steps):
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    by_name, by_kind, launches = collections.Counter(), collections.Counter(), 0
+    by_name, by_kind, launches, spans = collections.Counter(), collections.Counter(), 0, []
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
@@ -52,9 +68,14 @@ def profile(method, size, steps):
         by_name[event.name] += us / steps
         by_kind[kind_of(event.name)] += us / steps
         launches += 1
+        spans.append((event.time_range.start, event.time_range.end))
     total = sum(by_kind.values()) / 1e3
+    busy, window = busy_time(spans)
     print(f"\n== {method} {size}: step {median_ms:.2f} ms (CUDA events, median of 10), "
-          f"kernels {total:.2f} ms/step, {launches / steps:.0f} kernels/step")
+          f"kernels {total:.2f} ms/step, {launches / steps:.0f} kernels/step; GPU busy {busy / steps / 1e3:.2f} "
+          f"of {window / steps / 1e3:.2f} ms/step (union of kernel intervals / first start to last end)")
+    if trace_dir:
+        prof.export_chrome_trace(os.path.join(trace_dir, f"trace-{method}-{size}.json"))
     print("   by kind: " + ", ".join(f"{k} {v / 1e3:.2f}" for k, v in by_kind.most_common()))
     for name, us in by_name.most_common(14):
         print(f"   {us / 1e3:7.3f} ms  {name[:150]}")
@@ -67,11 +88,12 @@ def main():
     parser.add_argument("methods", nargs="*", default=["plain", "plain_first_token", "cat", "cat_full_last"])
     parser.add_argument("--size", default="64x256")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--trace-dir", default=None, help="write a Chrome trace per method there")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_step.py needs a CUDA device")
     for method in args.methods:
-        profile(method, args.size, args.steps)
+        profile(method, args.size, args.steps, args.trace_dir)
 
 
 if __name__ == "__main__":

@@ -181,3 +181,26 @@ def test_pruned_last_layer_gives_the_full_layer_step_on_cuda(autocast, tol):
         for key in want:
             torch.testing.assert_close(got[key], want[key], rtol=tol, atol=tol, msg=key)
     torch.testing.assert_close(pruned[2], full[2], rtol=tol, atol=tol)
+
+
+def test_weight_addresses_follow_replaced_tensors_without_walking_the_model_each_step():
+    # The graphs' invalidation key (no CUDA needed): a new head module, a parameter's storage swapped, a buffer
+    # reassigned each change it; an in-place update does not; an unchanged model is not walked again.
+    model = tiny_model("bert").eval()
+    graphs = CAT(model).graphs
+    first = graphs._weights()
+    assert graphs._weights() == first and graphs._tensors_at is not None
+    listed = graphs._tensors
+    assert graphs._weights() == first and graphs._tensors is listed  # no new walk of the model
+    with torch.no_grad():
+        model.classifier.weight.add_(1.0)
+    assert graphs._weights() == first
+    model.classifier = torch.nn.Linear(32, 3)
+    second = graphs._weights()
+    assert second != first
+    model.classifier.weight.data = torch.zeros(3, 32)
+    third = graphs._weights()
+    assert third != second
+    name = next(n for n, _ in model.bert.embeddings.named_buffers())
+    setattr(model.bert.embeddings, name, getattr(model.bert.embeddings, name).clone())
+    assert graphs._weights() != third
