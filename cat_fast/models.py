@@ -512,21 +512,22 @@ def _eval_no_grad(model, device_type):
             mod.training = mode
 
 
-def _first_token_layout(st):
-    return (st.task == "sequence_classification" and len(st.layer_modules) == st.num_layers
-            and first_token_layer.supported(st.layer_modules[-1]))
+def _first_token_known(model, st):
+    """The cached decision for `model`, False (cached) when its layout is not supported, else None."""
+    known = _FIRST_TOKEN.get(model)
+    if known is None and not (st.task == "sequence_classification" and len(st.layer_modules) == st.num_layers
+                              and first_token_layer.supported(st.layer_modules[-1])):
+        known = _FIRST_TOKEN[model] = False
+    return known
 
 
 def first_token_ok(model, cap: Capture) -> bool:
     """Whether ``resume(..., first_token=True)`` is exact for `model` (module docstring); decided once per model
     on the first capture with ``m < L`` (two no-grad resumes of that batch and one host synchronisation)."""
-    known = _FIRST_TOKEN.get(model)
+    st = structure(model)
+    known = _first_token_known(model, st)
     if known is not None:
         return known
-    st = structure(model)
-    if not _first_token_layout(st):
-        _FIRST_TOKEN[model] = False
-        return False
     if cap.layer >= st.num_layers or cap.last_output is None:
         return False  # no layer to run after h_m here: decide on a later capture
     fmt = _output_format(cap.last_output)
@@ -547,13 +548,10 @@ def first_token_ok(model, cap: Capture) -> bool:
 def first_token_ready(model, batch) -> bool:
     """`first_token_ok` for `model`, decided if needed on a capture of `batch` below the last layer (eval mode,
     no autograd: one extra forward, once per model, drawing no random numbers)."""
-    known = _FIRST_TOKEN.get(model)
+    st = structure(model)
+    known = _first_token_known(model, st)
     if known is not None:
         return known
-    st = structure(model)
-    if not _first_token_layout(st):
-        _FIRST_TOKEN[model] = False
-        return False
     device = next(model.parameters()).device
     with _eval_no_grad(model, device.type):
         cap = capture(model, batch, st.num_layers - 1, rng=False)
