@@ -1,15 +1,21 @@
 """Where a training step's GPU time goes: torch.profiler over a few steps of each method (the step benchmark's
 model, batch and step closures), kernels summed by name and by kind (matmul, attention, elementwise, ...).
 
-    python benchmarks/profile_step.py [--size 64x256] [--steps 3] [methods...]
+    python benchmarks/profile_step.py [--size 64x256] [--steps 3] [--host] [methods...]
 
 Prints, per method, GPU kernel time per step (sum of kernel durations; overlapping streams would count twice),
 the CUDA-event step time, and the top kernels. CUDA-graph replays are traced kernel by kernel (CUPTI). GPU only.
+``--host`` also records the host (aten ops, Python frames) and attributes the GPU's idle gaps to what the host
+ran meanwhile (`benchmarks/trace_gaps.py`), and counts Python garbage-collection pauses over the timed steps.
 """
 import argparse
 import collections
+import gc
 import os
+import subprocess
 import sys
+import tempfile
+import time
 
 import torch
 
@@ -49,14 +55,40 @@ def busy_time(spans):
     return busy, max(end for _, end in spans) - spans[0][0]
 
 
-def profile(method, size, steps, trace_dir=None):
+class GcPauses:
+    """Python garbage-collection pauses (count, total ms) while active."""
+
+    def __init__(self):
+        self.count, self.ms, self._t0 = 0, 0.0, None
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.count += 1
+            self.ms += (time.perf_counter() - self._t0) * 1e3
+            self._t0 = None
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+
+def profile(method, size, steps, trace_dir=None, host=False):
     batch_size, tokens = (int(v) for v in size.split("x"))
     model = S.make_model(S._attn_for(method))
     optimizer = S.make_optimizer(model)
     batch, pairs = S.make_batch(batch_size, tokens, model.config.vocab_size)
     step = S.make_step(method, model, optimizer, batch, pairs)
-    median_ms, _, _ = S.time_steps(step, 5, 10)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with GcPauses() as pauses:
+        median_ms, _, _ = S.time_steps(step, 5, 10)
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    if host:
+        activities.append(torch.profiler.ProfilerActivity.CPU)
+    with torch.profiler.profile(activities=activities, with_stack=host) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
@@ -74,8 +106,13 @@ def profile(method, size, steps, trace_dir=None):
     print(f"\n== {method} {size}: step {median_ms:.2f} ms (CUDA events, median of 10), "
           f"kernels {total:.2f} ms/step, {launches / steps:.0f} kernels/step; GPU busy {busy / steps / 1e3:.2f} "
           f"of {window / steps / 1e3:.2f} ms/step (union of kernel intervals / first start to last end)")
-    if trace_dir:
-        prof.export_chrome_trace(os.path.join(trace_dir, f"trace-{method}-{size}.json"))
+    print(f"   Python GC over the 15 warm-up + timed steps: {pauses.count} pauses, {pauses.ms:.2f} ms")
+    if trace_dir or host:
+        path = os.path.join(trace_dir or tempfile.gettempdir(), f"trace-{method}-{size}.json")
+        prof.export_chrome_trace(path)
+        if host:
+            gaps = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace_gaps.py")
+            subprocess.run([sys.executable, gaps, path, "--steps", str(steps)], check=False)
     print("   by kind: " + ", ".join(f"{k} {v / 1e3:.2f}" for k, v in by_kind.most_common()))
     for name, us in by_name.most_common(14):
         print(f"   {us / 1e3:7.3f} ms  {name[:150]}")
@@ -89,11 +126,12 @@ def main():
     parser.add_argument("--size", default="64x256")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--trace-dir", default=None, help="write a Chrome trace per method there")
+    parser.add_argument("--host", action="store_true", help="record the host too and attribute the GPU idle gaps")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_step.py needs a CUDA device")
     for method in args.methods:
-        profile(method, args.size, args.steps, args.trace_dir)
+        profile(method, args.size, args.steps, args.trace_dir, args.host)
 
 
 if __name__ == "__main__":

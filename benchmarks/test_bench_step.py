@@ -25,7 +25,7 @@ bf16 autocast, AdamW (fused on CUDA), B x T = 8x128, 32x128, 64x256; each sample
 Timing: >= 5 warm-up steps, then CUDA events around each of <= 25 timed steps (CAT_FAST_BENCH_STEP_WARMUP,
 CAT_FAST_BENCH_STEP_STEPS; defaults 5 and 20), median reported. Then, for every method but plain, a paired
 measurement: a plain SDPA step on its own model is built beside it and the two are timed in alternating blocks
-(4 rounds of steps/4 each, after warm-up); `paired_ratio` = median method / median plain of that pair. Peak memory: torch.cuda.max_memory_allocated over
+(8 rounds of steps/4 each, after warm-up: twice the timed steps of each); `paired_ratio` = median method / median plain of that pair. Peak memory: torch.cuda.max_memory_allocated over
 the timed steps (stats reset after warm-up; includes weights, grads and AdamW state). Errors and OOM are recorded
 per case (extra_info["error"]) and do not stop the run. FLOPs of plain and CAT from the config (see `model_flops`).
 `test_cat_host_sync` runs one CAT step (and, for attribution, one plain step) under
@@ -311,14 +311,14 @@ def time_steps(step, warmup, steps):
     return statistics.median(times), min(times), peak
 
 
-def time_paired(step, plain_step, warmup, steps, rounds=4):
+def time_paired(step, plain_step, warmup, steps, rounds=8):
     """Median step time of `step` and of a plain step timed in alternating blocks (same process, same minutes):
     the small-batch steps are host-bound and drift by up to ±20 % between runs, the pair does not."""
     for _ in range(warmup):
         plain_step()
         step()
     _sync()
-    per_round = max(1, steps // rounds)
+    per_round = max(1, steps // 4)
     times, plain_times = [], []
     for _ in range(rounds):
         plain_times += _timed_block(plain_step, per_round)

@@ -150,6 +150,7 @@ class CALGraphs:
         self._weights_seen = None
         self._tensors = None  # the model's parameters and buffers, listed when _registrations was _tensors_at
         self._tensors_at = None
+        self.replays_in_forward = 0  # steps whose CAL graphs ran from inside the clean forward (`run_captured`)
 
     @property
     def num_graphs(self) -> int:
@@ -200,6 +201,18 @@ class CALGraphs:
         if graphs is None:
             return None
         return self._replay(graphs, cap, h, lam, partner, targets, allow)
+
+    def run_captured(self, cap, h, lam, partner, targets, allow):
+        """`run` for a signature whose graphs exist already; None (nothing captured or run) otherwise. For a call
+        from inside the clean forward (`models.capture(on_hidden=...)`), where a capture must not happen."""
+        if self._weights() != self._weights_seen:
+            return None
+        graphs = self._graphs.get(self._signature(cap, h, lam, partner, targets, allow)[1])
+        if graphs is None:
+            return None
+        out = self._replay(graphs, cap, h, lam, partner, targets, allow)
+        self.replays_in_forward += out is not None
+        return out
 
     # ------------------------------------------------------------------ capture
     def _capture(self, base, cap, h, lam, partner, targets, allow):

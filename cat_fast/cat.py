@@ -60,7 +60,10 @@ own Φ ratio), summed; ERM = CE_start + CE_end (SPEC: sums; this is twice Huggin
 CUDA graphs (``cuda_graph=True``, the default; used on CUDA with the detached CRM weight): the CAL steps and the
 final counterfactual forward are captured once per static batch signature (shapes, mixing layer, mode) and
 replayed, which removes their host overhead (`cat_fast.cal_graph`); same values as the eager loop, same
-dropout masks. Up to ``max_graphs`` signatures are captured; others (and any model whose capture fails, with a
+dropout masks. λ and the partners are drawn before the clean forward, so that once a signature's graphs exist
+(classification) they are replayed from inside the clean forward as soon as ``h_m`` exists: the GPU runs the CAL
+steps while the host is still issuing layers ``m+1..L`` of the clean forward, whose dropout draws are unchanged
+(the replays restore the RNG state). Up to ``max_graphs`` signatures are captured; others (and any model whose capture fails, with a
 warning) run eagerly. ``cuda_graph=False`` always runs eagerly.
 
 First-token last layer (``prune_last_layer=True``, the default; sequence classification): when the model's head
@@ -163,6 +166,7 @@ class CAT:
         self.cuda_graph = bool(cuda_graph)
         self.prune_last_layer = bool(prune_last_layer)
         self.graphs = CALGraphs(self, max_graphs=max_graphs)
+        self._concentration = None  # (B, device, dtype), the [B, 2] Beta concentrations of `_draw_lambda`
 
     # ----------------------------------------------------------------- public API
     def __call__(self, batch):
@@ -191,19 +195,33 @@ class CAT:
         # The clean forward prunes its last layer too (same logits), except under CAT + GS, whose double backward
         # through layers m+1..L needs the model's own attention.
         prune = self._prunes(batch) and self.gs_weight == 0
-        cap = models.capture(self.model, batch, m, first_token=prune)
-        h = cap.hidden
-        device = h.device
-        B = h.shape[0]
-        targets, logits = self._targets(batch, cap.outputs, h.shape[1])
+        # λ and the partners are drawn before the forward (they do not depend on it), so that the captured CAL
+        # graphs can be replayed from inside it, as soon as h_m exists: the GPU runs the CAL steps while the host
+        # is still issuing the clean forward's layers m+1..L (a forward at these sizes is bound by the host).
+        B, device, param_dtype = self._batch_size(batch)
         partner = self._draw_partner(B, device)
-        lam0 = self._draw_lambda(B, device, torch.promote_types(h.dtype, torch.float32))
+        lam0 = self._draw_lambda(B, device, torch.promote_types(param_dtype, torch.float32))
+        early = {}
+
+        def replay_early(cap):
+            h_m = cap.hidden.detach()
+            if CALGraphs.usable(h_m) and h_m.shape[0] == B and lam0.dtype == torch.promote_types(h_m.dtype,
+                                                                                                torch.float32):
+                early["replayed"] = self.graphs.run_captured(cap, h_m, lam0, partner, batch["labels"], None)
+
+        on_hidden = replay_early if self.cuda_graph and self.detach_weight and not self.qa else None
+        cap = models.capture(self.model, batch, m, first_token=prune, on_hidden=on_hidden)
+        h = cap.hidden
+        if h.shape[0] != B or h.device != device:
+            raise ValueError(f"CAT: the batch has {B} samples on {device}, but the model's hidden states at layer {m} "
+                             f"have batch size {h.shape[0]} on {h.device}")
+        targets, logits = self._targets(batch, cap.outputs, h.shape[1])
         allow = self._qa_allow(batch, targets, h.shape[1], device) if self.qa else None
         mask = cap.inputs.get("attention_mask")
 
         h_det = h.detach()
-        replayed = None
-        if self.cuda_graph and self.detach_weight and CALGraphs.usable(h):
+        replayed = early.get("replayed")
+        if replayed is None and self.cuda_graph and self.detach_weight and CALGraphs.usable(h):
             replayed = self.graphs.run(cap, h_det, lam0, partner, targets, allow)
         if replayed is not None:
             lam, cf_logits = replayed
@@ -359,6 +377,15 @@ class CAT:
             allow = allow & (attn != 0)
         return allow.to(torch.float32)
 
+    def _batch_size(self, batch):
+        """(B, device, parameter dtype) known before the forward: the batch's first tensor input and the model's
+        first parameter (λ is drawn in the parameters' dtype promoted to float32, that of h_m)."""
+        tensors = [v for v in models.model_inputs(batch).values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        if not tensors:
+            raise ValueError("CAT: the batch has no tensor input for the model (input_ids, inputs_embeds, ...)")
+        param = next(self.model.parameters())
+        return tensors[0].shape[0], param.device, param.dtype
+
     # ----------------------------------------------------------------- randomness
     def _draw_layer(self):
         if len(self.layers) == 1:
@@ -378,10 +405,15 @@ class CAT:
 
     def _draw_lambda(self, B, device, dtype):
         if self.generator is None:
-            # torch.full, not torch.tensor: no host-to-device copy (and so no sync) on CUDA.
-            a = torch.full((B,), self.alpha, device=device, dtype=dtype)
-            b = torch.full((B,), self.beta, device=device, dtype=dtype)
-            return torch.distributions.Beta(a, b, validate_args=False).sample()
+            # Beta(α, β) as torch.distributions samples it (the first coordinate of a Dirichlet(α, β) draw: the
+            # same kernel, the same random numbers) without building the distribution objects each step. The
+            # concentrations are made with torch.full (no host-to-device copy, no sync) once per shape.
+            key = (B, device, dtype)
+            if self._concentration is None or self._concentration[0] != key:
+                a = torch.full((B,), self.alpha, device=device, dtype=dtype)
+                b = torch.full((B,), self.beta, device=device, dtype=dtype)
+                self._concentration = (key, torch.stack([a, b], -1))
+            return torch._sample_dirichlet(self._concentration[1]).select(-1, 0)
         seed = int(torch.randint(2**62, (1,), generator=self.generator))
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(seed)

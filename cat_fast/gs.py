@@ -146,6 +146,15 @@ def _parse_representation(rep):
     raise ValueError(f"representation must be 'pooled', 'layer:K' or an int K, got {rep!r}")
 
 
+def _weighted_cosine_loss(g, g_hat, weights, weight_sum, eps=1e-8):
+    """``Σ_i weights_i (1 − cos(g_i, ĝ_i)) = Σ_i weights_i − weights · cos`` for [B, D] rows, norms clamped below
+    at eps, in the dtype of `g` (float32 for 16-bit `g_hat`): `gs_cosine_loss` then `masked_mean`, with one
+    composite op instead of a custom-op call — at [B, D] the work is a few microseconds and the host time of the
+    calls is what counts."""
+    cos = F.cosine_similarity(g, g_hat.to(g.dtype), dim=1, eps=eps)
+    return weight_sum - torch.dot(weights, cos)
+
+
 def masked_mean(values, valid):
     """Mean of `values` over `valid` rows (0 when none), without a host synchronisation."""
     w = valid.to(values.dtype)
@@ -186,6 +195,7 @@ class GradientSupervision:
         self.prune_last_layer = bool(prune_last_layer)
         self.model_structure = st
         self._closed_form = None  # pooled exact g: closed form for a linear head (None: not checked yet)
+        self._pooled_dtype = None  # dtype of the pooled vector on the last call (that of the closed-form g)
 
     def _score(self, logits, labels, partner):
         """Per-sample scalar whose x-gradient is g: the partner-class logit, or the factual CE."""
@@ -206,11 +216,16 @@ class GradientSupervision:
             pairs = _random_pairs(B, device, self.generator)
         pairs = pairs.to(device=device, dtype=torch.long)
         partner = pairs.clamp_min(0)
-        valid = (pairs >= 0) & (labels[partner] != labels)
+        partner_labels = labels.index_select(0, partner)
+        valid = (pairs >= 0) & (partner_labels != labels)
 
         pooled = self.layer is None
         with torch.enable_grad():
             exact = self.mode == "exact"
+            # Pooled, exact, linear head (checked on the first call): g = W[y_j] is known before the forward, and
+            # the rest is a handful of ops on [B, D]. At the forward's end the GPU waits for the host, so the
+            # host work is done before it (where it overlaps the previous step's GPU work) or kept minimal after.
+            early = self._pooled_closed_form(partner_labels, valid) if pooled and exact else None
             prune = (self.prune_last_layer and (pooled or not exact)
                      and models.first_token_ready(self.model, batch))
             cap = models.capture(self.model, batch, None if pooled else self.layer, pooled=pooled, rng=not exact,
@@ -220,12 +235,18 @@ class GradientSupervision:
             z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
             ce = F.cross_entropy(z, labels)
             g_hat = (x.index_select(0, partner) - x).detach()
-            score = self._score(logits, labels, partner).sum()
+            if early is not None and self._pooled_dtype == x.dtype:
+                g, weights, weight_sum, pairs_used = early
+                gs = _weighted_cosine_loss(g, g_hat, weights, weight_sum)
+                info = {"ce_loss": ce.detach(), "gs_loss": gs.detach(), "gs_pairs": pairs_used}
+                return torch.add(ce, gs, alpha=self.weight), info
             if pooled:
                 g = self._linear_head_gradient(cap, logits, labels, partner) if exact else None
                 if g is None:
-                    g = models.grad_wrt_pooled(score, cap, create_graph=exact)
+                    g = models.grad_wrt_pooled(self._score(logits, labels, partner).sum(), cap, create_graph=exact)
+                self._pooled_dtype = x.dtype
             else:
+                score = self._score(logits, labels, partner).sum()
                 (g,) = torch.autograd.grad(score, x, create_graph=exact, retain_graph=True)
             if exact:
                 if not pooled:  # the pooled representation's g differentiates only the head: no attention
@@ -238,6 +259,20 @@ class GradientSupervision:
                 loss = ce + self.weight * (gs.detach() + term)
         info = {"ce_loss": ce.detach(), "gs_loss": gs.detach(), "gs_pairs": valid.sum().to(ce.dtype)}
         return loss, info
+
+    def _pooled_closed_form(self, partner_labels, valid):
+        """``(g, row weights, their sum, number of pairs)`` of the pooled exact loss, computed before the forward
+        once the closed form has been checked (`_linear_head_gradient`), for the counterfactual target; else None.
+        g = W[y_j] in float32 (float64 for a float64 model) after rounding to the dtype the pooled vector had on
+        the previous call (bf16 under autocast), as `_linear_head_gradient` gives it."""
+        if self._closed_form is not True or self.target != "counterfactual" or self._pooled_dtype is None:
+            return None
+        acc = torch.promote_types(self._pooled_dtype, torch.float32)
+        g = self.model_structure.head.weight.index_select(0, partner_labels).to(self._pooled_dtype).to(acc)
+        rows = valid.to(acc)
+        count = rows.sum()
+        weights = rows / count.clamp_min(1)
+        return g, weights, weights.sum(), count
 
     def _linear_head_gradient(self, cap, logits, labels, partner):
         """g in closed form when the head is one nn.Linear on the [B, D] pooled vector (BERT, DistilBERT, ALBERT,

@@ -291,7 +291,7 @@ def _check_trainable_forward(model, st):
 
 
 def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool = True,
-            first_token: bool = False) -> Capture:
+            first_token: bool = False, on_hidden=None) -> Capture:
     """Run the model's own forward once on `batch`, recording ``h_layer`` and what `resume` needs.
 
     `batch` may contain targets (`labels`, ...); they are not passed to the model. With ``pooled=True`` also
@@ -300,6 +300,10 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
     (no `resume` from such a capture). ``rng=False``: no RNG states recorded (no same-dropout re-runs).
     ``first_token=True``: the last layer runs for the first token only when `first_token_ready` has accepted the
     model and ``layer < L`` (then rows 1.. of its output are its input rows; the logits are the same).
+    ``on_hidden(cap)``: called inside the forward as soon as ``h_layer`` exists (``layer < L``: when layer
+    ``layer + 1`` is about to run, with `cap` filled up to there: ``hidden``, ``hidden_loc``, ``rng_state``,
+    ``layer_outputs``, ``inputs``), so work that needs only ``h_layer`` can be queued on the GPU before the rest of
+    the forward. It must leave the RNG state as it found it.
     """
     st = structure(model)
     _check_trainable_forward(model, st)
@@ -320,6 +324,8 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
             cap.hidden, cap.hidden_loc = _hidden_arg(args, kwargs)
             if keep_rng:
                 cap.rng_state = _rng_get(cap.hidden.device)
+            if on_hidden is not None:
+                on_hidden(cap)
 
     def post(mod, args, kwargs, output):
         k = calls["done"]

@@ -72,6 +72,15 @@ def test_graph_steps_match_eager_steps(arch, train):
 
 
 @cuda
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train-dropout"])
+def test_graphs_replayed_inside_the_clean_forward_match_eager_steps(train):
+    # One mixing layer and one batch shape: from the second step on, the CAL graphs run from inside the clean
+    # forward (as soon as h_m exists), before its layers m+1..L; the RNG state they use is restored for those.
+    cat = _compare("bert", train, layers=[2], steps=4)
+    assert cat.graphs.num_graphs == 1 and cat.graphs.replays_in_forward == 3
+
+
+@cuda
 @pytest.mark.parametrize("arch", ["bert", "deberta-v2"])
 def test_models_that_cannot_be_captured_run_eagerly_with_a_warning(arch):
     # Eager attention builds its mask with a pageable host-to-device copy, which CUDA graphs refuse

@@ -177,6 +177,18 @@ def test_warmup_is_plain_erm():
     assert float(info2["cat_active"]) == 1.0 and float(loss2.detach()) != float(loss.detach())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_lambda_is_the_beta_sample_of_torch_distributions(dtype):
+    # Without a generator, λ is drawn as torch.distributions.Beta(α, β) draws it: the same values for a seed.
+    cat = CAT(tiny_model("bert"), alpha=0.4, beta=0.7)
+    for B in (5, 5, 3):  # the concentrations are kept per shape
+        torch.manual_seed(B)
+        got = cat._draw_lambda(B, torch.device("cpu"), dtype)
+        torch.manual_seed(B)
+        want = torch.distributions.Beta(torch.full((B,), 0.4, dtype=dtype), torch.full((B,), 0.7, dtype=dtype)).sample()
+        assert got.dtype == dtype and torch.equal(got, want)
+
+
 def test_generator_makes_steps_reproducible_and_seeds_matter():
     model = tiny_model("bert").eval()
     batch = tiny_batch("bert", batch=6)

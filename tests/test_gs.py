@@ -208,29 +208,53 @@ def test_low_memory_first_order_frees_the_step_without_the_garbage_collector(rep
 @pytest.mark.parametrize("arch, closed", [("bert", True), ("roberta", False)])
 def test_pooled_exact_closed_form_gradient_equals_autograd(arch, closed, target):
     # A linear head on the pooled vector gets g in closed form (no autograd double backward); same loss, same grads.
+    # "second call": after the first call has checked the closed form, g and the row weights are computed before
+    # the forward (counterfactual target) and the loss by one composite cosine.
     model = tiny_model(arch, dtype=torch.float64).train()
     batch = batch_f(arch)
     results = []
-    for closed_form in (None, False):
-        torch.manual_seed(0)
+    for closed_form in (None, False, "second call"):
         gs = GradientSupervision(model, weight=2.0, target=target)
-        gs._closed_form = closed_form
-        loss, _ = gs(batch, PAIRS)
-        assert bool(gs._closed_form) is (closed and closed_form is None)
+        if closed_form == "second call":
+            gs(batch, PAIRS)
+            assert gs._pooled_dtype == torch.float64
+            early = gs._pooled_closed_form(LABELS[PAIRS], LABELS[PAIRS] != LABELS)
+            assert (early is not None) is (closed and target == "counterfactual")
+        else:
+            gs._closed_form = closed_form
+        torch.manual_seed(0)
+        loss, info = gs(batch, PAIRS)
+        assert bool(gs._closed_form) is (closed and closed_form != False)  # noqa: E712
+        assert float(info["gs_pairs"]) == 4.0
         results.append((loss.detach(), backward_grads(model, loss)))
-    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-10, atol=1e-12)
+    for loss, grads in results[1:]:
+        torch.testing.assert_close(results[0][0], loss, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(results[0][1], grads, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("representation", ["pooled", 0])
 def test_gs_under_bf16_autocast(representation):
     model = tiny_model("bert", attn="eager").train()
     gs = GradientSupervision(model, representation=representation)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss, info = gs(batch_f(), PAIRS)
-    loss.backward()
-    assert torch.isfinite(loss) and float(info["gs_pairs"]) == 4.0
+    for _ in range(2):  # pooled: the second call takes the closed form computed before the forward
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, info = gs(batch_f(), PAIRS)
+        loss.backward()
+        assert torch.isfinite(loss) and float(info["gs_pairs"]) == 4.0
     assert gs._closed_form is (True if representation == "pooled" else None)
+    if representation == "pooled":
+        assert gs._pooled_dtype == torch.bfloat16
+        model.zero_grad()
+        losses, grads = [], []
+        for closed_form in (True, False):
+            gs._closed_form = closed_form
+            torch.manual_seed(0)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss, _ = gs(batch_f(), PAIRS)
+            losses.append(loss.detach())
+            grads.append(backward_grads(model, loss))
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grads[0], grads[1], rtol=2e-2, atol=2e-3)
 
 
 @pytest.mark.parametrize("arch", ["bert", "distilbert"])

@@ -53,6 +53,9 @@
 #include <tuple>
 #include <type_traits>
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include "common.cuh"
 
 namespace cat_fast {
@@ -230,8 +233,25 @@ __device__ __forceinline__ void widen(const PackT<scalar_t, V>& p, acc_t<scalar_
 template <typename scalar_t, int V>
 __device__ __forceinline__ PackT<scalar_t, V> narrow(const acc_t<scalar_t> (&in)[V]) {
   PackT<scalar_t, V> p;
+  if constexpr (std::is_same<scalar_t, c10::BFloat16>::value || std::is_same<scalar_t, c10::Half>::value) {
+    // Two elements per conversion instruction (round to nearest even, as the element-wise cast).
+    static_assert(V % 2 == 0 && sizeof(PackT<scalar_t, V>) == 2 * V, "16-bit packs of 32-bit words");
+    uint32_t words[V / 2];
 #pragma unroll
-  for (int e = 0; e < V; ++e) p.v[e] = static_cast<scalar_t>(in[e]);
+    for (int k = 0; k < V / 2; ++k) {
+      if constexpr (std::is_same<scalar_t, c10::BFloat16>::value) {
+        const __nv_bfloat162 w = __floats2bfloat162_rn(in[2 * k], in[2 * k + 1]);
+        memcpy(&words[k], &w, sizeof(w));
+      } else {
+        const __half2 w = __floats2half2_rn(in[2 * k], in[2 * k + 1]);
+        memcpy(&words[k], &w, sizeof(w));
+      }
+    }
+    memcpy(&p, words, sizeof(words));
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) p.v[e] = static_cast<scalar_t>(in[e]);
+  }
   return p;
 }
 
@@ -463,6 +483,7 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
   __shared__ int s_fill[kTileMaxRows];     // match counts, then fill cursors
   __shared__ int s_off[kTileMaxRows + 1];  // CSR offsets of the matches of each row
   __shared__ int s_list[kTileMaxRows];     // matches, increasing i within each row
+  __shared__ int s_one_match;              // 1: every row has exactly one match (partner is a permutation)
   __shared__ A s_lam_buf[(ASYNC ? 2 : 1) * kTileMaxRows];
   A* s_lam = s_lam_buf;
   const int tid = threadIdx.x;
@@ -506,13 +527,17 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
       if (lane >= o) incl += v;
     }
     int run = incl - local;
+    bool one_match = true;
     for (int k = k0; k < k1; ++k) {
       const int cnt = s_fill[k];
+      one_match = one_match && cnt == 1;
       s_off[k] = run;
       s_fill[k] = run;  // fill cursor
       run += cnt;
     }
     if (lane == 31) s_off[B] = incl;  // == B
+    one_match = __all_sync(kFullMask, one_match);
+    if (lane == 0) s_one_match = one_match ? 1 : 0;
     __syncwarp();
     for (int i0 = 0; i0 < B; i0 += 32) {  // fill, in increasing i
       const int i = i0 + lane;
@@ -524,7 +549,7 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
       __syncwarp();
     }
   }
-  // (the first __syncthreads of the loop below publishes s_off / s_list)
+  // (the first __syncthreads of the loop below publishes s_off / s_list / s_one_match)
 
   int64_t u = blockIdx.x;  // grid <= units
   int64_t t = u / S;
@@ -601,41 +626,55 @@ __global__ void __launch_bounds__(kTileThreads, MINB) cmix_backward_tile_kernel(
       }
     }
 
+    // One match per row (a permutation, CAT's default) is the same arithmetic without the match loop, so the
+    // P rows' shared-memory loads and math are independent straight-line code the compiler can interleave.
+    auto compute = [&](auto one_match_tag) {
+      constexpr bool kOneMatch = decltype(one_match_tag)::value;
 #pragma unroll
-    for (int kk = 0; kk < K; ++kk) {
-      if (jj + kk * W < Dv) {  // the same for every row of this thread (and for its partner / match rows)
-        Pk* dst = ghv + (r * T + t) * Dv + jj + kk * W;
-        const int col = kk * W + j;  // column of the tile
+      for (int kk = 0; kk < K; ++kk) {
+        if (jj + kk * W < Dv) {  // the same for every row of this thread (and for its partner / match rows)
+          Pk* dst = ghv + (r * T + t) * Dv + jj + kk * W;
+          const int col = kk * W + j;  // column of the tile
 #pragma unroll
-        for (int q = 0; q < P; ++q) {
-          const int b = r + q * R;
-          if (b < B) {
-            const A lk = s_lam[b];
-            const A keep = A(1) - lk;
-            A g0[V], a[V], x[V], acc[V];
-            widen<scalar_t, V>(lds_pack<scalar_t, V>(s_g, slot + q * qstride + kk * W), g0);
-            widen<scalar_t, V>(lds_pack<scalar_t, V>(s_h, s_part[b] * WK + col), a);
-            widen<scalar_t, V>(lds_pack<scalar_t, V>(s_h, slot + q * qstride + kk * W), x);
-            A dot = A(0);
+          for (int q = 0; q < P; ++q) {
+            const int b = r + q * R;
+            if (b < B) {
+              const A lk = s_lam[b];
+              const A keep = A(1) - lk;
+              A g0[V], a[V], x[V], acc[V];
+              widen<scalar_t, V>(lds_pack<scalar_t, V>(s_g, slot + q * qstride + kk * W), g0);
+              widen<scalar_t, V>(lds_pack<scalar_t, V>(s_h, s_part[b] * WK + col), a);
+              widen<scalar_t, V>(lds_pack<scalar_t, V>(s_h, slot + q * qstride + kk * W), x);
+              A dot = A(0);
 #pragma unroll
-            for (int e = 0; e < V; ++e) {
-              acc[e] = keep * g0[e];
-              dot += (a[e] - x[e]) * g0[e];
+              for (int e = 0; e < V; ++e) {
+                acc[e] = keep * g0[e];
+                dot += (a[e] - x[e]) * g0[e];
+              }
+              gl[q] += dot;
+              auto add_match = [&](int i) {
+                const A li = s_lam[i];
+                A gi[V];
+                widen<scalar_t, V>(lds_pack<scalar_t, V>(s_g, i * WK + col), gi);
+#pragma unroll
+                for (int e = 0; e < V; ++e) acc[e] += li * gi[e];
+              };
+              if constexpr (kOneMatch) {
+                add_match(s_list[b]);  // s_off[b] == b
+              } else {
+                const int m1 = s_off[b + 1];
+                for (int m = s_off[b]; m < m1; ++m) add_match(s_list[m]);
+              }
+              dst[q * row_step] = narrow<scalar_t, V>(acc);
             }
-            gl[q] += dot;
-            const int m1 = s_off[b + 1];
-            for (int m = s_off[b]; m < m1; ++m) {
-              const int i = s_list[m];
-              const A li = s_lam[i];
-              A gi[V];
-              widen<scalar_t, V>(lds_pack<scalar_t, V>(s_g, i * WK + col), gi);
-#pragma unroll
-              for (int e = 0; e < V; ++e) acc[e] += li * gi[e];
-            }
-            dst[q * row_step] = narrow<scalar_t, V>(acc);
           }
         }
       }
+    };
+    if (s_one_match) {
+      compute(std::true_type{});
+    } else {
+      compute(std::false_type{});
     }
 
     if (c + 1 == c_end) {  // last chunk of the unit (uniform over the block): reduce over the W lanes of each row
