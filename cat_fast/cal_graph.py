@@ -104,6 +104,7 @@ class _Statics:
         self.targets = _clone(targets)
         self.allow = _clone(allow)
         self.inputs = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in cap.inputs.items()}
+        self.padding_mask = _clone(cap.padding_mask)
         self._zeros = {}
 
     def placeholder(self, out):
@@ -123,6 +124,7 @@ class _Statics:
         self.partner.copy_(partner, non_blocking=True)
         _copy_into(self.targets, targets)
         _copy_into(self.allow, allow)
+        _copy_into(self.padding_mask, cap.padding_mask)
         for k, v in cap.inputs.items():
             if isinstance(v, torch.Tensor):
                 self.inputs[k].copy_(v, non_blocking=True)
@@ -176,7 +178,8 @@ class CALGraphs:
         cat = self.cat
         autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
         base = (_tensor_sig(h), _tensor_sig(lam), _tensor_sig(partner), _tensor_sig(targets), _tensor_sig(allow),
-                _inputs_sig(cap.inputs), cap.hidden_loc, self.cat.model.training, autocast)
+                _inputs_sig(cap.inputs), _tensor_sig(cap.padding_mask), cap.hidden_loc, self.cat.model.training,
+                autocast)
         hyper = (cat.adv_lr, cat.p, cat.gamma, cat.eta, cat.mask_mode, cat._first_token(cap))
         return base, (cap.layer,) + base + hyper
 
@@ -224,9 +227,9 @@ class CALGraphs:
             layer=cap.layer, hidden=statics.h, outputs=None, inputs=statics.inputs, training=cap.training,
             layer_outputs=[statics.placeholder(o) for o in cap.layer_outputs], hidden_loc=cap.hidden_loc,
             embedding_output=statics.placeholder(cap.embedding_output), rng_state=None,
-            last_output=statics.placeholder(cap.last_output))
+            last_output=statics.placeholder(cap.last_output), padding_mask=statics.padding_mask)
         cat = self.cat
-        mask = statics.inputs.get("attention_mask")
+        mask = statics.padding_mask
         enabled, dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
         cf_box = []
 

@@ -217,7 +217,7 @@ class CAT:
                              f"have batch size {h.shape[0]} on {h.device}")
         targets, logits = self._targets(batch, cap.outputs, h.shape[1])
         allow = self._qa_allow(batch, targets, h.shape[1], device) if self.qa else None
-        mask = cap.inputs.get("attention_mask")
+        mask = cap.padding_mask
 
         h_det = h.detach()
         replayed = early.get("replayed")

@@ -96,6 +96,7 @@ __all__ = [
     "grad_wrt_pooled",
     "logits_of",
     "model_inputs",
+    "sync_free_inputs",
 ]
 
 # Batch keys that are targets or cat_fast metadata, never passed to the model's forward.
@@ -135,6 +136,7 @@ class Capture:
     pooled: torch.Tensor | None = None  # [B, D] pooled representation (pooled=True)
     rng_marker: object = None  # called by `resume` where it would restore rng_state (cat_fast.cal_graph)
     last_output: object = None  # layer L's output as returned (its format, for `resume(..., first_token=True)`)
+    padding_mask: torch.Tensor | None = None  # the batch's 2-D attention mask ([B, T]; `inputs` may hold a 4-D one)
 
 
 _STRUCTURES: "weakref.WeakKeyDictionary[nn.Module, ModelStructure]" = weakref.WeakKeyDictionary()
@@ -241,6 +243,59 @@ def model_inputs(batch) -> dict:
     return {k: v for k, v in batch.items() if k not in TARGET_KEYS}
 
 
+_MASK_4D: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def _padding_mask_4d(mask):
+    """The mask Hugging Face's SDPA path builds from a 2-D padding mask when the batch has padding: bool
+    [B, 1, T, T], True where a query may attend a key."""
+    T = mask.shape[-1]
+    return mask.bool()[:, None, None, :] & torch.ones(T, 1, dtype=torch.bool, device=mask.device)
+
+
+def _close(got, want):
+    pairs = list(zip(got, want)) if isinstance(want, tuple) else [(got, want)]
+    return all(torch.allclose(g.float(), w.float(), rtol=1e-4, atol=1e-5 * (1.0 + float(w.abs().max())))
+               for g, w in pairs)
+
+
+def _mask_4d_ok(model, inputs) -> bool:
+    """Whether `model` computes the same with `_padding_mask_4d(mask)` as with the 2-D mask; decided once per model
+    (two eval-mode, no-grad forwards of this batch with one padded position added, one host synchronisation)."""
+    known = _MASK_4D.get(model)
+    if known is None:
+        probe = inputs["attention_mask"].clone()
+        probe[0, -1] = 0  # a padded position, so that the model's own forward builds and uses its mask
+        try:
+            with _eval_no_grad(model, probe.device.type):
+                want = logits_of(model(**dict(inputs, attention_mask=probe)))
+                got = logits_of(model(**dict(inputs, attention_mask=_padding_mask_4d(probe))))
+            known = _close(got, want)
+        except Exception:  # noqa: BLE001 - a model that cannot take the 4-D mask keeps its own
+            known = False
+        _MASK_4D[model] = known
+    return known
+
+
+def sync_free_inputs(model, inputs: dict) -> dict:
+    """`inputs` with a 2-D attention mask replaced by the 4-D mask the model's SDPA attention builds from it, when
+    the model computes the same with it (checked once per model: `_mask_4d_ok`).
+
+    Hugging Face's SDPA mask code asks whether the 2-D mask has any padding (``padding_mask.all()``, to drop the
+    mask and use the unmasked kernel when there is none): a host synchronisation in every forward of a batch
+    that carries an attention mask. Given the 4-D mask, the model uses it as is: no synchronisation, so the host
+    can queue the step ahead of the GPU. The values are those of the model's own mask (the same tensor when the
+    batch has padding); a batch without padding then runs the masked kernel instead of the unmasked one (the same
+    values up to rounding). Models with eager attention, or that use the mask elsewhere (DeBERTa-v2's
+    embeddings), keep their 2-D mask."""
+    mask = inputs.get("attention_mask")
+    if (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[1] < 2 or mask.is_floating_point()
+            or getattr(getattr(model, "config", None), "_attn_implementation", None) != "sdpa"
+            or not _mask_4d_ok(model, inputs)):
+        return inputs
+    return dict(inputs, attention_mask=_padding_mask_4d(mask))
+
+
 def logits_of(outputs):
     """`logits` of a classification output; `(start_logits, end_logits)` of a QA output."""
     if hasattr(outputs, "start_logits"):
@@ -312,8 +367,10 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
         raise ValueError("capture(layer=None) records nothing unless pooled=True")
     if layer is not None and not 0 <= layer <= L:
         raise ValueError(f"layer must be in [0, {L}] for {st.model_class}, got {layer}")
-    inputs = model_inputs(batch)
-    cap = Capture(layer=layer, hidden=None, outputs=None, inputs=inputs, training=model.training)
+    given = model_inputs(batch)
+    inputs = sync_free_inputs(model, given)
+    cap = Capture(layer=layer, hidden=None, outputs=None, inputs=inputs, training=model.training,
+                  padding_mask=given.get("attention_mask"))
     calls = {"started": 0, "done": 0}
     keep_rng = model.training and rng
 
@@ -434,7 +491,7 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
 
     inputs = dict(cap.inputs)
     if attention_mask is not None:
-        inputs["attention_mask"] = attention_mask
+        inputs = sync_free_inputs(model, dict(inputs, attention_mask=attention_mask))
     try:
         for mod in st.layer_modules:
             patch(mod, layer_forward(mod))
@@ -569,7 +626,7 @@ def first_token_forward(model, batch):
     when `first_token_ready` accepts the model: the same logits and gradients as ``model(**inputs)`` with about
     5/6 of the last layer's matmuls skipped. For plain fine-tuning loops; the other models run unchanged."""
     st = structure(model)
-    inputs = model_inputs(batch)
+    inputs = sync_free_inputs(model, model_inputs(batch))
     ready = first_token_ready(model, batch)
     with _last_layer_first_token(model, st, inputs, ready):
         return model(**inputs)

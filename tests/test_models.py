@@ -311,3 +311,43 @@ def test_pruned_resume_replays_the_pruned_clean_forward_dropout(arch):
     assert torch.equal(again, cap.outputs.logits)
     other = models.capture(model, batch, 1, first_token=True).outputs.logits
     assert not torch.equal(other, cap.outputs.logits)  # dropout is on: another forward draws other masks
+
+
+SDPA_ARCHS = [a for a in TINY_ARCHS if a != "deberta-v2"]  # DeBERTa-v2 has eager attention only
+
+
+def _grads(model, logits):
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(logits.sum(), params, allow_unused=True, retain_graph=True)
+    return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)])
+
+
+@pytest.mark.parametrize("arch", SDPA_ARCHS)
+@pytest.mark.parametrize("task", ["cls", "qa"])
+def test_sync_free_inputs_give_the_models_own_outputs_and_gradients(arch, task):
+    # The 4-D SDPA mask given in place of the 2-D one: the model's own logits and parameter gradients.
+    model = tiny_model(arch, task=task, attn="sdpa", dtype=torch.float64).eval()
+    inputs = models.model_inputs(tiny_batch(arch))
+    assert bool((inputs["attention_mask"] == 0).any())  # a padded batch
+    converted = models.sync_free_inputs(model, inputs)
+    assert inputs["attention_mask"].dim() == 2 and converted["attention_mask"].shape == (4, 1, 9, 9)
+    got, want = models.logits_of(model(**converted)), models.logits_of(model(**inputs))
+    if task == "cls":
+        got, want = (got,), (want,)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(_grads(model, a), _grads(model, b), rtol=1e-12, atol=1e-12)
+    cap = models.capture(model, inputs, 1)
+    assert cap.inputs["attention_mask"].dim() == 4 and torch.equal(cap.padding_mask, inputs["attention_mask"])
+
+
+def test_sync_free_inputs_keep_the_2d_mask_where_the_model_needs_it():
+    eager = tiny_model("bert", attn="eager")
+    inputs = models.model_inputs(tiny_batch("bert"))
+    assert models.sync_free_inputs(eager, inputs) is inputs  # eager attention builds an additive float mask
+    deberta = tiny_model("deberta-v2", dtype=torch.float64)
+    deberta.config._attn_implementation = "sdpa"  # its embeddings multiply by the 2-D mask: the check refuses
+    d_inputs = models.model_inputs(tiny_batch("deberta-v2"))
+    assert models.sync_free_inputs(deberta, d_inputs) is d_inputs and models._MASK_4D[deberta] is False
+    no_mask = {k: v for k, v in inputs.items() if k != "attention_mask"}
+    assert models.sync_free_inputs(tiny_model("bert", attn="sdpa"), no_mask) is no_mask
