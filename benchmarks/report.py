@@ -296,8 +296,9 @@ def sync_section(records):
                         verdict = "no host sync" if value is None else f"RAISED: {short_error(value, 300)}"
                     lines.append(f"- {label} (B×T {e.get('size')}): {verdict}")
             lines.append("- torch.cuda.set_sync_debug_mode(\"error\"); the target is no host sync in the CAT step. "
-                         "Hugging Face's SDPA mask creation (`padding_mask.all()`) syncs by itself on padded batches, "
-                         "hence the runs without attention_mask.")
+                         "Hugging Face's SDPA mask creation (`padding_mask.all()`) syncs on padded batches (the plain "
+                         "step's own forward); cat_fast gives SDPA models their 4-D mask (`models.sync_free_inputs`), "
+                         "so its passes skip that check.")
             return "\n".join(lines)
     return None
 
