@@ -22,7 +22,9 @@
 //             the d chunks are split over S blocks, each writing its partial dot products to a
 //             [S,B,T] workspace that a second tiny kernel sums in split order (2 launches).
 //   The matches {i : partner[i] == k} of every row k are built once per block, in increasing i
-//   (the summation order of grad_h), as a CSR list in shared memory.
+//   (the summation order of grad_h), as a CSR list in shared memory. When every row has exactly one
+//   match (a permutation, CAT's default) a block-uniform flag selects the same arithmetic without the
+//   match loop, so the loads and math of a thread's rows are straight-line code.
 //
 // Row kernels (fallback: B > kTileMaxRows, D not a multiple of the pack width, misaligned pointers).
 // Both walk the B*T rows in (t, b) order (b fastest): the blocks in flight at any moment cover a few
