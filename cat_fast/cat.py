@@ -212,9 +212,12 @@ class CAT:
         on_hidden = replay_early if self.cuda_graph and self.detach_weight and not self.qa else None
         cap = models.capture(self.model, batch, m, first_token=prune, on_hidden=on_hidden)
         h = cap.hidden
-        if h.shape[0] != B or h.device != device:
-            raise ValueError(f"CAT: the batch has {B} samples on {device}, but the model's hidden states at layer {m} "
-                             f"have batch size {h.shape[0]} on {h.device}")
+        if h.shape[0] != B:
+            raise ValueError(f"CAT: the batch has {B} samples, but the model's hidden states at layer {m} have batch "
+                             f"size {h.shape[0]}")
+        if h.device != device:  # a model spread over devices: λ and the partners go where h_m is
+            device = h.device
+            partner, lam0 = partner.to(device), lam0.to(device)
         targets, logits = self._targets(batch, cap.outputs, h.shape[1])
         allow = self._qa_allow(batch, targets, h.shape[1], device) if self.qa else None
         mask = cap.padding_mask
