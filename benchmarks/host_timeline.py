@@ -69,11 +69,7 @@ def instrument():
 
 
 def timeline(method, size, steps):
-    batch_size, tokens = (int(v) for v in size.split("x"))
-    model = S.make_model(S._attn_for(method))
-    optimizer = S.make_optimizer(model)
-    batch, pairs = S.make_batch(batch_size, tokens, model.config.vocab_size)
-    step = S.make_step(method, model, optimizer, batch, pairs)
+    model, optimizer, step = S.build_step(method, size)
     for _ in range(10):  # CAT captures its graphs for each mixing layer on first sight
         step()
     rows = collections.defaultdict(lambda: [0.0, 0.0, 0])

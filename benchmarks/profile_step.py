@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import test_bench_step as S  # noqa: E402
+from benchmarks.trace_gaps import idle_gaps  # noqa: E402
 
 KINDS = (("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")),
          ("attention", ("fmha", "flash", "attention", "efficient")),
@@ -40,19 +41,11 @@ def kind_of(name):
 
 
 def busy_time(spans):
-    """(union length of the [start, end] intervals, last end - first start), in the spans' unit."""
+    """(union length of the (start, end, name) intervals, last end - first start), in the spans' unit."""
     if not spans:
         return 0, 0
-    spans.sort()
-    busy, (cur_start, cur_end) = 0, spans[0]
-    for start, end in spans[1:]:
-        if start > cur_end:
-            busy += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    busy += cur_end - cur_start
-    return busy, max(end for _, end in spans) - spans[0][0]
+    gaps, first, last = idle_gaps(spans)
+    return (last - first) - sum(end - start for start, end, _, _ in gaps), last - first
 
 
 class GcPauses:
@@ -78,11 +71,7 @@ class GcPauses:
 
 
 def profile(method, size, steps, trace_dir=None, host=False):
-    batch_size, tokens = (int(v) for v in size.split("x"))
-    model = S.make_model(S._attn_for(method))
-    optimizer = S.make_optimizer(model)
-    batch, pairs = S.make_batch(batch_size, tokens, model.config.vocab_size)
-    step = S.make_step(method, model, optimizer, batch, pairs)
+    model, optimizer, step = S.build_step(method, size)
     with GcPauses() as pauses:
         median_ms, _, _ = S.time_steps(step, 5, 10)
     activities = [torch.profiler.ProfilerActivity.CUDA]
@@ -100,7 +89,7 @@ def profile(method, size, steps, trace_dir=None, host=False):
         by_name[event.name] += us / steps
         by_kind[kind_of(event.name)] += us / steps
         launches += 1
-        spans.append((event.time_range.start, event.time_range.end))
+        spans.append((event.time_range.start, event.time_range.end, event.name))
     total = sum(by_kind.values()) / 1e3
     busy, window = busy_time(spans)
     print(f"\n== {method} {size}: step {median_ms:.2f} ms (CUDA events, median of 10), "

@@ -214,6 +214,16 @@ def make_step(method, model, optimizer, batch, pairs):
     return step
 
 
+def build_step(method, size):
+    """(model, optimizer, step closure) of `method` at `size` ("BxT"): the model, batch and step the suite times
+    (for the diagnostics `profile_step.py` and `host_timeline.py`)."""
+    batch_size, tokens = (int(v) for v in size.split("x"))
+    model = make_model(_attn_for(method))
+    optimizer = make_optimizer(model)
+    batch, pairs = make_batch(batch_size, tokens, model.config.vocab_size)
+    return model, optimizer, make_step(method, model, optimizer, batch, pairs)
+
+
 def _layer_out(out):
     return out[0] if isinstance(out, tuple) else out
 

@@ -24,9 +24,10 @@ def load(path):
         return json.load(f)["traceEvents"]
 
 
-def gpu_gaps(events, min_gap):
-    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
-                   if e.get("ph") == "X" and e.get("cat") in GPU_CATS)
+def idle_gaps(spans, min_gap=0.0):
+    """Gaps longer than `min_gap` between the union of the (start, end, name) intervals `spans`:
+    ``([(gap start, gap end, name before, name after), ...], first start, last end)``."""
+    spans = sorted(spans)
     gaps, cur_end, cur_name = [], spans[0][1], spans[0][2]
     for start, end, name in spans[1:]:
         if start - cur_end > min_gap:
@@ -34,6 +35,11 @@ def gpu_gaps(events, min_gap):
         if end > cur_end:
             cur_end, cur_name = end, name
     return gaps, spans[0][0], cur_end
+
+
+def gpu_gaps(events, min_gap):
+    return idle_gaps([(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+                      if e.get("ph") == "X" and e.get("cat") in GPU_CATS], min_gap)
 
 
 def intervals(events, cat, tid=None):

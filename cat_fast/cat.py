@@ -201,15 +201,15 @@ class CAT:
         B, device, param_dtype = self._batch_size(batch)
         partner = self._draw_partner(B, device)
         lam0 = self._draw_lambda(B, device, torch.promote_types(param_dtype, torch.float32))
+        use_graphs = self.cuda_graph and self.detach_weight
         early = {}
 
-        def replay_early(cap):
+        def replay_early(cap):  # replays only a signature captured before (shapes and dtypes included)
             h_m = cap.hidden.detach()
-            if CALGraphs.usable(h_m) and h_m.shape[0] == B and lam0.dtype == torch.promote_types(h_m.dtype,
-                                                                                                torch.float32):
+            if CALGraphs.usable(h_m):
                 early["replayed"] = self.graphs.run_captured(cap, h_m, lam0, partner, batch["labels"], None)
 
-        on_hidden = replay_early if self.cuda_graph and self.detach_weight and not self.qa else None
+        on_hidden = replay_early if use_graphs and not self.qa else None
         cap = models.capture(self.model, batch, m, first_token=prune, on_hidden=on_hidden)
         h = cap.hidden
         if h.shape[0] != B:
@@ -224,7 +224,7 @@ class CAT:
 
         h_det = h.detach()
         replayed = early.get("replayed")
-        if replayed is None and self.cuda_graph and self.detach_weight and CALGraphs.usable(h):
+        if replayed is None and use_graphs and CALGraphs.usable(h):
             replayed = self.graphs.run(cap, h_det, lam0, partner, targets, allow)
         if replayed is not None:
             lam, cf_logits = replayed

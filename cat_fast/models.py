@@ -253,9 +253,10 @@ def _padding_mask_4d(mask):
     return mask.bool()[:, None, None, :] & torch.ones(T, 1, dtype=torch.bool, device=mask.device)
 
 
-def _close(got, want):
+def _close(got, want, rtol, atol):
+    """allclose of logits (a tensor, or a tuple for QA) in float32, `atol` scaled by 1 + max |want|."""
     pairs = list(zip(got, want)) if isinstance(want, tuple) else [(got, want)]
-    return all(torch.allclose(g.float(), w.float(), rtol=1e-4, atol=1e-5 * (1.0 + float(w.abs().max())))
+    return all(torch.allclose(g.float(), w.float(), rtol=rtol, atol=atol * (1.0 + float(w.abs().max())))
                for g, w in pairs)
 
 
@@ -270,7 +271,7 @@ def _mask_4d_ok(model, inputs) -> bool:
             with _eval_no_grad(model, probe.device.type):
                 want = logits_of(model(**dict(inputs, attention_mask=probe)))
                 got = logits_of(model(**dict(inputs, attention_mask=_padding_mask_4d(probe))))
-            known = _close(got, want)
+            known = _close(got, want, rtol=1e-4, atol=1e-5)
         except Exception:  # noqa: BLE001 - a model that cannot take the 4-D mask keeps its own
             known = False
         _MASK_4D[model] = known
@@ -336,6 +337,21 @@ def _rng_set(device, state):
     torch.set_rng_state(cpu)
     if cuda is not None:
         torch.cuda.set_rng_state(cuda, device)
+
+
+def _patch_forward(mod, fwd):
+    """Set an instance-level ``forward`` on `mod`; returns what `_unpatch_forward` needs to undo it."""
+    saved = (mod, "forward" in mod.__dict__, mod.__dict__.get("forward"))
+    mod.forward = fwd
+    return saved
+
+
+def _unpatch_forward(saved):
+    mod, had, old = saved
+    if had:
+        mod.forward = old
+    else:
+        del mod.forward
 
 
 def _check_trainable_forward(model, st):
@@ -484,27 +500,19 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
 
         return forward
 
-    def patch(mod, fwd):
-        had = "forward" in mod.__dict__
-        patched.append((mod, had, mod.__dict__.get("forward")))
-        mod.forward = fwd
-
     inputs = dict(cap.inputs)
     if attention_mask is not None:
         inputs = sync_free_inputs(model, dict(inputs, attention_mask=attention_mask))
     try:
         for mod in st.layer_modules:
-            patch(mod, layer_forward(mod))
+            patched.append(_patch_forward(mod, layer_forward(mod)))
         if st.embeddings is not None and cap.embedding_output is not None:
             cached = cap.embedding_output
-            patch(st.embeddings, lambda *a, **k: cached)
+            patched.append(_patch_forward(st.embeddings, lambda *a, **k: cached))
         out = model(**inputs)
     finally:
-        for mod, had, old in reversed(patched):
-            if had:
-                mod.forward = old
-            else:
-                del mod.forward
+        for saved in reversed(patched):
+            _unpatch_forward(saved)
         if restore_rng:
             _rng_set(device, saved_rng)
     if calls["n"] != L:
@@ -551,15 +559,11 @@ def _last_layer_first_token(model, st, inputs, enabled):
         row = first_token_layer.forward(mod, args, kwargs)
         return orig(*args, **kwargs) if row is None else _formatted(fmt, row)
 
-    had, old = "forward" in mod.__dict__, mod.__dict__.get("forward")
-    mod.forward = forward
+    saved = _patch_forward(mod, forward)
     try:
         yield
     finally:
-        if had:
-            mod.forward = old
-        else:
-            del mod.forward
+        _unpatch_forward(saved)
 
 
 @contextmanager
@@ -596,12 +600,11 @@ def first_token_ok(model, cap: Capture) -> bool:
     fmt = _output_format(cap.last_output)
     h = cap.hidden.detach()
     with _eval_no_grad(model, h.device.type):
-        full = logits_of(resume(model, cap, h)).float()
-        pruned = logits_of(resume(model, cap, h, first_token=True, first_token_fill=float("nan"))).float()
+        full = logits_of(resume(model, cap, h))
+        pruned = logits_of(resume(model, cap, h, first_token=True, first_token_fill=float("nan")))
     half = next(model.parameters()).dtype in (torch.float16, torch.bfloat16)
     tol = 2e-2 if half else 1e-4
-    ok = (fmt is not False and bool(torch.isfinite(pruned).all())
-          and torch.allclose(pruned, full, rtol=tol, atol=tol * (1.0 + float(full.abs().max()))))
+    ok = fmt is not False and bool(torch.isfinite(pruned).all()) and _close(pruned, full, rtol=tol, atol=tol)
     if ok:
         _LAST_FORMAT[model] = fmt
     _FIRST_TOKEN[model] = ok
