@@ -3,8 +3,10 @@
 Timing
 ------
 * CUDA: every repetition is bracketed by its own pair of CUDA events; before each repetition a
-  256 MiB buffer is zeroed (outside the events) so the inputs do not sit in L2 (H100/H200 L2 is
-  50 MB). Warm-up calls (which also absorb Triton JIT / autotuning and torch.compile) are not
+  256 MiB buffer is read (outside the events) so the inputs do not sit in L2 (H100/H200 L2 is
+  50 MB) and the lines left in L2 are clean: the write-backs of earlier outputs happen there, not
+  inside the timed call (zeroing the buffer instead, as `triton.testing.do_bench` does, leaves up to
+  an L2 of dirty lines whose write-back is charged to the next timed kernel). Warm-up calls (which also absorb Triton JIT / autotuning and torch.compile) are not
   timed. The median over the repetitions is reported (and the min, for reference).
 * CPU: `time.perf_counter` around each repetition, median reported.
 
@@ -131,15 +133,21 @@ _FLUSH = {}
 
 def _flush_buffer(device):
     if device not in _FLUSH:
-        _FLUSH[device] = torch.empty(64 * 1024 * 1024, dtype=torch.int32, device=device)  # 256 MiB
+        _FLUSH[device] = torch.zeros(64 * 1024 * 1024, dtype=torch.int32, device=device)  # 256 MiB
     return _FLUSH[device]
+
+
+def evict_l2(device=None):
+    """Fills L2 with clean lines of a 256 MiB buffer by reading it (module docstring: why not writing it)."""
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    torch.amax(_flush_buffer(device))
 
 
 HOST_AHEAD_CYCLES = 4_000_000  # ~2 ms of GPU clock: longer than the host needs to enqueue one op call
 
 
 def time_cuda(fn, warmup=5, reps=20, flush=True, host_ahead=False):
-    """Median (and min) milliseconds of `fn()` with CUDA events, L2 flushed before each rep.
+    """Median (and min) milliseconds of `fn()` with CUDA events, L2 evicted (`evict_l2`) before each rep.
 
     ``host_ahead=True``: a spin kernel (`torch.cuda._sleep`) is queued before the start event, so the host has
     enqueued all of fn's work before the GPU reaches it — the time is the GPU's (kernels and the gaps between
@@ -147,12 +155,12 @@ def time_cuda(fn, warmup=5, reps=20, flush=True, host_ahead=False):
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    buffer = _flush_buffer(torch.device("cuda", torch.cuda.current_device())) if flush else None
+    device = torch.device("cuda", torch.cuda.current_device())
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for start, end in zip(starts, ends):
-        if buffer is not None:
-            buffer.zero_()
+        if flush:
+            evict_l2(device)
         if host_ahead:
             torch.cuda._sleep(HOST_AHEAD_CYCLES)
         start.record()
@@ -197,12 +205,13 @@ _COPY = {}
 
 
 def copy_bandwidth_gbps(mib=512, reps=20):
-    """Device-to-device copy bandwidth, GB/s counting bytes read + written (median of `reps`)."""
+    """Device-to-device copy bandwidth, GB/s counting bytes read + written (median of `reps`), timed as the ops
+    are (`time_cuda`: L2 evicted, clean, before each rep)."""
     if "gbps" in _COPY:
         return _COPY["gbps"]
     src = torch.empty(mib * 1024 * 1024 // 4, dtype=torch.float32, device="cuda").uniform_()
     dst = torch.empty_like(src)
-    median_ms, _ = time_cuda(lambda: dst.copy_(src), warmup=3, reps=reps, flush=False)
+    median_ms, _ = time_cuda(lambda: dst.copy_(src), warmup=3, reps=reps, host_ahead=True)
     gbps = 2 * src.numel() * src.element_size() / (median_ms * 1e-3) / 1e9
     del src, dst
     torch.cuda.empty_cache()
