@@ -257,7 +257,7 @@ def step_section(records):
         f"{timer} over {steps[0].get('timed_steps', '?')} steps after {steps[0].get('warmup_steps', '?')} warm-up steps. "
         "Peak memory = torch.cuda.max_memory_allocated over the timed steps (weights, grads, AdamW state included). "
         "`paired time × (1)`: the method and a plain SDPA step on a second model, timed in alternating blocks right "
-        "after (4 rounds); median method / median plain of that pair (both medians in parentheses). The small-batch "
+        "after (8 rounds); median method / median plain of that pair (both medians in parentheses). The small-batch "
         "steps are host-bound and drift between cases; the pair shares the drift. The targets are read on it.",
         "FLOP × (1): matmul FLOPs from the config (forward 2·params·tokens + attention 4·B·T²·D·L, backward 2×), "
         "CAT adds per CAL step a forward + input-only backward of layers m+1..L (m = 9, the mean of {8, 9, 10}) and "
@@ -275,6 +275,28 @@ def step_section(records):
         notes.append("CAT against a plain step with the same first-token cut, (3) paired / (1f) paired: "
                      + ", ".join(like_for_like) + ".")
     return text + "\n\n" + "\n".join(f"- {n}" for n in notes)
+
+
+def layer_section(records):
+    """CAT steps by the mixing layer drawn at each step (records that carry `paired_by_layer`)."""
+    rows = []
+    for e in sorted((e for e in step_records(records) if e.get("paired_by_layer")),
+                    key=lambda e: (size_key(e.get("size")), rank(e["method"], METHOD_ORDER))):
+        by = e["paired_by_layer"]
+        layers = sorted(by, key=int)
+        cells = ", ".join(f"m={m}: {by[m][0]:.1f} ({by[m][1]})" for m in layers)
+        rows.append([str(e.get("size")).replace("x", "×"), METHOD_LABEL.get(e["method"], e["method"]), cells,
+                     fmt(e.get("paired_layer_mean_ms"), 1), fmt(e.get("paired_plain_ms"), 1),
+                     fmt(e.get("paired_layer_ratio"), 2), fmt(e.get("paired_ratio"), 2), fmt(e.get("flop_ratio"), 2)])
+    if not rows:
+        return None
+    header = ["B×T", "method", "paired steps: median ms at each drawn m (calls)", "mean over m", "plain median",
+              "layer-mean ratio", "median ratio", "FLOP × (1)"]
+    note = ("- CAT draws m uniformly from its layers at every step ({8, 9, 10} of BERT-base's 12): a step at m = 8 "
+            "resumes 4 layers, one at m = 10 two, so the step times have three modes and their median follows whichever mode the draws in the timed window "
+            "favour. `mean over m` = the mean of the three per-layer medians: the expected step cost, for the same "
+            "mean m as the FLOP count; `layer-mean ratio` = that / the paired plain median.")
+    return table(header, rows) + "\n\n" + note
 
 
 def sync_section(records):
@@ -367,7 +389,7 @@ def header_section(machine, commit_info, args):
         f"- cat_fast backends: {', '.join(machine.get('cat_fast_backends') or []) or '?'}",
     ]
     if machine.get("copy_gbps"):
-        lines.append(f"- Device-to-device copy bandwidth (512 MiB, bytes read + written, same run): "
+        lines.append(f"- Device-to-device copy bandwidth (512 MiB, bytes read + written, same run, timed as the ops): "
                      f"{machine['copy_gbps']:,.0f} GB/s")
     errors = machine.get("cat_fast_load_errors") or {}
     if errors:
@@ -376,7 +398,8 @@ def header_section(machine, commit_info, args):
 
 
 OP_NOTES = (
-    "Op timings: CUDA events around each call, L2 flushed (256 MiB memset) before each of 20 repetitions after 5 "
+    "Op timings: CUDA events around each call, L2 evicted (a 256 MiB buffer read, so no dirty line is left to be "
+    "written back inside the timed call) before each of 20 repetitions after 5 "
     "warm-up calls (which absorb Triton JIT/autotuning and torch.compile); median. Inputs require grad, so the "
     "forward includes autograd recording, as in training. `fwd+bwd` = forward then "
     "`torch.autograd.grad` of the op's differentiable inputs. GB/s = minimal bytes (each input read once, each "
@@ -387,7 +410,7 @@ OP_NOTES = (
     "activities (kernels + memcpy/memset) per call counted with torch.profiler (target 1 per direction). "
     "Small-row cases are latency-bound: there GB/s measures launch overhead, not bandwidth. "
     "`GPU µs` / `GPU % copy BW`: the same call (fwd+bwd, or fwd for cal_step_) timed with the host ahead of the "
-    "GPU (a ~2 ms spin kernel queued before the start event, L2 flushed): the GPU time of every kernel the op "
+    "GPU (a ~2 ms spin kernel queued before the start event, L2 evicted): the GPU time of every kernel the op "
     "launches and the gaps between them, without the Python/dispatch latency of the call — what the op costs inside "
     "a training step whose host runs ahead. The columns before it include that latency (0.1–1.7 ms a call on the "
     "benchmark machine's host). `GPU × compile` = torch.compile(reference) GPU time / this row's GPU time."
@@ -407,6 +430,9 @@ def build(records, machine, commit_info, args, plotted):
         parts += ["### Step level (BERT-base)", steps]
         if plotted:
             parts.append(f"![tokens/s]({os.path.basename(args.plot)})")
+        layers = layer_section(records)
+        if layers:
+            parts += ["### CAT steps by mixing layer", layers]
     sync = sync_section(records)
     if sync:
         parts += ["### Host synchronisation in the CAT step", sync]

@@ -25,7 +25,12 @@ bf16 autocast, AdamW (fused on CUDA), B x T = 8x128, 32x128, 64x256; each sample
 Timing: >= 5 warm-up steps, then CUDA events around each of <= 25 timed steps (CAT_FAST_BENCH_STEP_WARMUP,
 CAT_FAST_BENCH_STEP_STEPS; defaults 5 and 20), median reported. Then, for every method but plain, a paired
 measurement: a plain SDPA step on its own model is built beside it and the two are timed in alternating blocks
-(8 rounds of steps/4 each, after warm-up: twice the timed steps of each); `paired_ratio` = median method / median plain of that pair. Peak memory: torch.cuda.max_memory_allocated over
+(8 rounds of steps/4 each, after warm-up: twice the timed steps of each); `paired_ratio` = median method / median plain of that pair.
+CAT draws its mixing layer m from {8, 9, 10} at every step, and a step at m = 8 resumes twice the layers of one at
+m = 10, so its step times form three modes: the CAT cases also record the median step per drawn layer
+(`step_by_layer`, `paired_by_layer`: {m: [median ms, calls]}) and their mean over the layers
+(`paired_layer_ratio` = that mean / the paired plain median: the expected cost of a step, as the FLOP count's mean
+m), which does not jump between modes with the draws that land in the timed window as the median does. Peak memory: torch.cuda.max_memory_allocated over
 the timed steps (stats reset after warm-up; includes weights, grads and AdamW state). Errors and OOM are recorded
 per case (extra_info["error"]) and do not stop the run. FLOPs of plain and CAT from the config (see `model_flops`).
 `test_cat_host_sync` runs one CAT step (and, for attribution, one plain step) under
@@ -194,8 +199,10 @@ def make_step(method, model, optimizer, batch, pairs):
 
         def step():
             with autocast():
-                loss, _ = cat(batch)
+                loss, info = cat(batch)
+            step.layers.append(int(info["layer"]))  # a CPU tensor: no host sync
             finish_step(loss)
+        step.layers = []  # the mixing layer m drawn at each call
         return step
 
     representation, mode, difference = {
@@ -310,30 +317,59 @@ def _timed_block(step, n):
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
+def _timed_layers(step, n):
+    """(times, layers) of `n` calls: the mixing layer of each call where the step records it (CAT), else Nones."""
+    seen = len(getattr(step, "layers", ()))
+    times = _timed_block(step, n)
+    layers = getattr(step, "layers", None)
+    return times, (layers[seen:seen + n] if layers is not None else [None] * n)
+
+
+def by_layer(times, layers):
+    """{m: (median ms of the calls that drew m, calls)}, or None when the step draws no layer."""
+    if not layers or layers[0] is None:
+        return None
+    groups = {}
+    for t, m in zip(times, layers):
+        groups.setdefault(m, []).append(t)
+    return {m: (statistics.median(ts), len(ts)) for m, ts in sorted(groups.items())}
+
+
+def layer_mean(per_layer):
+    """The mean over the drawn layers of their median step: the expected cost of a step whose layer is drawn
+    uniformly (the FLOP count's mean m), without the median of a 3-mode mixture jumping between modes with the
+    draws that happened to land in the timed window. None unless every one of LAYERS was drawn."""
+    if per_layer is None or sorted(per_layer) != sorted(LAYERS):
+        return None
+    return statistics.fmean(ms for ms, _ in per_layer.values())
+
+
 def time_steps(step, warmup, steps):
     for _ in range(warmup):
         step()
     _sync()
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = _timed_block(step, steps)
+    times, layers = _timed_layers(step, steps)
     peak = torch.cuda.max_memory_allocated() / 2**20 if DEVICE == "cuda" else None
-    return statistics.median(times), min(times), peak
+    return statistics.median(times), min(times), peak, by_layer(times, layers)
 
 
 def time_paired(step, plain_step, warmup, steps, rounds=8):
-    """Median step time of `step` and of a plain step timed in alternating blocks (same process, same minutes):
-    the small-batch steps are host-bound and drift by up to ±20 % between runs, the pair does not."""
+    """(median of `step`, median of a plain step, `step`'s by_layer) timed in alternating blocks (same process,
+    same minutes): the small-batch steps are host-bound and drift by up to ±20 % between runs, the pair does not."""
     for _ in range(warmup):
         plain_step()
         step()
     _sync()
     per_round = max(1, steps // 4)
-    times, plain_times = [], []
+    times, layers, plain_times = [], [], []
     for _ in range(rounds):
         plain_times += _timed_block(plain_step, per_round)
-        times += _timed_block(step, per_round)
-    return statistics.median(times), statistics.median(plain_times)
+        t, m = _timed_layers(step, per_round)
+        times += t
+        layers += m
+    return statistics.median(times), statistics.median(plain_times), by_layer(times, layers)
 
 
 def _attn_for(method):
@@ -356,7 +392,7 @@ def measure_step(method, size):
             batch, pairs = make_batch(batch_size, tokens, model.config.vocab_size)
             step = make_step(method, model, optimizer, batch, pairs)
             try:
-                median_ms, min_ms, peak = time_steps(step, WARMUP, STEPS)
+                median_ms, min_ms, peak, per_layer = time_steps(step, WARMUP, STEPS)
             except RuntimeError as error:
                 if method != "gs_pooled" or "double backward" not in str(error):
                     raise
@@ -368,18 +404,27 @@ def measure_step(method, size):
                 model = make_model(attn)
                 optimizer = make_optimizer(model)
                 step = make_step(method, model, optimizer, batch, pairs)
-                median_ms, min_ms, peak = time_steps(step, WARMUP, STEPS)
+                median_ms, min_ms, peak, per_layer = time_steps(step, WARMUP, STEPS)
             config = model.config
             extra["attn"] = getattr(config, "_attn_implementation", attn)
             if method != "plain":  # paired timing against a plain SDPA step built beside it
                 plain_model = make_model("sdpa")
                 plain_opt = make_optimizer(plain_model)
                 plain_step = make_step("plain", plain_model, plain_opt, batch, pairs)
-                paired_ms, plain_ms = time_paired(step, plain_step, WARMUP, STEPS)
+                paired_ms, plain_ms, paired_layers = time_paired(step, plain_step, WARMUP, STEPS)
                 extra.update(paired_step_ms=paired_ms, paired_plain_ms=plain_ms, paired_ratio=paired_ms / plain_ms)
+                if paired_layers is not None:
+                    extra["paired_by_layer"] = {str(m): v for m, v in paired_layers.items()}
+                    mean = layer_mean(paired_layers)
+                    if mean is not None:
+                        extra.update(paired_layer_mean_ms=mean, paired_layer_ratio=mean / plain_ms)
                 plain_model = plain_opt = plain_step = None
             extra.update(step_ms=median_ms, step_min_ms=min_ms, peak_mib=peak,
                          tokens_per_s=batch_size * tokens / (median_ms * 1e-3))
+            if per_layer is not None:
+                extra["step_by_layer"] = {str(m): v for m, v in per_layer.items()}
+                if layer_mean(per_layer) is not None:
+                    extra["step_layer_mean_ms"] = layer_mean(per_layer)
             if method in ("plain", "naive_cat") + CAT_METHODS + FIRST_TOKEN_METHODS:
                 m = NAIVE_M if method == "naive_cat" else sum(LAYERS) / len(LAYERS)
                 extra["flops"] = model_flops(config, batch_size, tokens, method, m)
