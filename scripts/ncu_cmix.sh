@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device run: Nsight Compute sections of the cmix tile kernels at [64,512,1024] (per-sample lam, permutation
-# partner), bfloat16 (default plan: cp.async tiles) and float32, forward and backward, 2nd call of each.
+# partner), bfloat16 (default plan: cp.async tiles) and float32, forward and backward, 2nd call of each, with the
+# warps' stall reasons (cycles per issued instruction).
 # Text reports under $OUT/ncu_<dtype>.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +25,7 @@ for dt in bfloat16 float32; do
   timeout 150 ncu --clock-control none -k "regex:cmix_(forward|backward)_tile" --launch-skip 2 --launch-count 2 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
     --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
     python3 /tmp/cmix_prof.py $dt > "$OUT/ncu_$dt.txt" 2>&1
   echo "ncu $dt rc=$?"
 done
