@@ -2,12 +2,13 @@
 
 Timing
 ------
-* CUDA: every repetition is bracketed by its own pair of CUDA events; before each repetition a
-  256 MiB buffer is read (outside the events) so the inputs do not sit in L2 (H100/H200 L2 is
-  50 MB) and the lines left in L2 are clean: the write-backs of earlier outputs happen there, not
-  inside the timed call (zeroing the buffer instead, as `triton.testing.do_bench` does, leaves up to
-  an L2 of dirty lines whose write-back is charged to the next timed kernel). Warm-up calls (which also absorb Triton JIT / autotuning and torch.compile) are not
-  timed. The median over the repetitions is reported (and the min, for reference).
+* CUDA: every repetition is bracketed by its own pair of CUDA events; before each repetition a 256
+  MiB buffer is read (outside the events) so the inputs do not sit in L2 (H100/H200 L2 is 50 MB) and
+  the lines left in L2 are clean: the write-backs of earlier outputs happen there, not inside the
+  timed call (zeroing the buffer instead, as `triton.testing.do_bench` does, leaves up to an L2 of
+  dirty lines whose write-back is charged to the next timed kernel). Warm-up calls (which also
+  absorb Triton JIT / autotuning and torch.compile) are not timed. The median over the repetitions
+  is reported (and the min, for reference).
 * CPU: `time.perf_counter` around each repetition, median reported.
 
 Recording

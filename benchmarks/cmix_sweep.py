@@ -6,8 +6,8 @@ computation (kernel_only.check on the tile-path shapes of kernel_only.CHECK_CASE
 them, for float32 / bfloat16 / float16, with the bitwise determinism check of the backward), then times
 the forward and the backward at [B,T,D] = [64,512,1024] (per-sample lam, permutation partner, as in
 kernel_only.py) for bfloat16 and float32 with kernel_only.time_fwd_bwd (CUDA events, median, L2 evicted
-clean before each call), and a 512 MiB device copy timed the same way. Bytes moved: forward 2N (read h, write out), backward 3N (read grad and h, write grad_h),
-fwd+bwd 5N (N = size of h); % of copy = achieved GB/s over the copy's GB/s (read + write) measured by
+clean before each call), and a 512 MiB device copy timed the same way. Bytes moved: forward 2N (read h,
+write out), backward 3N (read grad and h, write grad_h), fwd+bwd 5N (N = size of h); % of copy = achieved GB/s over the copy's GB/s (read + write) measured by
 the first (default) plan's process.
 
 The forward and backward knobs are independent (fwd_* only change the forward launch, bwd_* and fill
@@ -194,7 +194,8 @@ def main():
     start = time.time()
     results = []
     ref_copy = None
-    print(f"cmix tile-plan sweep, [B,T,D]={list(SHAPE)}, {len(plans)} plans, kernel-only (kernel_only.time_fwd_bwd: median, L2 evicted clean)", flush=True)
+    print(f"cmix tile-plan sweep, [B,T,D]={list(SHAPE)}, {len(plans)} plans, kernel-only "
+          "(kernel_only.time_fwd_bwd: median, L2 evicted clean)", flush=True)
     header = (f"{'plan':58s} {'dtype':9s} {'fwd us':>8s} {'%':>5s} {'bwd us':>8s} {'%':>5s} {'f+b us':>8s} "
               f"{'%':>5s}  check  effective plan")
 

@@ -1,13 +1,13 @@
 """Kernel-only timings of the cmix kernels (no Python wrapper, no autograd), against a device copy.
 
 CUDA events around each call, median, timed as the op-level suite times (`_harness.time_cuda`: the GPU is kept
-ahead of the host, and L2 is evicted by reading 256 MiB before each call, so it holds no input and no dirty
-line). The same kernels and the 512 MiB copy are also timed with `triton.testing.do_bench`, whose L2 flush
-writes 256 MB: the write-back of those dirty lines then lands inside the timed call (the `do_bench` columns).
-Separates kernel time from the host overhead that the op-level suite includes. Before timing, the kernels are checked against a float64 computation on shapes
-that reach every CUDA path (tile kernels with one or several d-splits per token, the row-kernel fallbacks
-for B > 256 and for D not a multiple of the 16-byte pack), and the backward is checked to be bitwise
-deterministic. Usage on a GPU: python benchmarks/kernel_only.py [--no-check]
+ahead of the host, and L2 is evicted by reading 256 MiB before each call, so it holds no input and no dirty line).
+The same kernels and the 512 MiB copy are also timed with `triton.testing.do_bench`, whose L2 flush writes 256 MB:
+the write-back of those dirty lines then lands inside the timed call (the `do_bench` columns). Separates kernel
+time from the host overhead that the op-level suite includes. Before timing, the kernels are checked against a
+float64 computation on shapes that reach every CUDA path (tile kernels with one or several d-splits per token, the
+row-kernel fallbacks for B > 256 and for D not a multiple of the 16-byte pack), and the backward is checked to be
+bitwise deterministic. Usage on a GPU: python benchmarks/kernel_only.py [--no-check]
 """
 import sys
 

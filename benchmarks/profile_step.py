@@ -73,7 +73,7 @@ class GcPauses:
 def profile(method, size, steps, trace_dir=None, host=False):
     model, optimizer, step = S.build_step(method, size)
     with GcPauses() as pauses:
-        median_ms, _, _ = S.time_steps(step, 5, 10)
+        median_ms = S.time_steps(step, 5, 10)[0]
     activities = [torch.profiler.ProfilerActivity.CUDA]
     if host:
         activities.append(torch.profiler.ProfilerActivity.CPU)

@@ -293,8 +293,8 @@ def layer_section(records):
     header = ["B×T", "method", "paired steps: median ms at each drawn m (calls)", "mean over m", "plain median",
               "layer-mean ratio", "median ratio", "FLOP × (1)"]
     note = ("- CAT draws m uniformly from its layers at every step ({8, 9, 10} of BERT-base's 12): a step at m = 8 "
-            "resumes 4 layers, one at m = 10 two, so the step times have three modes and their median follows whichever mode the draws in the timed window "
-            "favour. `mean over m` = the mean of the three per-layer medians: the expected step cost, for the same "
+            "resumes 4 layers, one at m = 10 two, so the step times have three modes and their median follows "
+            "whichever mode the draws in the timed window favour. `mean over m` = the mean of the three per-layer medians: the expected step cost, for the same "
             "mean m as the FLOP count; `layer-mean ratio` = that / the paired plain median.")
     return table(header, rows) + "\n\n" + note
 

@@ -24,15 +24,16 @@ bf16 autocast, AdamW (fused on CUDA), B x T = 8x128, 32x128, 64x256; each sample
 
 Timing: >= 5 warm-up steps, then CUDA events around each of <= 25 timed steps (CAT_FAST_BENCH_STEP_WARMUP,
 CAT_FAST_BENCH_STEP_STEPS; defaults 5 and 20), median reported. Then, for every method but plain, a paired
-measurement: a plain SDPA step on its own model is built beside it and the two are timed in alternating blocks
-(8 rounds of steps/4 each, after warm-up: twice the timed steps of each); `paired_ratio` = median method / median plain of that pair.
-CAT draws its mixing layer m from {8, 9, 10} at every step, and a step at m = 8 resumes twice the layers of one at
-m = 10, so its step times form three modes: the CAT cases also record the median step per drawn layer
-(`step_by_layer`, `paired_by_layer`: {m: [median ms, calls]}) and their mean over the layers
+measurement: a plain SDPA step on its own model is built beside it and the two are timed in alternating blocks (8
+rounds of steps/4 each, after warm-up: twice the timed steps of each); `paired_ratio` = median method / median
+plain of that pair. CAT draws its mixing layer m from {8, 9, 10} at every step, and a step at m = 8 resumes twice
+the layers of one at m = 10, so its step times form three modes: the CAT cases also record the median step per
+drawn layer (`step_by_layer`, `paired_by_layer`: {m: [median ms, calls]}) and their mean over the layers
 (`paired_layer_ratio` = that mean / the paired plain median: the expected cost of a step, as the FLOP count's mean
-m), which does not jump between modes with the draws that land in the timed window as the median does. Peak memory: torch.cuda.max_memory_allocated over
-the timed steps (stats reset after warm-up; includes weights, grads and AdamW state). Errors and OOM are recorded
-per case (extra_info["error"]) and do not stop the run. FLOPs of plain and CAT from the config (see `model_flops`).
+m), which does not jump between modes with the draws that land in the timed window as the median does. Peak
+memory: torch.cuda.max_memory_allocated over the timed steps (stats reset after warm-up; includes weights, grads
+and AdamW state). Errors and OOM are recorded per case (extra_info["error"]) and do not stop the run. FLOPs of
+plain and CAT from the config (see `model_flops`).
 `test_cat_host_sync` runs one CAT step (and, for attribution, one plain step) under
 torch.cuda.set_sync_debug_mode("error") and records whether it raised.
 
@@ -224,7 +225,7 @@ def make_step(method, model, optimizer, batch, pairs):
 def build_step(method, size):
     """(model, optimizer, step closure) of `method` at `size` ("BxT"): the model, batch and step the suite times
     (for the diagnostics `profile_step.py` and `host_timeline.py`)."""
-    batch_size, tokens = (int(v) for v in size.split("x"))
+    batch_size, tokens = H.dims(size)
     model = make_model(_attn_for(method))
     optimizer = make_optimizer(model)
     batch, pairs = make_batch(batch_size, tokens, model.config.vocab_size)
@@ -318,16 +319,16 @@ def _timed_block(step, n):
 
 
 def _timed_layers(step, n):
-    """(times, layers) of `n` calls: the mixing layer of each call where the step records it (CAT), else Nones."""
-    seen = len(getattr(step, "layers", ()))
-    times = _timed_block(step, n)
+    """(times, layers) of `n` calls: the mixing layer of each call where the step records it (CAT), else None."""
     layers = getattr(step, "layers", None)
-    return times, (layers[seen:seen + n] if layers is not None else [None] * n)
+    seen = len(layers) if layers is not None else 0
+    times = _timed_block(step, n)
+    return times, (layers[seen:seen + n] if layers is not None else None)
 
 
 def by_layer(times, layers):
     """{m: (median ms of the calls that drew m, calls)}, or None when the step draws no layer."""
-    if not layers or layers[0] is None:
+    if layers is None:
         return None
     groups = {}
     for t, m in zip(times, layers):
@@ -363,12 +364,12 @@ def time_paired(step, plain_step, warmup, steps, rounds=8):
         step()
     _sync()
     per_round = max(1, steps // 4)
-    times, layers, plain_times = [], [], []
+    times, layers, plain_times = [], None, []
     for _ in range(rounds):
         plain_times += _timed_block(plain_step, per_round)
         t, m = _timed_layers(step, per_round)
         times += t
-        layers += m
+        layers = None if m is None else (layers or []) + m
     return statistics.median(times), statistics.median(plain_times), by_layer(times, layers)
 
 
@@ -423,8 +424,9 @@ def measure_step(method, size):
                          tokens_per_s=batch_size * tokens / (median_ms * 1e-3))
             if per_layer is not None:
                 extra["step_by_layer"] = {str(m): v for m, v in per_layer.items()}
-                if layer_mean(per_layer) is not None:
-                    extra["step_layer_mean_ms"] = layer_mean(per_layer)
+                mean = layer_mean(per_layer)
+                if mean is not None:
+                    extra["step_layer_mean_ms"] = mean
             if method in ("plain", "naive_cat") + CAT_METHODS + FIRST_TOKEN_METHODS:
                 m = NAIVE_M if method == "naive_cat" else sum(LAYERS) / len(LAYERS)
                 extra["flops"] = model_flops(config, batch_size, tokens, method, m)
