@@ -23,8 +23,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 OP_ORDER = ("cmix", "cal_objective", "cal_step_", "crm_loss", "gs_cosine_loss")
 BACKEND_ORDER = ("triton", "cuda", "cpp", "reference", "compile")
-METHOD_ORDER = ("plain", "plain_first_token", "naive_cat", "cat", "cat_eager", "cat_full_last", "gs_exact", "gs_first_order",
-                "gs_first_order_fwd", "gs_pooled")
+METHOD_ORDER = ("plain", "plain_first_token", "naive_cat", "cat", "cat_eager", "cat_full_last", "cat_hf_layers",
+                "gs_exact", "gs_first_order", "gs_first_order_fwd", "gs_pooled")
 METHOD_LABEL = {
     "plain": "(1) plain fine-tuning",
     "plain_first_token": "(1f) plain, first-token last layer",
@@ -32,6 +32,7 @@ METHOD_LABEL = {
     "cat": "(3) cat_fast.CAT (CUDA-graph CAL)",
     "cat_eager": "(3e) cat_fast.CAT, cuda_graph=False",
     "cat_full_last": "(3f) cat_fast.CAT, prune_last_layer=False",
+    "cat_hf_layers": "(3h) cat_fast.CAT, fast_resume=False",
     "gs_exact": "(4) GS exact, token level (h_0)",
     "gs_first_order": "(5) GS first-order central, token level (h_0)",
     "gs_first_order_fwd": "(5f) GS first-order forward, token level (h_0)",

@@ -15,6 +15,8 @@ bf16 autocast, AdamW (fused on CUDA), B x T = 8x128, 32x128, 64x256; each sample
 3e. `cat_eager`  the same with `cuda_graph=False` (the eager CAL loop), for the graphs' effect side by side.
 3f. `cat_full_last` the same (CUDA graphs) with `prune_last_layer=False`: layer L run whole in every pass, for
                  the first-token last layer's effect side by side.
+3h. `cat_hf_layers` the same (CUDA graphs) with `fast_resume=False`: the counterfactual passes run the model's own
+                 layers instead of `cat_fast.resumed_layer`, for its effect side by side.
 4. `gs_exact`    `GradientSupervision(representation=0, mode="exact")` (token level, embedding output), eager
                  attention (double backward), pairs = a random permutation.
 5. `gs_first_order` the same with mode="first_order" and SDPA attention (SPEC's central difference, 2 passes).
@@ -53,11 +55,11 @@ from benchmarks import _harness as H
 
 pytestmark = [pytest.mark.benchmark(timer=H.virtual_clock), pytest.mark.bench_step]
 
-METHODS = ("plain", "plain_first_token", "naive_cat", "cat", "cat_eager", "cat_full_last", "gs_exact",
-           "gs_first_order", "gs_first_order_fwd", "gs_pooled")
-CAT_METHODS = ("cat", "cat_eager", "cat_full_last")
+METHODS = ("plain", "plain_first_token", "naive_cat", "cat", "cat_eager", "cat_full_last", "cat_hf_layers",
+           "gs_exact", "gs_first_order", "gs_first_order_fwd", "gs_pooled")
+CAT_METHODS = ("cat", "cat_eager", "cat_full_last", "cat_hf_layers")
 # Methods whose passes run the last layer for the first token only (`prune_last_layer=True`, the default).
-FIRST_TOKEN_METHODS = ("plain_first_token", "cat", "cat_eager", "gs_first_order", "gs_first_order_fwd",
+FIRST_TOKEN_METHODS = ("plain_first_token", "cat", "cat_eager", "cat_hf_layers", "gs_first_order", "gs_first_order_fwd",
                        "gs_pooled")
 GS_LONG_METHODS = ("plain", "gs_exact", "gs_first_order", "gs_first_order_fwd")  # the T = 512 size
 CAT_LAYERS = [8, 9, 10]
@@ -196,7 +198,7 @@ def make_step(method, model, optimizer, batch, pairs):
     if method in CAT_METHODS:
         cat = cat_fast.CAT(model, layers=LAYERS, adv_steps=ADV_STEPS, alpha=ALPHA, beta=BETA, gamma=GAMMA, eta=ETA,
                            adv_lr=ADV_LR, cuda_graph=method != "cat_eager",
-                           prune_last_layer=method != "cat_full_last")
+                           prune_last_layer=method != "cat_full_last", fast_resume=method != "cat_hf_layers")
 
         def step():
             with autocast():

@@ -77,6 +77,13 @@ clean forward's dropout masks in every layer and λ = 0 gives ω = 1 exactly. Wi
 forward runs the full layer (its double backward needs the model's own attention); then that layer's dropout in
 the counterfactual passes is a fresh draw. ``prune_last_layer=False`` runs every layer whole.
 
+Resumed layers (``fast_resume=True``, the default): the CAL steps differentiate layers ``m+1..L`` for their input
+only, and the detached final pass not at all, so there Bert-layout layers with SDPA attention run
+`cat_fast.resumed_layer` (one cast per layer input, input gradients summed in fp32 by the matmuls, and on CUDA
+under autocast residual add + LayerNorm fused with the casts and the dropout mask in Triton): the same dropout
+draws, values and input gradients equal up to rounding, about a fifth less GPU time per layer at 64 × 256 tokens.
+``fast_resume=False`` runs the model's own layers there.
+
 Randomness: with ``generator=None`` λ and partners are drawn on the model's device from the global RNG and the
 layer from the global CPU RNG. With a CPU ``torch.Generator`` everything is drawn from it on the CPU (λ through a
 Beta sample on a forked CPU RNG seeded from it) and copied to the device (non-blocking): reproducible.
@@ -113,7 +120,7 @@ class CAT:
     def __init__(self, model, layers=None, alpha=0.3, beta=0.3, gamma=10.0, eta=20.0, adv_steps=3, adv_lr=2e-2,
                  p=1.0, a1=0.0, a2=10.0, mask_mode="self", detach_weight=True, update="sum", warmup_steps=0,
                  partner="permutation", gs_weight=0.0, generator=None, crm_optimizer=None, cuda_graph=True,
-                 max_graphs=8, prune_last_layer=True):
+                 max_graphs=8, prune_last_layer=True, fast_resume=True):
         st = models.structure(model)
         L = st.num_layers
         if layers is None:
@@ -165,6 +172,7 @@ class CAT:
         self.qa = st.task == "question_answering"
         self.cuda_graph = bool(cuda_graph)
         self.prune_last_layer = bool(prune_last_layer)
+        self.fast_resume = bool(fast_resume)
         self.graphs = CALGraphs(self, max_graphs=max_graphs)
         self._concentration = None  # (B, device, dtype), the [B, 2] Beta concentrations of `_draw_lambda`
 
@@ -241,7 +249,8 @@ class CAT:
             # Final counterfactual forward on the optimised λ (no autograd when ω is detached).
             differentiable = not self.detach_weight
             with torch.set_grad_enabled(differentiable):
-                cf_logits = self._cf_logits(cap, h if differentiable else h_det, lam, partner, mask, allow)
+                cf_logits = self._cf_logits(cap, h if differentiable else h_det, lam, partner, mask, allow,
+                                            input_grad_only=not differentiable)
 
         erm = self._erm(logits, targets)
         crm = self._crm(logits, cf_logits, targets)
@@ -350,11 +359,11 @@ class CAT:
         return (self.prune_last_layer and not self.qa and cap.layer < self.structure.num_layers
                 and models.first_token_ok(self.model, cap))
 
-    def _cf_logits(self, cap, h, lam, partner, mask, allow):
+    def _cf_logits(self, cap, h, lam, partner, mask, allow, input_grad_only=True):
         coef = lam if allow is None else lam.unsqueeze(1) * allow
         h_mix, mask_mix = cmix(h, coef, partner, mask, self.mask_mode)
         out = models.resume(self.model, cap, h_mix, attention_mask=None if self.mask_mode == "self" else mask_mix,
-                            first_token=self._first_token(cap))
+                            first_token=self._first_token(cap), input_grad_only=input_grad_only and self.fast_resume)
         return models.logits_of(out)
 
     def _qa_allow(self, batch, targets, T, device):

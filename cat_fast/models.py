@@ -80,7 +80,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import first_token_layer
+from . import first_token_layer, resumed_layer
 
 __all__ = [
     "ModelStructure",
@@ -447,13 +447,16 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
 
 
 def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, same_dropout: bool = True,
-           first_token: bool = False, first_token_fill: float | None = None):
+           first_token: bool = False, first_token_fill: float | None = None, input_grad_only: bool = False):
     """Run layers ``m+1..L`` and the model's own head on `h_tilde` in place of ``h_m``; return the model output.
 
     The lower layers are not recomputed (see the module docstring). `attention_mask` (2-D, optional)
     replaces the batch's mask for the resumed layers (CMIX mask modes). Differentiable w.r.t. `h_tilde` and
     the parameters of layers ``m+1..L`` and the head. ``first_token=True``: the last layer computes row 0
     only (module docstring; check `first_token_ok` first); `first_token_fill` sets its other rows (the probe).
+    ``input_grad_only=True`` promises that no parameter gradient is taken through this pass (CAT's CAL steps and
+    its detached final pass): layers ``m+1..L`` with the Bert layout then run `resumed_layer` (same values and
+    dropout draws; the input gradient summed in fp32 under autocast).
     """
     st = structure(model)
     _check_trainable_forward(model, st)
@@ -494,6 +497,10 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
                     cap.rng_marker()
             if k == L - 1 and first_token:
                 out = first_token_layer.forward(mod, args, kwargs, first_token_fill)
+                if out is not None:
+                    return _replace_first(cap.last_output, out)
+            elif input_grad_only and cap.last_output is not None:
+                out = resumed_layer.forward(mod, args, kwargs)
                 if out is not None:
                     return _replace_first(cap.last_output, out)
             return orig(*args, **kwargs)
