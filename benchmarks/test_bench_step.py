@@ -133,8 +133,10 @@ def model_flops(config, batch, tokens, method, m=None, adv_steps=ADV_STEPS, fina
     backward = 2 x forward. CAT adds, per CAL step, a forward of layers m+1..L (+ head) and an input-only
     backward of those (~1 x forward: no weight-gradient matmuls), plus the final counterfactual forward of
     layers m+1..L. The methods in `FIRST_TOKEN_METHODS` run layer L of every pass (clean forward, CAL steps,
-    final pass, GS passes) for the first token only (K and V projections of every token, the rest of the layer
-    for row 0: `prune_last_layer`, the default); `plain`, `naive_cat`, `cat_full_last` and `gs_exact` run it
+    final pass, GS passes) for the first token only (`cat_fast.first_token_layer`, `prune_last_layer`, the
+    default: row 0's Q, attention output and feed-forward, the K and V projections folded into the query side,
+    2 * D^2 per sample, and the attention's two [H, D] x [D, T] products); `plain`, `naive_cat`,
+    `cat_full_last` and `gs_exact` run it
     whole. With the default detached CRM weight the final counterfactual pass has no backward (the
     implementations run it without autograd); `final_backward=True` counts one anyway (2 x forward more), the
     issue's formula. First-order GS at h_0 adds g (an input-only backward, ~1 x forward) and per perturbed pass
@@ -143,9 +145,10 @@ def model_flops(config, batch, tokens, method, m=None, adv_steps=ADV_STEPS, fina
     counted.
     """
     D, I, L, C = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.num_labels
+    H = config.num_attention_heads
     n_tok = batch * tokens
     layer = 2 * n_tok * (4 * D * D + 2 * D * I) + 4 * batch * tokens * tokens * D
-    first_token_layer = 2 * n_tok * 2 * D * D + 2 * batch * (2 * D * D + 2 * D * I) + 4 * batch * tokens * D
+    first_token_layer = 2 * batch * (4 * D * D + 2 * D * I) + 4 * batch * H * tokens * D
     last = first_token_layer if method in FIRST_TOKEN_METHODS else layer
     head = 2 * batch * (D * D + D * C)
     forward = (L - 1) * layer + last + head

@@ -1,17 +1,20 @@
-"""The last encoder layer computed for the first token only (part of `cat_fast.models`; nothing else imports it).
+"""The last encoder layer computed for the first token only (part of `cat_fast.models`; `resumed_layer` shares its
+layout checks).
 
 A sequence classifier's head reads one row of the last layer's output: BERT's pooler, DistilBERT's
 pre-classifier, the RoBERTa / ELECTRA / XLM-R classification heads all take ``last_hidden_state[:, 0]``. The
-other T − 1 rows of the last layer are dead work in CAT's counterfactual passes: there, the last layer needs the
-keys and values of every token but the query, the attention output, both layer norms and the feed-forward block
-of row 0 only — about 1/6 of the layer's matmul FLOPs (the K and V projections) instead of all of it.
+other T − 1 rows of the last layer are dead work: the last layer needs the attention of query row 0 over every
+token, then the attention output, both layer norms and the feed-forward block of row 0 only. With one query per
+head the keys and values of the T tokens need not be formed either (`_row_attention`: the key projection is
+folded into the query, the value projection applied after the weighted sum), so the layer costs a few small
+matmuls instead of its 12·T·D² (K and V alone were 4·T·D²).
 
 Supported layers (post-LN, SDPA or eager attention, a 4-D or absent attention mask): the Bert layout
 (``attention.self.{query,key,value}``, ``attention.output``, ``feed_forward_chunk``: BERT, RoBERTa, ELECTRA,
 XLM-R, CamemBERT, MiniLM) and DistilBERT's ``TransformerBlock``; anything else runs the full layer. The layer's
-own submodules compute the projections, the attention output block and the feed-forward block; only the head
-split and the attention for one query row are written here (softmax attention, the same math as both of
-Hugging Face's kernels).
+own submodules compute the query, the attention output block and the feed-forward block; the attention of row 0
+is written here (softmax attention, the same math as both of Hugging Face's kernels; its dropout mask is drawn
+here, on the [B, H, T] probabilities).
 
 `models.first_token_ok` checks a model once (see there) before this path is used: that its head reads nothing
 but row 0, and that this layer gives the full layer's row 0.
@@ -122,18 +125,46 @@ def forward(layer: nn.Module, args, kwargs, fill: float | None = None):
     if mask is not None and (mask.dim() != 4 or mask.shape[-1] != x.shape[1]):
         return None
     B, T, _ = x.shape
-    heads, width = layout.heads, layout.width
     first = x[:, :1]
-    q = layout.query(first).view(B, 1, heads, width).transpose(1, 2)
-    k = layout.key(x).view(B, T, heads, width).transpose(1, 2)
-    v = layout.value(x).view(B, T, heads, width).transpose(1, 2)
+    q = layout.query(first)
     if mask is not None and mask.shape[-2] != 1:
         mask = mask[:, :, :1]
-    if mask is not None and mask.dtype != torch.bool:
-        mask = mask.to(q.dtype)
-    attention = layout.attention
-    p = attention.dropout.p if attention.training else 0.0
-    context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=attention.scaling)
-    row = layout.finish(context.transpose(1, 2).reshape(B, 1, heads * width), first)
+    context = _row_attention(layout, x, q, mask)
+    row = layout.finish(context, first)
     rest = x[:, 1:].detach() if fill is None else torch.full_like(x[:, 1:], fill)
     return torch.cat([row, rest.to(row.dtype)], dim=1)
+
+
+def _row_attention(layout, x, q, mask):
+    """Softmax attention of query row 0 (`q`, [B, 1, D]) over all T tokens of `x`, [B, 1, D] in `q`'s dtype.
+
+    The keys and values are never formed: with one query per head, ``q_h · (x_t W_k,h^T + b_k,h)`` equals
+    ``x_t · (W_k,h^T q_h)`` plus ``q_h · b_k,h``, the same for every key, and
+    ``Σ_t p_t (x_t W_v,h^T + b_v,h)`` equals ``(Σ_t p_t x_t) W_v,h^T + (Σ_t p_t) b_v,h``. So two batched matmuls
+    with x (B·H·T·D multiply-adds each) replace the K and V projections of every token (2·B·T·D² each, and their
+    backward), in the accumulation dtype (float32, float64 for float64 inputs) with autocast off."""
+    B, T, D = x.shape
+    heads, width = layout.heads, layout.width
+    attention = layout.attention
+    acc = torch.promote_types(x.dtype, torch.float32)
+    with torch.autocast(x.device.type, enabled=False):
+        xs = x.to(acc)
+        q_heads = q.to(acc).view(B, heads, width)
+        query_keys = torch.einsum("bhw,hwd->bhd", q_heads, layout.key.weight.to(acc).view(heads, width, D))
+        scores = torch.bmm(query_keys, xs.transpose(1, 2))  # [B, H, T]
+        key = layout.key
+        if key.bias is not None:  # the same for every key (softmax drops it), kept so the bias gets its gradient
+            scores = scores + (q_heads * key.bias.to(acc).view(heads, width)).sum(-1, keepdim=True)
+        scores = scores * attention.scaling
+        if mask is not None:
+            mask = mask.reshape(mask.shape[0], mask.shape[1], T)
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(acc)
+        probs = torch.softmax(scores, dim=-1)
+        p = attention.dropout.p if attention.training else 0.0
+        probs = F.dropout(probs, p, training=p > 0)
+        pooled = torch.bmm(probs, xs)  # [B, H, D]
+        value = layout.value
+        context = torch.einsum("bhd,hwd->bhw", pooled, value.weight.to(acc).view(heads, width, D))
+        if value.bias is not None:
+            context = context + probs.sum(-1, keepdim=True) * value.bias.to(acc).view(heads, width)
+    return context.reshape(B, 1, heads * width).to(q.dtype)

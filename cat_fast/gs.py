@@ -45,8 +45,8 @@ Modes:
   O(ε) instead of O(ε²).
   ``prune_last_layer=True`` (default): in first-order mode and for the pooled representation, every pass (the
   clean forward and the perturbed passes) runs the last layer for the first token only when the model allows it
-  (`cat_fast.models.first_token_ready`; the CAT module docstring): the same values with ~1/6 of that layer's
-  matmuls, and the perturbed passes still draw the clean forward's dropout masks. Exact mode at a token-level
+  (`cat_fast.models.first_token_ready`; the CAT module docstring): the same values with a small fraction of that
+  layer's matmuls, and the perturbed passes still draw the clean forward's dropout masks. Exact mode at a token-level
   representation runs the full layer (its double backward needs the model's own attention).
   ``low_memory=True`` (default): the perturbed passes run inside the caller's ``loss.backward()``, when the
   gradient of x is complete, one after the other — the clean graph above x is freed by then, so at most one
