@@ -14,7 +14,7 @@ Supported layers (post-LN, SDPA or eager attention, a 4-D or absent attention ma
 XLM-R, CamemBERT, MiniLM) and DistilBERT's ``TransformerBlock``; anything else runs the full layer. The layer's
 own submodules compute the query, the attention output block and the feed-forward block; the attention of row 0
 is written here (softmax attention, the same math as both of Hugging Face's kernels; its dropout mask is drawn
-here, on the [B, H, T] probabilities).
+here, on the [B, T, H] probabilities).
 
 `models.first_token_ok` checks a model once (see there) before this path is used: that its head reads nothing
 but row 0, and that this layer gives the full layer's row 0.
@@ -151,20 +151,21 @@ def _row_attention(layout, x, q, mask):
         xs = x.to(acc)
         q_heads = q.to(acc).view(B, heads, width)
         query_keys = torch.einsum("bhw,hwd->bhd", q_heads, layout.key.weight.to(acc).view(heads, width, D))
-        scores = torch.bmm(query_keys, xs.transpose(1, 2))  # [B, H, T]
+        # [B, T, H] (x as the left operand: both products hand back x's gradient in x's own layout)
+        scores = torch.bmm(xs, query_keys.transpose(1, 2))
         key = layout.key
-        if key.bias is not None:  # the same for every key (softmax drops it), kept so the bias gets its gradient
-            scores = scores + (q_heads * key.bias.to(acc).view(heads, width)).sum(-1, keepdim=True)
+        if key.bias is not None:  # the same for every key, kept so the bias gets its gradient
+            scores = scores + (q_heads * key.bias.to(acc).view(heads, width)).sum(-1).unsqueeze(1)
         scores = scores * attention.scaling
         if mask is not None:
-            mask = mask.reshape(mask.shape[0], mask.shape[1], T)
+            mask = mask.reshape(mask.shape[0], mask.shape[1], T).transpose(1, 2)
             scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(acc)
-        probs = torch.softmax(scores, dim=-1)
+        probs = torch.softmax(scores, dim=1)
         p = attention.dropout.p if attention.training else 0.0
         probs = F.dropout(probs, p, training=p > 0)
-        pooled = torch.bmm(probs, xs)  # [B, H, D]
+        pooled = torch.bmm(probs.transpose(1, 2), xs)  # [B, H, D]
         value = layout.value
         context = torch.einsum("bhd,hwd->bhw", pooled, value.weight.to(acc).view(heads, width, D))
         if value.bias is not None:
-            context = context + probs.sum(-1, keepdim=True) * value.bias.to(acc).view(heads, width)
+            context = context + probs.sum(1).unsqueeze(-1) * value.bias.to(acc).view(heads, width)
     return context.reshape(B, 1, heads * width).to(q.dtype)
