@@ -145,27 +145,28 @@ def _row_attention(layout, x, q, mask):
     backward), in the accumulation dtype (float32, float64 for float64 inputs) with autocast off."""
     B, T, D = x.shape
     heads, width = layout.heads, layout.width
-    attention = layout.attention
+    attention, key, value = layout.attention, layout.key, layout.value
     acc = torch.promote_types(x.dtype, torch.float32)
-    with torch.autocast(x.device.type, enabled=False):
+    with torch.autocast(x.device.type, enabled=False):  # few ops: at small batches a step is bound by the host
         xs = x.to(acc)
-        q_heads = q.to(acc).view(B, heads, width)
-        query_keys = torch.einsum("bhw,hwd->bhd", q_heads, layout.key.weight.to(acc).view(heads, width, D))
-        # [B, T, H] (x as the left operand: both products hand back x's gradient in x's own layout)
-        scores = torch.bmm(xs, query_keys.transpose(1, 2))
-        key = layout.key
-        if key.bias is not None:  # the same for every key, kept so the bias gets its gradient
-            scores = scores + (q_heads * key.bias.to(acc).view(heads, width)).sum(-1).unsqueeze(1)
-        scores = scores * attention.scaling
+        q_heads = q.to(acc).view(B, heads, width).transpose(0, 1)  # [H, B, W]
+        query_keys = torch.bmm(q_heads, key.weight.to(acc).view(heads, width, D)).transpose(0, 1)  # [B, H, D]
+        # scores [B, T, H], x the left operand (both products hand back x's gradient in x's own layout); the key
+        # bias adds q_h · b_k,h to every key alike, kept so that the bias gets its gradient
+        if key.bias is None:
+            scores = torch.bmm(xs, query_keys.transpose(1, 2)) * attention.scaling
+        else:
+            shift = torch.bmm(q_heads, key.bias.to(acc).view(heads, width, 1)).permute(1, 2, 0)  # [B, 1, H]
+            scores = torch.baddbmm(shift, xs, query_keys.transpose(1, 2), beta=attention.scaling,
+                                   alpha=attention.scaling)
         if mask is not None:
             mask = mask.reshape(mask.shape[0], mask.shape[1], T).transpose(1, 2)
-            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(acc)
+            scores = torch.where(mask, scores, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(acc)
         probs = torch.softmax(scores, dim=1)
-        p = attention.dropout.p if attention.training else 0.0
-        probs = F.dropout(probs, p, training=p > 0)
-        pooled = torch.bmm(probs.transpose(1, 2), xs)  # [B, H, D]
-        value = layout.value
-        context = torch.einsum("bhd,hwd->bhw", pooled, value.weight.to(acc).view(heads, width, D))
+        if attention.training and attention.dropout.p > 0:
+            probs = F.dropout(probs, attention.dropout.p, training=True)
+        pooled = torch.bmm(probs.transpose(1, 2), xs).transpose(0, 1)  # [H, B, D]
+        context = torch.bmm(pooled, value.weight.to(acc).view(heads, width, D).transpose(1, 2))  # [H, B, W]
         if value.bias is not None:
-            context = context + probs.sum(1).unsqueeze(-1) * value.bias.to(acc).view(heads, width)
-    return context.reshape(B, 1, heads * width).to(q.dtype)
+            context = torch.addcmul(context, probs.sum(1).t().unsqueeze(-1), value.bias.to(acc).view(heads, 1, width))
+    return context.transpose(0, 1).reshape(B, 1, heads * width).to(q.dtype)
