@@ -1,7 +1,7 @@
 """Write benchmarks/RESULTS.md (tables) and benchmarks/tokens_per_s.png from the suite's JSON output.
 
     python benchmarks/report.py OUT/bench.json [more.json | records.jsonl ...]
-        [--out benchmarks/RESULTS.md] [--plot benchmarks/tokens_per_s.png] [--commit SHA] [--device NAME]
+        [--out benchmarks/RESULTS.md] [--plot benchmarks/tokens_per_s.png] [--commit SHA] [--device NAME] [--date D]
 
 Inputs: `--benchmark-json` files of pytest-benchmark (or of the suite's stand-in fixture), and/or the
 CAT_FAST_BENCH_JSONL backup written while the suite runs (used for cases missing from the JSON files,
@@ -267,9 +267,10 @@ def step_section(records):
         + ratios + ".",
         "GS first-order at h_0 (FLOP × (1) column): g is an input-only backward (~1 forward) and each perturbed pass "
         "a forward + full backward (3 forwards): central (2 passes) 10/3 = 3.33×, forward (1 pass) 7/3 = 2.33×.",
-        "First-token last layer: (1f), (3), (3e), (5), (5f) and (6) run layer L of every pass for row 0 only (keys "
-        "and values of every token, the rest of the layer for row 0; same logits and gradients); their FLOP counts "
-        "include it. (1), (2), (3f) and (4) run it whole.",
+        "First-token last layer: (1f), (3), (3e), (3h), (5), (5f) and (6) run layer L of every pass for row 0 only "
+        "(the attention of row 0 over every token with the key and value projections folded into the query side, "
+        "the rest of the layer for row 0; same logits and gradients); their FLOP counts include it. (1), (2), (3f) "
+        "and (4) run it whole.",
         "Model TFLOP/s = those FLOPs / step time.",
     ]
     if like_for_like:
@@ -373,6 +374,7 @@ def git_commit():
 
 
 def header_section(machine, commit_info, args):
+    now = datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')
     commit = args.commit or machine.get("git_commit") or (commit_info or {}).get("id") or git_commit() or "unknown"
     dirty = (commit_info or {}).get("dirty") and not args.commit
     if machine:
@@ -382,8 +384,9 @@ def header_section(machine, commit_info, args):
     if machine.get("gpu_count", 1) and machine.get("gpu_count", 1) > 1:
         device += f" (×{machine['gpu_count']} on the host; one used)"
     lines = [
-        f"- Device: {device}" + (f", {machine['gpu_memory_gib']} GiB" if machine.get("gpu_memory_gib") else ""),
-        f"- Date: {machine.get('date') or datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- Device: {device}" + (f", {machine['gpu_memory_gib']} GiB" if machine.get("gpu_memory_gib")
+                                 and not args.device else ""),
+        f"- Date: {args.date or machine.get('date') or now}",
         f"- torch {machine.get('torch', '?')} (CUDA {machine.get('cuda') or '—'}), triton {machine.get('triton') or '—'}, "
         f"transformers {machine.get('transformers') or '—'}, Python {machine.get('python', '?')}",
         f"- Commit: `{commit}`" + (" (working tree had uncommitted changes)" if dirty else ""),
@@ -474,6 +477,7 @@ def main(argv=None):
     parser.add_argument("--plot", default=os.path.join(HERE, "tokens_per_s.png"))
     parser.add_argument("--commit", default=None, help="commit to print (default: from the JSON, else git rev-parse HEAD)")
     parser.add_argument("--device", default=None, help="device name to print (default: from the JSON)")
+    parser.add_argument("--date", default=None, help="date to print (default: from the JSON)")
     args = parser.parse_args(argv)
     paths = [p for p in args.inputs if os.path.exists(p)]
     missing = [p for p in args.inputs if not os.path.exists(p)]
