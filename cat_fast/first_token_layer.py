@@ -14,7 +14,8 @@ Supported layers (post-LN, SDPA or eager attention, a 4-D or absent attention ma
 XLM-R, CamemBERT, MiniLM) and DistilBERT's ``TransformerBlock``; anything else runs the full layer. The layer's
 own submodules compute the query, the attention output block and the feed-forward block; the attention of row 0
 is written here (softmax attention, the same math as both of Hugging Face's kernels; its dropout mask is drawn
-here, on the [B, T, H] probabilities).
+here, on the [B, T, H] probabilities). The key and value projections are read as weights, so the layer runs
+whole when they carry forward hooks or are not plain ``nn.Linear`` modules (`plain`).
 
 `models.first_token_ok` checks a model once (see there) before this path is used: that its head reads nothing
 but row 0, and that this layer gives the full layer's row 0.
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["supported", "forward"]
+__all__ = ["supported", "forward", "plain"]
 
 _ATTENTION = ("sdpa", "eager")
 
@@ -92,6 +93,26 @@ def _layout_ok(layout):
             and isinstance(getattr(a, "dropout", None), nn.Dropout) and hasattr(a, "scaling"))
 
 
+_PLAIN_TYPES = (nn.Linear, nn.LayerNorm, nn.Dropout)
+
+
+def _user_hooks(hooks) -> bool:
+    """Whether `hooks` holds any hook but Hugging Face's output recorders (installed on the model once outputs
+    are requested; they record nothing unless a call requests outputs, and cat_fast's passes do not)."""
+    return any(not (getattr(h, "__module__", None) or "").startswith("transformers.utils.") for h in hooks.values())
+
+
+def plain(*modules: nn.Module) -> bool:
+    """Whether code that reads these modules' weights (instead of calling them) computes what calling them
+    would: each is exactly a torch.nn Linear / LayerNorm / Dropout or a container of no other behaviour, and
+    neither they nor any module (global hooks) has forward hooks that a call would run."""
+    mm = nn.modules.module
+    if any(_user_hooks(getattr(mm, name, {})) for name in ("_global_forward_hooks", "_global_forward_pre_hooks")):
+        return False
+    return all(not _user_hooks(m._forward_hooks) and not _user_hooks(m._forward_pre_hooks)
+               and (type(m) in _PLAIN_TYPES or not isinstance(m, _PLAIN_TYPES)) for m in modules)
+
+
 def supported(layer: nn.Module) -> bool:
     """Whether `layer` has a layout this module knows (see the module docstring)."""
     layout = _layout(layer)
@@ -116,8 +137,8 @@ def forward(layer: nn.Module, args, kwargs, fill: float | None = None):
     (detached; nothing reads them) or, with `fill`, that constant; None when the layer or this call cannot be
     handled (then run the layer itself)."""
     layout = _layout(layer)
-    if layout is None or not _layout_ok(layout):
-        return None
+    if layout is None or not _layout_ok(layout) or not plain(layout.key, layout.value):
+        return None  # the key and value projections are read as weights here, never called
     found = _call_arguments(args, kwargs)
     if found is None or not isinstance(found[0], torch.Tensor) or found[0].dim() != 3:
         return None

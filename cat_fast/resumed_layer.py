@@ -23,8 +23,10 @@ statistics summed in another order; input gradients summed in fp32 before any ro
 on the CPU, to 16-bit rounding under autocast (tested).
 
 Supported: the Bert layout that `first_token_layer` knows (BERT, RoBERTa, ELECTRA, XLM-R, MiniLM) with SDPA
-attention and ``attention.output`` / ``output`` blocks of dense, dropout and LayerNorm; calls without
-cross-attention inputs or caches. `forward` returns None for anything else, and the layer itself runs.
+attention and ``attention.output`` / ``output`` blocks of dense, dropout and LayerNorm, all plain torch.nn modules
+without forward hooks (a hook, e.g. one that masks neurons, must see the call it hooks: such a layer runs itself);
+calls without cross-attention inputs or caches. `forward` returns None for anything else, and the layer itself
+runs.
 """
 from __future__ import annotations
 
@@ -51,7 +53,9 @@ def supported(layer: nn.Module) -> bool:
     if parts is None or not first_token_layer.supported(layer):
         return False
     sa, so, inter, out = parts
+    inner = [m for m in layer.modules() if m is not layer and m is not getattr(inter, "intermediate_act_fn", None)]
     return (getattr(sa.config, "_attn_implementation", None) == "sdpa"
+            and first_token_layer.plain(*inner)  # the layer's parts are read, not called: no hooks, plain types
             and all(isinstance(getattr(m, "dense", None), nn.Linear) for m in (so, inter, out))
             and all(isinstance(getattr(m, "LayerNorm", None), nn.LayerNorm) for m in (so, out))
             and all(isinstance(getattr(m, "dropout", None), nn.Dropout) for m in (so, out))

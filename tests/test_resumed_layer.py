@@ -229,3 +229,73 @@ def test_fused_layer_is_not_used_without_autocast_or_for_fp64(monkeypatch):
     y_own = _own(layer.eval(), x, mask)
     torch.testing.assert_close(resumed_layer.forward(layer, (x, mask), {}), y_own, rtol=1e-6, atol=1e-6)
     assert calls == []  # fp32 compute: the composed path
+
+
+def _mask_neurons(module, args, output):
+    out = output.clone()
+    out[..., : out.shape[-1] // 2] = 0
+    return out
+
+
+def test_hooked_or_replaced_parts_run_the_layer_itself():
+    # The resumed layer reads its parts' weights instead of calling them: a forward hook (e.g. neuron masking), a
+    # global hook or a Linear subclass anywhere in the layer makes it step aside, so the hook sees its call.
+    model, layer, mask = _layer_and_mask("bert")
+    x = torch.randn(4, 9, 32, dtype=torch.float64)
+    handle = layer.intermediate.dense.register_forward_hook(_mask_neurons)
+    assert not resumed_layer.supported(layer) and resumed_layer.forward(layer, (x, mask), {}) is None
+    handle.remove()
+    assert resumed_layer.supported(layer)
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, a: None)
+    assert not resumed_layer.supported(layer)
+    handle.remove()
+
+    class Scaled(torch.nn.Linear):
+        def forward(self, t):
+            return 2 * super().forward(t)
+
+    scaled = Scaled(32, 32).double()
+    scaled.load_state_dict(layer.attention.output.dense.state_dict())
+    layer.attention.output.dense = scaled
+    assert not resumed_layer.supported(layer)
+
+
+def test_hugging_face_output_recorders_do_not_count_as_hooks():
+    # Asking a model for hidden states or attentions once installs Hugging Face's recording hooks for good; they
+    # record nothing in cat_fast's passes, so the resumed layer still runs.
+    model, layer, mask = _layer_and_mask("bert")
+    batch = tiny_batch("bert")
+    model(**models.model_inputs(batch), output_attentions=True, output_hidden_states=True)
+    if not any(m._forward_hooks for m in layer.modules()):
+        pytest.skip("this transformers version installs no output recorders")
+    assert resumed_layer.supported(layer)
+
+
+def test_first_token_layer_steps_aside_for_hooked_keys():
+    from cat_fast import first_token_layer
+
+    model, layer, mask = _layer_and_mask("bert")
+    x = torch.randn(4, 9, 32, dtype=torch.float64)
+    assert first_token_layer.forward(layer, (x, mask), {}) is not None
+    handle = layer.attention.self.key.register_forward_hook(_mask_neurons)
+    assert first_token_layer.forward(layer, (x, mask), {}) is None
+    handle.remove()
+
+
+def test_cat_step_honours_a_neuron_masking_hook():
+    # A hook that masks neurons of an upper layer: the CAT step (train mode, CAL on) equals the one with the model's
+    # own layers, which call the hooked module, and differs from the unhooked step.
+    results = []
+    for fast, hooked in ((True, True), (False, True), (True, False)):
+        model = tiny_model("bert", attn="sdpa", dtype=torch.float64, num_layers=4, hidden_dropout_prob=0.3,
+                           attention_probs_dropout_prob=0.3).train()
+        if hooked:
+            for layer in models.structure(model).layer_modules[2:]:
+                layer.intermediate.dense.register_forward_hook(_mask_neurons)
+        cat = CAT(model, layers=[1], adv_steps=2, adv_lr=0.5, generator=torch.Generator().manual_seed(5),
+                  fast_resume=fast)
+        torch.manual_seed(11)
+        loss, info = cat(tiny_batch("bert", batch=5))
+        results.append((loss.detach(), info["lambda_after"]))
+    torch.testing.assert_close(results[0], results[1], rtol=1e-10, atol=1e-12)
+    assert (results[0][0] - results[2][0]).abs() > 1e-7  # the hook matters (1e-10 above is the agreement)
