@@ -104,12 +104,14 @@ def _user_hooks(hooks) -> bool:
 
 def plain(*modules: nn.Module) -> bool:
     """Whether code that reads these modules' weights (instead of calling them) computes what calling them
-    would: each is exactly a torch.nn Linear / LayerNorm / Dropout or a container of no other behaviour, and
-    neither they nor any module (global hooks) has forward hooks that a call would run."""
+    would: each is exactly a torch.nn Linear / LayerNorm / Dropout or a container of no other behaviour, none has
+    its forward replaced on the instance, and neither they nor any module (global hooks) has forward hooks that a
+    call would run."""
     mm = nn.modules.module
     if any(_user_hooks(getattr(mm, name, {})) for name in ("_global_forward_hooks", "_global_forward_pre_hooks")):
         return False
     return all(not _user_hooks(m._forward_hooks) and not _user_hooks(m._forward_pre_hooks)
+               and "forward" not in m.__dict__  # a forward replaced on the instance (offloading wrappers, ...)
                and (type(m) in _PLAIN_TYPES or not isinstance(m, _PLAIN_TYPES)) for m in modules)
 
 

@@ -254,6 +254,12 @@ def test_hooked_or_replaced_parts_run_the_layer_itself():
         def forward(self, t):
             return 2 * super().forward(t)
 
+    dense = layer.intermediate.dense
+    dense.forward = lambda t: torch.nn.Linear.forward(dense, t)  # an instance-level forward (offloading wrappers)
+    assert not resumed_layer.supported(layer)
+    del dense.forward
+    assert resumed_layer.supported(layer)
+
     scaled = Scaled(32, 32).double()
     scaled.load_state_dict(layer.attention.output.dense.state_dict())
     layer.attention.output.dense = scaled
