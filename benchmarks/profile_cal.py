@@ -5,10 +5,11 @@ and batch.
     python benchmarks/profile_cal.py [--size 64x256] [--layer 9] [--reps 5]
 
 Prints the GPU time of one replay of each captured CUDA graph (CUDA events, host ahead), then the same passes
-run eagerly under torch.profiler: kernels summed by name and by kind. GPU only.
+run eagerly under torch.profiler (kernels summed by name and by kind), then one layer's forward + input-only
+backward per implementation (the model's own, `cat_fast.resumed_layer` fused and PyTorch-only, and the model's
+own at 3/4 of the tokens). GPU only.
 """
 import argparse
-import collections
 import os
 import sys
 
@@ -17,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import _harness as H  # noqa: E402
 from benchmarks import test_bench_step as S  # noqa: E402
-from benchmarks.profile_step import kind_of  # noqa: E402
+from benchmarks.profile_step import kernel_times  # noqa: E402
 
 
 def graphs_of(cat, layer):
@@ -51,14 +52,7 @@ def profile_kernels(fn, reps, label):
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    by_name, by_kind, count = collections.Counter(), collections.Counter(), collections.Counter()
-    for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        us = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
-        by_name[event.name] += us / reps
-        count[event.name] += 1 / reps
-        by_kind[kind_of(event.name)] += us / reps
+    by_name, count, by_kind, _ = kernel_times(prof, reps)
     total = sum(by_kind.values())
     print(f"\n== {label}: kernels {total / 1e3:.3f} ms per pass, {sum(count.values()):.0f} kernels")
     print("   by kind: " + ", ".join(f"{k} {v / 1e3:.3f}" for k, v in by_kind.most_common()))
@@ -166,7 +160,6 @@ def main():
     profile_kernels(cal_step, args.reps, f"eager CAL step, m={args.layer}, {args.size}")
     profile_kernels(final_forward, args.reps, f"eager final forward, m={args.layer}, {args.size}")
     layer_variants(model, args.size, args.reps)
-    del cat_fast
 
 
 if __name__ == "__main__":

@@ -40,6 +40,21 @@ def kind_of(name):
     return "elementwise/other"
 
 
+def kernel_times(prof, runs):
+    """(µs per run by kernel name, kernels per run by name, µs per run by kind, [(start, end, name)]) of the GPU
+    activities a torch.profiler session recorded over `runs` repetitions."""
+    by_name, count, by_kind, spans = collections.Counter(), collections.Counter(), collections.Counter(), []
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+        by_name[event.name] += us / runs
+        count[event.name] += 1 / runs
+        by_kind[kind_of(event.name)] += us / runs
+        spans.append((event.time_range.start, event.time_range.end, event.name))
+    return by_name, count, by_kind, spans
+
+
 def busy_time(spans):
     """(union length of the (start, end, name) intervals, last end - first start), in the spans' unit."""
     if not spans:
@@ -81,15 +96,8 @@ def profile(method, size, steps, trace_dir=None, host=False):
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    by_name, by_kind, launches, spans = collections.Counter(), collections.Counter(), 0, []
-    for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        us = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
-        by_name[event.name] += us / steps
-        by_kind[kind_of(event.name)] += us / steps
-        launches += 1
-        spans.append((event.time_range.start, event.time_range.end, event.name))
+    by_name, _, by_kind, spans = kernel_times(prof, steps)
+    launches = len(spans)
     total = sum(by_kind.values()) / 1e3
     busy, window = busy_time(spans)
     print(f"\n== {method} {size}: step {median_ms:.2f} ms (CUDA events, median of 10), "

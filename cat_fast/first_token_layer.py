@@ -122,7 +122,8 @@ def supported(layer: nn.Module) -> bool:
 
 
 def _call_arguments(args, kwargs):
-    """(hidden_states, attention_mask) of a layer call, or None when the call passes anything else."""
+    """(hidden_states [B, T, D], attention_mask: None or 4-D over T keys) of a layer call, or None when the call
+    passes anything else."""
     names = ("hidden_states", "attention_mask", "encoder_hidden_states")
     if len(args) > len(names):
         return None
@@ -131,7 +132,12 @@ def _call_arguments(args, kwargs):
     extra = {k: v for k, v in values.items() if k not in names[:2]}
     if any(v is not None and v is not False for v in extra.values()):
         return None  # cross-attention inputs, caches, attention outputs requested...
-    return values.get("hidden_states"), values.get("attention_mask")
+    x, mask = values.get("hidden_states"), values.get("attention_mask")
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return None
+    if mask is not None and (mask.dim() != 4 or mask.shape[-1] != x.shape[1]):
+        return None
+    return x, mask
 
 
 def forward(layer: nn.Module, args, kwargs, fill: float | None = None):
@@ -142,11 +148,9 @@ def forward(layer: nn.Module, args, kwargs, fill: float | None = None):
     if layout is None or not _layout_ok(layout) or not plain(layout.key, layout.value):
         return None  # the key and value projections are read as weights here, never called
     found = _call_arguments(args, kwargs)
-    if found is None or not isinstance(found[0], torch.Tensor) or found[0].dim() != 3:
+    if found is None:
         return None
     x, mask = found
-    if mask is not None and (mask.dim() != 4 or mask.shape[-1] != x.shape[1]):
-        return None
     B, T, _ = x.shape
     first = x[:, :1]
     q = layout.query(first)

@@ -125,11 +125,9 @@ def forward(layer: nn.Module, args, kwargs) -> torch.Tensor | None:
     if not supported(layer):
         return None
     found = first_token_layer._call_arguments(args, kwargs)
-    if found is None or not isinstance(found[0], torch.Tensor) or found[0].dim() != 3:
+    if found is None:
         return None
     hidden, mask = found
-    if mask is not None and (mask.dim() != 4 or mask.shape[-1] != hidden.shape[1]):
-        return None
     dtype = _compute_dtype(hidden)
     if _fused_ok(layer, hidden, dtype):
         if torch.is_grad_enabled() and hidden.requires_grad:
