@@ -268,8 +268,7 @@ def step_section(records):
         "GS first-order at h_0 (FLOP × (1) column): g is an input-only backward (~1 forward) and each perturbed pass "
         "a forward + full backward (3 forwards): central (2 passes) 10/3 = 3.33×, forward (1 pass) 7/3 = 2.33×.",
         "First-token last layer: (1f), (3), (3e), (3h), (5), (5f) and (6) run layer L of every pass for row 0 only "
-        "(the attention of row 0 over every token with the key and value projections folded into the query side, "
-        "the rest of the layer for row 0; same logits and gradients); their FLOP counts include it. (1), (2), (3f) "
+        "(keys and values of every token, the rest of the layer for row 0; same logits and gradients); their FLOP counts include it. (1), (2), (3f) "
         "and (4) run it whole.",
         "Model TFLOP/s = those FLOPs / step time.",
     ]

@@ -134,21 +134,18 @@ def model_flops(config, batch, tokens, method, m=None, adv_steps=ADV_STEPS, fina
     backward of those (~1 x forward: no weight-gradient matmuls), plus the final counterfactual forward of
     layers m+1..L. The methods in `FIRST_TOKEN_METHODS` run layer L of every pass (clean forward, CAL steps,
     final pass, GS passes) for the first token only (`cat_fast.first_token_layer`, `prune_last_layer`, the
-    default: row 0's Q, attention output and feed-forward, the K and V projections folded into the query side,
-    2 * D^2 per sample, and the attention's two [H, D] x [D, T] products); `plain`, `naive_cat`,
-    `cat_full_last` and `gs_exact` run it
-    whole. With the default detached CRM weight the final counterfactual pass has no backward (the
-    implementations run it without autograd); `final_backward=True` counts one anyway (2 x forward more), the
-    issue's formula. First-order GS at h_0 adds g (an input-only backward, ~1 x forward) and per perturbed pass
+    default: K and V of every token, row 0's Q, attention, attention output and feed-forward); `plain`,
+    `naive_cat`, `cat_full_last` and `gs_exact` run it whole. With the default detached CRM weight the final
+    counterfactual pass has no backward (the implementations run it without autograd); `final_backward=True`
+    counts one anyway (2 x forward more), the issue's formula. First-order GS at h_0 adds g (an input-only backward, ~1 x forward) and per perturbed pass
     a forward and a full backward (3 x forward): 2 passes (central) → 10/3 = 3.33x, 1 pass (forward) → 7/3 = 2.33x
     (of the same method's own forward). Embedding lookups, layer norms, softmax and elementwise work are not
     counted.
     """
     D, I, L, C = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.num_labels
-    H = config.num_attention_heads
     n_tok = batch * tokens
     layer = 2 * n_tok * (4 * D * D + 2 * D * I) + 4 * batch * tokens * tokens * D
-    first_token_layer = 2 * batch * (4 * D * D + 2 * D * I) + 4 * batch * H * tokens * D
+    first_token_layer = 2 * n_tok * 2 * D * D + 2 * batch * (2 * D * D + 2 * D * I) + 4 * batch * tokens * D
     last = first_token_layer if method in FIRST_TOKEN_METHODS else layer
     head = 2 * batch * (D * D + D * C)
     forward = (L - 1) * layer + last + head

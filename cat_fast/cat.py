@@ -70,9 +70,8 @@ First-token last layer (``prune_last_layer=True``, the default; sequence classif
 reads only row 0 of the last hidden state and its last layer has the Bert or DistilBERT layout (checked once per
 model, on the first batch, by `cat_fast.models.first_token_ready`), every pass of the step — the clean forward
 (and the warm-up / alternate-update ERM forwards), the CAL steps and the final counterfactual pass — runs layer L
-for the first token only: the attention of row 0 over all tokens (keys and values folded into the query side,
-never formed) and the rest of the layer for row 0. The logits, losses, λ-gradients and parameter gradients are
-the same, with ~1/160 of that layer's matmul FLOPs at T = 256. Both the clean and
+for the first token only: keys and values of all tokens, the rest of the layer for row 0. The logits, losses,
+λ-gradients and parameter gradients are the same, with ~1/6 of that layer's matmul FLOPs. Both the clean and
 the counterfactual passes run the same pruned layer, so in train mode the counterfactual passes still draw the
 clean forward's dropout masks in every layer and λ = 0 gives ω = 1 exactly. With ``gs_weight > 0`` the clean
 forward runs the full layer (its double backward needs the model's own attention); then that layer's dropout in

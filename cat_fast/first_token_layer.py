@@ -3,19 +3,23 @@ layout checks).
 
 A sequence classifier's head reads one row of the last layer's output: BERT's pooler, DistilBERT's
 pre-classifier, the RoBERTa / ELECTRA / XLM-R classification heads all take ``last_hidden_state[:, 0]``. The
-other T − 1 rows of the last layer are dead work: the last layer needs the attention of query row 0 over every
-token, then the attention output, both layer norms and the feed-forward block of row 0 only. With one query per
-head the keys and values of the T tokens need not be formed either (`_row_attention`: the key projection is
-folded into the query, the value projection applied after the weighted sum), so the layer costs a few small
-matmuls instead of its 12·T·D² (K and V alone were 4·T·D²).
+other T − 1 rows of the last layer are dead work: the last layer needs the keys and values of every token, then
+the attention of query row 0, the attention output, both layer norms and the feed-forward block of row 0 only
+(2·T·D² + 10·D² of the layer's 12·T·D² multiply-adds per sample, with the feed-forward width 4·D).
+
+The keys and values are formed by the layer's own projections and the attention is one SDPA call, on purpose:
+folding the key projection into the query and applying the value projection after the weighted sum (two
+[H, D] × [D, T] products per sample in place of the two T × D × D projections) was built and measured on an H100
+(`benchmarks/RESULTS.md`, item 24). Its dozen extra small fp32 ops and their backward cost 0.9 ms of host time
+per training call at 8 × 128 and 1.1 ms per call at 64 × 256, more than the FLOPs it saved.
 
 Supported layers (post-LN, SDPA or eager attention, a 4-D or absent attention mask): the Bert layout
 (``attention.self.{query,key,value}``, ``attention.output``, ``feed_forward_chunk``: BERT, RoBERTa, ELECTRA,
 XLM-R, CamemBERT, MiniLM) and DistilBERT's ``TransformerBlock``; anything else runs the full layer. The layer's
-own submodules compute the query, the attention output block and the feed-forward block; the attention of row 0
-is written here (softmax attention, the same math as both of Hugging Face's kernels; its dropout mask is drawn
-here, on the [B, T, H] probabilities). The key and value projections are read as weights, so the layer runs
-whole when they carry forward hooks or are not plain ``nn.Linear`` modules (`plain`).
+own submodules compute the query, key and value projections, the attention output block and the feed-forward
+block (so forward hooks on them run, on the rows computed); the attention of row 0 is SDPA with the layer's
+mask, scale and dropout probability (the same math as both of Hugging Face's kernels). `plain` is the check of
+the layer that reads modules' weights instead of calling them (`cat_fast.resumed_layer`).
 
 `models.first_token_ok` checks a model once (see there) before this path is used: that its head reads nothing
 but row 0, and that this layer gives the full layer's row 0.
@@ -145,55 +149,25 @@ def forward(layer: nn.Module, args, kwargs, fill: float | None = None):
     (detached; nothing reads them) or, with `fill`, that constant; None when the layer or this call cannot be
     handled (then run the layer itself)."""
     layout = _layout(layer)
-    if layout is None or not _layout_ok(layout) or not plain(layout.key, layout.value):
-        return None  # the key and value projections are read as weights here, never called
+    if layout is None or not _layout_ok(layout):
+        return None
     found = _call_arguments(args, kwargs)
     if found is None:
         return None
     x, mask = found
     B, T, _ = x.shape
+    heads, width = layout.heads, layout.width
     first = x[:, :1]
-    q = layout.query(first)
+    q = layout.query(first).view(B, 1, heads, width).transpose(1, 2)
+    k = layout.key(x).view(B, T, heads, width).transpose(1, 2)
+    v = layout.value(x).view(B, T, heads, width).transpose(1, 2)
     if mask is not None and mask.shape[-2] != 1:
         mask = mask[:, :, :1]
-    context = _row_attention(layout, x, q, mask)
-    row = layout.finish(context, first)
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(q.dtype)
+    attention = layout.attention
+    p = attention.dropout.p if attention.training else 0.0
+    context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=attention.scaling)
+    row = layout.finish(context.transpose(1, 2).reshape(B, 1, heads * width), first)
     rest = x[:, 1:].detach() if fill is None else torch.full_like(x[:, 1:], fill)
     return torch.cat([row, rest.to(row.dtype)], dim=1)
-
-
-def _row_attention(layout, x, q, mask):
-    """Softmax attention of query row 0 (`q`, [B, 1, D]) over all T tokens of `x`, [B, 1, D] in `q`'s dtype.
-
-    The keys and values are never formed: with one query per head, ``q_h · (x_t W_k,h^T + b_k,h)`` equals
-    ``x_t · (W_k,h^T q_h)`` plus ``q_h · b_k,h``, the same for every key, and
-    ``Σ_t p_t (x_t W_v,h^T + b_v,h)`` equals ``(Σ_t p_t x_t) W_v,h^T + (Σ_t p_t) b_v,h``. So two batched matmuls
-    with x (B·H·T·D multiply-adds each) replace the K and V projections of every token (2·B·T·D² each, and their
-    backward), in the accumulation dtype (float32, float64 for float64 inputs) with autocast off."""
-    B, T, D = x.shape
-    heads, width = layout.heads, layout.width
-    attention, key, value = layout.attention, layout.key, layout.value
-    acc = torch.promote_types(x.dtype, torch.float32)
-    with torch.autocast(x.device.type, enabled=False):  # few ops: at small batches a step is bound by the host
-        xs = x.to(acc)
-        q_heads = q.to(acc).view(B, heads, width).transpose(0, 1)  # [H, B, W]
-        query_keys = torch.bmm(q_heads, key.weight.to(acc).view(heads, width, D)).transpose(0, 1)  # [B, H, D]
-        # scores [B, T, H], x the left operand (both products hand back x's gradient in x's own layout); the key
-        # bias adds q_h · b_k,h to every key alike, kept so that the bias gets its gradient
-        if key.bias is None:
-            scores = torch.bmm(xs, query_keys.transpose(1, 2)) * attention.scaling
-        else:
-            shift = torch.bmm(q_heads, key.bias.to(acc).view(heads, width, 1)).permute(1, 2, 0)  # [B, 1, H]
-            scores = torch.baddbmm(shift, xs, query_keys.transpose(1, 2), beta=attention.scaling,
-                                   alpha=attention.scaling)
-        if mask is not None:
-            mask = mask.reshape(mask.shape[0], mask.shape[1], T).transpose(1, 2)
-            scores = torch.where(mask, scores, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(acc)
-        probs = torch.softmax(scores, dim=1)
-        if attention.training and attention.dropout.p > 0:
-            probs = F.dropout(probs, attention.dropout.p, training=True)
-        pooled = torch.bmm(probs.transpose(1, 2), xs).transpose(0, 1)  # [H, B, D]
-        context = torch.bmm(pooled, value.weight.to(acc).view(heads, width, D).transpose(1, 2))  # [H, B, W]
-        if value.bias is not None:
-            context = torch.addcmul(context, probs.sum(1).t().unsqueeze(-1), value.bias.to(acc).view(heads, 1, width))
-    return context.transpose(0, 1).reshape(B, 1, heads * width).to(q.dtype)

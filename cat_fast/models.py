@@ -52,9 +52,8 @@ Dropout (train mode).
 
 First-token last layer (``resume(..., first_token=True)``).
     When the head reads only row 0 of the last layer's output (sequence classifiers with a [CLS] pooler or
-    head), the last layer is run for that row only: its attention over every token with the key and value
-    projections folded into the query side, everything else for row 0 (`cat_fast.first_token_layer`; Bert and
-    DistilBERT layouts). Rows 1.. of the returned last hidden state are
+    head), the last layer is run for that row only: keys and values of every token, everything else for row 0
+    (`cat_fast.first_token_layer`; Bert and DistilBERT layouts). Rows 1.. of the returned last hidden state are
     then the last layer's INPUT rows, not its output. `first_token_ok` decides, once per model, whether this is exact:
     the layer must have the supported layout and, on a real batch in eval mode without autocast, the resumed
     logits must not change when rows 1.. are NaN and must equal the full layer's (rtol 1e-4 for float32

@@ -277,15 +277,22 @@ def test_hugging_face_output_recorders_do_not_count_as_hooks():
     assert resumed_layer.supported(layer)
 
 
-def test_first_token_layer_steps_aside_for_hooked_keys():
+def test_first_token_layer_runs_hooks_of_its_projections():
+    # The first-token layer calls the layer's own projections (it reads no weights): a neuron-masking hook on the
+    # keys acts on it as on the model's layer (eval mode: no dropout draws to compare).
     from cat_fast import first_token_layer
 
     model, layer, mask = _layer_and_mask("bert")
+    layer.eval()
     x = torch.randn(4, 9, 32, dtype=torch.float64)
-    assert first_token_layer.forward(layer, (x, mask), {}) is not None
+    plain_row = first_token_layer.forward(layer, (x, mask), {})[:, 0]
     handle = layer.attention.self.key.register_forward_hook(_mask_neurons)
-    assert first_token_layer.forward(layer, (x, mask), {}) is None
-    handle.remove()
+    try:
+        row = first_token_layer.forward(layer, (x, mask), {})[:, 0]
+        torch.testing.assert_close(row, _own(layer, x, mask)[:, 0], rtol=1e-12, atol=1e-12)
+    finally:
+        handle.remove()
+    assert (row - plain_row).abs().max() > 1e-6  # the hook matters
 
 
 def test_cat_step_honours_a_neuron_masking_hook():
