@@ -32,7 +32,11 @@ Modes:
   (double backward). An attention kernel without double backward (sdpa flash / memory-efficient / cuDNN on GPU,
   flash on CPU) is detected right away by inspecting the graph of ``g`` and raises a one-line ``RuntimeError``
   that says how to fix it (`DOUBLE_BACKWARD_HINT`). `double_backward_error` maps PyTorch's own message the same
-  way, for a ``backward()`` that fails later.
+  way, for a ``backward()`` that fails later. For the pooled representation with a linear head (BERT, DistilBERT,
+  ALBERT, DeBERTa-v2), ``g = W[y_j]`` in closed form (checked once against autograd on the first call); from the
+  second call on CUDA the counterfactual-target loss and its weight gradient are one Triton kernel after the
+  forward (`cat_fast.triton.pooled_gs_loss`), in place of ~45 small ops whose host time a small-batch step waits
+  for.
 * ``mode="first_order"`` (SPEC §2): ``g`` without a graph; ``u = ∂L_GS/∂g`` from the op's backward; the parameter
   term ``∇_θ(uᵀ∇_x f_c)`` is replaced by ``∇_θ Σ_i [f_c(x_i + ε_i u_i) − f_c(x_i − ε_i u_i)] / (2 ε_i)`` (``x`` not
   detached, so the lower layers get their term too), with ``ε_i = eps · ‖x_i‖ / ‖u_i‖`` per sample (the
@@ -45,8 +49,8 @@ Modes:
   O(ε) instead of O(ε²).
   ``prune_last_layer=True`` (default): in first-order mode and for the pooled representation, every pass (the
   clean forward and the perturbed passes) runs the last layer for the first token only when the model allows it
-  (`cat_fast.models.first_token_ready`; the CAT module docstring): the same values with a small fraction of that
-  layer's matmuls, and the perturbed passes still draw the clean forward's dropout masks. Exact mode at a token-level
+  (`cat_fast.models.first_token_ready`; the CAT module docstring): the same values with ~1/6 of that layer's
+  matmuls, and the perturbed passes still draw the clean forward's dropout masks. Exact mode at a token-level
   representation runs the full layer (its double backward needs the model's own attention).
   ``low_memory=True`` (default): the perturbed passes run inside the caller's ``loss.backward()``, when the
   gradient of x is complete, one after the other — the clean graph above x is freed by then, so at most one
@@ -146,6 +150,27 @@ def _parse_representation(rep):
     raise ValueError(f"representation must be 'pooled', 'layer:K' or an int K, got {rep!r}")
 
 
+def _partners(pairs, labels):
+    """(partner index clamped at 0, the partner's label, whether the row has a counterfactual partner) [B]."""
+    partner = pairs.clamp_min(0)
+    partner_labels = labels.index_select(0, partner)
+    return partner, partner_labels, (pairs >= 0) & (partner_labels != labels)
+
+
+_FUSED = []
+
+
+def _fused_kernel():
+    """`cat_fast.triton.pooled_gs_loss`, or None when Triton cannot be imported."""
+    if not _FUSED:
+        try:
+            from .triton import pooled_gs_loss
+        except ImportError:
+            pooled_gs_loss = None
+        _FUSED.append(pooled_gs_loss)
+    return _FUSED[0]
+
+
 def _weighted_cosine_loss(g, g_hat, weights, weight_sum, eps=1e-8):
     """``Σ_i weights_i (1 − cos(g_i, ĝ_i)) = Σ_i weights_i − weights · cos`` for [B, D] rows, norms clamped below
     at eps, in the dtype of `g` (float32 for 16-bit `g_hat`): `gs_cosine_loss` then `masked_mean`, with one
@@ -215,17 +240,18 @@ class GradientSupervision:
         if self.random_pairs:
             pairs = _random_pairs(B, device, self.generator)
         pairs = pairs.to(device=device, dtype=torch.long)
-        partner = pairs.clamp_min(0)
-        partner_labels = labels.index_select(0, partner)
-        valid = (pairs >= 0) & (partner_labels != labels)
 
         pooled = self.layer is None
         with torch.enable_grad():
             exact = self.mode == "exact"
-            # Pooled, exact, linear head (checked on the first call): g = W[y_j] is known before the forward, and
-            # the rest is a handful of ops on [B, D]. At the forward's end the GPU waits for the host, so the
-            # host work is done before it (where it overlaps the previous step's GPU work) or kept minimal after.
-            early = self._pooled_closed_form(partner_labels, valid) if pooled and exact else None
+            fused = pooled and exact and self._fused_ready(labels)
+            # Pooled, exact, linear head (checked on the first call): g = W[y_j] is known before the forward. On
+            # CUDA the whole loss is one kernel after the forward (`triton.pooled_gs_loss`); else g and the row
+            # weights are computed before the forward (where the host work overlaps the previous step's GPU work).
+            partner = partner_labels = valid = early = None
+            if not fused:
+                partner, partner_labels, valid = _partners(pairs, labels)
+                early = self._pooled_closed_form(partner_labels, valid) if pooled and exact else None
             prune = (self.prune_last_layer and (pooled or not exact)
                      and models.first_token_ready(self.model, batch))
             cap = models.capture(self.model, batch, None if pooled else self.layer, pooled=pooled, rng=not exact,
@@ -234,6 +260,14 @@ class GradientSupervision:
             logits = models.logits_of(cap.outputs)
             z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
             ce = F.cross_entropy(z, labels)
+            kernel = _fused_kernel() if fused else None  # fused: the head is an nn.Linear
+            if (kernel is not None and self._pooled_dtype == x.dtype
+                    and kernel.supported(self.model_structure.head.weight, x)):
+                gs, pairs_used = kernel.pooled_gs_loss(self.model_structure.head.weight, x, pairs, labels)
+                info = {"ce_loss": ce.detach(), "gs_loss": gs.detach(), "gs_pairs": pairs_used.to(ce.dtype)}
+                return torch.add(ce, gs, alpha=self.weight), info
+            if partner is None:
+                partner, partner_labels, valid = _partners(pairs, labels)
             g_hat = (x.index_select(0, partner) - x).detach()
             if early is not None and self._pooled_dtype == x.dtype:
                 g, weights, weight_sum, pairs_used = early
@@ -259,6 +293,12 @@ class GradientSupervision:
                 loss = ce + self.weight * (gs.detach() + term)
         info = {"ce_loss": ce.detach(), "gs_loss": gs.detach(), "gs_pairs": valid.sum().to(ce.dtype)}
         return loss, info
+
+    def _fused_ready(self, labels):
+        """Whether the pooled exact loss can run as one kernel (`triton.pooled_gs_loss`): the closed form checked
+        on an earlier call, the counterfactual target, CUDA tensors and Triton importable."""
+        return (self._closed_form is True and self.target == "counterfactual" and self._pooled_dtype is not None
+                and labels.is_cuda and _fused_kernel() is not None)
 
     def _pooled_closed_form(self, partner_labels, valid):
         """``(g, row weights, their sum, number of pairs)`` of the pooled exact loss, computed before the forward

@@ -9,8 +9,9 @@ the kernel-op schemas in ``csrc/ops.cpp`` (contracts: ``docs/KERNELS.md``):
 - ``crm_loss``: ``crm_loss_forward``, ``crm_loss_backward``
 - ``gs_cosine_loss``: ``gs_row_dots``, ``gs_row_combine``
 
-and one kernel pair that is not an op backend: ``residual_layer_norm`` (residual add + LayerNorm forward and
-input-only backward, for `cat_fast.resumed_layer`).
+and kernels that are not op backends: ``residual_layer_norm`` (residual add + LayerNorm forward and input-only
+backward, for `cat_fast.resumed_layer`) and ``pooled_gs_loss`` (gradient supervision on the pooled representation
+of a linear head, loss and weight gradient in one launch, for `cat_fast.gs`).
 
 Importing a submodule imports triton; this package file itself imports nothing.
 """
