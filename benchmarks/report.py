@@ -257,9 +257,10 @@ def step_section(records):
         "Step = forward, loss, backward, AdamW step, zero_grad; bf16 autocast; median of "
         f"{timer} over {steps[0].get('timed_steps', '?')} steps after {steps[0].get('warmup_steps', '?')} warm-up steps. "
         "Peak memory = torch.cuda.max_memory_allocated over the timed steps (weights, grads, AdamW state included). "
-        "`paired time × (1)`: the method and a plain SDPA step on a second model, timed in alternating blocks right "
-        "after (8 rounds); median method / median plain of that pair (both medians in parentheses). The small-batch "
-        "steps are host-bound and drift between cases; the pair shares the drift. The targets are read on it.",
+        "`paired time × (1)`: the method and a plain SDPA step on a second model, timed right after, interleaved "
+        "in blocks of 2 steps (20 rounds, the order flipped every round; steady state, one synchronisation at the "
+        "end); median method / median plain of that pair (both medians in parentheses). The small-batch steps are "
+        "host-bound and the host's speed drifts; the pair shares the drift. The targets are read on it.",
         "FLOP × (1): matmul FLOPs from the config (forward 2·params·tokens + attention 4·B·T²·D·L, backward 2×), "
         "CAT adds per CAL step a forward + input-only backward of layers m+1..L (m = 9, the mean of {8, 9, 10}) and "
         "the final counterfactual forward, which runs without autograd (detached CRM weight). Counting a backward "

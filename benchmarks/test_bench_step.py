@@ -26,8 +26,9 @@ bf16 autocast, AdamW (fused on CUDA), B x T = 8x128, 32x128, 64x256; each sample
 
 Timing: >= 5 warm-up steps, then CUDA events around each of <= 25 timed steps (CAT_FAST_BENCH_STEP_WARMUP,
 CAT_FAST_BENCH_STEP_STEPS; defaults 5 and 20), median reported. Then, for every method but plain, a paired
-measurement: a plain SDPA step on its own model is built beside it and the two are timed in alternating blocks (8
-rounds of steps/4 each, after warm-up: twice the timed steps of each); `paired_ratio` = median method / median
+measurement: a plain SDPA step on its own model is built beside it and the two are timed interleaved (20 rounds
+of blocks of 2 steps each, the order flipped every round, after warm-up: twice the timed steps of each, in steady
+state: CUDA events around every step, one synchronisation at the end); `paired_ratio` = median method / median
 plain of that pair. CAT draws its mixing layer m from {8, 9, 10} at every step, and a step at m = 8 resumes twice
 the layers of one at m = 10, so its step times form three modes: the CAT cases also record the median step per
 drawn layer (`step_by_layer`, `paired_by_layer`: {m: [median ms, calls]}) and their mean over the layers
@@ -358,21 +359,46 @@ def time_steps(step, warmup, steps):
     return statistics.median(times), min(times), peak, by_layer(times, layers)
 
 
-def time_paired(step, plain_step, warmup, steps, rounds=8):
-    """(median of `step`, median of a plain step, `step`'s by_layer) timed in alternating blocks (same process,
-    same minutes): the small-batch steps are host-bound and drift by up to ±20 % between runs, the pair does not."""
+class _HostMark:
+    """CPU stand-in for a CUDA timing event."""
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) * 1e3
+
+
+def _mark():
+    return torch.cuda.Event(enable_timing=True) if DEVICE == "cuda" else _HostMark()
+
+
+def time_paired(step, plain_step, warmup, steps, rounds=20):
+    """(median of `step`, median of a plain step, `step`'s by_layer), the two interleaved in blocks of
+    ``2 * steps // rounds`` steps, the order flipped every round, in steady state: events around every step and
+    one synchronisation at the end. The small-batch steps are host-bound, and the host's speed drifts (the same
+    plain step read 32 and 23 ms a minute apart in one process on an H100 host): a fine interleave puts the drift
+    on both steps alike."""
     for _ in range(warmup):
         plain_step()
         step()
     _sync()
-    per_round = max(1, steps // 4)
-    times, layers, plain_times = [], None, []
-    for _ in range(rounds):
-        plain_times += _timed_block(plain_step, per_round)
-        t, m = _timed_layers(step, per_round)
-        times += t
-        layers = None if m is None else (layers or []) + m
-    return statistics.median(times), statistics.median(plain_times), by_layer(times, layers)
+    per_round = max(1, (2 * steps) // rounds)
+    layers = getattr(step, "layers", None)
+    seen = len(layers) if layers is not None else 0
+    marks = {step: [], plain_step: []}
+    for r in range(rounds):
+        for fn in ((plain_step, step) if r % 2 == 0 else (step, plain_step)):
+            for _ in range(per_round):
+                start, end = _mark(), _mark()
+                start.record()
+                fn()
+                end.record()
+                marks[fn].append((start, end))
+    _sync()
+    times, plain_times = ([s.elapsed_time(e) for s, e in marks[fn]] for fn in (step, plain_step))
+    return (statistics.median(times), statistics.median(plain_times),
+            by_layer(times, layers[seen:] if layers is not None else None))
 
 
 def _attn_for(method):
