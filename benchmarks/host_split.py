@@ -85,23 +85,9 @@ def sync_free(step):
         torch.cuda.synchronize()
 
 
-class _HostClock:
-    """Stand-in for CUDA events on the CPU smoke run."""
-
-    def __init__(self, **_):
-        self.t = None
-
-    def record(self):
-        self.t = time.perf_counter()
-
-    def elapsed_time(self, other):
-        return (other.t - self.t) * 1e3
-
-
 def block(step, n):
     """Per step: host ms per phase and the GPU period (ms between consecutive step starts on the stream)."""
-    event = torch.cuda.Event if S.DEVICE == "cuda" else _HostClock
-    events = [event(enable_timing=True) for _ in range(n + 1)]
+    events = [S._mark() for _ in range(n + 1)]
     host = []
     for k in range(n):
         events[k].record()
