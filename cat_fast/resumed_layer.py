@@ -213,29 +213,24 @@ def _fused_forward(layer, hidden, mask, dtype, saved):
         wi, wo2 = inter.dense.weight.to(dtype), out.dense.weight.to(dtype)
         q, k, v = (torch.addmm(m.bias.to(dtype), xb, w.t()).view(B, T, heads, width).transpose(1, 2)
                    for m, w in ((sa.query, wq), (sa.key, wk), (sa.value, wv)))
-        attn_mask = _sdpa_mask(mask, dtype)
-        if saved is not None:
+        track = saved is not None  # the backward differentiates SDPA and the activation on their own small graphs
+        if track:
             q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
-            with torch.enable_grad():
-                context = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p_attn,
-                                                         scale=sa.scaling)
-        else:
-            context = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p_attn,
+        with torch.set_grad_enabled(track):
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=_sdpa_mask(mask, dtype), dropout_p=p_attn,
                                                      scale=sa.scaling)
         rows = context.detach().transpose(1, 2).reshape(-1, D)
         a, keep1 = _dropout(torch.addmm(so.dense.bias.to(dtype), rows, wo.t()), p1)
         ln1, ln2 = so.LayerNorm, out.LayerNorm
         h1, h1b, mean1, rstd1 = rln.forward(a, x, ln1.weight, ln1.bias, ln1.eps, out16_dtype=dtype)
         inner = torch.addmm(inter.dense.bias.to(dtype), h1b.view(-1, D), wi.t())
-        if saved is not None:
+        if track:
             inner = inner.detach().requires_grad_(True)
-            with torch.enable_grad():
-                activated = inter.intermediate_act_fn(inner)
-        else:
+        with torch.set_grad_enabled(track):
             activated = inter.intermediate_act_fn(inner)
         o, keep2 = _dropout(torch.addmm(out.dense.bias.to(dtype), activated.detach(), wo2.t()), p2)
         y, _, mean2, rstd2 = rln.forward(o, h1, ln2.weight, ln2.bias, ln2.eps)
-    if saved is not None:
+    if track:
         saved.update(x=x, q=q, k=k, v=v, context=context, a=a, keep1=keep1, scale1=1.0 / (1.0 - p1), h1=h1,
                      mean1=mean1, rstd1=rstd1, inner=inner, activated=activated, o=o, keep2=keep2,
                      scale2=1.0 / (1.0 - p2), mean2=mean2, rstd2=rstd2, wq=wq, wk=wk, wv=wv, wo=wo, wi=wi, wo2=wo2,

@@ -16,14 +16,21 @@ __all__ = ["forward", "backward", "reference_forward", "reference_backward"]
 
 
 @triton.jit
-def _forward_kernel(branch_ptr, residual_ptr, weight_ptr, bias_ptr, y_ptr, y16_ptr, mean_ptr, rstd_ptr, D, eps,
-                    BLOCK: tl.constexpr, WRITE16: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _row_sum(branch_ptr, residual_ptr, row, D, BLOCK: tl.constexpr):
+    """(columns, their mask, the row's offset, float32 branch + residual) of one row."""
     cols = tl.arange(0, BLOCK)
     inside = cols < D
     base = row * D
     s = tl.load(branch_ptr + base + cols, mask=inside, other=0.0).to(tl.float32)
     s += tl.load(residual_ptr + base + cols, mask=inside, other=0.0).to(tl.float32)
+    return cols, inside, base, s
+
+
+@triton.jit
+def _forward_kernel(branch_ptr, residual_ptr, weight_ptr, bias_ptr, y_ptr, y16_ptr, mean_ptr, rstd_ptr, D, eps,
+                    BLOCK: tl.constexpr, WRITE16: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols, inside, base, s = _row_sum(branch_ptr, residual_ptr, row, D, BLOCK)
     mean = tl.sum(s, axis=0) / D
     centred = tl.where(inside, s - mean, 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=0) / D + eps)
@@ -41,11 +48,7 @@ def _forward_kernel(branch_ptr, residual_ptr, weight_ptr, bias_ptr, y_ptr, y16_p
 def _backward_kernel(grad_y_ptr, branch_ptr, residual_ptr, weight_ptr, mean_ptr, rstd_ptr, keep_ptr, grad_s_ptr,
                      grad_branch_ptr, D, scale, BLOCK: tl.constexpr, HAS_KEEP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    inside = cols < D
-    base = row * D
-    s = tl.load(branch_ptr + base + cols, mask=inside, other=0.0).to(tl.float32)
-    s += tl.load(residual_ptr + base + cols, mask=inside, other=0.0).to(tl.float32)
+    cols, inside, base, s = _row_sum(branch_ptr, residual_ptr, row, D, BLOCK)
     mean = tl.load(mean_ptr + row)
     rstd = tl.load(rstd_ptr + row)
     x_hat = tl.where(inside, (s - mean) * rstd, 0.0)
