@@ -302,23 +302,29 @@ def _free():
         torch.cuda.empty_cache()
 
 
+class _HostMark:
+    """CPU stand-in for a CUDA timing event."""
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) * 1e3
+
+
+def _mark():
+    return torch.cuda.Event(enable_timing=True) if DEVICE == "cuda" else _HostMark()
+
+
 def _timed_block(step, n):
     """Milliseconds of each of `n` calls of `step`: CUDA events on the GPU, perf_counter on the CPU."""
-    if DEVICE != "cuda":
-        out = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            step()
-            out.append((time.perf_counter() - t0) * 1e3)
-        return out
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    for start, end in zip(starts, ends):
+    marks = [(_mark(), _mark()) for _ in range(n)]
+    for start, end in marks:
         start.record()
         step()
         end.record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    _sync()
+    return [start.elapsed_time(end) for start, end in marks]
 
 
 def _timed_layers(step, n):
@@ -357,20 +363,6 @@ def time_steps(step, warmup, steps):
     times, layers = _timed_layers(step, steps)
     peak = torch.cuda.max_memory_allocated() / 2**20 if DEVICE == "cuda" else None
     return statistics.median(times), min(times), peak, by_layer(times, layers)
-
-
-class _HostMark:
-    """CPU stand-in for a CUDA timing event."""
-
-    def record(self):
-        self.t = time.perf_counter()
-
-    def elapsed_time(self, other):
-        return (other.t - self.t) * 1e3
-
-
-def _mark():
-    return torch.cuda.Event(enable_timing=True) if DEVICE == "cuda" else _HostMark()
 
 
 def time_paired(step, plain_step, warmup, steps, rounds=20):

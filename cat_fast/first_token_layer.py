@@ -18,8 +18,7 @@ Supported layers (post-LN, SDPA or eager attention, a 4-D or absent attention ma
 XLM-R, CamemBERT, MiniLM) and DistilBERT's ``TransformerBlock``; anything else runs the full layer. The layer's
 own submodules compute the query, key and value projections, the attention output block and the feed-forward
 block (so forward hooks on them run, on the rows computed); the attention of row 0 is SDPA with the layer's
-mask, scale and dropout probability (the same math as both of Hugging Face's kernels). `plain` is the check of
-the layer that reads modules' weights instead of calling them (`cat_fast.resumed_layer`).
+mask, scale and dropout probability (the same math as both of Hugging Face's kernels).
 
 `models.first_token_ok` checks a model once (see there) before this path is used: that its head reads nothing
 but row 0, and that this layer gives the full layer's row 0.
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["supported", "forward", "plain"]
+__all__ = ["supported", "forward"]
 
 _ATTENTION = ("sdpa", "eager")
 
@@ -95,28 +94,6 @@ def _layout_ok(layout):
             and getattr(config, "position_embedding_type", "absolute") == "absolute"
             and not getattr(a, "is_causal", False)
             and isinstance(getattr(a, "dropout", None), nn.Dropout) and hasattr(a, "scaling"))
-
-
-_PLAIN_TYPES = (nn.Linear, nn.LayerNorm, nn.Dropout)
-
-
-def _user_hooks(hooks) -> bool:
-    """Whether `hooks` holds any hook but Hugging Face's output recorders (installed on the model once outputs
-    are requested; they record nothing unless a call requests outputs, and cat_fast's passes do not)."""
-    return any(not (getattr(h, "__module__", None) or "").startswith("transformers.utils.") for h in hooks.values())
-
-
-def plain(*modules: nn.Module) -> bool:
-    """Whether code that reads these modules' weights (instead of calling them) computes what calling them
-    would: each is exactly a torch.nn Linear / LayerNorm / Dropout or a container of no other behaviour, none has
-    its forward replaced on the instance, and neither they nor any module (global hooks) has forward hooks that a
-    call would run."""
-    mm = nn.modules.module
-    if any(_user_hooks(getattr(mm, name, {})) for name in ("_global_forward_hooks", "_global_forward_pre_hooks")):
-        return False
-    return all(not _user_hooks(m._forward_hooks) and not _user_hooks(m._forward_pre_hooks)
-               and "forward" not in m.__dict__  # a forward replaced on the instance (offloading wrappers, ...)
-               and (type(m) in _PLAIN_TYPES or not isinstance(m, _PLAIN_TYPES)) for m in modules)
 
 
 def supported(layer: nn.Module) -> bool:

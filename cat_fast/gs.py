@@ -68,6 +68,7 @@ import torch.nn.functional as F
 
 from . import models
 from .ops import gs_cosine_loss
+from .triton import optional
 
 __all__ = ["GradientSupervision", "pair_by_group", "double_backward_error", "DOUBLE_BACKWARD_HINT"]
 
@@ -157,18 +158,14 @@ def _partners(pairs, labels):
     return partner, partner_labels, (pairs >= 0) & (partner_labels != labels)
 
 
-_FUSED = []
-
-
 def _fused_kernel():
     """`cat_fast.triton.pooled_gs_loss`, or None when Triton cannot be imported."""
-    if not _FUSED:
-        try:
-            from .triton import pooled_gs_loss
-        except ImportError:
-            pooled_gs_loss = None
-        _FUSED.append(pooled_gs_loss)
-    return _FUSED[0]
+    return optional("pooled_gs_loss")
+
+
+def _info(ce, gs, pairs_used):
+    """The detached 0-d tensors a call returns beside its loss."""
+    return {"ce_loss": ce.detach(), "gs_loss": gs.detach(), "gs_pairs": pairs_used.to(ce.dtype)}
 
 
 def _weighted_cosine_loss(g, g_hat, weights, weight_sum, eps=1e-8):
@@ -244,12 +241,12 @@ class GradientSupervision:
         pooled = self.layer is None
         with torch.enable_grad():
             exact = self.mode == "exact"
-            fused = pooled and exact and self._fused_ready(labels)
+            kernel = self._pooled_kernel(labels) if pooled and exact else None
             # Pooled, exact, linear head (checked on the first call): g = W[y_j] is known before the forward. On
             # CUDA the whole loss is one kernel after the forward (`triton.pooled_gs_loss`); else g and the row
             # weights are computed before the forward (where the host work overlaps the previous step's GPU work).
             partner = partner_labels = valid = early = None
-            if not fused:
+            if kernel is None:
                 partner, partner_labels, valid = _partners(pairs, labels)
                 early = self._pooled_closed_form(partner_labels, valid) if pooled and exact else None
             prune = (self.prune_last_layer and (pooled or not exact)
@@ -260,20 +257,17 @@ class GradientSupervision:
             logits = models.logits_of(cap.outputs)
             z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
             ce = F.cross_entropy(z, labels)
-            kernel = _fused_kernel() if fused else None  # fused: the head is an nn.Linear
-            if (kernel is not None and self._pooled_dtype == x.dtype
-                    and kernel.supported(self.model_structure.head.weight, x)):
-                gs, pairs_used = kernel.pooled_gs_loss(self.model_structure.head.weight, x, pairs, labels)
-                info = {"ce_loss": ce.detach(), "gs_loss": gs.detach(), "gs_pairs": pairs_used.to(ce.dtype)}
-                return torch.add(ce, gs, alpha=self.weight), info
+            head = self.model_structure.head  # an nn.Linear wherever `kernel` is set (the checked closed form)
+            if kernel is not None and self._pooled_dtype == x.dtype and kernel.supported(head.weight, x):
+                gs, pairs_used = kernel.pooled_gs_loss(head.weight, x, pairs, labels)
+                return torch.add(ce, gs, alpha=self.weight), _info(ce, gs, pairs_used)
             if partner is None:
                 partner, partner_labels, valid = _partners(pairs, labels)
             g_hat = (x.index_select(0, partner) - x).detach()
             if early is not None and self._pooled_dtype == x.dtype:
                 g, weights, weight_sum, pairs_used = early
                 gs = _weighted_cosine_loss(g, g_hat, weights, weight_sum)
-                info = {"ce_loss": ce.detach(), "gs_loss": gs.detach(), "gs_pairs": pairs_used}
-                return torch.add(ce, gs, alpha=self.weight), info
+                return torch.add(ce, gs, alpha=self.weight), _info(ce, gs, pairs_used)
             if pooled:
                 g = self._linear_head_gradient(cap, logits, labels, partner) if exact else None
                 if g is None:
@@ -291,14 +285,14 @@ class GradientSupervision:
                 gs, term = self._first_order(cap, x, g.detach(), g_hat, logits, labels, partner, valid, pooled,
                                               prune)
                 loss = ce + self.weight * (gs.detach() + term)
-        info = {"ce_loss": ce.detach(), "gs_loss": gs.detach(), "gs_pairs": valid.sum().to(ce.dtype)}
-        return loss, info
+        return loss, _info(ce, gs, valid.sum())
 
-    def _fused_ready(self, labels):
-        """Whether the pooled exact loss can run as one kernel (`triton.pooled_gs_loss`): the closed form checked
-        on an earlier call, the counterfactual target, CUDA tensors and Triton importable."""
-        return (self._closed_form is True and self.target == "counterfactual" and self._pooled_dtype is not None
-                and labels.is_cuda and _fused_kernel() is not None)
+    def _pooled_kernel(self, labels):
+        """`triton.pooled_gs_loss` when the pooled exact loss can run as one kernel (the closed form checked on an
+        earlier call, the counterfactual target, CUDA tensors, Triton importable), else None."""
+        ready = (self._closed_form is True and self.target == "counterfactual" and self._pooled_dtype is not None
+                 and labels.is_cuda)
+        return _fused_kernel() if ready else None
 
     def _pooled_closed_form(self, partner_labels, valid):
         """``(g, row weights, their sum, number of pairs)`` of the pooled exact loss, computed before the forward

@@ -36,6 +36,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from . import first_token_layer
+from .triton import optional
 
 __all__ = ["supported", "forward"]
 
@@ -55,11 +56,33 @@ def supported(layer: nn.Module) -> bool:
     sa, so, inter, out = parts
     inner = [m for m in layer.modules() if m is not layer and m is not getattr(inter, "intermediate_act_fn", None)]
     return (getattr(sa.config, "_attn_implementation", None) == "sdpa"
-            and first_token_layer.plain(*inner)  # the layer's parts are read, not called: no hooks, plain types
+            and plain(*inner)  # the layer's parts are read, not called: no hooks, plain types
             and all(isinstance(getattr(m, "dense", None), nn.Linear) for m in (so, inter, out))
             and all(isinstance(getattr(m, "LayerNorm", None), nn.LayerNorm) for m in (so, out))
             and all(isinstance(getattr(m, "dropout", None), nn.Dropout) for m in (so, out))
             and callable(getattr(inter, "intermediate_act_fn", None)))
+
+
+_PLAIN_TYPES = (nn.Linear, nn.LayerNorm, nn.Dropout)
+
+
+def _user_hooks(hooks) -> bool:
+    """Whether `hooks` holds any hook but Hugging Face's output recorders (installed on the model once outputs
+    are requested; they record nothing unless a call requests outputs, and cat_fast's passes do not)."""
+    return any(not (getattr(h, "__module__", None) or "").startswith("transformers.utils.") for h in hooks.values())
+
+
+def plain(*modules: nn.Module) -> bool:
+    """Whether code that reads these modules' weights (instead of calling them) computes what calling them
+    would: each is exactly a torch.nn Linear / LayerNorm / Dropout or a container of no other behaviour, none has
+    its forward replaced on the instance, and neither they nor any module (global hooks) has forward hooks that a
+    call would run."""
+    mm = nn.modules.module
+    if any(_user_hooks(getattr(mm, name, {})) for name in ("_global_forward_hooks", "_global_forward_pre_hooks")):
+        return False
+    return all(not _user_hooks(m._forward_hooks) and not _user_hooks(m._forward_pre_hooks)
+               and "forward" not in m.__dict__  # a forward replaced on the instance (offloading wrappers, ...)
+               and (type(m) in _PLAIN_TYPES or not isinstance(m, _PLAIN_TYPES)) for m in modules)
 
 
 def _fp32_mm_supported(device) -> bool:
@@ -177,17 +200,8 @@ def _fused_ok(layer, hidden, dtype) -> bool:
     return _triton_kernels() is not None
 
 
-_KERNELS = []
-
-
 def _triton_kernels():
-    if not _KERNELS:
-        try:
-            from .triton import residual_layer_norm
-        except ImportError:
-            residual_layer_norm = None
-        _KERNELS.append(residual_layer_norm)
-    return _KERNELS[0]
+    return optional("residual_layer_norm")
 
 
 def _dropout(x, p):

@@ -69,6 +69,17 @@ def test_strided_rows_and_a_zero_class_row():
 
 
 @needs_kernel
+def test_weight_with_a_row_stride():
+    # W as a view with row stride 100 > D: the gradient is still written as a contiguous [C, D].
+    weight, x, pairs, labels = _case(8, 40, 3, torch.float32, seed=6)
+    wide = torch.randn(3, 100, device=DEVICE)
+    wide[:, 7:47] = weight
+    got = pgl._launch(wide[:, 7:47], x, pairs, labels, 1e-8)
+    assert got[2].is_contiguous()
+    _check(got, pgl.reference(weight, x, pairs, labels), torch.float32)
+
+
+@needs_kernel
 def test_the_check_fails_on_a_wrong_kernel():
     # The comparison above can fail: a loss off by one row's term, or a gradient of the wrong class row, is caught.
     weight, x, pairs, labels = _case(16, 768, 2, torch.float32)

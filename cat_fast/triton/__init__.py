@@ -13,5 +13,16 @@ and kernels that are not op backends: ``residual_layer_norm`` (residual add + La
 backward, for `cat_fast.resumed_layer`) and ``pooled_gs_loss`` (gradient supervision on the pooled representation
 of a linear head, loss and weight gradient in one launch, for `cat_fast.gs`).
 
-Importing a submodule imports triton; this package file itself imports nothing.
+Importing a submodule imports triton; this package file itself does not (`optional` imports one on demand).
 """
+import functools
+import importlib
+
+
+@functools.cache
+def optional(name):
+    """The kernel module `name` of this package, or None when it cannot be imported (no Triton)."""
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ImportError:
+        return None

@@ -55,7 +55,7 @@ def _kernel(x_ptr, weight_ptr, pairs_ptr, labels_ptr, loss_ptr, count_ptr, grad_
     for i in range(B):
         partner, partner_label, valid = _pair(pairs_ptr, labels_ptr, i)
         mine = valid & (partner_label == c)
-        if valid & ((partner_label == c) | (c == 0)):  # program 0 sums the loss over every row
+        if mine | (valid & (c == 0)):  # program 0 sums the loss over every row
             x_i = tl.load(x_ptr + i * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
             x_j = tl.load(x_ptr + partner * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
             h = (x_j - x_i).to(dtype).to(tl.float32)
@@ -73,7 +73,7 @@ def _kernel(x_ptr, weight_ptr, pairs_ptr, labels_ptr, loss_ptr, count_ptr, grad_
                 a = -w / (g_norm * h_norm)
                 b = w * cos / (g_norm * tl.where(g_norm_raw > 0, g_norm_raw, 1.0))  # g = 0: cos = 0, so b = 0
                 grad += (a * h + b * g).to(dtype).to(tl.float32)
-    tl.store(grad_w_ptr + c * stride_w + cols, grad.to(grad_w_ptr.dtype.element_ty), mask=inside)
+    tl.store(grad_w_ptr + c * D + cols, grad.to(grad_w_ptr.dtype.element_ty), mask=inside)  # contiguous [C, D]
     if c == 0:
         tl.store(loss_ptr, loss)
         tl.store(count_ptr, count)
@@ -94,7 +94,7 @@ def _launch(weight, x, pairs, labels, eps):
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     loss = torch.empty((), device=x.device, dtype=torch.float32)
     count = torch.empty((), device=x.device, dtype=torch.float32)
-    grad_w = torch.empty(C, weight.shape[1], device=x.device, dtype=weight.dtype)
+    grad_w = torch.empty(C, D, device=x.device, dtype=weight.dtype)
     block = pow2_at_least(D)
     _kernel[(C,)](x, weight, pairs, labels, loss, count, grad_w, B, D, x.stride(0), weight.stride(0), float(eps),
                   BLOCK=block, num_warps=4 if block <= 2048 else 8)
@@ -123,18 +123,18 @@ def pooled_gs_loss(weight, x, pairs, labels, eps=1e-8):
 
 
 def reference(weight, x, pairs, labels, eps=1e-8):
-    """``(L, count, ∂L/∂W)`` by `cat_fast.gs`'s composite: g = W[y_j] rounded to x's dtype, F.cosine_similarity in
-    float32 (float64 for float64 x), autograd for ∂L/∂W."""
+    """``(L, count, ∂L/∂W)`` by `cat_fast.gs`'s composite (its partner and cosine helpers): g = W[y_j] rounded to
+    x's dtype, the cosine in float32 (float64 for float64 x), autograd for ∂L/∂W."""
+    from ..gs import _partners, _weighted_cosine_loss
+
     acc = torch.promote_types(x.dtype, torch.float32)
     weight = weight.detach().requires_grad_(True)
-    partner = pairs.clamp_min(0)
-    partner_labels = labels.index_select(0, partner)
-    valid = ((pairs >= 0) & (partner_labels != labels)).to(acc)
-    count = valid.sum()
-    rows = valid / count.clamp_min(1)
+    partner, partner_labels, valid = _partners(pairs, labels)
+    count = valid.to(acc).sum()
+    rows = valid.to(acc) / count.clamp_min(1)
     with torch.enable_grad():
         g = weight.index_select(0, partner_labels).to(x.dtype).to(acc)
-        g_hat = (x.index_select(0, partner) - x).detach().to(acc)
-        loss = rows.sum() - torch.dot(rows, torch.nn.functional.cosine_similarity(g, g_hat, dim=1, eps=eps))
+        g_hat = (x.index_select(0, partner) - x).detach()
+        loss = _weighted_cosine_loss(g, g_hat, rows, rows.sum(), eps)
         (grad_w,) = torch.autograd.grad(loss, weight)
     return loss.detach(), count, grad_w
