@@ -105,7 +105,8 @@ def block(step, n):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("methods", nargs="*", default=["plain", "plain_first_token", "gs_pooled", "gs_pooled_full"])
+    parser.add_argument("methods", nargs="*", default=["plain", "plain_first_token", "plain_training_layers", "gs_pooled",
+                                                         "gs_pooled_hf_layers"])
     parser.add_argument("--size", default="8x128")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=6)

@@ -23,11 +23,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 OP_ORDER = ("cmix", "cal_objective", "cal_step_", "crm_loss", "gs_cosine_loss")
 BACKEND_ORDER = ("triton", "cuda", "cpp", "reference", "compile")
-METHOD_ORDER = ("plain", "plain_first_token", "naive_cat", "cat", "cat_eager", "cat_full_last", "cat_hf_layers",
-                "gs_exact", "gs_first_order", "gs_first_order_fwd", "gs_pooled")
+METHOD_ORDER = ("plain", "plain_first_token", "plain_training_layers", "naive_cat", "cat", "cat_eager", "cat_full_last",
+                "cat_hf_layers", "gs_exact", "gs_first_order", "gs_first_order_fwd", "gs_pooled", "gs_pooled_hf_layers")
 METHOD_LABEL = {
     "plain": "(1) plain fine-tuning",
     "plain_first_token": "(1f) plain, first-token last layer",
+    "plain_training_layers": "(1t) plain, first-token last layer + training layers",
     "naive_cat": "(2) naive CAT (eager, reference ops)",
     "cat": "(3) cat_fast.CAT (CUDA-graph CAL)",
     "cat_eager": "(3e) cat_fast.CAT, cuda_graph=False",
@@ -37,6 +38,7 @@ METHOD_LABEL = {
     "gs_first_order": "(5) GS first-order central, token level (h_0)",
     "gs_first_order_fwd": "(5f) GS first-order forward, token level (h_0)",
     "gs_pooled": "(6) GS exact, pooled",
+    "gs_pooled_hf_layers": "(6h) GS exact, pooled, training_layers=False",
 }
 
 

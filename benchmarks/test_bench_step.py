@@ -7,6 +7,8 @@ bf16 autocast, AdamW (fused on CUDA), B x T = 8x128, 32x128, 64x256; each sample
 1f. `plain_first_token` the same through `cat_fast.models.first_token_forward` (the last layer for the first
                  token only, as every pass of `cat` and of the GS methods but `gs_exact` runs it): what the
                  first-token cut alone gives a plain step, so CAT's ratio to it is shown too.
+1t. `plain_training_layers` the same with `training_layers=True` (the other layers as `cat_fast.training_layer`,
+                 as the GS pooled clean forward runs them): what the host-light layer gives a plain step.
 2. `naive_cat`   SPEC §1 written directly in eager PyTorch with `cat_fast.reference` ops: lower layers once
                  with output_hidden_states, h_m = hidden_states[9]; layers 10..12 + pooler + classifier called
                  directly with the model's own (SDPA) mask; 3 CAL steps with torch.autograd.grad w.r.t. lambda
@@ -22,7 +24,10 @@ bf16 autocast, AdamW (fused on CUDA), B x T = 8x128, 32x128, 64x256; each sample
 5. `gs_first_order` the same with mode="first_order" and SDPA attention (SPEC's central difference, 2 passes).
 5f. `gs_first_order_fwd` the same with difference="forward" (one perturbed pass; the clean pass is reused).
 6. `gs_pooled`   `GradientSupervision(representation="pooled", mode="exact")` (the paper's text setting);
-                 SDPA (the double backward only crosses the head); falls back to eager if SDPA refuses.
+                 SDPA (the double backward only crosses the head); falls back to eager if SDPA refuses. Its clean
+                 forward runs `cat_fast.training_layer` (GS's default `training_layers=True`).
+6h. `gs_pooled_hf_layers` the same with `training_layers=False`: the model's own layers, for the training
+                 layer's effect side by side.
 
 Timing: >= 5 warm-up steps, then CUDA events around each of <= 25 timed steps (CAT_FAST_BENCH_STEP_WARMUP,
 CAT_FAST_BENCH_STEP_STEPS; defaults 5 and 20), median reported. Then, for every method but plain, a paired
@@ -56,12 +61,12 @@ from benchmarks import _harness as H
 
 pytestmark = [pytest.mark.benchmark(timer=H.virtual_clock), pytest.mark.bench_step]
 
-METHODS = ("plain", "plain_first_token", "naive_cat", "cat", "cat_eager", "cat_full_last", "cat_hf_layers",
-           "gs_exact", "gs_first_order", "gs_first_order_fwd", "gs_pooled")
+METHODS = ("plain", "plain_first_token", "plain_training_layers", "naive_cat", "cat", "cat_eager", "cat_full_last", "cat_hf_layers",
+           "gs_exact", "gs_first_order", "gs_first_order_fwd", "gs_pooled", "gs_pooled_hf_layers")
 CAT_METHODS = ("cat", "cat_eager", "cat_full_last", "cat_hf_layers")
 # Methods whose passes run the last layer for the first token only (`prune_last_layer=True`, the default).
-FIRST_TOKEN_METHODS = ("plain_first_token", "cat", "cat_eager", "cat_hf_layers", "gs_first_order", "gs_first_order_fwd",
-                       "gs_pooled")
+FIRST_TOKEN_METHODS = ("plain_first_token", "plain_training_layers", "cat", "cat_eager", "cat_hf_layers", "gs_first_order", "gs_first_order_fwd",
+                       "gs_pooled", "gs_pooled_hf_layers")
 GS_LONG_METHODS = ("plain", "gs_exact", "gs_first_order", "gs_first_order_fwd")  # the T = 512 size
 CAT_LAYERS = [8, 9, 10]
 NAIVE_LAYER = 9
@@ -185,10 +190,12 @@ def make_step(method, model, optimizer, batch, pairs):
             finish_step(loss)
         return step
 
-    if method == "plain_first_token":
+    if method in ("plain_first_token", "plain_training_layers"):
+        training_layers = method == "plain_training_layers"
+
         def step():
             with autocast():
-                logits = models.first_token_forward(model, batch).logits
+                logits = models.first_token_forward(model, batch, training_layers=training_layers).logits
                 loss = F.cross_entropy(logits.float(), batch["labels"])
             finish_step(loss)
         return step
@@ -214,9 +221,10 @@ def make_step(method, model, optimizer, batch, pairs):
         "gs_first_order": (0, "first_order", "central"),
         "gs_first_order_fwd": (0, "first_order", "forward"),
         "gs_pooled": ("pooled", "exact", "central"),
+        "gs_pooled_hf_layers": ("pooled", "exact", "central"),
     }[method]
     gs = cat_fast.GradientSupervision(model, weight=1.0, representation=representation, mode=mode,
-                                      difference=difference)
+                                      difference=difference, training_layers=method != "gs_pooled_hf_layers")
 
     def step():
         with autocast():
@@ -415,7 +423,7 @@ def measure_step(method, size):
             try:
                 median_ms, min_ms, peak, per_layer = time_steps(step, WARMUP, STEPS)
             except RuntimeError as error:
-                if method != "gs_pooled" or "double backward" not in str(error):
+                if not method.startswith("gs_pooled") or "double backward" not in str(error):
                     raise
                 # the pooled GS double backward crossed SDPA after all: measure with eager attention
                 model = optimizer = step = None

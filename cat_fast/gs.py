@@ -58,6 +58,10 @@ Modes:
   gradients are accumulated into ``.grad`` directly (scaled by the gradient that reaches the loss, so AMP loss
   scaling applies); ``torch.autograd.grad(loss, params)`` does not see them, and neither do DDP's gradient hooks
   in order: use ``low_memory=False`` (the passes as part of the loss's graph) for those.
+  ``training_layers=True`` (default): for the pooled representation, the clean forward runs the encoder layers
+  as `cat_fast.training_layer` where it supports them (Bert layout, SDPA): the same values, dropout draws and
+  gradients with a fraction of the host work of the model's own modules, which a small-batch step waits for (no
+  double backward through those layers; the pooled methods need none).
 """
 from __future__ import annotations
 
@@ -188,7 +192,7 @@ class GradientSupervision:
 
     def __init__(self, model, weight=1.0, representation="pooled", target="counterfactual", mode="exact",
                  random_pairs=False, eps=1e-3, generator=None, difference="central", low_memory=True,
-                 prune_last_layer=True):
+                 prune_last_layer=True, training_layers=True):
         st = models.structure(model)
         if st.task != "sequence_classification":
             raise ValueError(f"GradientSupervision supports *ForSequenceClassification models, got {st.model_class}")
@@ -215,6 +219,7 @@ class GradientSupervision:
         self.difference = difference
         self.low_memory = bool(low_memory)
         self.prune_last_layer = bool(prune_last_layer)
+        self.training_layers = bool(training_layers)
         self.model_structure = st
         self._closed_form = None  # pooled exact g: closed form for a linear head (None: not checked yet)
         self._pooled_dtype = None  # dtype of the pooled vector on the last call (that of the closed-form g)
@@ -252,7 +257,7 @@ class GradientSupervision:
             prune = (self.prune_last_layer and (pooled or not exact)
                      and models.first_token_ready(self.model, batch))
             cap = models.capture(self.model, batch, None if pooled else self.layer, pooled=pooled, rng=not exact,
-                                 first_token=prune)
+                                 first_token=prune, training_layers=pooled and self.training_layers)
             x = cap.pooled if pooled else cap.hidden
             logits = models.logits_of(cap.outputs)
             z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits

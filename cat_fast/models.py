@@ -80,7 +80,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import first_token_layer, resumed_layer
+from . import first_token_layer, resumed_layer, training_layer
 
 __all__ = [
     "ModelStructure",
@@ -362,7 +362,7 @@ def _check_trainable_forward(model, st):
 
 
 def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool = True,
-            first_token: bool = False, on_hidden=None) -> Capture:
+            first_token: bool = False, on_hidden=None, training_layers: bool = False) -> Capture:
     """Run the model's own forward once on `batch`, recording ``h_layer`` and what `resume` needs.
 
     `batch` may contain targets (`labels`, ...); they are not passed to the model. With ``pooled=True`` also
@@ -374,7 +374,9 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
     ``on_hidden(cap)``: called inside the forward as soon as ``h_layer`` exists (``layer < L``: when layer
     ``layer + 1`` is about to run, with `cap` filled up to there: ``hidden``, ``hidden_loc``, ``rng_state``,
     ``layer_outputs``, ``inputs``), so work that needs only ``h_layer`` can be queued on the GPU before the rest of
-    the forward. It must leave the RNG state as it found it.
+    the forward. It must leave the RNG state as it found it. ``training_layers=True``: the encoder layers run
+    `training_layer` where it supports them (see there: the same values, dropout draws and gradients, one autograd
+    node per layer; no double backward through them).
     """
     st = structure(model)
     _check_trainable_forward(model, st)
@@ -433,7 +435,7 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
         if pooled:
             handles.append(st.head.register_forward_pre_hook(head_pre, with_kwargs=True))
         prune = first_token and (layer is None or layer < L)
-        with _last_layer_first_token(model, st, inputs, prune):
+        with _training_layers(model, st, inputs, training_layers), _last_layer_first_token(model, st, inputs, prune):
             cap.outputs = model(**inputs)
     finally:
         for h in handles:
@@ -549,14 +551,56 @@ def _formatted(fmt, row):
     return kind((row,) + (None,) * (n - 1))
 
 
+# The format of a layer's output for `_training_layers` (as `_LAST_FORMAT`; False: not a format it can give),
+# recorded from the model's own layer on the first training forward of each model.
+_LAYER_FORMAT: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
+
+
+def _wants_all_outputs(model, inputs):
+    config = model.config
+    return any(bool(getattr(config, k, False) if inputs.get(k) is None else inputs[k])
+               for k in ("output_hidden_states", "output_attentions"))
+
+
+@contextmanager
+def _training_layers(model, st, inputs, enabled):
+    """While active, the encoder layers run `training_layer` (one autograd node per layer: the same values, dropout
+    draws and gradients with less host work) where it supports the layer and the call; the rest run themselves
+    (a first-token last layer, patched inside this, falls back to this). Off when the call asks for hidden states
+    or attentions."""
+    if not enabled or _wants_all_outputs(model, inputs) or _LAYER_FORMAT.get(model) is False:
+        yield
+        return
+    layers = st.layer_modules
+    if not any(training_layer.supported(mod) for mod in layers):
+        yield
+        return
+    fmt = _LAYER_FORMAT.get(model, "unknown")
+
+    def layer_forward(mod, orig):
+        def forward(*args, **kwargs):
+            if fmt == "unknown":
+                out = orig(*args, **kwargs)
+                _LAYER_FORMAT[model] = _output_format(out)
+                return out
+            y = training_layer.forward(mod, args, kwargs)
+            return orig(*args, **kwargs) if y is None else _formatted(fmt, y)
+
+        return forward
+
+    patched = [_patch_forward(mod, layer_forward(mod, mod.forward)) for mod in layers]
+    try:
+        yield
+    finally:
+        for saved in reversed(patched):
+            _unpatch_forward(saved)
+
+
 @contextmanager
 def _last_layer_first_token(model, st, inputs, enabled):
     """While active, the last layer's forward returns its first-token row (`first_token_layer.forward`) when
     `first_token_ready` accepted the model and the call does not ask for hidden states or attentions."""
-    config = model.config
-    wants_all = any(bool(getattr(config, k, False) if inputs.get(k) is None else inputs[k])
-                    for k in ("output_hidden_states", "output_attentions"))
-    if not enabled or wants_all or _FIRST_TOKEN.get(model) is not True:
+    if not enabled or _wants_all_outputs(model, inputs) or _FIRST_TOKEN.get(model) is not True:
         yield
         return
     mod = st.layer_modules[-1]
@@ -631,14 +675,16 @@ def first_token_ready(model, batch) -> bool:
     return first_token_ok(model, cap)
 
 
-def first_token_forward(model, batch):
+def first_token_forward(model, batch, *, training_layers: bool = False):
     """The model's own forward on `batch` (targets left out) with its last layer run for the first token only
     when `first_token_ready` accepts the model: the same logits and gradients as ``model(**inputs)`` with about
-    5/6 of the last layer's matmuls skipped. For plain fine-tuning loops; the other models run unchanged."""
+    5/6 of the last layer's matmuls skipped. For plain fine-tuning loops; the other models run unchanged.
+    ``training_layers=True``: the other encoder layers run `training_layer` where it supports them (the same
+    values and gradients with less host work; no double backward through them)."""
     st = structure(model)
     inputs = sync_free_inputs(model, model_inputs(batch))
     ready = first_token_ready(model, batch)
-    with _last_layer_first_token(model, st, inputs, ready):
+    with _training_layers(model, st, inputs, training_layers), _last_layer_first_token(model, st, inputs, ready):
         return model(**inputs)
 
 

@@ -12,7 +12,7 @@ if [ "${GPU_OP_TESTS:-1}" = 1 ]; then
   echo "op tests on GPU: rc=$? $(tail -1 "$OUT/gpu_tests.txt")"
 fi
 timeout 150 python3 -m pytest tests/test_cal_graph.py tests/test_gpu_training.py tests/test_gs.py tests/test_cat.py \
-  tests/test_models.py tests/test_resumed_layer.py tests/test_residual_layer_norm.py tests/test_pooled_gs_loss.py -q -p no:cacheprovider -rf >>"$OUT/gpu_tests.txt" 2>&1
+  tests/test_models.py tests/test_resumed_layer.py tests/test_residual_layer_norm.py tests/test_pooled_gs_loss.py tests/test_training_layer.py -q -p no:cacheprovider -rf >>"$OUT/gpu_tests.txt" 2>&1
 echo "training API on GPU: rc=$? $(tail -1 "$OUT/gpu_tests.txt")"
 grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.txt" | head -20
 if [ "${KERNEL_ONLY:-1}" = 1 ]; then

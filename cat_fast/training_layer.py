@@ -1,0 +1,231 @@
+"""A Bert-layout encoder layer for training passes: its forward and its whole backward (input and parameter
+gradients) as one autograd function (part of `cat_fast.models`).
+
+A training step of BERT-base at small batches (8 × 128, 32 × 128 tokens) is bound by the host: the GPU waits for
+the kernels to be issued. Hugging Face's layer issues its ~30 operations through a dozen module calls, each
+operation through autocast's dispatch and autograd's recording, and its backward is ~40 autograd nodes, each with
+the engine's bookkeeping (on the H100 hosts measured: ~0.9 ms of host time per layer forward and ~1.1 ms per layer
+backward at 8 × 128, `benchmarks/RESULTS.md`). Here the layer is one autograd node: its forward issues ~20
+operations with autograd off, its backward ~25 (the SDPA call alone is differentiated by autograd, on its own
+one-node graph). Fewer operations also mean less GPU work: the layer input is cast to 16 bits once (not once per
+projection), the query, key and value projections are one matmul, and the input gradient is accumulated in fp32
+by the matmuls themselves, starting from the residual gradient.
+
+The arithmetic is the layer's, in Hugging Face's order: the same SDPA call with the layer's attention dropout,
+the dropout kernel ``F.dropout`` runs (``native_dropout`` on CUDA; on the CPU the Bernoulli draw of
+``torch.dropout``), so a pass draws the same masks from the same generator state as the layer itself. Values
+agree up to rounding: to 1e-12 in float64 on the CPU (the query, key and value projections are one matmul), to 16-bit rounding
+under autocast, where this layer's weight and bias gradients come out of fp32-accumulating matmuls and sums (the
+layer's own are rounded to 16 bits first) (tested).
+
+Used by `models.capture(..., training_layers=True)` (the clean forward of `cat_fast.gs`'s pooled methods and of
+`cat_fast.CAT`) and `models.first_token_forward(..., training_layers=True)` (plain fine-tuning). Supported: the
+layers `resumed_layer.supported` accepts (Bert layout, SDPA attention, plain torch.nn parts without forward
+hooks), with biases and affine LayerNorms, a GELU-family activation, and parameters on the input's device in one
+floating dtype; calls without cross-attention inputs or caches, under autograd. `forward` returns None for
+anything else, and the layer itself runs. No double backward (``once_differentiable``); what the backward needs
+is freed once it has run, unless the backward retains the graph.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from . import first_token_layer, resumed_layer
+
+__all__ = ["supported", "forward"]
+
+
+def _parameters(layer):
+    sa, so, inter, out = resumed_layer._bert_parts(layer)
+    return (sa.query.weight, sa.query.bias, sa.key.weight, sa.key.bias, sa.value.weight, sa.value.bias,
+            so.dense.weight, so.dense.bias, so.LayerNorm.weight, so.LayerNorm.bias,
+            inter.dense.weight, inter.dense.bias, out.dense.weight, out.dense.bias,
+            out.LayerNorm.weight, out.LayerNorm.bias)
+
+
+def _gelu_approximate(inter):
+    """``approximate`` of the layer's activation when it is ``F.gelu`` (Hugging Face's GELUActivation or the
+    function itself), else None (the activation is then differentiated by autograd on its own graph)."""
+    act = inter.intermediate_act_fn
+    if act is F.gelu:
+        return "none"
+    if (type(act).__name__ == "GELUActivation" and getattr(act, "act", None) is F.gelu
+            and resumed_layer.plain(act)):
+        return "none"
+    return None
+
+
+# Layers that passed the full check once -> their modules; later calls re-check only what can change cheaply.
+_CHECKED: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+
+
+def supported(layer: nn.Module) -> bool:
+    """Whether `layer` can run here (module docstring); the call itself is checked by `forward`.
+
+    The layout and module types are checked once per layer (`resumed_layer.supported`, 0.1 ms of host time);
+    later calls check the attention implementation and that no module of the layer has gained a hook or an
+    instance-level forward (dictionary lookups)."""
+    modules = _CHECKED.get(layer)
+    if modules is None:
+        if not resumed_layer.supported(layer) or any(p is None for p in _parameters(layer)):
+            return False
+        modules = _CHECKED[layer] = [m for m in layer.modules() if m is not layer]
+    mm = nn.modules.module
+    if mm._global_forward_hooks or mm._global_forward_pre_hooks or any(
+            m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in modules):
+        return resumed_layer.supported(layer)  # Hugging Face's output recorders are hooks that record nothing
+    return getattr(layer.attention.self.config, "_attn_implementation", None) == "sdpa"
+
+
+def _compute_dtype(hidden, param_dtype):
+    if torch.is_autocast_enabled(hidden.device.type):
+        return torch.get_autocast_dtype(hidden.device.type)
+    return hidden.dtype if hidden.dtype == param_dtype else None
+
+
+def forward(layer: nn.Module, args, kwargs) -> torch.Tensor | None:
+    """The output tensor of `layer(*args, **kwargs)`, differentiable w.r.t. the input and the layer's parameters,
+    or None when the layer or this call is not handled here (then run the layer itself)."""
+    if not torch.is_grad_enabled() or not supported(layer):
+        return None
+    found = first_token_layer._call_arguments(args, kwargs)
+    if found is None:
+        return None
+    hidden, mask = found
+    params = _parameters(layer)
+    first = params[0]
+    if (not hidden.is_floating_point() or hidden.dim() != 3 or hidden.device != first.device
+            or any(p.dtype != first.dtype or p.device != first.device for p in params)):
+        return None
+    dtype = _compute_dtype(hidden, params[0].dtype)
+    if dtype is None or not (hidden.requires_grad or any(p.requires_grad for p in params)):
+        return None
+    return _TrainingLayer.apply(hidden, mask, layer, dtype, *params)
+
+
+def _dropout(x, p):
+    """``(dropout(x), what its backward needs)`` with the draws of ``F.dropout`` on x's device."""
+    if p == 0.0:
+        return x, None
+    if x.is_cuda:
+        return torch.native_dropout(x, p, True)
+    noise = torch.empty_like(x).bernoulli_(1.0 - p).div_(1.0 - p)  # torch.dropout's CPU kernel
+    return x * noise, noise
+
+
+def _dropout_backward(grad, keep, p):
+    if keep is None:
+        return grad
+    if keep.dtype == torch.bool:
+        return torch.ops.aten.native_dropout_backward(grad, keep, 1.0 / (1.0 - p))
+    return grad * keep
+
+
+def _mm_into(acc, a, b):
+    """``acc + a @ b`` accumulated at acc's precision (in place into acc, which this module owns)."""
+    if acc.is_cuda and acc.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    return acc.add_((a @ b).to(acc.dtype))
+
+
+def _weight_grad(grad_rows, input_rows, dtype):
+    """``grad_rowsᵀ @ input_rows`` in the parameter dtype, accumulated in fp32 (or wider)."""
+    if grad_rows.is_cuda and dtype == torch.float32 and grad_rows.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(grad_rows.t(), input_rows, out_dtype=torch.float32)
+    return (grad_rows.t() @ input_rows).to(dtype)
+
+
+class _TrainingLayer(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, mask, layer, dtype, *params):
+        wq, bq, wk, bk, wv, bv, wo, bo, g1, be1, wi, bi, wo2, bo2, g2, be2 = params
+        sa, so, inter, out = resumed_layer._bert_parts(layer)
+        B, T, D = hidden.shape
+        heads, width = sa.num_attention_heads, sa.attention_head_size
+        p_attn = sa.dropout.p if sa.training else 0.0
+        p1, p2 = resumed_layer._dropout_p(so.dropout), resumed_layer._dropout_p(out.dropout)
+        approximate = _gelu_approximate(inter)
+        with torch.autocast(hidden.device.type, enabled=False):
+            x = hidden.reshape(-1, D)
+            x16 = x.to(dtype)
+            w_qkv = torch.cat((wq, wk, wv)).to(dtype)
+            qkv = torch.addmm(torch.cat((bq, bk, bv)).to(dtype), x16, w_qkv.t())
+            qkv_leaf = qkv.detach().requires_grad_(True)
+            with torch.enable_grad():
+                q, k, v = (t.view(B, T, heads, width).transpose(1, 2) for t in qkv_leaf.split(heads * width, dim=1))
+                context = F.scaled_dot_product_attention(q, k, v, attn_mask=resumed_layer._sdpa_mask(mask, dtype),
+                                                         dropout_p=p_attn, scale=sa.scaling)
+            rows = context.detach().transpose(1, 2).reshape(-1, heads * width)
+            wo16 = wo.to(dtype)
+            a, keep1 = _dropout(torch.addmm(bo.to(dtype), rows, wo16.t()), p1)
+            s1 = a + x
+            h1, mean1, rstd1 = torch.native_layer_norm(s1, (D,), g1, be1, so.LayerNorm.eps)
+            h1_16 = h1.to(dtype)
+            wi16 = wi.to(dtype)
+            inner = torch.addmm(bi.to(dtype), h1_16, wi16.t())
+            if approximate is not None:
+                activated = F.gelu(inner, approximate=approximate)
+            else:
+                inner = inner.requires_grad_(True)
+                with torch.enable_grad():
+                    activated = inter.intermediate_act_fn(inner)
+            wo2_16 = wo2.to(dtype)
+            o, keep2 = _dropout(torch.addmm(bo2.to(dtype), activated.detach(), wo2_16.t()), p2)
+            s2 = o + h1
+            y, mean2, rstd2 = torch.native_layer_norm(s2, (D,), g2, be2, out.LayerNorm.eps)
+        saved = dict(x16=x16, w_qkv=w_qkv, qkv_leaf=qkv_leaf, context=context, rows=rows, wo16=wo16, keep1=keep1,
+                     s1=s1, mean1=mean1, rstd1=rstd1, h1_16=h1_16, wi16=wi16, inner=inner, activated=activated,
+                     wo2_16=wo2_16, keep2=keep2, s2=s2, mean2=mean2, rstd2=rstd2, g1=g1, be1=be1, g2=g2, be2=be2)
+        # saved tensors (not ctx attributes) are freed when the backward has run, as the layer's own are
+        ctx.save_for_backward(*saved.values())
+        ctx.names = tuple(saved)
+        ctx.shapes = (B, T, D, heads, width, p1, p2, approximate, hidden.dtype, g1.dtype,
+                      (wq.shape[0], wk.shape[0], wv.shape[0]))
+        return y.view(B, T, D)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y):
+        t = dict(zip(ctx.names, ctx.saved_tensors))
+        B, T, D, heads, width, p1, p2, approximate, x_dtype, p_dtype, qkv_sizes = ctx.shapes
+        g1, be1, g2, be2 = t["g1"], t["be1"], t["g2"], t["be2"]
+        need = ctx.needs_input_grad[4:]
+        dtype = t["x16"].dtype
+        with torch.autocast(grad_y.device.type, enabled=False):
+            grad_s2, grad_g2, grad_be2 = torch.ops.aten.native_layer_norm_backward(
+                grad_y.reshape(-1, D).to(t["s2"].dtype), t["s2"], (D,), t["mean2"], t["rstd2"], g2, be2,
+                (True, need[14], need[15]))
+            grad_o = _dropout_backward(grad_s2.to(dtype), t["keep2"], p2)
+            grad_wo2 = _weight_grad(grad_o, t["activated"].detach(), p_dtype) if need[12] else None
+            grad_bo2 = grad_o.sum(0, dtype=p_dtype) if need[13] else None
+            grad_activated = torch.mm(grad_o, t["wo2_16"])
+            if approximate is not None:
+                grad_inner = torch.ops.aten.gelu_backward(grad_activated, t["inner"], approximate=approximate)
+            else:
+                (grad_inner,) = torch.autograd.grad(t["activated"], t["inner"], grad_activated, retain_graph=True)
+            grad_wi = _weight_grad(grad_inner, t["h1_16"], p_dtype) if need[10] else None
+            grad_bi = grad_inner.sum(0, dtype=p_dtype) if need[11] else None
+            grad_h1 = _mm_into(grad_s2, grad_inner, t["wi16"])  # the residual's gradient + the projection's
+            grad_s1, grad_g1, grad_be1 = torch.ops.aten.native_layer_norm_backward(
+                grad_h1, t["s1"], (D,), t["mean1"], t["rstd1"], g1, be1, (True, need[8], need[9]))
+            grad_a = _dropout_backward(grad_s1.to(dtype), t["keep1"], p1)
+            grad_wo = _weight_grad(grad_a, t["rows"], p_dtype) if need[6] else None
+            grad_bo = grad_a.sum(0, dtype=p_dtype) if need[7] else None
+            grad_context = torch.mm(grad_a, t["wo16"]).view(B, T, heads, width).transpose(1, 2)
+            # retained: this one-node graph is freed with the saved tensors (a retain_graph backward can run again)
+            (grad_qkv,) = torch.autograd.grad(t["context"], t["qkv_leaf"], grad_context, retain_graph=True)
+            grad_x = _mm_into(grad_s1.to(torch.promote_types(x_dtype, grad_s1.dtype)), grad_qkv, t["w_qkv"])
+            grad_w_qkv = _weight_grad(grad_qkv, t["x16"], p_dtype) if any(need[0:6:2]) else None
+            grad_b_qkv = grad_qkv.sum(0, dtype=p_dtype) if any(need[1:6:2]) else None
+        wq_wk_wv = grad_w_qkv.split(qkv_sizes) if grad_w_qkv is not None else (None,) * 3
+        bq_bk_bv = grad_b_qkv.split(qkv_sizes) if grad_b_qkv is not None else (None,) * 3
+        qkv_grads = [g if need[i] else None for i, g in enumerate(
+            (wq_wk_wv[0], bq_bk_bv[0], wq_wk_wv[1], bq_bk_bv[1], wq_wk_wv[2], bq_bk_bv[2]))]
+        grad_hidden = grad_x.view(B, T, D).to(x_dtype) if ctx.needs_input_grad[0] else None
+        return (grad_hidden, None, None, None, *qkv_grads, grad_wo, grad_bo, grad_g1, grad_be1, grad_wi, grad_bi,
+                grad_wo2, grad_bo2, grad_g2, grad_be2)

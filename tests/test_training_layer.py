@@ -1,0 +1,286 @@
+"""cat_fast.training_layer: the Bert-layout layer as one autograd node, against the model's own layer (output,
+input gradient and every parameter gradient), and its use in the training forwards of `models` and GS."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cat_fast import models, training_layer
+from cat_fast.gs import GradientSupervision
+from tests.conftest import tiny_batch, tiny_model
+
+BERT_LAYOUTS = ("bert", "roberta", "electra")
+CUDA = torch.cuda.is_available()
+
+
+def _layer_and_mask(arch="bert", batch=4, length=9, dtype=torch.float64, device="cpu", padded=True, **extra):
+    model = tiny_model(arch, attn="sdpa", dtype=dtype, num_layers=2, hidden_dropout_prob=0.3,
+                       attention_probs_dropout_prob=0.3, **extra).to(device)
+    b = tiny_batch(arch, batch=batch, length=length, padded=padded)
+    mask = models._padding_mask_4d(b["attention_mask"].to(device))
+    return model, models.structure(model).layer_modules[1], mask
+
+
+def _output(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _both(layer, x, mask, seed=3, autocast=False):
+    """For the layer itself and for `training_layer`, from the same generator state: (output, gradients of the
+    input and of every parameter that requires one, in `layer.parameters()` order)."""
+    results = []
+    g = torch.randn(x.shape, dtype=torch.float32 if autocast else x.dtype, device=x.device,
+                    generator=torch.Generator(x.device).manual_seed(9))
+    for run in (lambda t: _output(layer(t, mask)), lambda t: training_layer.forward(layer, (t, mask), {})):
+        torch.manual_seed(seed)
+        t = x.detach().requires_grad_(x.requires_grad)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+            y = run(t)
+        assert y is not None
+        wrt = ([t] if t.requires_grad else []) + [p for p in layer.parameters() if p.requires_grad]
+        results.append((y, torch.autograd.grad(y, wrt, g.to(y.dtype))))
+    return results
+
+
+def _assert_same(results, rtol=1e-12, atol=1e-12):
+    (y_own, g_own), (y, g) = results
+    torch.testing.assert_close(y, y_own, rtol=rtol, atol=atol, equal_nan=True)
+    assert len(g) == len(g_own)
+    for a, b in zip(g, g_own):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, equal_nan=True)
+
+
+@pytest.mark.parametrize("arch", BERT_LAYOUTS)
+@pytest.mark.parametrize("train", [False, True])
+def test_output_and_all_gradients_equal_the_layer(arch, train):
+    _, layer, mask = _layer_and_mask(arch)
+    layer.train(train)
+    x = torch.randn(4, 9, 32, dtype=torch.float64, requires_grad=True)
+    results = _both(layer, x, mask)
+    assert all(not torch.equal(gr, torch.zeros_like(gr)) for gr in results[0][1])
+    _assert_same(results)
+
+
+def test_dropout_draws_are_the_layers():
+    """A different seed gives other masks, so the agreement above is not that of two dropout-free passes."""
+    _, layer, mask = _layer_and_mask()
+    layer.train()
+    x = torch.randn(4, 9, 32, dtype=torch.float64, requires_grad=True)
+    (y_own, _), _ = _both(layer, x, mask, seed=3)
+    _, (y_other, _) = _both(layer, x, mask, seed=4)
+    assert (y_own - y_other).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("case", ["batch_of_one", "no_padding", "no_mask", "non_contiguous", "all_padding_row",
+                                  "odd_length"])
+def test_edge_cases(case):
+    batch = 1 if case == "batch_of_one" else 4
+    length = 7 if case == "odd_length" else 9
+    _, layer, mask = _layer_and_mask(batch=batch, length=length, padded=case != "no_padding")
+    layer.train()
+    x = torch.randn(batch, length, 32, dtype=torch.float64)
+    if case == "no_mask":
+        mask = None
+    if case == "non_contiguous":
+        x = torch.randn(batch, 32, length, dtype=torch.float64).transpose(1, 2)
+        assert not x.is_contiguous()
+    if case == "all_padding_row":
+        mask = mask.clone()
+        mask[2] = False
+    _assert_same(_both(layer, x.requires_grad_(True), mask))
+
+
+def test_frozen_parameters_and_an_input_without_gradient():
+    _, layer, mask = _layer_and_mask()
+    layer.train()
+    frozen = [layer.attention.self.key.weight, layer.attention.output.LayerNorm.bias, layer.output.dense.bias]
+    for p in frozen:
+        p.requires_grad_(False)
+    x = torch.randn(4, 9, 32, dtype=torch.float64)  # no gradient for the input
+    _assert_same(_both(layer, x, mask))
+    y = training_layer.forward(layer, (x, mask), {})
+    y.sum().backward()
+    assert all(p.grad is None for p in frozen)
+    assert layer.attention.self.query.weight.grad is not None
+
+
+def test_gradcheck_float64():
+    """Input and parameter gradients against finite differences (gradcheck perturbs the parameters in place, and
+    the layer reads them from its modules)."""
+    _, layer, mask = _layer_and_mask()
+    layer.eval()
+    x = torch.randn(2, 5, 32, dtype=torch.float64, requires_grad=True)
+    params = (layer.attention.self.query.weight, layer.attention.self.value.bias, layer.attention.output.dense.weight,
+              layer.attention.output.LayerNorm.weight, layer.intermediate.dense.weight, layer.output.LayerNorm.bias)
+    mask = mask[:2, :, :5, :5]
+    assert torch.autograd.gradcheck(lambda t, *_: training_layer.forward(layer, (t, mask), {}), (x, *params))
+
+
+def test_a_retained_graph_runs_its_backward_again():
+    _, layer, mask = _layer_and_mask()
+    layer.train()
+    x = torch.randn(4, 9, 32, dtype=torch.float64, requires_grad=True)
+    y = training_layer.forward(layer, (x, mask), {})
+    first = torch.autograd.grad(y.sum(), (x, layer.intermediate.dense.weight), retain_graph=True)
+    second = torch.autograd.grad(y.sum(), (x, layer.intermediate.dense.weight))
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_calls_and_layers_it_does_not_take_return_none():
+    model, layer, mask = _layer_and_mask()
+    x = torch.randn(4, 9, 32, dtype=torch.float64, requires_grad=True)
+    with torch.no_grad():
+        assert training_layer.forward(layer, (x, mask), {}) is None  # no autograd: nothing to gain
+    assert training_layer.forward(layer, (x.detach(), mask), {}) is not None  # parameters still need gradients
+    assert training_layer.forward(layer, (x, mask), {"encoder_hidden_states": x}) is None
+    handle = layer.output.dense.register_forward_hook(lambda *a: None)
+    assert not training_layer.supported(layer)
+    handle.remove()
+    assert training_layer.supported(layer)
+    eager_model = tiny_model("bert", attn="eager", dtype=torch.float64, num_layers=2)
+    assert not training_layer.supported(models.structure(eager_model).layer_modules[0])
+    distil = tiny_model("distilbert", attn="sdpa", dtype=torch.float64, num_layers=2)
+    assert not training_layer.supported(models.structure(distil).layer_modules[0])
+
+
+def _logits_and_grads(model, batch, training_layers, seed=5):
+    torch.manual_seed(seed)
+    out = models.first_token_forward(model, batch, training_layers=training_layers)
+    loss = F.cross_entropy(out.logits, batch["labels"])
+    grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad], allow_unused=True)
+    return out.logits, grads
+
+
+@pytest.mark.parametrize("arch", BERT_LAYOUTS)
+def test_first_token_forward_with_training_layers_matches_the_model(arch):
+    model = tiny_model(arch, attn="sdpa", dtype=torch.float64, num_layers=3)
+    model.train()
+    batch = tiny_batch(arch)
+    used = []
+    real = training_layer._TrainingLayer.apply
+    try:
+        training_layer._TrainingLayer.apply = lambda *a: used.append(1) or real(*a)
+        for _ in range(2):  # the first call records the layers' output format with the model's own layers
+            used.clear()
+            logits, grads = _logits_and_grads(model, batch, True)
+    finally:
+        training_layer._TrainingLayer.apply = real
+    assert len(used) == 2  # layers 1 and 2; the last runs for the first token
+    want_logits, want = _logits_and_grads(model, batch, False)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads, want):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def _gs_loss_and_grads(model, batch, pairs, training_layers):
+    gs = GradientSupervision(model, representation="pooled", mode="exact", training_layers=training_layers)
+    out = []
+    for seed in (11, 12):  # the second call takes the closed-form path
+        torch.manual_seed(seed)
+        loss, _ = gs(batch, pairs)
+        params = [p for p in model.parameters() if p.requires_grad]
+        out.append((loss.detach(), torch.autograd.grad(loss, params, allow_unused=True)))
+    return out
+
+
+def test_gs_pooled_step_is_unchanged_by_training_layers():
+    model = tiny_model("bert", attn="sdpa", dtype=torch.float64, num_layers=3)
+    model.train()
+    batch = tiny_batch("bert")
+    pairs = torch.tensor([1, 0, 3, 2])
+    batch["labels"] = torch.tensor([0, 1, 2, 0])
+    _gs_loss_and_grads(model, batch, pairs, True)  # format recorded
+    got = _gs_loss_and_grads(model, batch, pairs, True)
+    want = _gs_loss_and_grads(model, batch, pairs, False)
+    for (loss, grads), (loss_want, grads_want) in zip(got, want):
+        torch.testing.assert_close(loss, loss_want, rtol=1e-12, atol=1e-12)
+        for a, b in zip(grads, grads_want):
+            if b is None:
+                assert a is None
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- CUDA
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("arch", BERT_LAYOUTS)
+@pytest.mark.parametrize("train", [False, True])
+def test_autocast_bf16_on_cuda_agrees_to_16_bit_rounding(arch, train):
+    torch.manual_seed(0)
+    _, layer, mask = _layer_and_mask(arch, batch=6, length=40, dtype=torch.float32, device="cuda", hidden_size=64,
+                                     num_attention_heads=4, intermediate_size=256)
+    layer.train(train)
+    x = torch.randn(6, 40, 64, device="cuda", requires_grad=True)
+    (y_own, g_own), (y, g) = _both(layer, x, mask, autocast=True)
+    assert y.dtype == y_own.dtype == torch.float32
+    torch.testing.assert_close(y, y_own, rtol=2e-2, atol=2e-2)  # the same dropout masks, else O(1) differences
+    for a, b in zip(g, g_own):
+        assert a.dtype == b.dtype
+        scale = b.abs().max().clamp_min(1e-6)
+        assert (a - b).abs().max() / scale < 3e-2
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_fp32_on_cuda_agrees_closely():
+    _, layer, mask = _layer_and_mask(batch=3, length=33, dtype=torch.float32, device="cuda")
+    layer.train()
+    x = torch.randn(3, 33, 32, device="cuda", requires_grad=True)
+    _assert_same(_both(layer, x, mask), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gs_pooled_step_on_cuda_is_unchanged_by_training_layers(dtype):
+    model = tiny_model("bert", attn="sdpa", num_layers=3).cuda()
+    model.train()
+    batch = {k: v.cuda() for k, v in tiny_batch("bert", batch=6).items()}
+    batch["labels"] = torch.tensor([0, 1, 2, 0, 1, 2], device="cuda")
+    pairs = torch.tensor([1, 0, 3, 2, 5, 4], device="cuda")
+
+    def run(training_layers):
+        gs = GradientSupervision(model, representation="pooled", mode="exact", training_layers=training_layers)
+        out = []
+        for seed in (11, 12, 13):
+            torch.manual_seed(seed)
+            with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+                loss, _ = gs(batch, pairs)
+            params = [p for p in model.parameters() if p.requires_grad]
+            out.append((loss.detach(), torch.autograd.grad(loss, params, allow_unused=True)))
+        return out
+
+    run(True)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for (loss, grads), (loss_want, grads_want) in zip(run(True), run(False)):
+        torch.testing.assert_close(loss, loss_want, rtol=tol, atol=tol)
+        for a, b in zip(grads, grads_want):
+            if b is None:
+                assert a is None
+                continue
+            scale = b.abs().max().clamp_min(1e-6)
+            assert (a - b).abs().max() / scale < tol
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_what_the_backward_needs_is_freed_when_it_has_run():
+    """A training loop keeps its last loss (and so the graph) alive into the next step: the saved activations must
+    go with the backward, as the layer's own do."""
+    _, layer, mask = _layer_and_mask(batch=8, length=64, dtype=torch.float32, device="cuda")
+    layer.train()
+    kept = {}
+    for name, run in (("own", lambda t: _output(layer(t, mask))),
+                      ("training", lambda t: training_layer.forward(layer, (t, mask), {}))):
+        x = torch.randn(8, 64, 32, device="cuda", requires_grad=True)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        y = run(x)
+        during = torch.cuda.memory_allocated() - base
+        y.sum().backward()
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        kept[name] = (during, torch.cuda.memory_allocated() - base)
+        del y
+    assert kept["training"][0] > 4 * kept["training"][1]  # something was saved, and freed
+    assert kept["training"][1] <= kept["own"][1]
