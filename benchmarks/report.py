@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OP_ORDER = ("cmix", "cal_objective", "cal_step_", "crm_loss", "gs_cosine_loss")
 BACKEND_ORDER = ("triton", "cuda", "cpp", "reference", "compile")
 METHOD_ORDER = ("plain", "plain_first_token", "plain_training_layers", "naive_cat", "cat", "cat_eager", "cat_full_last",
-                "cat_hf_layers", "gs_exact", "gs_first_order", "gs_first_order_fwd", "gs_pooled", "gs_pooled_hf_layers")
+                "cat_hf_layers", "cat_hf_clean", "gs_exact", "gs_first_order", "gs_first_order_fwd", "gs_pooled", "gs_pooled_hf_layers")
 METHOD_LABEL = {
     "plain": "(1) plain fine-tuning",
     "plain_first_token": "(1f) plain, first-token last layer",
@@ -34,6 +34,7 @@ METHOD_LABEL = {
     "cat_eager": "(3e) cat_fast.CAT, cuda_graph=False",
     "cat_full_last": "(3f) cat_fast.CAT, prune_last_layer=False",
     "cat_hf_layers": "(3h) cat_fast.CAT, fast_resume=False",
+    "cat_hf_clean": "(3c) cat_fast.CAT, training_layers=False",
     "gs_exact": "(4) GS exact, token level (h_0)",
     "gs_first_order": "(5) GS first-order central, token level (h_0)",
     "gs_first_order_fwd": "(5f) GS first-order forward, token level (h_0)",

@@ -19,6 +19,8 @@ bf16 autocast, AdamW (fused on CUDA), B x T = 8x128, 32x128, 64x256; each sample
                  the first-token last layer's effect side by side.
 3h. `cat_hf_layers` the same (CUDA graphs) with `fast_resume=False`: the counterfactual passes run the model's own
                  layers instead of `cat_fast.resumed_layer`, for its effect side by side.
+3c. `cat_hf_clean` the same (CUDA graphs) with `training_layers=False` (the model's own layers in the clean
+                 forward; `cat` runs them as `cat_fast.training_layer`), for its effect side by side.
 4. `gs_exact`    `GradientSupervision(representation=0, mode="exact")` (token level, embedding output), eager
                  attention (double backward), pairs = a random permutation.
 5. `gs_first_order` the same with mode="first_order" and SDPA attention (SPEC's central difference, 2 passes).
@@ -61,12 +63,13 @@ from benchmarks import _harness as H
 
 pytestmark = [pytest.mark.benchmark(timer=H.virtual_clock), pytest.mark.bench_step]
 
-METHODS = ("plain", "plain_first_token", "plain_training_layers", "naive_cat", "cat", "cat_eager", "cat_full_last", "cat_hf_layers",
-           "gs_exact", "gs_first_order", "gs_first_order_fwd", "gs_pooled", "gs_pooled_hf_layers")
-CAT_METHODS = ("cat", "cat_eager", "cat_full_last", "cat_hf_layers")
+METHODS = ("plain", "plain_first_token", "plain_training_layers", "naive_cat", "cat", "cat_eager", "cat_full_last",
+           "cat_hf_layers", "cat_hf_clean", "gs_exact", "gs_first_order", "gs_first_order_fwd", "gs_pooled",
+           "gs_pooled_hf_layers")
+CAT_METHODS = ("cat", "cat_eager", "cat_full_last", "cat_hf_layers", "cat_hf_clean")
 # Methods whose passes run the last layer for the first token only (`prune_last_layer=True`, the default).
-FIRST_TOKEN_METHODS = ("plain_first_token", "plain_training_layers", "cat", "cat_eager", "cat_hf_layers", "gs_first_order", "gs_first_order_fwd",
-                       "gs_pooled", "gs_pooled_hf_layers")
+FIRST_TOKEN_METHODS = ("plain_first_token", "plain_training_layers", "cat", "cat_eager", "cat_hf_layers",
+                       "cat_hf_clean", "gs_first_order", "gs_first_order_fwd", "gs_pooled", "gs_pooled_hf_layers")
 GS_LONG_METHODS = ("plain", "gs_exact", "gs_first_order", "gs_first_order_fwd")  # the T = 512 size
 CAT_LAYERS = [8, 9, 10]
 NAIVE_LAYER = 9
@@ -206,7 +209,8 @@ def make_step(method, model, optimizer, batch, pairs):
     if method in CAT_METHODS:
         cat = cat_fast.CAT(model, layers=LAYERS, adv_steps=ADV_STEPS, alpha=ALPHA, beta=BETA, gamma=GAMMA, eta=ETA,
                            adv_lr=ADV_LR, cuda_graph=method != "cat_eager",
-                           prune_last_layer=method != "cat_full_last", fast_resume=method != "cat_hf_layers")
+                           prune_last_layer=method != "cat_full_last", fast_resume=method != "cat_hf_layers",
+                           training_layers=method != "cat_hf_clean")
 
         def step():
             with autocast():

@@ -82,7 +82,10 @@ only, and the detached final pass not at all, so there Bert-layout layers with S
 `cat_fast.resumed_layer` (one cast per layer input, input gradients summed in fp32 by the matmuls, and on CUDA
 under autocast residual add + LayerNorm fused with the casts and the dropout mask in Triton): the same dropout
 draws, values and input gradients equal up to rounding, about a fifth less GPU time per layer at 64 × 256 tokens.
-``fast_resume=False`` runs the model's own layers there.
+``fast_resume=False`` runs the model's own layers there. Training layers (``training_layers=True``, the default;
+off with ``gs_weight > 0``): the clean forward runs those layers as `cat_fast.training_layer`, one autograd node
+per layer with its parameter gradients: the same values, dropout draws and gradients up to rounding, with less
+host work and fewer 16-bit casts than the model's own modules.
 
 Randomness: with ``generator=None`` λ and partners are drawn on the model's device from the global RNG and the
 layer from the global CPU RNG. With a CPU ``torch.Generator`` everything is drawn from it on the CPU (λ through a
@@ -120,7 +123,7 @@ class CAT:
     def __init__(self, model, layers=None, alpha=0.3, beta=0.3, gamma=10.0, eta=20.0, adv_steps=3, adv_lr=2e-2,
                  p=1.0, a1=0.0, a2=10.0, mask_mode="self", detach_weight=True, update="sum", warmup_steps=0,
                  partner="permutation", gs_weight=0.0, generator=None, crm_optimizer=None, cuda_graph=True,
-                 max_graphs=8, prune_last_layer=True, fast_resume=True):
+                 max_graphs=8, prune_last_layer=True, fast_resume=True, training_layers=True):
         st = models.structure(model)
         L = st.num_layers
         if layers is None:
@@ -173,6 +176,7 @@ class CAT:
         self.cuda_graph = bool(cuda_graph)
         self.prune_last_layer = bool(prune_last_layer)
         self.fast_resume = bool(fast_resume)
+        self.training_layers = bool(training_layers)
         self.graphs = CALGraphs(self, max_graphs=max_graphs)
         self._concentration = None  # (B, device, dtype), the [B, 2] Beta concentrations of `_draw_lambda`
 
@@ -218,7 +222,8 @@ class CAT:
                 early["replayed"] = self.graphs.run_captured(cap, h_m, lam0, partner, batch["labels"], None)
 
         on_hidden = replay_early if use_graphs and not self.qa else None
-        cap = models.capture(self.model, batch, m, first_token=prune, on_hidden=on_hidden)
+        cap = models.capture(self.model, batch, m, first_token=prune, on_hidden=on_hidden,
+                             training_layers=self.training_layers and self.gs_weight == 0)
         h = cap.hidden
         if h.shape[0] != B:
             raise ValueError(f"CAT: the batch has {B} samples, but the model's hidden states at layer {m} have batch "
