@@ -2,27 +2,28 @@
 gradients) as one autograd function (part of `cat_fast.models`).
 
 A training step of BERT-base at small batches (8 × 128, 32 × 128 tokens) is bound by the host: the GPU waits for
-the kernels to be issued. Hugging Face's layer issues its ~30 operations through a dozen module calls, each
-operation through autocast's dispatch and autograd's recording, and its backward is ~40 autograd nodes, each with
-the engine's bookkeeping (on the H100 hosts measured: ~0.9 ms of host time per layer forward and ~1.1 ms per layer
-backward at 8 × 128, `benchmarks/RESULTS.md`). Here the layer is one autograd node: its forward issues ~20
-operations with autograd off, its backward ~25 (the SDPA call alone is differentiated by autograd, on its own
-one-node graph). Fewer operations also mean less GPU work: the layer input is cast to 16 bits once (not once per
-projection), the query, key and value projections are one matmul, and the input gradient is accumulated in fp32
-by the matmuls themselves, starting from the residual gradient.
+the kernels to be issued. Hugging Face's layer issues its operations through a dozen module calls, each through
+autocast's dispatch and autograd's recording, and its backward is ~40 autograd nodes. Here the layer is one
+autograd node: its forward issues ~26 kernels with autograd off, its backward ~28 (the SDPA call alone is
+differentiated by autograd, on its own one-node graph), against ~28 and ~45 for the layer itself. Fewer kernels
+also mean less GPU work: the layer input is cast to 16 bits once (not once per projection), the query, key and
+value projections are one matmul, the input gradient is accumulated in fp32 by the matmuls themselves, starting
+from the residual gradient, and the weight gradients come out of the matmuls in fp32 (no 16-bit copy cast
+afterwards). Measured on an H100 (`benchmarks/RESULTS.md`, item 27): one layer's forward + backward takes 11–24 %
+less GPU time, and a plain step through these layers 0.69–0.91× the time of the user's step.
 
 The arithmetic is the layer's, in Hugging Face's order: the same SDPA call with the layer's attention dropout,
 the dropout kernel ``F.dropout`` runs (``native_dropout`` on CUDA; on the CPU the Bernoulli draw of
 ``torch.dropout``), so a pass draws the same masks from the same generator state as the layer itself. Values
-agree up to rounding: to 1e-12 in float64 on the CPU (the query, key and value projections are one matmul), to 16-bit rounding
-under autocast, where this layer's weight and bias gradients come out of fp32-accumulating matmuls and sums (the
-layer's own are rounded to 16 bits first) (tested).
+agree up to rounding: to 1e-12 in float64 on the CPU (the query, key and value projections are one matmul), to
+16-bit rounding under autocast, where this layer's weight and bias gradients come out of fp32-accumulating matmuls
+and sums (the layer's own are rounded to 16 bits first) (tested).
 
 Used by `models.capture(..., training_layers=True)` (the clean forward of `cat_fast.gs`'s pooled methods and of
 `cat_fast.CAT`) and `models.first_token_forward(..., training_layers=True)` (plain fine-tuning). Supported: the
 layers `resumed_layer.supported` accepts (Bert layout, SDPA attention, plain torch.nn parts without forward
-hooks), with biases and affine LayerNorms, a GELU-family activation, and parameters on the input's device in one
-floating dtype; calls without cross-attention inputs or caches, under autograd. `forward` returns None for
+hooks), with biases and affine LayerNorms (any activation: ``F.gelu``'s backward is called directly, another
+activation is differentiated by autograd), and parameters on the input's device in one floating dtype; calls without cross-attention inputs or caches, under autograd. `forward` returns None for
 anything else, and the layer itself runs. No double backward (``once_differentiable``); what the backward needs
 is freed once it has run, unless the backward retains the graph.
 """
