@@ -58,10 +58,12 @@ Modes:
   gradients are accumulated into ``.grad`` directly (scaled by the gradient that reaches the loss, so AMP loss
   scaling applies); ``torch.autograd.grad(loss, params)`` does not see them, and neither do DDP's gradient hooks
   in order: use ``low_memory=False`` (the passes as part of the loss's graph) for those.
-  ``training_layers=True`` (default): for the pooled representation, the clean forward runs the encoder layers
-  as `cat_fast.training_layer` where it supports them (Bert layout, SDPA): the same values, dropout draws and
-  gradients with a fraction of the host work of the model's own modules, which a small-batch step waits for (no
-  double backward through those layers; the pooled methods need none).
+  ``training_layers=True`` (default): the encoder layers run as `cat_fast.training_layer` where it supports them
+  (Bert layout, SDPA) in the clean forward of the pooled methods and in the perturbed passes of first-order mode
+  at a token-level representation: the same values, dropout draws and gradients with less host and GPU work than
+  the model's own modules. (The token-level clean forward keeps the model's layers: its ``g`` is an input-only
+  backward, which the model's own autograd nodes prune to the input-gradient matmuls; exact mode needs their
+  double backward.)
 """
 from __future__ import annotations
 
@@ -357,7 +359,8 @@ class GradientSupervision:
                 if pooled:
                     out = models.head_logits(self.model, capture, x_new)
                 else:
-                    out = models.logits_of(models.resume(self.model, capture, x_new, first_token=prune))
+                    out = models.logits_of(models.resume(self.model, capture, x_new, first_token=prune,
+                                                         training_layers=self.training_layers))
                 return (self._score(out, labels, partner) / denom).sum()
             return score_at
 

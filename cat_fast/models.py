@@ -449,7 +449,8 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
 
 
 def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, same_dropout: bool = True,
-           first_token: bool = False, first_token_fill: float | None = None, input_grad_only: bool = False):
+           first_token: bool = False, first_token_fill: float | None = None, input_grad_only: bool = False,
+           training_layers: bool = False):
     """Run layers ``m+1..L`` and the model's own head on `h_tilde` in place of ``h_m``; return the model output.
 
     The lower layers are not recomputed (see the module docstring). `attention_mask` (2-D, optional)
@@ -458,7 +459,9 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
     only (module docstring; check `first_token_ok` first); `first_token_fill` sets its other rows (the probe).
     ``input_grad_only=True`` promises that no parameter gradient is taken through this pass (CAT's CAL steps and
     its detached final pass): layers ``m+1..L`` with the Bert layout then run `resumed_layer` (same values and
-    dropout draws; the input gradient summed in fp32 under autocast).
+    dropout draws; the input gradient summed in fp32 under autocast). ``training_layers=True`` (without
+    ``input_grad_only``): layers ``m+1..L`` run `training_layer` where it supports them (the same values, dropout
+    draws and gradients, parameters included; no double backward through them).
     """
     st = structure(model)
     _check_trainable_forward(model, st)
@@ -503,6 +506,10 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
                     return _replace_first(cap.last_output, out)
             elif input_grad_only and cap.last_output is not None:
                 out = resumed_layer.forward(mod, args, kwargs)
+                if out is not None:
+                    return _replace_first(cap.last_output, out)
+            elif training_layers and cap.last_output is not None:
+                out = training_layer.forward(mod, args, kwargs)
                 if out is not None:
                     return _replace_first(cap.last_output, out)
             return orig(*args, **kwargs)

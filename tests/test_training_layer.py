@@ -176,33 +176,45 @@ def test_first_token_forward_with_training_layers_matches_the_model(arch):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-def _gs_loss_and_grads(model, batch, pairs, training_layers):
-    gs = GradientSupervision(model, representation="pooled", mode="exact", training_layers=training_layers)
+def _gs_loss_and_grads(model, batch, pairs, training_layers, **options):
+    gs = GradientSupervision(model, training_layers=training_layers, **options)
     out = []
-    for seed in (11, 12):  # the second call takes the closed-form path
+    for seed in (11, 12):  # pooled exact: the second call takes the closed-form path
         torch.manual_seed(seed)
+        model.zero_grad(set_to_none=True)
         loss, _ = gs(batch, pairs)
-        params = [p for p in model.parameters() if p.requires_grad]
-        out.append((loss.detach(), torch.autograd.grad(loss, params, allow_unused=True)))
+        loss.backward()  # the first-order passes run inside it (low_memory)
+        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
     return out
 
 
-def test_gs_pooled_step_is_unchanged_by_training_layers():
-    model = tiny_model("bert", attn="sdpa", dtype=torch.float64, num_layers=3)
+@pytest.mark.parametrize("options", [dict(representation="pooled", mode="exact"),
+                                     dict(representation="pooled", mode="first_order"),
+                                     dict(representation=0, mode="first_order"),
+                                     dict(representation=1, mode="first_order", difference="forward")],
+                         ids=["pooled-exact", "pooled-first-order", "h0-first-order", "h1-first-order-forward"])
+def test_gs_step_is_unchanged_by_training_layers(options, monkeypatch):
+    calls = []
+    original = training_layer._TrainingLayer.apply
+    monkeypatch.setattr(training_layer._TrainingLayer, "apply", lambda *a: calls.append(1) or original(*a))
+    model = tiny_model("bert", attn="sdpa", dtype=torch.float64, num_layers=3, hidden_dropout_prob=0.2,
+                       attention_probs_dropout_prob=0.2)
     model.train()
     batch = tiny_batch("bert")
     pairs = torch.tensor([1, 0, 3, 2])
     batch["labels"] = torch.tensor([0, 1, 2, 0])
-    _gs_loss_and_grads(model, batch, pairs, True)  # format recorded
-    got = _gs_loss_and_grads(model, batch, pairs, True)
-    want = _gs_loss_and_grads(model, batch, pairs, False)
+    _gs_loss_and_grads(model, batch, pairs, True, **options)  # the layers' output format recorded
+    calls.clear()
+    got = _gs_loss_and_grads(model, batch, pairs, True, **options)
+    assert calls, "the training layer never ran"
+    calls.clear()
+    want = _gs_loss_and_grads(model, batch, pairs, False, **options)
+    assert not calls
     for (loss, grads), (loss_want, grads_want) in zip(got, want):
         torch.testing.assert_close(loss, loss_want, rtol=1e-12, atol=1e-12)
-        for a, b in zip(grads, grads_want):
-            if b is None:
-                assert a is None
-            else:
-                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        assert grads.keys() == grads_want.keys()
+        for n in grads:
+            torch.testing.assert_close(grads[n], grads_want[n], rtol=1e-9, atol=1e-12, msg=n)
 
 
 @pytest.mark.parametrize("prune", [True, False])
