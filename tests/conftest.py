@@ -82,3 +82,28 @@ def make_tiny_model():
 def make_tiny_batch():
     """Factory fixture: make_tiny_batch(arch, batch=4, length=9, ...) with padded rows and labels."""
     return tiny_batch
+
+
+def cat_steps(model, cat, arch="bert", steps=3, seed=None):
+    """Run `steps` CAT steps (``loss.backward()`` each, gradients accumulating) on ``tiny_batch(arch, batch=5)``:
+    ([(loss, info)] per step, {parameter name: accumulated gradient})."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        loss, info = cat(tiny_batch(arch, batch=5))
+        loss.backward()
+        out.append((loss.detach(), {k: v.clone() for k, v in info.items()}))
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_cat_steps(got, want):
+    """`cat_steps` results equal to float64 rounding: losses, every info entry, every parameter gradient."""
+    (steps_a, grads_a), (steps_b, grads_b) = got, want
+    for (la, ia), (lb, ib) in zip(steps_a, steps_b):
+        torch.testing.assert_close(la, lb, rtol=1e-10, atol=1e-12)
+        for k in ia:
+            torch.testing.assert_close(ia[k], ib[k], rtol=1e-10, atol=1e-12)
+    assert grads_a.keys() == grads_b.keys()
+    for n in grads_a:
+        torch.testing.assert_close(grads_a[n], grads_b[n], rtol=1e-9, atol=1e-12, msg=n)

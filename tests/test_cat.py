@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from cat_fast import first_token_layer, models
 from cat_fast.cat import CAT, default_layers
-from tests.conftest import TINY_ARCHS, tiny_batch, tiny_model
+from tests.conftest import TINY_ARCHS, assert_same_cat_steps, cat_steps, tiny_batch, tiny_model
 
 INFO_KEYS = {"erm_loss", "crm_loss", "lambda_before", "lambda_after", "crm_weight_mean", "cal_objective", "layer",
              "cat_active"}
@@ -140,21 +140,8 @@ def test_pruned_last_layer_gives_the_same_step(arch, detach_weight):
         model = tiny_model(arch, dtype=torch.float64, num_layers=3).eval()
         cat = CAT(model, layers=[0, 1, 2], adv_steps=2, adv_lr=0.5, generator=gen(5), detach_weight=detach_weight,
                   mask_mode="union", prune_last_layer=prune)
-        steps = []
-        for _ in range(3):  # three draws of the layer
-            loss, info = cat(tiny_batch(arch, batch=5))
-            loss.backward()
-            steps.append((loss.detach(), {k: v.clone() for k, v in info.items()}))
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        results.append((steps, grads))
-    (steps_p, grads_p), (steps_f, grads_f) = results
-    for (lp, ip), (lf, i_f) in zip(steps_p, steps_f):
-        torch.testing.assert_close(lp, lf, rtol=1e-10, atol=1e-12)
-        for k in ip:
-            torch.testing.assert_close(ip[k], i_f[k], rtol=1e-10, atol=1e-12)
-    assert grads_p.keys() == grads_f.keys()
-    for n in grads_p:
-        torch.testing.assert_close(grads_p[n], grads_f[n], rtol=1e-9, atol=1e-12, msg=n)
+        results.append(cat_steps(model, cat, arch))  # three draws of the layer
+    assert_same_cat_steps(*results)
 
 
 @pytest.mark.parametrize("arch", ["albert", "deberta-v2"])

@@ -4,7 +4,7 @@ import torch
 
 from cat_fast import models, resumed_layer
 from cat_fast.cat import CAT
-from tests.conftest import tiny_batch, tiny_model
+from tests.conftest import assert_same_cat_steps, cat_steps, tiny_batch, tiny_model
 
 BERT_LAYOUTS = ("bert", "roberta", "electra")
 CUDA = torch.cuda.is_available()
@@ -138,25 +138,13 @@ def test_cat_step_is_unchanged(prune, monkeypatch):
                            attention_probs_dropout_prob=0.3).train()
         cat = CAT(model, layers=[0, 1, 2], adv_steps=2, adv_lr=0.5, generator=torch.Generator().manual_seed(5),
                   prune_last_layer=prune, fast_resume=fast)
-        torch.manual_seed(11)
-        steps = []
-        for _ in range(3):
-            loss, info = cat(tiny_batch("bert", batch=5))
-            loss.backward()
-            steps.append((loss.detach(), {k: v.clone() for k, v in info.items()}))
-        results.append((steps, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        results.append(cat_steps(model, cat, seed=11))
         if fast:
             assert calls, "the resumed layer never ran"
             calls.clear()
     assert not calls  # fast_resume=False: the model's own layers only
-    (steps_a, grads_a), (steps_b, grads_b) = results
-    for (la, ia), (lb, ib) in zip(steps_a, steps_b):
-        torch.testing.assert_close(la, lb, rtol=1e-10, atol=1e-12)
-        assert ia["lambda_after"] != ia["lambda_before"]
-        for k in ia:
-            torch.testing.assert_close(ia[k], ib[k], rtol=1e-10, atol=1e-12)
-    for n in grads_a:
-        torch.testing.assert_close(grads_a[n], grads_b[n], rtol=1e-9, atol=1e-12, msg=n)
+    assert all(info["lambda_after"] != info["lambda_before"] for _, info in results[0][0])
+    assert_same_cat_steps(*results)
 
 
 def _spy_fused(monkeypatch):
