@@ -250,11 +250,12 @@ def step_section(records):
                 largest[e["method"]] = e
     ratios = ", ".join(f"{m} {e['flop_ratio']:.2f} → {e['flop_ratio_final_backward']:.2f} ({e.get('size')})"
                        for m, e in sorted(largest.items(), key=lambda kv: rank(kv[0], METHOD_ORDER)))
-    like_for_like = []
+    like_for_like = {"plain_first_token": [], "plain_training_layers": []}
     for size in sorted(by_size, key=size_key):
-        cat, cut = by_size[size].get("cat"), by_size[size].get("plain_first_token")
-        if cat and cut and cat.get("paired_ratio") and cut.get("paired_ratio"):
-            like_for_like.append(f"{size.replace('x', '×')} {cat['paired_ratio'] / cut['paired_ratio']:.2f}")
+        for base, found in like_for_like.items():
+            cat, cut = by_size[size].get("cat"), by_size[size].get(base)
+            if cat and cut and cat.get("paired_ratio") and cut.get("paired_ratio"):
+                found.append(f"{size.replace('x', '×')} {cat['paired_ratio'] / cut['paired_ratio']:.2f}")
     timer = "CUDA-event timings" if steps[0].get("device") == "cuda" else "perf_counter timings (CPU smoke run)"
     notes = [
         "Step = forward, loss, backward, AdamW step, zero_grad; bf16 autocast; median of "
@@ -271,14 +272,21 @@ def step_section(records):
         + ratios + ".",
         "GS first-order at h_0 (FLOP × (1) column): g is an input-only backward (~1 forward) and each perturbed pass "
         "a forward + full backward (3 forwards): central (2 passes) 10/3 = 3.33×, forward (1 pass) 7/3 = 2.33×.",
-        "First-token last layer: (1f), (3), (3e), (3h), (5), (5f) and (6) run layer L of every pass for row 0 only "
-        "(keys and values of every token, the rest of the layer for row 0; same logits and gradients); their FLOP counts include it. (1), (2), (3f) "
-        "and (4) run it whole.",
+        "First-token last layer: (1f), (1t), (3), (3e), (3h), (3c), (5), (5f), (6) and (6h) run layer L of every "
+        "pass for row 0 only (keys and values of every token, the rest of the layer for row 0; same logits and "
+        "gradients); their FLOP counts include it. (1), (2), (3f) and (4) run it whole.",
+        "Training layers (`cat_fast.training_layer`: each encoder layer one autograd node, its parameter gradients "
+        "included; same values, dropout draws and gradients): (1t), (6) and the clean forward of (3), (3e), (3f), "
+        "(3h) run them, and so do the perturbed passes of (5) and (5f); (1), (1f), (2), (3c), (4) and (6h) run the "
+        "model's own layers.",
         "Model TFLOP/s = those FLOPs / step time.",
     ]
-    if like_for_like:
+    if like_for_like["plain_first_token"]:
         notes.append("CAT against a plain step with the same first-token cut, (3) paired / (1f) paired: "
-                     + ", ".join(like_for_like) + ".")
+                     + ", ".join(like_for_like["plain_first_token"]) + ".")
+    if like_for_like["plain_training_layers"]:
+        notes.append("CAT against a plain step with the same first-token cut and training layers, (3) paired / (1t) "
+                     "paired: " + ", ".join(like_for_like["plain_training_layers"]) + ".")
     return text + "\n\n" + "\n".join(f"- {n}" for n in notes)
 
 

@@ -59,11 +59,11 @@ Modes:
   scaling applies); ``torch.autograd.grad(loss, params)`` does not see them, and neither do DDP's gradient hooks
   in order: use ``low_memory=False`` (the passes as part of the loss's graph) for those.
   ``training_layers=True`` (default): the encoder layers run as `cat_fast.training_layer` where it supports them
-  (Bert layout, SDPA) in the clean forward of the pooled methods and in the perturbed passes of first-order mode
-  at a token-level representation: the same values, dropout draws and gradients with less host and GPU work than
-  the model's own modules. (The token-level clean forward keeps the model's layers: its ``g`` is an input-only
-  backward, which the model's own autograd nodes prune to the input-gradient matmuls; exact mode needs their
-  double backward.)
+  (Bert layout, SDPA) in the clean forward and the perturbed passes (first-order mode) and in the clean forward of
+  exact mode at the pooled representation: the same values, dropout draws and gradients with less host and GPU
+  work than the model's own modules (``g``'s input-only backward skips their weight-gradient matmuls, as the
+  model's own autograd nodes do). Exact mode at a token-level representation keeps the model's layers: it needs
+  their double backward.
 """
 from __future__ import annotations
 
@@ -259,7 +259,7 @@ class GradientSupervision:
             prune = (self.prune_last_layer and (pooled or not exact)
                      and models.first_token_ready(self.model, batch))
             cap = models.capture(self.model, batch, None if pooled else self.layer, pooled=pooled, rng=not exact,
-                                 first_token=prune, training_layers=pooled and self.training_layers)
+                                 first_token=prune, training_layers=self.training_layers and (pooled or not exact))
             x = cap.pooled if pooled else cap.hidden
             logits = models.logits_of(cap.outputs)
             z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits

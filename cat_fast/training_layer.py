@@ -141,6 +141,23 @@ def _weight_grad(grad_rows, input_rows, dtype):
     return (grad_rows.t() @ input_rows).to(dtype)
 
 
+def _will_run(param) -> bool:
+    try:
+        return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(param).node)
+    except RuntimeError:  # a leaf that torch.autograd.grad was asked for: PyTorch declines to answer, but it is
+        return True
+
+
+def _wanted(needs, params):
+    """Which parameter gradients this backward must compute: those that need one, less those the running
+    backward will not deliver (``torch.autograd.grad(out, inputs)`` differentiating the input only, as GS's ``g``
+    does: the weight-gradient matmuls are then skipped, as the model's own autograd nodes skip them). Asked for one
+    parameter, and for each only when that one is not wanted."""
+    if not needs[0] or not hasattr(torch._C, "_will_engine_execute_node") or _will_run(params[0]):
+        return needs
+    return tuple(n and _will_run(p) for n, p in zip(needs, params))
+
+
 class _TrainingLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, mask, layer, dtype, *params):
@@ -185,6 +202,7 @@ class _TrainingLayer(torch.autograd.Function):
         # saved tensors (not ctx attributes) are freed when the backward has run, as the layer's own are
         ctx.save_for_backward(*saved.values())
         ctx.names = tuple(saved)
+        ctx.params = params  # leaves that outlive the step: only to ask whether this backward wants their gradients
         ctx.shapes = (B, T, D, heads, width, p1, p2, approximate, hidden.dtype, g1.dtype,
                       (wq.shape[0], wk.shape[0], wv.shape[0]))
         return y.view(B, T, D)
@@ -195,7 +213,7 @@ class _TrainingLayer(torch.autograd.Function):
         t = dict(zip(ctx.names, ctx.saved_tensors))
         B, T, D, heads, width, p1, p2, approximate, x_dtype, p_dtype, qkv_sizes = ctx.shapes
         g1, be1, g2, be2 = t["g1"], t["be1"], t["g2"], t["be2"]
-        need = ctx.needs_input_grad[4:]
+        need = _wanted(ctx.needs_input_grad[4:], ctx.params)
         dtype = t["x16"].dtype
         with torch.autocast(grad_y.device.type, enabled=False):
             grad_s2, grad_g2, grad_be2 = torch.ops.aten.native_layer_norm_backward(

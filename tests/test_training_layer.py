@@ -128,6 +128,28 @@ def test_a_retained_graph_runs_its_backward_again():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_an_input_only_backward_skips_the_weight_gradients(monkeypatch):
+    """torch.autograd.grad w.r.t. the input (GS's g) computes no parameter gradient; w.r.t. one parameter, that
+    one; the values are those of the full backward."""
+    _, layer, mask = _layer_and_mask()
+    layer.train()
+    x = torch.randn(4, 9, 32, dtype=torch.float64, requires_grad=True)
+    torch.manual_seed(3)
+    y = training_layer.forward(layer, (x, mask), {})
+    g = torch.randn_like(y)
+    w = layer.intermediate.dense.weight
+    full = torch.autograd.grad(y, (x, w), g, retain_graph=True)
+    products = []
+    original = training_layer._weight_grad
+    monkeypatch.setattr(training_layer, "_weight_grad", lambda *a: products.append(a[0].shape) or original(*a))
+    (only_x,) = torch.autograd.grad(y, x, g, retain_graph=True)
+    assert products == []
+    (only_w,) = torch.autograd.grad(y, w, g)
+    assert len(products) == 1
+    torch.testing.assert_close(only_x, full[0], rtol=0, atol=0)
+    torch.testing.assert_close(only_w, full[1], rtol=0, atol=0)
+
+
 def test_calls_and_layers_it_does_not_take_return_none():
     model, layer, mask = _layer_and_mask()
     x = torch.randn(4, 9, 32, dtype=torch.float64, requires_grad=True)
