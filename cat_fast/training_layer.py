@@ -84,8 +84,12 @@ def supported(layer: nn.Module) -> bool:
 
 
 def _compute_dtype(hidden, param_dtype):
+    """The matmul dtype: autocast's for an fp32 layer under autocast (the mixed-precision setting, where the layer
+    norms run in fp32 as autocast runs them), else the one dtype of input and parameters; None otherwise (other
+    autocast combinations run the layer itself)."""
     if torch.is_autocast_enabled(hidden.device.type):
-        return torch.get_autocast_dtype(hidden.device.type)
+        fp32 = hidden.dtype == param_dtype == torch.float32
+        return torch.get_autocast_dtype(hidden.device.type) if fp32 else None
     return hidden.dtype if hidden.dtype == param_dtype else None
 
 

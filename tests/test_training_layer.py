@@ -163,6 +163,9 @@ def test_calls_and_layers_it_does_not_take_return_none():
     assert training_layer.supported(layer)
     eager_model = tiny_model("bert", attn="eager", dtype=torch.float64, num_layers=2)
     assert not training_layer.supported(models.structure(eager_model).layer_modules[0])
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast over a float64 layer: the layer's own rules
+        assert training_layer.forward(layer, (x, mask), {}) is None
+    assert training_layer.forward(layer, (x.float(), mask), {}) is None  # input and parameters of two dtypes
     distil = tiny_model("distilbert", attn="sdpa", dtype=torch.float64, num_layers=2)
     assert not training_layer.supported(models.structure(distil).layer_modules[0])
 
