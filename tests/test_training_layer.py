@@ -303,6 +303,31 @@ def test_autocast_bf16_on_cuda_agrees_to_16_bit_rounding(arch, train):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("case", ["bf16_model", "fp16_autocast"])
+def test_16_bit_model_and_fp16_autocast_on_cuda(case):
+    dtype = torch.bfloat16 if case == "bf16_model" else torch.float32
+    _, layer, mask = _layer_and_mask(batch=5, length=24, dtype=dtype, device="cuda")
+    layer.train()
+    x = torch.randn(5, 24, 32, device="cuda", dtype=dtype, requires_grad=True)
+    g = torch.randn(5, 24, 32, device="cuda")
+    results = []
+    for run in (lambda t: _output(layer(t, mask)), lambda t: training_layer.forward(layer, (t, mask), {})):
+        torch.manual_seed(3)
+        t = x.detach().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.float16, enabled=case == "fp16_autocast"):
+            y = run(t)
+        assert y is not None
+        wrt = [t, layer.intermediate.dense.weight, layer.output.LayerNorm.weight, layer.attention.self.query.bias]
+        results.append((y, torch.autograd.grad(y, wrt, g.to(y.dtype))))
+    (y_own, g_own), (y, grads) = results
+    assert y.dtype == y_own.dtype
+    torch.testing.assert_close(y, y_own, rtol=3e-2, atol=3e-2)
+    for a, b in zip(grads, g_own):
+        assert a.dtype == b.dtype
+        assert (a - b).abs().max() / b.abs().max().clamp_min(1e-6) < 5e-2
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_fp32_on_cuda_agrees_closely():
     _, layer, mask = _layer_and_mask(batch=3, length=33, dtype=torch.float32, device="cuda")
     layer.train()
