@@ -1,5 +1,4 @@
 """CMIX (SPEC §1.1): h_mix[i] = lam_i * h[partner[i]] + (1 - lam_i) * h[i]."""
-import torch
 
 
 def mix_mask(mask, partner, mode):

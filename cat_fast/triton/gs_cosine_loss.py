@@ -3,7 +3,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import acc_tl_dtype, acc_torch_dtype, pow2_at_least, row_tiles
+from ._common import acc_tl_dtype, acc_torch_dtype, row_tiles
 
 
 @triton.jit

@@ -2,7 +2,6 @@ import pytest
 import torch
 
 import cat_fast
-from cat_fast import reference
 from cat_fast.ops import cmix
 
 from .conftest import assert_outputs_match, dtypes_for, noncontiguous, run
