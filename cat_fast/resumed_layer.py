@@ -205,11 +205,15 @@ def _triton_kernels():
 
 
 def _dropout(x, p):
-    """``(x with dropout, keep mask or None)``: `torch.native_dropout`, the kernel `F.dropout` runs on CUDA (the
-    same random draws)."""
+    """``(x with dropout, what its backward needs or None)`` with the draws of ``F.dropout`` on x's device:
+    `torch.native_dropout` (keep mask) on CUDA, the Bernoulli noise of ``torch.dropout``'s CPU kernel (the scaled
+    keep mask) elsewhere."""
     if p == 0.0:
         return x, None
-    return torch.native_dropout(x, p, True)
+    if x.is_cuda:
+        return torch.native_dropout(x, p, True)
+    noise = torch.empty_like(x).bernoulli_(1.0 - p).div_(1.0 - p)
+    return x * noise, noise
 
 
 def _fused_forward(layer, hidden, mask, dtype, saved):

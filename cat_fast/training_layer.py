@@ -41,12 +41,16 @@ from . import first_token_layer, resumed_layer
 __all__ = ["supported", "forward"]
 
 
-def _parameters(layer):
+def _weighted(layer):
+    """The modules whose weight and bias the layer's computation reads, in `_parameters` order."""
     sa, so, inter, out = resumed_layer._bert_parts(layer)
-    return (sa.query.weight, sa.query.bias, sa.key.weight, sa.key.bias, sa.value.weight, sa.value.bias,
-            so.dense.weight, so.dense.bias, so.LayerNorm.weight, so.LayerNorm.bias,
-            inter.dense.weight, inter.dense.bias, out.dense.weight, out.dense.bias,
-            out.LayerNorm.weight, out.LayerNorm.bias)
+    return (sa.query, sa.key, sa.value, so.dense, so.LayerNorm, inter.dense, out.dense, out.LayerNorm)
+
+
+def _parameters(weighted):
+    """(query W, b, key W, b, value W, b, attention output W, b, its LayerNorm γ, β, intermediate W, b, output W, b,
+    its LayerNorm γ, β), read from the modules' parameter dictionaries."""
+    return tuple(p for m in weighted for p in (m._parameters["weight"], m._parameters["bias"]))
 
 
 def _gelu_approximate(inter):
@@ -61,26 +65,38 @@ def _gelu_approximate(inter):
     return None
 
 
-# Layers that passed the full check once -> their modules; later calls re-check only what can change cheaply.
-_CHECKED: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+# Layers that passed the full check -> (their submodules and the modules' types then, `_weighted(layer)`).
+_CHECKED: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _checked(layer: nn.Module):
+    """`_weighted(layer)` when the layer can run here (module docstring), else None.
+
+    The full check (`resumed_layer.supported`: layout, module types, hooks; 0.1 ms of host time) runs once per
+    layer and again whenever a submodule or its type has changed since (an adapter swapped in, a parametrization
+    registered). Other calls check what changes without that (the attention implementation, hooks, an instance-level
+    forward) by dictionary lookups."""
+    modules = tuple((m, type(m)) for m in layer.modules() if m is not layer)
+    entry = _CHECKED.get(layer)
+    if entry is None or entry[0] != modules:
+        if not resumed_layer.supported(layer):
+            return None  # not remembered: hooks and the attention implementation change between calls
+        weighted = _weighted(layer)
+        if any(p is None for p in _parameters(weighted)):
+            return None
+        entry = _CHECKED[layer] = (modules, weighted)
+    mm = nn.modules.module
+    if mm._global_forward_hooks or mm._global_forward_pre_hooks or any(
+            m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m, _ in modules):
+        ok = resumed_layer.supported(layer)  # Hugging Face's output recorders are hooks that record nothing
+    else:
+        ok = getattr(layer.attention.self.config, "_attn_implementation", None) == "sdpa"
+    return entry[1] if ok else None
 
 
 def supported(layer: nn.Module) -> bool:
-    """Whether `layer` can run here (module docstring); the call itself is checked by `forward`.
-
-    The layout and module types are checked once per layer (`resumed_layer.supported`, 0.1 ms of host time);
-    later calls check the attention implementation and that no module of the layer has gained a hook or an
-    instance-level forward (dictionary lookups)."""
-    modules = _CHECKED.get(layer)
-    if modules is None:
-        if not resumed_layer.supported(layer) or any(p is None for p in _parameters(layer)):
-            return False
-        modules = _CHECKED[layer] = [m for m in layer.modules() if m is not layer]
-    mm = nn.modules.module
-    if mm._global_forward_hooks or mm._global_forward_pre_hooks or any(
-            m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in modules):
-        return resumed_layer.supported(layer)  # Hugging Face's output recorders are hooks that record nothing
-    return getattr(layer.attention.self.config, "_attn_implementation", None) == "sdpa"
+    """Whether `layer` can run here (module docstring); the call itself is checked by `forward`."""
+    return _checked(layer) is not None
 
 
 def _compute_dtype(hidden, param_dtype):
@@ -96,31 +112,22 @@ def _compute_dtype(hidden, param_dtype):
 def forward(layer: nn.Module, args, kwargs) -> torch.Tensor | None:
     """The output tensor of `layer(*args, **kwargs)`, differentiable w.r.t. the input and the layer's parameters,
     or None when the layer or this call is not handled here (then run the layer itself)."""
-    if not torch.is_grad_enabled() or not supported(layer):
+    weighted = _checked(layer) if torch.is_grad_enabled() else None
+    if weighted is None:
         return None
     found = first_token_layer._call_arguments(args, kwargs)
     if found is None:
         return None
     hidden, mask = found
-    params = _parameters(layer)
+    params = _parameters(weighted)
     first = params[0]
-    if (not hidden.is_floating_point() or hidden.dim() != 3 or hidden.device != first.device
+    if (not hidden.is_floating_point() or hidden.device != first.device
             or any(p.dtype != first.dtype or p.device != first.device for p in params)):
         return None
-    dtype = _compute_dtype(hidden, params[0].dtype)
+    dtype = _compute_dtype(hidden, first.dtype)
     if dtype is None or not (hidden.requires_grad or any(p.requires_grad for p in params)):
         return None
     return _TrainingLayer.apply(hidden, mask, layer, dtype, *params)
-
-
-def _dropout(x, p):
-    """``(dropout(x), what its backward needs)`` with the draws of ``F.dropout`` on x's device."""
-    if p == 0.0:
-        return x, None
-    if x.is_cuda:
-        return torch.native_dropout(x, p, True)
-    noise = torch.empty_like(x).bernoulli_(1.0 - p).div_(1.0 - p)  # torch.dropout's CPU kernel
-    return x * noise, noise
 
 
 def _dropout_backward(grad, keep, p):
@@ -133,14 +140,16 @@ def _dropout_backward(grad, keep, p):
 
 def _mm_into(acc, a, b):
     """``acc + a @ b`` accumulated at acc's precision (in place into acc, which this module owns)."""
-    if acc.is_cuda and acc.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
+    if (resumed_layer._fp32_mm_supported(acc.device) and acc.dtype == torch.float32
+            and a.dtype in (torch.bfloat16, torch.float16)):
         return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     return acc.add_((a @ b).to(acc.dtype))
 
 
 def _weight_grad(grad_rows, input_rows, dtype):
     """``grad_rowsᵀ @ input_rows`` in the parameter dtype, accumulated in fp32 (or wider)."""
-    if grad_rows.is_cuda and dtype == torch.float32 and grad_rows.dtype in (torch.bfloat16, torch.float16):
+    if (resumed_layer._fp32_mm_supported(grad_rows.device) and dtype == torch.float32
+            and grad_rows.dtype in (torch.bfloat16, torch.float16)):
         return torch.mm(grad_rows.t(), input_rows, out_dtype=torch.float32)
     return (grad_rows.t() @ input_rows).to(dtype)
 
@@ -184,7 +193,7 @@ class _TrainingLayer(torch.autograd.Function):
                                                          dropout_p=p_attn, scale=sa.scaling)
             rows = context.detach().transpose(1, 2).reshape(-1, heads * width)
             wo16 = wo.to(dtype)
-            a, keep1 = _dropout(torch.addmm(bo.to(dtype), rows, wo16.t()), p1)
+            a, keep1 = resumed_layer._dropout(torch.addmm(bo.to(dtype), rows, wo16.t()), p1)
             s1 = a + x
             h1, mean1, rstd1 = torch.native_layer_norm(s1, (D,), g1, be1, so.LayerNorm.eps)
             h1_16 = h1.to(dtype)
@@ -197,7 +206,7 @@ class _TrainingLayer(torch.autograd.Function):
                 with torch.enable_grad():
                     activated = inter.intermediate_act_fn(inner)
             wo2_16 = wo2.to(dtype)
-            o, keep2 = _dropout(torch.addmm(bo2.to(dtype), activated.detach(), wo2_16.t()), p2)
+            o, keep2 = resumed_layer._dropout(torch.addmm(bo2.to(dtype), activated.detach(), wo2_16.t()), p2)
             s2 = o + h1
             y, mean2, rstd2 = torch.native_layer_norm(s2, (D,), g2, be2, out.LayerNorm.eps)
         saved = dict(x16=x16, w_qkv=w_qkv, qkv_leaf=qkv_leaf, context=context, rows=rows, wo16=wo16, keep1=keep1,

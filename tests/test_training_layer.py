@@ -3,6 +3,7 @@ input gradient and every parameter gradient), and its use in the training forwar
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.nn.utils.parametrize  # noqa: F401 - torch.nn.utils.parametrize below
 
 from cat_fast import models, training_layer
 from cat_fast.cat import CAT
@@ -168,6 +169,24 @@ def test_calls_and_layers_it_does_not_take_return_none():
     assert training_layer.forward(layer, (x.float(), mask), {}) is None  # input and parameters of two dtypes
     distil = tiny_model("distilbert", attn="sdpa", dtype=torch.float64, num_layers=2)
     assert not training_layer.supported(models.structure(distil).layer_modules[0])
+
+
+def test_a_part_replaced_or_parametrized_after_a_call_runs_the_layer_itself():
+    """The full check is remembered per layer only while its submodules and their types stay the same."""
+    _, layer, mask = _layer_and_mask()
+    x = torch.randn(4, 9, 32, dtype=torch.float64, requires_grad=True)
+    assert training_layer.forward(layer, (x, mask), {}) is not None
+
+    class Adapter(torch.nn.Linear):  # an adapter wrapping the projection: its forward is not the weights'
+        pass
+
+    dense = layer.output.dense
+    layer.output.dense = Adapter(32, 32, dtype=torch.float64)
+    assert training_layer.forward(layer, (x, mask), {}) is None
+    layer.output.dense = dense
+    assert training_layer.forward(layer, (x, mask), {}) is not None
+    torch.nn.utils.parametrize.register_parametrization(dense, "weight", torch.nn.Identity())
+    assert training_layer.forward(layer, (x, mask), {}) is None
 
 
 def _logits_and_grads(model, batch, training_layers, seed=5):
