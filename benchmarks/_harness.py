@@ -214,7 +214,7 @@ def copy_bandwidth_gbps(mib=512, reps=20):
     dst = torch.empty_like(src)
     median_ms, _ = time_cuda(lambda: dst.copy_(src), warmup=3, reps=reps, host_ahead=True)
     gbps = 2 * src.numel() * src.element_size() / (median_ms * 1e-3) / 1e9
-    del src, dst
+    src = dst = None  # the lambda's closure holds them: free both before empty_cache
     torch.cuda.empty_cache()
     _COPY["gbps"] = gbps
     _COPY["bytes"] = 2 * mib * 1024 * 1024
@@ -262,7 +262,7 @@ def _configure_dynamo():
 def compiled_reference(op_name):
     """torch.compile of the pure-PyTorch reference (default mode; automatic dynamic shapes)."""
     if op_name not in _COMPILED:
-        import cat_fast.reference as reference
+        import cat_fast.kernels.reference as reference
 
         _configure_dynamo()
         _COMPILED[op_name] = torch.compile(getattr(reference, op_name))
@@ -273,7 +273,7 @@ def backend_fn(op_name, backend):
     """(callable, context manager factory) for running `op_name` on `backend`.
 
     `reference` = the public op under use_backend("reference") (so validation costs are the same
-    as for the fused backends); `compile` = torch.compile(cat_fast.reference.<op>).
+    as for the fused backends); `compile` = torch.compile(cat_fast.kernels.reference.<op>).
     """
     import cat_fast
     import cat_fast.ops as ops
@@ -296,7 +296,7 @@ def backend_skip_reason(backend, device):
             return "torch.compile cases disabled (CAT_FAST_BENCH_COMPILE=0)"
         return None
     if backend not in cat_fast.backends():
-        errors = cat_fast.ops._registry.load_errors()
+        errors = cat_fast.ops.registry.load_errors()
         return f"backend {backend} not available: {errors.get(backend, 'not built')}"
     return None
 

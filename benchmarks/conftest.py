@@ -46,7 +46,7 @@ def environment_info():
         import cat_fast
 
         info["cat_fast_backends"] = list(cat_fast.backends())
-        info["cat_fast_load_errors"] = cat_fast.ops._registry.load_errors()
+        info["cat_fast_load_errors"] = cat_fast.ops.registry.load_errors()
     except Exception as error:  # pragma: no cover - reported, not fatal
         info["cat_fast_backends"] = f"import failed: {error}"
     try:

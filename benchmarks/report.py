@@ -2,6 +2,11 @@
 
     python benchmarks/report.py OUT/bench.json [more.json | records.jsonl ...]
         [--out benchmarks/RESULTS.md] [--plot benchmarks/tokens_per_s.png] [--commit SHA] [--device NAME] [--date D]
+        [--note TEXT] [--full-ops]
+
+`benchmarks/run_gpu.sh` runs it on the run's raw results (OUT = benchmarks/results/<run>/ by default, ignored by
+git) and writes OUT/RESULTS.md and OUT/tokens_per_s.png; pointing --out / --plot at benchmarks/RESULTS.md and
+benchmarks/tokens_per_s.png makes a run the current tables of the committed file.
 
 Inputs: `--benchmark-json` files of pytest-benchmark (or of the suite's stand-in fixture), and/or the
 CAT_FAST_BENCH_JSONL backup written while the suite runs (used for cases missing from the JSON files,
@@ -123,12 +128,17 @@ def op_time(e):
     return e.get("fwdbwd_ms", e.get("fwd_ms"))
 
 
-def op_section(records, device):
+def _ops_by_name(records, device):
     ops = {}
     for r in records:
         e = r.get("extra_info") or {}
         if "op" in e and e.get("device") == device:
             ops.setdefault(e["op"], []).append(e)
+    return ops
+
+
+def op_section(records, device):
+    ops = _ops_by_name(records, device)
     if not ops:
         return None
     out = []
@@ -182,6 +192,62 @@ def op_section(records, device):
                     row.append("—")
             rows.append(row)
         out.append(f"#### `{op}`\n\n" + table(header, rows))
+    return "\n\n".join(out)
+
+
+def op_section_compact(records, device):
+    """One row per (shape, dtype), the backends side by side (`a · b · ...` in backend order) — the default
+    for RESULTS.md; `--full-ops` gives `op_section`'s per-backend rows (wall-clock GB/s and ratios included).
+    Every number is a value of `op_section`'s tables, unchanged."""
+    ops = _ops_by_name(records, device)
+    if not ops:
+        return None
+    out = []
+    for op in sorted(ops, key=lambda o: rank(o, OP_ORDER)):
+        entries = ops[op]
+        backends = sorted({e.get("backend") for e in entries}, key=lambda b: rank(b, BACKEND_ORDER))
+        fused = [b for b in backends if b not in ("reference", "compile")]
+        by_case = {}
+        for e in entries:
+            by_case.setdefault((e.get("shape"), e.get("dtype")), {})[e.get("backend")] = e
+        has_bwd = any("fwdbwd_ms" in e for e in entries)
+        launches = any("launches_fwd" in e or "launch_error" in e for e in entries)
+        names = " · ".join(backends)
+        header = ["shape", "dtype"]
+        if device == "cuda":
+            header += [f"GPU µs ({names})", f"GPU % copy BW ({' · '.join(fused)})"]
+        header.append(f"call µs, {'fwd+bwd' if has_bwd else 'fwd'} ({names})")
+        if launches:
+            header.append(f"launches{' fwd/bwd' if has_bwd else ''} ({names})")
+
+        def cells(case, value, among=backends):
+            row = []
+            for b in among:
+                e = case.get(b)
+                row.append("—" if e is None else "error" if "error" in e else value(e))
+            return " · ".join(row)
+
+        def launch(e):
+            if "launch_error" in e:
+                return "error"
+            if "launches_fwd" not in e:
+                return "—"
+            return f"{e['launches_fwd']}/{e['launches_bwd']}" if has_bwd else str(e["launches_fwd"])
+
+        rows, errors = [], []
+        keys = sorted(by_case, key=lambda k: (size_key(k[0]), rank(k[1], ("fp32", "bf16"))))
+        for shape, dtype in keys:
+            case = by_case[(shape, dtype)]
+            row = [shape, dtype]
+            if device == "cuda":
+                row.append(cells(case, lambda e: fmt(e.get("gpu_ms"), 1, 1e3)))
+                row.append(cells(case, lambda e: fmt(e.get("pct_copy_bw_gpu"), 1), fused))
+            row.append(cells(case, lambda e: fmt(op_time(e), 1, 1e3)))
+            if launches:
+                row.append(cells(case, launch))
+            rows.append(row)
+            errors += [f"- {shape} {dtype} {b}: {short_error(e['error'])}" for b, e in case.items() if "error" in e]
+        out.append(f"#### `{op}`\n\n" + table(header, rows) + ("\n\n" + "\n".join(errors) if errors else ""))
     return "\n\n".join(out)
 
 
@@ -275,7 +341,7 @@ def step_section(records):
         "First-token last layer: (1f), (1t), (3), (3e), (3h), (3c), (5), (5f), (6) and (6h) run layer L of every "
         "pass for row 0 only (keys and values of every token, the rest of the layer for row 0; same logits and "
         "gradients); their FLOP counts include it. (1), (2), (3f) and (4) run it whole.",
-        "Training layers (`cat_fast.training_layer`: each encoder layer one autograd node, its parameter gradients "
+        "Training layers (`cat_fast.layers.training`: each encoder layer one autograd node, its parameter gradients "
         "included; same values, dropout draws and gradients): (1t), (6) and the clean forward of (3), (3e), (3f), "
         "(3h) run them, and so do the perturbed passes of (5) and (5f); (1), (1f), (2), (3c), (4) and (6h) run the "
         "model's own layers.",
@@ -432,11 +498,35 @@ OP_NOTES = (
 )
 
 
+OP_NOTES_COMPACT = (
+    "Op timings: CUDA events around each call, L2 evicted (a 256 MiB buffer read, so no dirty line is left to be "
+    "written back inside the timed call) before each of 20 repetitions after 5 warm-up calls (which absorb Triton "
+    "JIT/autotuning and torch.compile); median. Inputs require grad, so the forward includes autograd recording, as "
+    "in training. One row per shape and dtype, the backends side by side in the header's order: `reference` runs "
+    "through the public op (same validation as the fused backends), `compile` = torch.compile(reference) (default "
+    "mode, automatic dynamic shapes). `GPU µs`: forward then `torch.autograd.grad` of the op's differentiable "
+    "inputs (the forward alone for cal_step_) timed with the host ahead of the GPU (a ~2 ms spin kernel queued "
+    "before the start event): the GPU time of every kernel the op launches and the gaps between them, without the "
+    "Python/dispatch latency of the call — what the op costs inside a training step whose host runs ahead; the "
+    "bandwidth targets are read on it. `GPU % copy BW` = minimal bytes (each input read once, each output written "
+    "once, forward + backward; see each benchmark file's docstring) / GPU time, as a share of the device-to-device "
+    "copy bandwidth above. `call µs`: the same call timed from the host, its Python/dispatch latency included "
+    "(0.1–1.7 ms a call on the benchmark machine's host; small-row cases are latency-bound). Launches = device "
+    "activities (kernels + memcpy/memset) per call counted with torch.profiler (target 1 per direction). "
+    "`report.py --full-ops` prints one row per backend instead (forward alone, wall-clock GB/s, speedups over "
+    "reference and compile)."
+)
+
+
 def build(records, machine, commit_info, args, plotted):
-    parts = ["## Benchmark tables", header_section(machine, commit_info, args)]
-    gpu_ops = op_section(records, "cuda")
+    parts = ["## Current tables", header_section(machine, commit_info, args)]
+    if getattr(args, "note", None):
+        parts.append(args.note)
+    full_ops = getattr(args, "full_ops", False)
+    section = op_section if full_ops else op_section_compact
+    gpu_ops = section(records, "cuda")
     if gpu_ops:
-        parts += ["### Op level (GPU)", OP_NOTES, gpu_ops]
+        parts += ["### Op level (GPU)", OP_NOTES if full_ops else OP_NOTES_COMPACT, gpu_ops]
         names = launch_names_section(records)
         if names:
             parts += ["Kernels counted (fused backends, largest size):", names]
@@ -451,7 +541,7 @@ def build(records, machine, commit_info, args, plotted):
     sync = sync_section(records)
     if sync:
         parts += ["### Host synchronisation in the CAT step", sync]
-    cpu_ops = op_section(records, "cpu")
+    cpu_ops = section(records, "cpu")
     if cpu_ops:
         parts += ["### Op level (CPU small set: cpp vs reference)",
                   "perf_counter, median of 10 after 2 warm-up calls, single-threaded (CAT_FAST_BENCH_CPU_THREADS).",
@@ -489,6 +579,9 @@ def main(argv=None):
     parser.add_argument("--commit", default=None, help="commit to print (default: from the JSON, else git rev-parse HEAD)")
     parser.add_argument("--device", default=None, help="device name to print (default: from the JSON)")
     parser.add_argument("--date", default=None, help="date to print (default: from the JSON)")
+    parser.add_argument("--note", default=None, help="a paragraph printed under the header (e.g. which run gave which table)")
+    parser.add_argument("--full-ops", action="store_true",
+                        help="op tables with one row per backend (default: backends side by side, one row per case)")
     args = parser.parse_args(argv)
     paths = [p for p in args.inputs if os.path.exists(p)]
     missing = [p for p in args.inputs if not os.path.exists(p)]

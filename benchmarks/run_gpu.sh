@@ -1,39 +1,43 @@
 #!/usr/bin/env bash
-# The one command for the GPU machine: runs the benchmark suite, then writes the report.
+# The one command for the GPU machine: runs the benchmark suite (benchmarks/ops/, benchmarks/steps/), then the report.
 #
-#   benchmarks/run_gpu.sh [all|ops|step]        (or BENCH_SUBSET=all|ops|step; default all)
+#   bash benchmarks/run_gpu.sh [all|ops|step]        (or BENCH_SUBSET=all|ops|step; default all)
+#
+# Raw results stay out of git: everything goes to OUT, by default benchmarks/results/<UTC date>-<commit>/ (ignored):
+# bench.json (pytest-benchmark --benchmark-json), bench.jsonl (per-case backup, written as the cases finish),
+# pytest.log, env.txt, and RESULTS.md / tokens_per_s.png generated from them by benchmarks/report.py.
+# To make a run the current tables of the committed benchmarks/RESULTS.md (only the block between its table
+# markers is replaced) and plot:
+#   python benchmarks/report.py OUT/bench.json OUT/bench.jsonl --out benchmarks/RESULTS.md --plot benchmarks/tokens_per_s.png
+# (or BENCH_RESULTS_DIR=benchmarks here), then add a line to its History.
 #
 # Environment (all optional):
-#   OUT                  where results go (default /tmp/cat_fast_bench): bench.json (pytest-benchmark),
-#                        bench.jsonl (per-case backup), pytest.log, env.txt, RESULTS.md, tokens_per_s.png
+#   OUT                  where the raw results and the generated report go (see above)
 #   BENCH_BUDGET_S       hard wall-clock limit of the pytest run, seconds (default 330); cases starting after
 #                        their deadline skip (ops: BENCH_OPS_BUDGET_S, default 200 in `all`), so the report
 #                        always gets written; the run is interrupted (SIGINT, pytest still writes its JSON) at the limit
 #   CAT_FAST_BENCH_COMPILE=0           skip the torch.compile op cases (the slowest to set up)
 #   CAT_FAST_BENCH_REPS / _WARMUP      op repetitions (default 20 / 5)
 #   CAT_FAST_BENCH_STEP_STEPS / _STEP_WARMUP   step-level timed / warm-up steps (default 20 / 5, timed <= 25)
-#   CAT_FAST_BENCH_COMMIT              commit to print in RESULTS.md (default: git rev-parse HEAD)
-#   BENCH_RESULTS_DIR                  where RESULTS.md / tokens_per_s.png are written (default benchmarks)
-#
-# RESULTS.md / tokens_per_s.png are written to benchmarks/ (text outside the table markers is kept) AND copied
-# to $OUT, since only $OUT comes back from the device machine.
+#   CAT_FAST_BENCH_COMMIT              commit to print in the report (default: git rev-parse HEAD)
+#   BENCH_RESULTS_DIR                  also write RESULTS.md / tokens_per_s.png there (e.g. benchmarks: the
+#                                      committed file's table block; default: OUT only)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 SUBSET="${1:-${BENCH_SUBSET:-all}}"
-OUT="${OUT:-/tmp/cat_fast_bench}"
+COMMIT="${CAT_FAST_BENCH_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+OUT="${OUT:-benchmarks/results/$(date -u +%Y-%m-%d-%H%M%S)-${COMMIT:0:7}}"
 BUDGET="${BENCH_BUDGET_S:-330}"
 OPS_BUDGET="${BENCH_OPS_BUDGET_S:-200}"
-RESULTS_DIR="${BENCH_RESULTS_DIR:-benchmarks}"   # where RESULTS.md / tokens_per_s.png are (re)written
+RESULTS_DIR="${BENCH_RESULTS_DIR:-$OUT}"   # where RESULTS.md / tokens_per_s.png are (re)written
 mkdir -p "$OUT"
 START=$(date +%s)
 
-ops_files="benchmarks/test_bench_cal_objective.py benchmarks/test_bench_cal_step.py benchmarks/test_bench_cmix.py
-benchmarks/test_bench_crm_loss.py benchmarks/test_bench_gs_cosine_loss.py"
 case "$SUBSET" in
-  ops)  FILES="$ops_files"; export CAT_FAST_BENCH_DEADLINE_OPS=$((START + BUDGET - 25)) ;;
-  step) FILES="benchmarks/test_bench_step.py"; export CAT_FAST_BENCH_DEADLINE_STEP=$((START + BUDGET - 40)) ;;
-  all)  FILES="benchmarks"
+  ops)  FILES="benchmarks/ops"; export CAT_FAST_BENCH_DEADLINE_OPS=$((START + BUDGET - 25)) ;;
+  step) FILES="benchmarks/steps"; export CAT_FAST_BENCH_DEADLINE_STEP=$((START + BUDGET - 40)) ;;
+  all)  FILES="benchmarks/ops benchmarks/steps"
         export CAT_FAST_BENCH_DEADLINE_OPS=$((START + OPS_BUDGET))
         export CAT_FAST_BENCH_DEADLINE_STEP=$((START + BUDGET - 40)) ;;
   *) echo "usage: $0 [all|ops|step]" >&2; exit 2 ;;
@@ -53,7 +57,7 @@ for name in ("triton", "transformers", "pytest_benchmark"):
     except Exception as error:
         print(name, "MISSING:", error)
 import cat_fast
-print("cat_fast backends", cat_fast.backends(), "load errors", cat_fast.ops._registry.load_errors())
+print("cat_fast backends", cat_fast.backends(), "load errors", cat_fast.ops.registry.load_errors())
 PY
 
 echo "== pytest ($SUBSET, budget ${BUDGET}s) =="
@@ -70,8 +74,10 @@ inputs=()
 [ -f "$OUT/bench.jsonl" ] && inputs+=("$OUT/bench.jsonl")
 if [ ${#inputs[@]} -gt 0 ]; then
   mkdir -p "$RESULTS_DIR"
-  python benchmarks/report.py "${inputs[@]}" --out "$RESULTS_DIR/RESULTS.md" --plot "$RESULTS_DIR/tokens_per_s.png"
-  [ "$RESULTS_DIR" -ef "$OUT" ] || cp "$RESULTS_DIR/RESULTS.md" "$RESULTS_DIR/tokens_per_s.png" "$OUT/" 2>/dev/null
+  python benchmarks/report.py "${inputs[@]}" --out "$OUT/RESULTS.md" --plot "$OUT/tokens_per_s.png"
+  [ "$RESULTS_DIR" -ef "$OUT" ] || python benchmarks/report.py "${inputs[@]}" --out "$RESULTS_DIR/RESULTS.md" \
+      --plot "$RESULTS_DIR/tokens_per_s.png"
+  echo "raw results and report: $OUT"
   sed -n '/<!-- tables:begin -->/,/<!-- tables:end -->/p' "$RESULTS_DIR/RESULTS.md" | grep -v "^#### \`\|^$" | cut -c1-220 | tail -150
 else
   echo "no results to report"

@@ -1,24 +1,27 @@
 """cat_fast: fast, exact counterfactual and debiasing training for PyTorch text classifiers.
 
-Ops (`cat_fast.ops`): cmix, cal_objective, cal_step_, crm_loss, crm_weights, gs_cosine_loss —
-each with `reference`, `cpp`, `cuda` and `triton` backends (`backends()`, `use_backend()`).
-Objectives: `CAT` (counterfactual adversarial training) and `GradientSupervision`; Hugging Face
-trainers `CATTrainer`, `GSTrainer`.
+Packages: `ops` (fused ops), `kernels` (their reference and Triton backends), `layers` (fast encoder layers),
+`models` (capture, resume, interventions on Hugging Face models), `objectives` (CAT, gradient supervision; a
+registry by name), `integrations` (Hugging Face Trainer classes), `data`, `analysis`, `cli`. README: Architecture.
 """
 from . import ops
-from ._backend import backends, use_backend
+from .ops.backend import backends, use_backend
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "backends", "use_backend", "CAT", "GradientSupervision", "CATTrainer", "GSTrainer"]
+__all__ = ["ops", "backends", "use_backend", "CAT", "GradientSupervision", "CATTrainer", "GSTrainer", "Objective",
+           "objectives"]
 
-_LAZY = {"CAT": "cat", "GradientSupervision": "gs", "CATTrainer": "trainer", "GSTrainer": "trainer"}
+_LAZY = {"CAT": "objectives", "GradientSupervision": "objectives", "Objective": "objectives",
+         "CATTrainer": "integrations", "GSTrainer": "integrations"}
 
 
 def __getattr__(name):
     # The objectives import transformers; keep `import cat_fast` light for users of the ops alone.
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name in _LAZY:
         return getattr(importlib.import_module(f"cat_fast.{_LAZY[name]}"), name)
+    if name in ("objectives", "models", "layers", "integrations", "data", "analysis", "kernels", "cli"):
+        return importlib.import_module(f"cat_fast.{name}")
     raise AttributeError(f"module 'cat_fast' has no attribute {name!r}")

@@ -10,4 +10,4 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 start=$(date +%s)
 python3 setup.py build_ext --inplace -j 16 >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start ))s" | tee -a "$OUT/gpu.txt"
-python3 -c "import cat_fast, torch, triton, transformers; print('backends', cat_fast.backends(), cat_fast.ops._registry.load_errors(), 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+python3 -c "import cat_fast, torch, triton, transformers; print('backends', cat_fast.backends(), cat_fast.ops.registry.load_errors(), 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"

@@ -2,7 +2,8 @@
 # Device run: CUDA build, GPU tests (ops on cuda + triton, CUDA-graph CAT, training API, GS), kernel-only cmix
 # timings (with their float64 check), then the benchmark suite and its report. Few files under $OUT (only a
 # handful come back). Switches (default on / all): GPU_OP_TESTS=0 skips the op tests, KERNEL_ONLY=0 the
-# kernel-only timings, BENCH_SUBSET=ops|step|none picks the benchmarks.
+# kernel-only timings, BENCH_SUBSET=ops|step|none picks the benchmarks (benchmarks/ops, benchmarks/steps; the raw
+# results and report land in $OUT, see benchmarks/run_gpu.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/device_setup.sh
@@ -11,12 +12,14 @@ if [ "${GPU_OP_TESTS:-1}" = 1 ]; then
     >"$OUT/gpu_tests.txt" 2>&1
   echo "op tests on GPU: rc=$? $(tail -1 "$OUT/gpu_tests.txt")"
 fi
-timeout 150 python3 -m pytest tests/test_cal_graph.py tests/test_gpu_training.py tests/test_gs.py tests/test_cat.py \
-  tests/test_models.py tests/test_resumed_layer.py tests/test_residual_layer_norm.py tests/test_pooled_gs_loss.py tests/test_training_layer.py -q -p no:cacheprovider -rf >>"$OUT/gpu_tests.txt" 2>&1
+timeout 150 python3 -m pytest tests/objectives/test_cat_graphs.py tests/integrations/test_gpu_training.py \
+  tests/objectives/test_gs.py tests/objectives/test_cat.py tests/models/test_models.py tests/layers/test_resumed.py \
+  tests/kernels/test_residual_layer_norm.py tests/kernels/test_pooled_gs_loss.py tests/layers/test_training.py \
+  -q -p no:cacheprovider -rf >>"$OUT/gpu_tests.txt" 2>&1
 echo "training API on GPU: rc=$? $(tail -1 "$OUT/gpu_tests.txt")"
 grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.txt" | head -20
 if [ "${KERNEL_ONLY:-1}" = 1 ]; then
-  timeout 60 python3 benchmarks/kernel_only.py >"$OUT/kernel_only.txt" 2>&1; echo "kernel_only rc=$?"
+  timeout 60 python3 benchmarks/tools/kernel_only.py >"$OUT/kernel_only.txt" 2>&1; echo "kernel_only rc=$?"
   head -16 "$OUT/kernel_only.txt"
 fi
 SUBSET=${BENCH_SUBSET:-all}

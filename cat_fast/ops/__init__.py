@@ -1,8 +1,14 @@
-"""The fused ops of cat_fast. Each validates its arguments, then runs on the selected backend (`cat_fast.backends()`)."""
+"""The fused ops of cat_fast: plain functions on tensors, for your own objectives.
+
+Each validates its arguments (`validate`), then runs on the backend `backend.select` picks (`reference`, `cpp`,
+`cuda`, `triton`; `cat_fast.backends()`, `cat_fast.use_backend()`). Adding an op: CONTRIBUTING.md.
+"""
+from .backend import backends, use_backend
 from .cal_objective import cal_objective
 from .cal_step import cal_step_
-from .cmix import cmix
+from .cmix import MASK_MODES, cmix
 from .crm_loss import crm_loss, crm_weights
 from .gs_cosine_loss import gs_cosine_loss
 
-__all__ = ["cmix", "cal_objective", "cal_step_", "crm_loss", "crm_weights", "gs_cosine_loss"]
+__all__ = ["cmix", "cal_objective", "cal_step_", "crm_loss", "crm_weights", "gs_cosine_loss", "MASK_MODES",
+           "backends", "use_backend"]

@@ -1,15 +1,21 @@
-"""cmix: CMIX hidden-state interpolation (SPEC §1.1), differentiable w.r.t. h and lam to any order."""
+"""cmix: CMIX hidden-state interpolation (docs/METHODS.md §1.1), differentiable w.r.t. h and lam to any order."""
 import torch
 
-from .. import _backend, reference
-from . import _registry, _validate
+from ..kernels import reference
+from . import registry, validate
+from .backend import select
+
+registry.define({
+    "cmix_forward": "(Tensor h, Tensor lam, Tensor partner) -> Tensor",
+    "cmix_backward": "(Tensor grad, Tensor h, Tensor lam, Tensor partner) -> (Tensor, Tensor)",
+}, triton="cmix")
 
 MASK_MODES = ("self", "partner", "union", "intersection")
 
 
 def _grad_lam_rows(grad, h, partner):
     """sum_d (h[partner[i], t, d] - h[i, t, d]) * grad[i, t, d], in the accumulation dtype: [B, T]."""
-    acc = _registry.acc_dtype(h.dtype)
+    acc = registry.acc_dtype(h.dtype)
     return ((h.index_select(0, partner) - h).to(acc) * grad.to(acc)).sum(-1)
 
 
@@ -50,8 +56,8 @@ def _save_inputs(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
-_registry.register("cmix_forward", lambda h, lam, partner: torch.empty_like(h), _forward_backward, _save_inputs)
-_registry.register(
+registry.register("cmix_forward", lambda h, lam, partner: torch.empty_like(h), _forward_backward, _save_inputs)
+registry.register(
     "cmix_backward",
     lambda grad, h, lam, partner: (torch.empty_like(h), h.new_empty(h.shape[:2], dtype=lam.dtype)),
     _backward_backward,
@@ -60,23 +66,23 @@ _registry.register(
 
 
 def _validate_args(h, lam, partner, mask, mask_mode):
-    _validate.tensor("h", h, ndims=(3,))
-    _validate.nonempty_batch("h", h)
+    validate.tensor("h", h, ndims=(3,))
+    validate.nonempty_batch("h", h)
     batch, tokens, _ = h.shape
-    _validate.tensor("lam", lam, ndims=(1, 2))
-    _validate.size("lam", lam, 0, batch, "batch size B of h")
+    validate.tensor("lam", lam, ndims=(1, 2))
+    validate.size("lam", lam, 0, batch, "batch size B of h")
     if lam.dim() == 2:
-        _validate.size("lam", lam, 1, tokens, "sequence length T of h, per-token lambda")
-    _validate.tensor("partner", partner, ndims=(1,), dtypes=(torch.int64, torch.int32))
-    _validate.shape("partner", partner, (batch,), "one partner index per sample")
+        validate.size("lam", lam, 1, tokens, "sequence length T of h, per-token lambda")
+    validate.tensor("partner", partner, ndims=(1,), dtypes=(torch.int64, torch.int32))
+    validate.shape("partner", partner, (batch,), "one partner index per sample")
     if mask is not None:
-        _validate.tensor("mask", mask, ndims=(2,), dtypes=None)
+        validate.tensor("mask", mask, ndims=(2,), dtypes=None)
         if mask.is_floating_point() or mask.is_complex():
             raise TypeError(f"mask: expected a bool or integer tensor (1 = real token), got {mask.dtype}")
-        _validate.shape("mask", mask, (batch, tokens), "[B, T] like h")
-    _validate.choice("mask_mode", mask_mode, MASK_MODES)
-    _validate.same_device(h=h, lam=lam, partner=partner, mask=mask)
-    _validate.index_range("partner", partner, batch, "indices into the batch")
+        validate.shape("mask", mask, (batch, tokens), "[B, T] like h")
+    validate.choice("mask_mode", mask_mode, MASK_MODES)
+    validate.same_device(h=h, lam=lam, partner=partner, mask=mask)
+    validate.index_range("partner", partner, batch, "indices into the batch")
 
 
 def cmix(h, lam, partner, mask=None, mask_mode="self"):
@@ -89,9 +95,9 @@ def cmix(h, lam, partner, mask=None, mask_mode="self"):
     """
     _validate_args(h, lam, partner, mask, mask_mode)
     partner = partner.long()
-    backend = _backend.select("cmix", h.device)
+    backend = select("cmix", h.device)
     if backend == "reference":
         return reference.cmix(h, lam, partner, mask, mask_mode)
-    lam_acc = lam.to(_registry.acc_dtype(h.dtype)).contiguous()
-    h_mix = _registry.kernels(backend).cmix_forward(h.contiguous(), lam_acc, partner.contiguous())
+    lam_acc = lam.to(registry.acc_dtype(h.dtype)).contiguous()
+    h_mix = registry.kernels(backend).cmix_forward(h.contiguous(), lam_acc, partner.contiguous())
     return h_mix, reference.mix_mask(mask, partner, mask_mode)

@@ -1,8 +1,16 @@
-"""crm_loss: counterfactual risk, the clipped importance-weighted cross-entropy (SPEC §1.3)."""
+"""crm_loss: counterfactual risk, the clipped importance-weighted cross-entropy (docs/METHODS.md §1.3)."""
 import torch
 
-from .. import _backend, reference
-from . import _registry, _validate
+from ..kernels import reference
+from . import registry, validate
+from .backend import select
+
+registry.define({
+    "crm_loss_forward": "(Tensor logits, Tensor cf_logits, Tensor labels, float a1, float a2, int reduction, "
+                        "bool detach_weight) -> (Tensor, Tensor)",
+    "crm_loss_backward": "(Tensor grad, Tensor logits, Tensor cf_logits, Tensor labels, Tensor stats, float a1, "
+                         "float a2, int reduction, bool detach_weight) -> (Tensor, Tensor)",
+}, triton="crm_loss")
 
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 
@@ -27,31 +35,31 @@ def _setup(ctx, inputs, output):
 
 
 def _fake_forward(logits, cf_logits, labels, a1, a2, reduction, detach_weight):
-    acc = _registry.acc_dtype(logits.dtype)
+    acc = registry.acc_dtype(logits.dtype)
     shape = logits.shape[:1] if reduction == 0 else ()
     return logits.new_empty(shape, dtype=acc), logits.new_empty((logits.shape[0], 4), dtype=acc)
 
 
-_registry.register("crm_loss_forward", _fake_forward, _forward_backward, _setup)
-_registry.register(
+registry.register("crm_loss_forward", _fake_forward, _forward_backward, _setup)
+registry.register(
     "crm_loss_backward",
     lambda grad, logits, cf_logits, labels, stats, a1, a2, reduction, detach_weight: (
         torch.empty_like(logits),
         torch.empty_like(cf_logits),
     ),
-    _registry.not_twice_differentiable("crm_loss"),
+    registry.not_twice_differentiable("crm_loss"),
 )
 
 
 def _validate_pair(logits, cf_logits, a1, a2):
-    _validate.tensor("logits", logits, ndims=(2,))
-    _validate.nonempty_batch("logits", logits)
-    _validate.tensor("cf_logits", cf_logits, ndims=(2,))
-    _validate.shape("cf_logits", cf_logits, logits.shape, "like logits")
+    validate.tensor("logits", logits, ndims=(2,))
+    validate.nonempty_batch("logits", logits)
+    validate.tensor("cf_logits", cf_logits, ndims=(2,))
+    validate.shape("cf_logits", cf_logits, logits.shape, "like logits")
     if cf_logits.dtype != logits.dtype:
         raise TypeError(f"cf_logits: expected dtype {logits.dtype} (the dtype of logits), got {cf_logits.dtype}")
-    _validate.same_device(logits=logits, cf_logits=cf_logits)
-    a1, a2 = _validate.number("a1", a1), _validate.number("a2", a2)
+    validate.same_device(logits=logits, cf_logits=cf_logits)
+    a1, a2 = validate.number("a1", a1), validate.number("a2", a2)
     if a1 > a2:
         raise ValueError(f"a1, a2: expected a1 <= a2 (clip range of the weight), got a1={a1} > a2={a2}")
     return a1, a2
@@ -60,12 +68,12 @@ def _validate_pair(logits, cf_logits, a1, a2):
 def crm_weights(logits, cf_logits, a1=0.0, a2=10.0):
     """The clipped importance weights `clip(max softmax(logits_i) / max softmax(cf_logits_i), a1, a2)`: [B], no gradient."""
     a1, a2 = _validate_pair(logits, cf_logits, a1, a2)
-    backend = _backend.select("crm_loss", logits.device)
+    backend = select("crm_loss", logits.device)
     with torch.no_grad():
         if backend == "reference":
             return reference.crm_weights(logits, cf_logits, a1, a2)
         labels = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)  # the kernel's CE column is unused
-        _, stats = _registry.kernels(backend).crm_loss_forward(
+        _, stats = registry.kernels(backend).crm_loss_forward(
             logits.contiguous(), cf_logits.contiguous(), labels, a1, a2, 0, True
         )
         return stats[:, 0]
@@ -77,18 +85,18 @@ def crm_loss(logits, cf_logits, labels, a1=0.0, a2=10.0, detach_weight=True, red
     Phi = the highest class probability. With detach_weight=False the weight's gradient flows into
     both logits (zero where the ratio is clipped).
     """
-    _validate.classes("logits", logits, labels)
+    validate.classes("logits", logits, labels)
     a1, a2 = _validate_pair(logits, cf_logits, a1, a2)
-    _validate.choice("reduction", reduction, tuple(REDUCTIONS))
+    validate.choice("reduction", reduction, tuple(REDUCTIONS))
     if not isinstance(detach_weight, bool):
         raise TypeError(f"detach_weight: expected a bool, got {type(detach_weight).__name__}")
     labels = labels.long()
-    backend = _backend.select("crm_loss", logits.device)
+    backend = select("crm_loss", logits.device)
     if backend == "reference":
         return reference.crm_loss(logits, cf_logits, labels, a1, a2, detach_weight, reduction)
     if detach_weight:
         cf_logits = cf_logits.detach()
-    loss, _ = _registry.kernels(backend).crm_loss_forward(
+    loss, _ = registry.kernels(backend).crm_loss_forward(
         logits.contiguous(), cf_logits.contiguous(), labels.contiguous(), a1, a2, REDUCTIONS[reduction], detach_weight
     )
     return loss

@@ -1,4 +1,4 @@
-"""gs_cosine_loss: the gradient-supervision loss 1 - cos(g_i, g_hat_i) per row (SPEC §2), differentiable to any order.
+"""gs_cosine_loss: the gradient-supervision loss 1 - cos(g_i, g_hat_i) per row (docs/METHODS.md §2), differentiable to any order.
 
 Composed of two kernel ops whose derivatives are again made of those ops (and plain torch ops):
 `gs_row_dots(x, y) -> [N, 3]` = (x.y, x.x, y.y) per row and `gs_row_combine(x, y, coef) -> (u, v)` with
@@ -7,8 +7,14 @@ built with create_graph=True) runs the same fused kernels.
 """
 import torch
 
-from .. import _backend, reference
-from . import _registry, _validate
+from ..kernels import reference
+from . import registry, validate
+from .backend import select
+
+registry.define({
+    "gs_row_dots": "(Tensor x, Tensor y) -> Tensor",
+    "gs_row_combine": "(Tensor x, Tensor y, Tensor coef) -> (Tensor, Tensor)",
+}, triton="gs_cosine_loss")
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -50,13 +56,13 @@ def _save_inputs_unmaterialized(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused output (u or v) needs no zero-filled gradient
 
 
-_registry.register(
+registry.register(
     "gs_row_dots",
-    lambda x, y: x.new_empty((x.shape[0], 3), dtype=_registry.acc_dtype(x.dtype)),
+    lambda x, y: x.new_empty((x.shape[0], 3), dtype=registry.acc_dtype(x.dtype)),
     _row_dots_backward,
     _save_inputs,
 )
-_registry.register(
+registry.register(
     "gs_row_combine",
     lambda x, y, coef: (torch.empty_like(x), torch.empty_like(x)),
     _row_combine_backward,
@@ -66,25 +72,25 @@ _registry.register(
 
 def gs_cosine_loss(g, g_hat, reduction="mean", eps=1e-8):
     """Per row i (dim 0; all further dims flattened): `1 - cos(g_i, g_hat_i)`, norms clamped below at eps; reduced by mean/sum/none."""
-    _validate.tensor("g", g)
+    validate.tensor("g", g)
     if g.dim() < 1:
         raise ValueError("g: expected at least 1 dimension (rows), got a 0-d tensor")
-    _validate.nonempty_batch("g", g)
-    _validate.tensor("g_hat", g_hat)
-    _validate.shape("g_hat", g_hat, g.shape, "like g")
+    validate.nonempty_batch("g", g)
+    validate.tensor("g_hat", g_hat)
+    validate.shape("g_hat", g_hat, g.shape, "like g")
     if g_hat.dtype != g.dtype:
         raise TypeError(f"g_hat: expected dtype {g.dtype} (the dtype of g), got {g_hat.dtype}")
-    _validate.same_device(g=g, g_hat=g_hat)
-    _validate.choice("reduction", reduction, REDUCTIONS)
-    eps = _validate.number("eps", eps)
+    validate.same_device(g=g, g_hat=g_hat)
+    validate.choice("reduction", reduction, REDUCTIONS)
+    eps = validate.number("eps", eps)
     if eps <= 0:
         raise ValueError(f"eps: expected a positive number, got {eps}")
-    backend = _backend.select("gs_cosine_loss", g.device)
+    backend = select("gs_cosine_loss", g.device)
     if backend == "reference":
         return reference.gs_cosine_loss(g, g_hat, reduction, eps)
     x = g.reshape(g.shape[0], -1).contiguous()
     y = g_hat.reshape(g.shape[0], -1).contiguous()
-    dots = _registry.kernels(backend).gs_row_dots(x, y)
+    dots = registry.kernels(backend).gs_row_dots(x, y)
     norms = dots[:, 1].clamp_min(eps * eps).sqrt() * dots[:, 2].clamp_min(eps * eps).sqrt()
     losses = 1 - dots[:, 0] / norms
     if reduction == "mean":

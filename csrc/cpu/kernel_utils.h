@@ -1,4 +1,5 @@
-// Shared helpers of the CPU kernels (csrc/cpu/*.cpp). Semantics of every op: docs/KERNELS.md.
+// Shared helpers of the CPU kernels (csrc/cpu/<op>.cpp, one file per op with its schema). Helpers
+// used by one op only stay in that op's file. Semantics of every op: docs/KERNELS.md.
 #pragma once
 
 #include <ATen/Dispatch.h>

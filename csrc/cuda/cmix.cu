@@ -807,7 +807,7 @@ bool dynamic_smem_ok(Kernel kernel, size_t smem) {
 
 // ================================================================ tuning overrides
 // CAT_FAST_CMIX_PLAN="key=value,key=value,..." (',' or ';' between items; any subset), read once per
-// process, for tuning the tile plan without rebuilding (benchmarks/cmix_sweep.py). Keys:
+// process, for tuning the tile plan without rebuilding (benchmarks/tools/cmix_sweep.py). Keys:
 //   fwd_w, bwd_w          W, lanes per row chunk: 1, 2, 4, 8, 16, 32. Used when B * W <= rows * 256,
 //                         else the heuristic W (for the rows per thread in use) is kept.
 //   fwd_rows, bwd_rows    P, the rows per thread the kernel is compiled for: 2, 4, 8.
@@ -924,7 +924,7 @@ const PlanOverride& plan_override() {
 }
 
 // The plan used when CAT_FAST_CMIX_PLAN is not set. 16-bit dtypes take the cp.async tile kernels with 4 rows
-// per thread in the forward (benchmarks/cmix_sweep.py on an H200 at [64,512,1024] bf16: fwd+bwd 75.4 % of
+// per thread in the forward (benchmarks/tools/cmix_sweep.py on an H200 at [64,512,1024] bf16: fwd+bwd 75.4 % of
 // copy bandwidth against 71.6 % for the register-staged kernels); fp32 keeps the register-staged kernels
 // (88 %, no async variant faster). Devices below sm_80 fall back to the register-staged kernels.
 template <typename scalar_t>

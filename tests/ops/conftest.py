@@ -12,12 +12,12 @@ def _cases():
     cases = []
     for backend in FUSED:
         for device in ("cpu", "cuda"):
-            runs = cat_fast._backend._device_ok(backend, device)
+            runs = cat_fast.ops.backend._device_ok(backend, device)
             reason = None
             if device == "cuda" and not torch.cuda.is_available():
                 reason = "no CUDA device"
             elif backend not in available:
-                reason = f"backend {backend} not available: {cat_fast.ops._registry.load_errors().get(backend, 'not built')}"
+                reason = f"backend {backend} not available: {cat_fast.ops.registry.load_errors().get(backend, 'not built')}"
             if runs:
                 marks = [pytest.mark.skip(reason=reason)] if reason else []
                 cases.append(pytest.param((backend, device), id=f"{backend}-{device}", marks=marks))

@@ -60,7 +60,7 @@ def test_double_backward_raises(backend, device):
 
 def test_opcheck(backend, device):
     logits, labels = _inputs((4, 3), torch.float32, device, 2)
-    kernels = cat_fast.ops._registry.kernels(backend)
+    kernels = cat_fast.ops.registry.kernels(backend)
     torch.library.opcheck(kernels.cal_objective_forward.default, (logits.requires_grad_(), labels, 10.0, 20.0))
     grad = torch.randn(4, device=device)
     torch.library.opcheck(kernels.cal_objective_backward.default, (grad, logits.detach(), labels, 10.0, 20.0))

@@ -34,7 +34,7 @@ def test_known_values_p1():
     lam = torch.tensor([0.5, 0.0, 0.99, 0.2])
     grad = torch.tensor([1.0, 1.0, 1.0, -10.0])
     for backend in cat_fast.backends():
-        if cat_fast._backend._device_ok(backend, "cpu"):
+        if cat_fast.ops.backend._device_ok(backend, "cpu"):
             out = run(backend, cal_step_, lam.clone(), grad, 0.1, 1.0, 0.0, 1.0)
             torch.testing.assert_close(out, torch.tensor([0.5, 0.1, 0.99, 0.0]), msg=backend)
 
@@ -58,7 +58,7 @@ def test_leaf_that_requires_grad_is_updated(backend, device):
 
 def test_opcheck(backend, device):
     lam, grad = _inputs((4, 3), torch.float32, device, 2)
-    kernels = cat_fast.ops._registry.kernels(backend)
+    kernels = cat_fast.ops.registry.kernels(backend)
     torch.library.opcheck(kernels.cal_step_.default, (lam, grad, 0.1, 2.0, 0.0, 1.0))
 
 

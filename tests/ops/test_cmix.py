@@ -94,7 +94,7 @@ def test_gradcheck_and_gradgradcheck(backend, device, per_token):
 def test_opcheck(backend, device):
     h, lam, partner = _inputs((3, 4, 8), torch.float32, device, False, "repeats", 2)
     h.requires_grad_()
-    kernels = cat_fast.ops._registry.kernels(backend)
+    kernels = cat_fast.ops.registry.kernels(backend)
     torch.library.opcheck(kernels.cmix_forward.default, (h, lam.requires_grad_(), partner))
     grad = torch.randn_like(h)
     torch.library.opcheck(kernels.cmix_backward.default, (grad, h.detach(), lam.detach(), partner))

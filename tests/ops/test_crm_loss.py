@@ -41,7 +41,7 @@ def _few_triton_programs(backend, device, monkeypatch):
     """On the CPU (Triton interpreter) cap the mean/sum forward at 4 programs, so a few thousand rows
     already give several programs, each over several row tiles."""
     if backend == "triton" and device == "cpu":
-        from cat_fast.triton import crm_loss as triton_crm
+        from cat_fast.kernels.triton import crm_loss as triton_crm
 
         monkeypatch.setattr(triton_crm, "_MAX_PROGRAMS", 4)
 
@@ -107,7 +107,7 @@ def test_cuda_row_values_do_not_depend_on_the_reduction_path(backend, device):
     if backend != "cuda":
         pytest.skip("row-slot layout of the CUDA kernels")
     logits, cf_logits, labels = _inputs((600_000, 3), torch.float32, device, 12)
-    forward = cat_fast.ops._registry.kernels(backend).crm_loss_forward
+    forward = cat_fast.ops.registry.kernels(backend).crm_loss_forward
     _, stats = forward(logits, cf_logits, labels, 0.5, 2.0, 1, True)
     _, stats_single = forward(logits[:1000], cf_logits[:1000], labels[:1000], 0.5, 2.0, 1, True)  # one block
     _, stats_none = forward(logits, cf_logits, labels, 0.5, 2.0, 0, True)
@@ -164,7 +164,7 @@ def test_gradcheck(backend, device):
 
 def test_opcheck(backend, device):
     logits, cf_logits, labels = _inputs((4, 3), torch.float32, device, 2)
-    kernels = cat_fast.ops._registry.kernels(backend)
+    kernels = cat_fast.ops.registry.kernels(backend)
     for reduction in (0, 1):
         torch.library.opcheck(
             kernels.crm_loss_forward.default,

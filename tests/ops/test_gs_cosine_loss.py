@@ -47,7 +47,7 @@ def test_parallel_and_opposite_rows():
     g = torch.tensor([[1.0, 2.0], [1.0, 0.0], [0.0, 3.0]])
     g_hat = torch.tensor([[2.0, 4.0], [-5.0, 0.0], [1.0, 0.0]])
     for backend in cat_fast.backends():
-        if cat_fast._backend._device_ok(backend, "cpu"):
+        if cat_fast.ops.backend._device_ok(backend, "cpu"):
             out = run(backend, gs_cosine_loss, g, g_hat, "none")
             torch.testing.assert_close(out, torch.tensor([0.0, 2.0, 1.0]), msg=backend)
 
@@ -88,7 +88,7 @@ def test_double_backward_through_an_input_gradient(backend, device):
 
 def test_opcheck(backend, device):
     g, g_hat = _inputs((4, 9), torch.float32, device, 2)
-    kernels = cat_fast.ops._registry.kernels(backend)
+    kernels = cat_fast.ops.registry.kernels(backend)
     torch.library.opcheck(kernels.gs_row_dots.default, (g.requires_grad_(), g_hat.requires_grad_()))
     coef = torch.randn(4, 4, device=device)
     torch.library.opcheck(kernels.gs_row_combine.default, (g, g_hat, coef.requires_grad_()))

@@ -1,0 +1,72 @@
+"""One BERT-base encoder layer's forward + backward (input and parameter gradients), bf16 autocast, train mode:
+the model's own layer against `cat_fast.layers.training`, host time (issuing the calls) and GPU time (CUDA events
+around the call, queued behind a spin kernel so that they time the kernels, not the host) per call, medians over
+interleaved calls.
+
+    python benchmarks/tools/training_layer_host.py [--sizes 8x128 32x128 64x256] [--calls 30]
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
+from benchmarks.steps import test_bench_step as S  # noqa: E402
+from cat_fast import models  # noqa: E402
+from cat_fast.layers import training as training_layer  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="*", default=["8x128", "32x128", "64x256"])
+    parser.add_argument("--calls", type=int, default=30)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("training_layer_host.py needs a CUDA device")
+    model = S.make_model("sdpa").train()
+    layer = models.structure(model).layer_modules[5]
+    assert training_layer.supported(layer)
+
+    def own(x, mask):
+        out = layer(x, mask)
+        return out[0] if isinstance(out, tuple) else out
+
+    def fused(x, mask):
+        return training_layer.forward(layer, (x, mask), {})
+
+    print(f"== one layer fwd + bwd (bf16 autocast, dropout on), median of {args.calls} interleaved calls, ms")
+    print(f"   {'size':8s} {'version':10s} {'host':>7s} {'GPU':>7s}")
+    for size in args.sizes:
+        B, T = S.H.dims(size)
+        batch, _ = S.make_batch(B, T, model.config.vocab_size)
+        mask = models.inputs._padding_mask_4d(batch["attention_mask"])
+        x = torch.randn(B, T, model.config.hidden_size, device="cuda", requires_grad=True)
+        g = torch.randn_like(x)
+        times = {"own": ([], []), "training": ([], [])}
+        for k in range(args.calls + 3):
+            for name, run in (("own", own), ("training", fused)) if k % 2 else (("training", fused), ("own", own)):
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(100_000_000)  # the GPU waits while the host issues: events time the kernels
+                t0 = time.perf_counter()
+                start.record()
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    y = run(x, mask)
+                y.backward(g)
+                end.record()
+                host = (time.perf_counter() - t0) * 1e3
+                torch.cuda.synchronize()
+                if k >= 3:
+                    times[name][0].append(host)
+                    times[name][1].append(start.elapsed_time(end))
+                x.grad = None
+                layer.zero_grad(set_to_none=True)
+        for name, (host, gpu) in times.items():
+            print(f"   {size:8s} {name:10s} {statistics.median(host):7.3f} {statistics.median(gpu):7.3f}")
+
+
+if __name__ == "__main__":
+    main()

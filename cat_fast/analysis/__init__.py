@@ -1,0 +1,1 @@
+"""Analyses of trained models (causal mediation analysis of neurons: planned, docs/METHODS.md §3)."""

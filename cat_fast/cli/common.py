@@ -1,0 +1,314 @@
+"""Shared pieces of the ``cat-fast`` commands: one-line errors, the atomic output directory, devices, evaluation,
+plots and checkpoints."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+from typing import Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["CliError", "Parser", "fail", "AtomicDir", "CHECKPOINT_META", "DATA_MODES", "parse_evals", "get_device",
+           "setup_device", "seed_everything", "autocast", "to_device", "predict", "accuracy", "EvalSet", "eval_sets",
+           "plot", "write_json", "save_checkpoint", "int_at_least", "positive_int", "nonneg_int", "int_list"]
+
+
+DATA_MODES = ("orig", "orig+edits")
+
+
+CHECKPOINT_META = "cat_fast.json"
+
+
+class CliError(Exception):
+    """A user error reported as one line with exit status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (``cat-fast: error: ...``), exit status 2."""
+
+    def error(self, message):
+        fail(message)
+
+
+def fail(message) -> None:
+    msg = " ".join(str(message).split())
+    sys.stderr.write(f"cat-fast: error: {msg}\n")
+    sys.stderr.flush()
+    raise SystemExit(2)
+
+
+# ------------------------------------------------------------------------------------------------
+# argument parsing
+
+
+def int_at_least(low: int, what: str):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            v = low - 1
+        if v < low:
+            raise argparse.ArgumentTypeError(f"expected a {what} integer, got {s!r}")
+        return v
+
+    return parse
+
+
+positive_int = int_at_least(1, "positive")
+
+
+nonneg_int = int_at_least(0, "non-negative")
+
+
+def int_list(s: str) -> List[int]:
+    try:
+        out = [int(x) for x in s.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers such as 4,5, got {s!r}")
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers >= 1 such as 4,5, got {s!r}")
+    return out
+
+
+EVAL_RE = re.compile(r"^([A-Za-z0-9_.\-]+)=(.+)$")
+
+
+def parse_evals(specs: Sequence[str], reserved: Sequence[str] = ()) -> List[Tuple[str, str]]:
+    out, seen = [], set(reserved)
+    for s in specs:
+        m = EVAL_RE.match(s)
+        if not m:
+            raise CliError(f"--eval expects NAME=FILE (NAME of letters, digits, '_', '-', '.'), got {s!r}")
+        name, path = m.group(1), m.group(2)
+        if name in seen:
+            raise CliError(f"--eval name {name!r} is used twice (or is reserved: {', '.join(reserved) or 'none'})")
+        seen.add(name)
+        out.append((name, path))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# output directory, written atomically
+
+
+class AtomicDir:
+    """Write into a temporary sibling of ``path``; ``commit()`` renames it into place.
+
+    On an exception (or KeyboardInterrupt) before commit, the temporary directory and any parent
+    directories created for it are removed.
+    """
+
+    def __init__(self, path: str, overwrite: bool):
+        self.path = os.path.abspath(path)
+        self.overwrite = overwrite
+        self.tmp: Optional[str] = None
+        self.created: List[str] = []
+
+    @staticmethod
+    def check(path: str, overwrite: bool) -> None:
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise CliError(f"--out {path} exists and is not a directory")
+        if os.path.isdir(path) and os.listdir(path) and not overwrite:
+            raise CliError(f"--out {path} exists and is not empty; pass --overwrite to replace it")
+
+    def __enter__(self) -> str:
+        parent = os.path.dirname(self.path)
+        missing = []
+        d = parent
+        while d and not os.path.isdir(d):
+            missing.append(d)
+            d = os.path.dirname(d)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            self.created = missing  # deepest first
+            self.tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(self.path)}.tmp-", dir=parent)
+        except OSError as e:
+            raise CliError(f"cannot create the output directory {self.path}: {e.strerror or e}") from e
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(self.tmp, 0o777 & ~umask)  # mkdtemp makes 0700; give the final DIR ordinary permissions
+        return self.tmp
+
+    def commit(self) -> None:
+        old = None
+        if os.path.isdir(self.path):
+            if os.listdir(self.path):
+                old = tempfile.mkdtemp(prefix=f".{os.path.basename(self.path)}.old-", dir=os.path.dirname(self.path))
+                os.rmdir(old)
+                os.replace(self.path, old)
+            else:
+                os.rmdir(self.path)
+        os.replace(self.tmp, self.path)
+        self.tmp = None
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def __exit__(self, exc_type, exc, tb):
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
+            for d in self.created:
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    break
+        return False
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+
+
+def get_device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise CliError("--device cuda: no CUDA device is available (use --device cpu or auto)")
+    return torch.device(name)
+
+
+def setup_device(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def autocast(device, bf16: bool):
+    import contextlib
+
+    import torch
+
+    if not bf16:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def to_device(batch: Dict, device) -> Dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def predict(model, tokenized, batch_size: int, device, bf16: bool = False) -> List[int]:
+    """Argmax predictions for every example of a TokenizedData (length-sorted batches, deterministic)."""
+    import torch
+
+    from ..data import Collator
+
+    collate = Collator(tokenized.tokenizer)
+    order = sorted(range(len(tokenized)), key=lambda i: (len(tokenized.features[i]["input_ids"]), i))
+    preds = [0] * len(tokenized)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for s in range(0, len(order), batch_size):
+            idx = order[s:s + batch_size]
+            batch = collate([tokenized[i] for i in idx])
+            batch.pop("labels")
+            with autocast(device, bf16):
+                logits = model(**to_device(batch, device)).logits
+            for i, p in zip(idx, logits.argmax(-1).tolist()):
+                preds[i] = p
+    model.train(was_training)
+    return preds
+
+
+def accuracy(preds: Sequence[int], labels: Sequence[int], mask: Optional[Sequence[bool]] = None) -> Dict:
+    pairs = [(p, y) for k, (p, y) in enumerate(zip(preds, labels)) if mask is None or mask[k]]
+    n = len(pairs)
+    return {"accuracy": (sum(p == y for p, y in pairs) / n) if n else float("nan"), "n": n}
+
+
+class EvalSet:
+    def __init__(self, name: str, data, tokenizer, max_length: int, split_orig_edit: bool = False):
+        from ..data import TokenizedData
+
+        self.name = name
+        self.data = data
+        self.tokenized = TokenizedData(data, tokenizer, max_length)
+        self.split_orig_edit = split_orig_edit
+
+    def evaluate(self, model, batch_size, device, bf16) -> Dict[str, Dict]:
+        preds = predict(model, self.tokenized, batch_size, device, bf16)
+        out = {self.name: accuracy(preds, self.data.labels)}
+        if self.split_orig_edit:
+            out[f"{self.name}_orig"] = accuracy(preds, self.data.labels, self.data.is_orig)
+            out[f"{self.name}_edit"] = accuracy(preds, self.data.labels, [not o for o in self.data.is_orig])
+        return out
+
+
+def eval_sets(task: str, dev: Optional[str], evals: List[Tuple[str, str]], tokenizer, max_length: int,
+               include_dev: bool = True) -> List[EvalSet]:
+    from .. import data as D
+
+    sets = []
+    if include_dev:
+        if dev:
+            sets.append(EvalSet("dev", D.load_eval(task, dev), tokenizer, max_length))
+        else:
+            sets.append(EvalSet("dev", D.load_builtin(task, "dev"), tokenizer, max_length, split_orig_edit=True))
+    for name, path in evals:
+        sets.append(EvalSet(name, D.load_eval(task, path), tokenizer, max_length))
+    return sets
+
+
+def plot(path: str, losses: List[float], history: List[Dict], warmup_steps: int, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    steps = list(range(1, len(losses) + 1))
+    a.plot(steps, losses, lw=0.8, alpha=0.5, label="loss")
+    if len(losses) >= 5:
+        w = max(2, len(losses) // 20)
+        smooth = [sum(losses[max(0, i - w + 1):i + 1]) / len(losses[max(0, i - w + 1):i + 1]) for i in range(len(losses))]
+        a.plot(steps, smooth, lw=1.5, label=f"mean of {w}")
+    if 0 < warmup_steps < len(losses):
+        a.axvspan(0, warmup_steps, color="grey", alpha=0.15, label="ERM warm-up")
+    a.set_xlabel("step")
+    a.set_ylabel("training loss")
+    a.legend(fontsize=8)
+    xs = [h["step"] for h in history]
+    for key in sorted({k for h in history for k in h.get("eval", {})}):
+        b.plot(xs, [h["eval"].get(key, {}).get("accuracy", float("nan")) for h in history], marker="o", label=key)
+    b.set_xlabel("step")
+    b.set_ylabel("accuracy")
+    b.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=False)
+        f.write("\n")
+
+
+def save_checkpoint(directory: str, model, tokenizer, meta: Dict) -> None:
+    from ..models.pretrained import _quiet_transformers
+
+    with _quiet_transformers():
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+    write_json(os.path.join(directory, CHECKPOINT_META), meta)

@@ -1,0 +1,4 @@
+"""cat_fast inside other training frameworks: the Hugging Face `Trainer` classes (`trainer`, imports transformers)."""
+from .trainer import CATTrainer, GSTrainer, ObjectiveTrainer
+
+__all__ = ["ObjectiveTrainer", "CATTrainer", "GSTrainer"]

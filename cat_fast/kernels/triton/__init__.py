@@ -1,0 +1,28 @@
+"""Triton kernels of cat_fast (the ``triton`` backend).
+
+One module per op family; each exposes plain Python launchers with the names and argument order of
+the kernel-op schemas (``csrc/cpu/<op>.cpp``; contracts: ``docs/KERNELS.md``):
+
+- ``cmix``: ``cmix_forward``, ``cmix_backward``
+- ``cal_objective``: ``cal_objective_forward``, ``cal_objective_backward``
+- ``cal_step``: ``cal_step_``
+- ``crm_loss``: ``crm_loss_forward``, ``crm_loss_backward``
+- ``gs_cosine_loss``: ``gs_row_dots``, ``gs_row_combine``
+
+and kernels that are not op backends: ``residual_layer_norm`` (residual add + LayerNorm forward and input-only
+backward, for `cat_fast.layers.resumed`) and ``pooled_gs_loss`` (gradient supervision on the pooled representation
+of a linear head, loss and weight gradient in one launch, for `cat_fast.objectives.gs`).
+
+Importing a submodule imports triton; this package file itself does not (`optional` imports one on demand).
+"""
+import functools
+import importlib
+
+
+@functools.cache
+def optional(name):
+    """The kernel module `name` of this package, or None when it cannot be imported (no Triton)."""
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ImportError:
+        return None

@@ -1,0 +1,71 @@
+"""Helpers shared by the Triton launchers and kernels of cat_fast."""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+def acc_tl_dtype(t: torch.Tensor):
+    return tl.float64 if t.dtype == torch.float64 else tl.float32
+
+
+def split_scalar(x: float):
+    """Split a Python float into (hi, lo), both float32-representable, with hi + lo ~= x.
+
+    Triton passes float arguments as float32; kernels rebuild the scalar in the accumulation dtype as
+    ``float64(hi) + float64(lo)`` (~48 significant bits), so float64 kernels are not limited to
+    float32 scalars. In float32 the sum rounds back to float32(x).
+    """
+    x = float(x)
+    if math.isnan(x):
+        return x, 0.0
+    hi = float(torch.tensor(x, dtype=torch.float32))  # host-side Python float, no device involved
+    if math.isinf(hi):
+        return hi, 0.0
+    lo = float(torch.tensor(x - hi, dtype=torch.float32))
+    return hi, lo
+
+
+def pow2_at_least(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def row_tiles(n_rows: int, n_cols: int, max_cols: int, tile_elems: int, max_rows: int = 1024):
+    """(BLOCK_R, BLOCK_C): BLOCK_C = next pow2 of n_cols capped at max_cols; rows fill ~tile_elems."""
+    block_c = min(pow2_at_least(n_cols), max_cols)
+    block_r = max(1, min(tile_elems // block_c, pow2_at_least(n_rows), max_rows))
+    return block_r, block_c
+
+
+@triton.jit
+def scalar_acc(hi, lo, ACC: tl.constexpr):
+    """Rebuild a host scalar split by split_scalar, in the accumulation dtype."""
+    return tl.cast(hi, ACC) + tl.cast(lo, ACC)
+
+
+@triton.jit
+def row_softmax_stats(base_ptr, rows, rmask, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                      ACC: tl.constexpr, NEED_ARGMAX: tl.constexpr):
+    """Online per-row max m, sum s = sum_c exp(z_c - m) and (optionally) first argmax of a [*, C]
+    row-major matrix, for the BLOCK_R rows `rows` (masked by rmask). Loops over C in BLOCK_C chunks.
+    Rows outside rmask give finite garbage."""
+    cols0 = tl.arange(0, BLOCK_C)
+    roff = rows.to(tl.int64) * C
+    m = tl.full([BLOCK_R], float("-inf"), ACC)
+    s = tl.zeros([BLOCK_R], ACC)
+    am = tl.zeros([BLOCK_R], tl.int32)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + cols0
+        cmask = cols < C
+        x = tl.load(base_ptr + roff[:, None] + cols[None, :],
+                    mask=rmask[:, None] & cmask[None, :], other=0.0).to(ACC)
+        x = tl.where(cmask[None, :], x, float("-inf"))
+        bm = tl.max(x, axis=1)
+        if NEED_ARGMAX:
+            bidx = tl.min(tl.where(x == bm[:, None], cols[None, :], C), axis=1)
+            am = tl.where(bm > m, bidx, am)
+        nm = tl.maximum(m, bm)
+        s = s * tl.exp(m - nm) + tl.sum(tl.exp(x - nm[:, None]), axis=1)
+        m = nm
+    return m, s, am

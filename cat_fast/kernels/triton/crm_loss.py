@@ -1,0 +1,199 @@
+"""Triton kernels of crm_loss (docs/KERNELS.md#crm_loss). One launch per call each."""
+import torch
+import triton
+import triton.language as tl
+
+from ..dtypes import acc_dtype
+from ._common import acc_tl_dtype, row_softmax_stats, row_tiles, scalar_acc, split_scalar
+
+_MAX_BLOCK_C = 2048
+# mean/sum forward: big tiles and many warps (a program may loop over several tiles)
+_SINGLE_TILE = 16384
+_SINGLE_WARPS = 16
+# mean/sum forward: most programs (partial sums); a power of two (the last program loads them as one block)
+_MAX_PROGRAMS = 1024
+
+# (device, stream) -> int32 completion counter of the mean/sum forward, see _counter
+_counters = {}
+
+
+@triton.jit
+def _crm_fwd_kernel(logits_ptr, cf_ptr, labels_ptr, loss_ptr, stats_ptr, part_ptr, count_ptr, B, C, TILES,
+                    a1_hi, a1_lo, a2_hi, a2_lo, REDUCTION: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, ACC: tl.constexpr):
+    # REDUCTION 0: grid over row tiles, one tile each. 1/2: each program sums the losses of TILES
+    # consecutive tiles into one partial (float64); the program that increments the counter last adds
+    # the partials in a fixed order, writes the loss and resets the counter to 0.
+    a1 = scalar_acc(a1_hi, a1_lo, ACC)
+    a2 = scalar_acc(a2_hi, a2_lo, ACC)
+    pid = tl.program_id(0)
+    if REDUCTION == 0:
+        t_start = pid
+        t_end = pid + 1
+    else:
+        t_start = pid * TILES
+        t_end = tl.minimum(t_start + TILES, tl.cdiv(B, BLOCK_R))
+    total = tl.zeros([BLOCK_R], ACC)
+    for tile in range(t_start, t_end):
+        rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < B
+        m, s, _a = row_softmax_stats(logits_ptr, rows, rmask, C, BLOCK_R, BLOCK_C, ACC, False)
+        mc, sc, _b = row_softmax_stats(cf_ptr, rows, rmask, C, BLOCK_R, BLOCK_C, ACC, False)
+        y = tl.load(labels_ptr + rows, mask=rmask, other=0)
+        zy = tl.load(logits_ptr + rows.to(tl.int64) * C + y, mask=rmask, other=0.0).to(ACC)
+        phi = 1.0 / s
+        phi_cf = 1.0 / sc
+        w = tl.minimum(tl.maximum(phi / phi_cf, a1), a2)
+        ce = m + tl.log(s) - zy
+        l = w * ce
+        sp = stats_ptr + rows.to(tl.int64) * 4
+        tl.store(sp + 0, w, mask=rmask)
+        tl.store(sp + 1, ce, mask=rmask)
+        tl.store(sp + 2, phi, mask=rmask)
+        tl.store(sp + 3, phi_cf, mask=rmask)
+        if REDUCTION == 0:
+            tl.store(loss_ptr + rows, l, mask=rmask)
+        else:
+            total += tl.where(rmask, l, 0.0)
+    if REDUCTION != 0:
+        n = tl.num_programs(0)
+        tl.store(part_ptr + pid, tl.sum(total, axis=0).to(tl.float64))
+        tl.debug_barrier()  # the partial is stored before the (acq_rel) increment publishes it
+        done = tl.atomic_add(count_ptr, 1)  # the old count
+        if done == n - 1:
+            offs = tl.arange(0, BLOCK_P)
+            parts = tl.load(part_ptr + offs, mask=offs < n, other=0.0, cache_modifier=".cg")
+            tot = tl.sum(parts, axis=0)
+            if REDUCTION == 1:
+                tot = tot / B
+            tl.store(loss_ptr, tot.to(loss_ptr.dtype.element_ty))
+            tl.store(count_ptr, 0)  # ready for the next launch on this stream
+
+
+@triton.jit
+def _crm_bwd_kernel(grad_ptr, logits_ptr, cf_ptr, labels_ptr, stats_ptr, gl_ptr, gcf_ptr, B, C,
+                    a1_hi, a1_lo, a2_hi, a2_lo, REDUCTION: tl.constexpr, DETACH: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < B
+    r64 = rows.to(tl.int64)
+    if REDUCTION == 0:
+        go = tl.load(grad_ptr + rows, mask=rmask, other=0.0).to(ACC)
+    else:
+        go = tl.load(grad_ptr + rows * 0, mask=rmask, other=0.0).to(ACC)
+        if REDUCTION == 1:
+            go = go / B
+    sp = stats_ptr + r64 * 4
+    w = tl.load(sp + 0, mask=rmask, other=0.0).to(ACC)
+    y = tl.load(labels_ptr + rows, mask=rmask, other=0)
+    m, s, am = row_softmax_stats(logits_ptr, rows, rmask, C, BLOCK_R, BLOCK_C, ACC, True)
+    inv_s = 1.0 / s
+    cw = (go * w)[:, None]
+    if not DETACH:
+        a1 = scalar_acc(a1_hi, a1_lo, ACC)
+        a2 = scalar_acc(a2_hi, a2_lo, ACC)
+        ce = tl.load(sp + 1, mask=rmask, other=0.0).to(ACC)
+        phi = tl.load(sp + 2, mask=rmask, other=1.0).to(ACC)
+        phi_cf = tl.load(sp + 3, mask=rmask, other=1.0).to(ACC)
+        mc, sc, amc = row_softmax_stats(cf_ptr, rows, rmask, C, BLOCK_R, BLOCK_C, ACC, True)
+        inv_sc = 1.0 / sc
+        ratio = phi / phi_cf
+        inside = (ratio > a1) & (ratio < a2)
+        # d l / d phi = go*ce/phi_cf ; d l / d phi_cf = -go*ce*phi/phi_cf^2 (inside the interval only)
+        cphi = tl.where(inside, go * ce / phi_cf * phi, 0.0)[:, None]
+        ccf = tl.where(inside, -go * ce * phi / phi_cf, 0.0)[:, None]
+    roff = r64 * C
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        m2 = rmask[:, None] & (cols < C)[None, :]
+        offs = roff[:, None] + cols[None, :]
+        x = tl.load(logits_ptr + offs, mask=m2, other=0.0).to(ACC)
+        p = tl.exp(x - m[:, None]) * inv_s[:, None]
+        oy = tl.where(cols[None, :] == y[:, None], 1.0, 0.0)
+        g = cw * (p - oy)
+        if DETACH:
+            gc = tl.zeros([BLOCK_R, BLOCK_C], ACC)
+        else:
+            oa = tl.where(cols[None, :] == am[:, None], 1.0, 0.0)
+            g += cphi * (oa - p)
+            xc = tl.load(cf_ptr + offs, mask=m2, other=0.0).to(ACC)
+            pc = tl.exp(xc - mc[:, None]) * inv_sc[:, None]
+            oac = tl.where(cols[None, :] == amc[:, None], 1.0, 0.0)
+            gc = ccf * (oac - pc)
+        tl.store(gl_ptr + offs, g.to(gl_ptr.dtype.element_ty), mask=m2)
+        tl.store(gcf_ptr + offs, gc.to(gcf_ptr.dtype.element_ty), mask=m2)
+
+
+def _counter(device: torch.device) -> torch.Tensor:
+    """The completion counter of the mean/sum forward: 0 before every launch (its last program resets it).
+
+    One per (device, stream): launches on one stream run in order, launches on different streams may
+    overlap and must not share one. Made (zeroed) once. During CUDA-graph capture a fresh zeroed counter
+    is used instead: a captured fill only runs at replay, so a persistent counter made then would not be
+    zeroed for eager calls.
+    """
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(1, dtype=torch.int32, device=device)
+        key = (device.type, device.index, torch.cuda.current_stream(device).stream_id)
+    else:
+        key = (device.type, device.index, None)
+    counter = _counters.get(key)
+    if counter is None:
+        counter = _counters.setdefault(key, torch.zeros(1, dtype=torch.int32, device=device))
+    return counter
+
+
+def crm_loss_forward(logits: torch.Tensor, cf_logits: torch.Tensor, labels: torch.Tensor,
+                     a1: float, a2: float, reduction: int, detach_weight: bool = False):
+    # detach_weight does not change the forward (it only selects the backward; see docs/KERNELS.md)
+    B, C = logits.shape
+    acc = acc_dtype(logits.dtype)
+    reduction = int(reduction)
+    if reduction == 0:
+        loss = torch.empty((B,), dtype=acc, device=logits.device)
+    elif reduction in (1, 2):
+        loss = torch.empty((), dtype=acc, device=logits.device)
+    else:
+        raise ValueError(f"crm_loss_forward: reduction must be 0, 1 or 2, got {reduction}")
+    stats = torch.empty((B, 4), dtype=acc, device=logits.device)
+    parts = counter = loss  # placeholders, unused by reduction none
+    tiles = 1
+    if reduction == 0:
+        if B == 0:
+            return loss, stats
+        BLOCK_R, BLOCK_C = row_tiles(B, C, _MAX_BLOCK_C, 2048, max_rows=64)
+        grid = (triton.cdiv(B, BLOCK_R),)
+    else:
+        BLOCK_R, BLOCK_C = row_tiles(B, C, _MAX_BLOCK_C * 2, _SINGLE_TILE, max_rows=512)
+        n_tiles = max(1, triton.cdiv(B, BLOCK_R))
+        tiles = triton.cdiv(n_tiles, _MAX_PROGRAMS)
+        grid = (triton.cdiv(n_tiles, tiles),)
+        parts = torch.empty(grid, dtype=torch.float64, device=logits.device)
+        counter = _counter(logits.device)
+    nw = 8 if BLOCK_R * BLOCK_C >= 2048 else 4
+    if reduction != 0 and BLOCK_R * BLOCK_C >= 8192:
+        nw = _SINGLE_WARPS
+    _crm_fwd_kernel[grid](logits, cf_logits, labels, loss, stats, parts, counter, B, C, tiles,
+                          *split_scalar(a1), *split_scalar(a2), REDUCTION=reduction,
+                          BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, BLOCK_P=_MAX_PROGRAMS, ACC=acc_tl_dtype(logits),
+                          num_warps=nw)
+    return loss, stats
+
+
+def crm_loss_backward(grad: torch.Tensor, logits: torch.Tensor, cf_logits: torch.Tensor,
+                      labels: torch.Tensor, stats: torch.Tensor, a1: float, a2: float,
+                      reduction: int, detach_weight: bool):
+    B, C = logits.shape
+    grad_logits = torch.empty_like(logits)
+    grad_cf = torch.empty_like(cf_logits)
+    if B == 0:
+        return grad_logits, grad_cf
+    reduction = int(reduction)
+    BLOCK_R, BLOCK_C = row_tiles(B, C, _MAX_BLOCK_C, 2048, max_rows=64)
+    nw = 8 if BLOCK_R * BLOCK_C >= 2048 else 4
+    _crm_bwd_kernel[(triton.cdiv(B, BLOCK_R),)](
+        grad, logits, cf_logits, labels, stats, grad_logits, grad_cf, B, C,
+        *split_scalar(a1), *split_scalar(a2), REDUCTION=reduction, DETACH=bool(detach_weight),
+        BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, ACC=acc_tl_dtype(logits), num_warps=nw)
+    return grad_logits, grad_cf

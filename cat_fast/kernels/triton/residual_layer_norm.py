@@ -1,0 +1,129 @@
+"""Residual add + LayerNorm over the last dimension, forward and input-only backward, fused for
+`cat_fast.layers.resumed` (a post-LN encoder sublayer: ``y = LayerNorm(branch + residual)``).
+
+Forward: ``s = float(branch) + residual``; ``y = (s - mean) * rstd * weight + bias`` in fp32, optionally also
+written in a 16-bit dtype (the next projection's input). Backward: from ``grad_y`` (fp32), ``grad_s`` — the
+residual's gradient — and, for the branch, ``grad_s * keep * scale`` in the branch's dtype (the branch went
+through dropout with that mask and scale). The same arithmetic as `reference_forward` / `reference_backward`.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._common import pow2_at_least
+
+__all__ = ["forward", "backward", "reference_forward", "reference_backward"]
+
+
+@triton.jit
+def _row_sum(branch_ptr, residual_ptr, row, D, BLOCK: tl.constexpr):
+    """(columns, their mask, the row's offset, float32 branch + residual) of one row."""
+    cols = tl.arange(0, BLOCK)
+    inside = cols < D
+    base = row * D
+    s = tl.load(branch_ptr + base + cols, mask=inside, other=0.0).to(tl.float32)
+    s += tl.load(residual_ptr + base + cols, mask=inside, other=0.0).to(tl.float32)
+    return cols, inside, base, s
+
+
+@triton.jit
+def _forward_kernel(branch_ptr, residual_ptr, weight_ptr, bias_ptr, y_ptr, y16_ptr, mean_ptr, rstd_ptr, D, eps,
+                    BLOCK: tl.constexpr, WRITE16: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols, inside, base, s = _row_sum(branch_ptr, residual_ptr, row, D, BLOCK)
+    mean = tl.sum(s, axis=0) / D
+    centred = tl.where(inside, s - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=0) / D + eps)
+    w = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    b = tl.load(bias_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    y = centred * rstd * w + b
+    tl.store(y_ptr + base + cols, y, mask=inside)
+    if WRITE16:
+        tl.store(y16_ptr + base + cols, y.to(y16_ptr.dtype.element_ty), mask=inside)
+    tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _backward_kernel(grad_y_ptr, branch_ptr, residual_ptr, weight_ptr, mean_ptr, rstd_ptr, keep_ptr, grad_s_ptr,
+                     grad_branch_ptr, D, scale, BLOCK: tl.constexpr, HAS_KEEP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols, inside, base, s = _row_sum(branch_ptr, residual_ptr, row, D, BLOCK)
+    mean = tl.load(mean_ptr + row)
+    rstd = tl.load(rstd_ptr + row)
+    x_hat = tl.where(inside, (s - mean) * rstd, 0.0)
+    w = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    g_hat = tl.load(grad_y_ptr + base + cols, mask=inside, other=0.0).to(tl.float32) * w
+    c_hat = tl.sum(x_hat * g_hat, axis=0) / D
+    c_one = tl.sum(g_hat, axis=0) / D
+    grad_s = (g_hat - x_hat * c_hat - c_one) * rstd
+    tl.store(grad_s_ptr + base + cols, grad_s, mask=inside)
+    grad_branch = grad_s * scale
+    if HAS_KEEP:
+        keep = tl.load(keep_ptr + base + cols, mask=inside, other=0)
+        grad_branch = tl.where(keep != 0, grad_branch, 0.0)
+    tl.store(grad_branch_ptr + base + cols, grad_branch.to(grad_branch_ptr.dtype.element_ty), mask=inside)
+
+
+def _rows(t, D):
+    return t.contiguous().view(-1, D)
+
+
+def forward(branch, residual, weight, bias, eps, out16_dtype=None):
+    """``(y fp32, y in out16_dtype or None, mean, rstd)`` for ``y = LayerNorm(branch + residual)``; all inputs on
+    one CUDA device, rows of length ``D = weight.numel()``."""
+    D = weight.numel()
+    b, r = _rows(branch, D), _rows(residual, D)
+    n = b.shape[0]
+    y = torch.empty(n, D, device=b.device, dtype=torch.float32)
+    y16 = torch.empty(n, D, device=b.device, dtype=out16_dtype) if out16_dtype is not None else y
+    mean = torch.empty(n, device=b.device, dtype=torch.float32)
+    rstd = torch.empty(n, device=b.device, dtype=torch.float32)
+    if n:
+        block = pow2_at_least(D)
+        _forward_kernel[(n,)](b, r, weight.contiguous(), bias.contiguous(), y, y16, mean, rstd, D, float(eps),
+                              BLOCK=block, WRITE16=out16_dtype is not None, num_warps=4 if block <= 2048 else 8)
+    shape = tuple(residual.shape)
+    return y.view(shape), (y16.view(shape) if out16_dtype is not None else None), mean, rstd
+
+
+def backward(grad_y, branch, residual, weight, mean, rstd, keep, scale):
+    """``(grad_s fp32, grad_branch in branch's dtype)``; `keep` is the dropout mask (bool) or None, `scale` its
+    rescale factor ``1 / (1 - p)`` (1 without dropout)."""
+    D = weight.numel()
+    g, b, r = _rows(grad_y, D), _rows(branch, D), _rows(residual, D)
+    n = g.shape[0]
+    grad_s = torch.empty(n, D, device=g.device, dtype=torch.float32)
+    grad_branch = torch.empty(n, D, device=g.device, dtype=branch.dtype)
+    k = _rows(keep, D).view(torch.uint8) if keep is not None else grad_s
+    if n:
+        block = pow2_at_least(D)
+        _backward_kernel[(n,)](g, b, r, weight.contiguous(), mean, rstd, k, grad_s, grad_branch, D, float(scale),
+                               BLOCK=block, HAS_KEEP=keep is not None, num_warps=4 if block <= 2048 else 8)
+    shape = tuple(residual.shape)
+    return grad_s.view(shape), grad_branch.view(shape)
+
+
+def reference_forward(branch, residual, weight, bias, eps, out16_dtype=None):
+    """The same in PyTorch ops (statistics in float32, or float64 for float64 inputs)."""
+    acc = torch.promote_types(residual.dtype, torch.float32)
+    s = branch.to(acc) + residual.to(acc)
+    mean = s.mean(-1)
+    centred = s - mean.unsqueeze(-1)
+    rstd = torch.rsqrt(centred.square().mean(-1) + eps)
+    y = centred * rstd.unsqueeze(-1) * weight.to(acc) + bias.to(acc)
+    return y, (y.to(out16_dtype) if out16_dtype is not None else None), mean.reshape(-1), rstd.reshape(-1)
+
+
+def reference_backward(grad_y, branch, residual, weight, mean, rstd, keep, scale):
+    acc = torch.promote_types(residual.dtype, torch.float32)
+    s = branch.to(acc) + residual.to(acc)
+    shape = s.shape
+    mean, rstd = mean.view(*shape[:-1], 1), rstd.view(*shape[:-1], 1)
+    x_hat = (s - mean) * rstd
+    g_hat = grad_y.to(acc) * weight.to(acc)
+    grad_s = (g_hat - x_hat * (x_hat * g_hat).mean(-1, keepdim=True) - g_hat.mean(-1, keepdim=True)) * rstd
+    grad_branch = grad_s * scale
+    if keep is not None:
+        grad_branch = torch.where(keep, grad_branch, 0.0)
+    return grad_s, grad_branch.to(branch.dtype)

@@ -1,0 +1,13 @@
+"""Fast Bert-layout encoder layers that the model plumbing (`cat_fast.models`) swaps in for the model's own.
+
+- `layout`: where a layer's parts live, per architecture family (`LAYOUTS`), and the helpers the layers share;
+- `training`: a layer as one autograd node with its parameter gradients (training passes);
+- `resumed`: a layer differentiated for its input only (CAT's counterfactual passes);
+- `first_token`: the last layer computed for the first token only (heads that read row 0);
+- `interventions`: edits of a layer's activations that the model's modules and these layers all apply.
+
+Each layer's `forward(layer, args, kwargs)` returns None where it does not apply; then the model's layer runs.
+"""
+from . import first_token, interventions, layout, resumed, training
+
+__all__ = ["first_token", "interventions", "layout", "resumed", "training"]

@@ -1,0 +1,180 @@
+"""Where the parts of an encoder layer live, per architecture family, and the helpers the fast layers share.
+
+`LAYOUTS` is the table (one `Layout` per family, paths relative to the layer module); `family(layer)` recognises a
+layer by its structure, `component(layer, name)` returns the module whose output is one of the mediators of
+`COMPONENTS`. The fast layers (`layers.training`, `layers.resumed`, `layers.first_token`) read the Bert layout's
+weights directly; `plain` says when that computes what calling the modules would.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+__all__ = ["Layout", "LAYOUTS", "MODEL_TYPES", "COMPONENTS", "BertParts", "family", "component", "bert_parts",
+           "call_arguments", "plain", "sdpa_mask", "dropout", "dropout_p", "fp32_mm_supported"]
+
+# The activations a layer exposes to interventions (`layers.interventions`), in the order a forward computes them:
+# the query, key and value projections, the attention block's output (after its LayerNorm), the feed-forward
+# activation (after GELU) and the layer's output (after its LayerNorm).
+COMPONENTS = ("query", "key", "value", "attention_output", "intermediate", "output")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Dotted paths, relative to one encoder layer, of what cat_fast reads or intervenes on."""
+
+    attention: str  # the module holding the head count, head width, scaling and attention dropout
+    heads: str  # attribute of `attention`: number of heads
+    head_width: str  # attribute of `attention`: width of one head
+    query: str
+    key: str
+    value: str
+    attention_output: str  # module whose output is the attention block's output (after its LayerNorm)
+    intermediate: str  # module whose output is the feed-forward activation
+    output: str  # module whose output is the layer's output (after its LayerNorm)
+
+
+LAYOUTS = {
+    # BERT, RoBERTa, ELECTRA, XLM-R, CamemBERT, MiniLM
+    "bert": Layout(attention="attention.self", heads="num_attention_heads", head_width="attention_head_size",
+                   query="attention.self.query", key="attention.self.key", value="attention.self.value",
+                   attention_output="attention.output", intermediate="intermediate", output="output"),
+    "distilbert": Layout(attention="attention", heads="n_heads", head_width="attention_head_size",
+                         query="attention.q_lin", key="attention.k_lin", value="attention.v_lin",
+                         attention_output="sa_layer_norm", intermediate="ffn.activation", output="output_layer_norm"),
+}
+
+# Hugging Face model types whose encoder layers have a layout of `LAYOUTS` (`family` decides from the structure).
+MODEL_TYPES = {"bert": "bert", "roberta": "bert", "xlm-roberta": "bert", "electra": "bert", "camembert": "bert",
+               "distilbert": "distilbert"}
+
+
+def _get(module, path):
+    for name in path.split("."):
+        module = getattr(module, name, None)
+        if module is None:
+            return None
+    return module
+
+
+def _is_linear(module, *names):
+    return all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
+
+
+def family(layer: nn.Module) -> str | None:
+    """``"bert"`` or ``"distilbert"`` when `layer` is a post-LN encoder layer of that family (no cross-attention, no
+    chunked feed-forward), else None."""
+    attention = getattr(layer, "attention", None)
+    sa = getattr(attention, "self", None)
+    if (sa is not None and getattr(attention, "output", None) is not None and _is_linear(sa, "query", "key", "value")
+            and callable(getattr(layer, "feed_forward_chunk", None))
+            and not getattr(layer, "is_decoder", False) and not getattr(layer, "add_cross_attention", False)
+            and getattr(layer, "chunk_size_feed_forward", 0) == 0
+            and all(hasattr(sa, n) for n in ("num_attention_heads", "attention_head_size"))):
+        return "bert"
+    ffn = getattr(layer, "ffn", None)
+    if (attention is not None and _is_linear(attention, "q_lin", "k_lin", "v_lin", "out_lin")
+            and all(isinstance(getattr(layer, n, None), nn.LayerNorm) for n in ("sa_layer_norm", "output_layer_norm"))
+            and ffn is not None and getattr(ffn, "chunk_size_feed_forward", 0) == 0
+            and all(hasattr(attention, n) for n in ("n_heads", "attention_head_size"))):
+        return "distilbert"
+    return None
+
+
+def component(layer: nn.Module, name: str) -> nn.Module:
+    """The module of `layer` whose output is the mediator `name` (one of `COMPONENTS`)."""
+    if name not in COMPONENTS:
+        raise ValueError(f"component: expected one of {COMPONENTS}, got {name!r}")
+    kind = family(layer)
+    if kind is None:
+        raise ValueError(f"component: {type(layer).__name__} has no layout cat_fast knows ({', '.join(LAYOUTS)})")
+    return _get(layer, getattr(LAYOUTS[kind], name))
+
+
+class BertParts(NamedTuple):
+    """The four blocks of a Bert-layout layer whose weights the fast layers read."""
+
+    self_attention: nn.Module  # .query / .key / .value, heads, width, scaling, attention dropout
+    attention_output: nn.Module  # .dense, .dropout, .LayerNorm
+    intermediate: nn.Module  # .dense, .intermediate_act_fn
+    output: nn.Module  # .dense, .dropout, .LayerNorm
+
+
+def bert_parts(layer: nn.Module) -> BertParts | None:
+    try:
+        return BertParts(layer.attention.self, layer.attention.output, layer.intermediate, layer.output)
+    except AttributeError:
+        return None
+
+
+def call_arguments(args, kwargs):
+    """(hidden_states [B, T, D], attention_mask: None or 4-D over T keys) of a layer call, or None when the call
+    passes anything else."""
+    names = ("hidden_states", "attention_mask", "encoder_hidden_states")
+    if len(args) > len(names):
+        return None
+    values = dict(zip(names, args))
+    values.update(kwargs)
+    extra = {k: v for k, v in values.items() if k not in names[:2]}
+    if any(v is not None and v is not False for v in extra.values()):
+        return None  # cross-attention inputs, caches, attention outputs requested...
+    x, mask = values.get("hidden_states"), values.get("attention_mask")
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return None
+    if mask is not None and (mask.dim() != 4 or mask.shape[-1] != x.shape[1]):
+        return None
+    return x, mask
+
+
+_PLAIN_TYPES = (nn.Linear, nn.LayerNorm, nn.Dropout)
+
+
+def _user_hooks(hooks) -> bool:
+    """Whether `hooks` holds any hook but Hugging Face's output recorders (installed on the model once outputs
+    are requested; they record nothing unless a call requests outputs, and cat_fast's passes do not) and
+    cat_fast's own interventions (which the fast layers apply themselves)."""
+    return any(not (getattr(h, "__module__", None) or "").startswith("transformers.utils.")
+               and not getattr(h, "cat_fast_intervention", False) for h in hooks.values())
+
+
+def plain(*modules: nn.Module) -> bool:
+    """Whether code that reads these modules' weights (instead of calling them) computes what calling them
+    would: each is exactly a torch.nn Linear / LayerNorm / Dropout or a container of no other behaviour, none has
+    its forward replaced on the instance, and neither they nor any module (global hooks) has forward hooks that a
+    call would run (cat_fast's interventions excepted: the fast layers apply them)."""
+    mm = nn.modules.module
+    if any(_user_hooks(getattr(mm, name, {})) for name in ("_global_forward_hooks", "_global_forward_pre_hooks")):
+        return False
+    return all(not _user_hooks(m._forward_hooks) and not _user_hooks(m._forward_pre_hooks)
+               and "forward" not in m.__dict__  # a forward replaced on the instance (offloading wrappers, ...)
+               and (type(m) in _PLAIN_TYPES or not isinstance(m, _PLAIN_TYPES)) for m in modules)
+
+
+def sdpa_mask(mask, dtype):
+    return mask if mask is None or mask.dtype == torch.bool else mask.to(dtype)
+
+
+def dropout_p(module):
+    """The dropout probability `module` applies now (0 in eval mode); None when it is not in [0, 1)."""
+    p = float(module.p) if module.training else 0.0
+    return p if 0.0 <= p < 1.0 else None
+
+
+def dropout(x, p):
+    """``(x with dropout, what its backward needs or None)`` with the draws of ``F.dropout`` on x's device:
+    `torch.native_dropout` (keep mask) on CUDA, the Bernoulli noise of ``torch.dropout``'s CPU kernel (the scaled
+    keep mask) elsewhere."""
+    if p == 0.0:
+        return x, None
+    if x.is_cuda:
+        return torch.native_dropout(x, p, True)
+    noise = torch.empty_like(x).bernoulli_(1.0 - p).div_(1.0 - p)
+    return x * noise, noise
+
+
+def fp32_mm_supported(device) -> bool:
+    """Whether matmuls of 16-bit inputs can write an fp32 output (``out_dtype``) on `device`."""
+    return device.type == "cuda"

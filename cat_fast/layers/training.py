@@ -1,0 +1,274 @@
+"""A Bert-layout encoder layer for training passes: forward and whole backward (input and parameter gradients) as
+one autograd node, with less host work than the model's dozen modules (`models.capture(..., training_layers=True)`,
+`models.first_token_forward(..., training_layers=True)`).
+
+``forward(layer, args, kwargs)`` returns the layer's output, or None where it does not apply (then the layer runs
+itself). Same arithmetic, order and dropout draws as the layer (equal to 1e-12 in float64, to 16-bit rounding
+under autocast); the query, key and value projections are one matmul, the input is cast once, gradients are
+accumulated in fp32 by the matmuls, and an input-only backward skips the weight-gradient matmuls. Supported: the
+layers `resumed.supported` accepts, parameters in one dtype on the input's device, an fp32 layer under autocast
+or none; a layer with cat_fast interventions runs a composed version differentiated by autograd. No double
+backward (``once_differentiable``).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from . import interventions, layout, resumed
+from .layout import bert_parts, dropout, dropout_p, fp32_mm_supported, plain, sdpa_mask
+
+__all__ = ["supported", "forward"]
+
+
+def _weighted(layer):
+    """The modules whose weight and bias the layer's computation reads, in `_parameters` order."""
+    sa, so, inter, out = bert_parts(layer)
+    return (sa.query, sa.key, sa.value, so.dense, so.LayerNorm, inter.dense, out.dense, out.LayerNorm)
+
+
+def _parameters(weighted):
+    """(query W, b, key W, b, value W, b, attention output W, b, its LayerNorm γ, β, intermediate W, b, output W, b,
+    its LayerNorm γ, β), read from the modules' parameter dictionaries."""
+    return tuple(p for m in weighted for p in (m._parameters["weight"], m._parameters["bias"]))
+
+
+def _gelu_approximate(inter):
+    """``approximate`` of the layer's activation when it is ``F.gelu`` (Hugging Face's GELUActivation or the
+    function itself), else None (the activation is then differentiated by autograd on its own graph)."""
+    act = inter.intermediate_act_fn
+    if act is F.gelu:
+        return "none"
+    if (type(act).__name__ == "GELUActivation" and getattr(act, "act", None) is F.gelu
+            and plain(act)):
+        return "none"
+    return None
+
+
+# Layers that passed the full check -> (their submodules and the modules' types then, `_weighted(layer)`).
+_CHECKED: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _checked(layer: nn.Module):
+    """`_weighted(layer)` when the layer can run here (module docstring), else None.
+
+    The full check (`resumed.supported`: layout, module types, hooks; 0.1 ms of host time) runs once per
+    layer and again whenever a submodule or its type has changed since (an adapter swapped in, a parametrization
+    registered). Other calls check what changes without that (the attention implementation, hooks, an instance-level
+    forward) by dictionary lookups."""
+    modules = tuple((m, type(m)) for m in layer.modules() if m is not layer)
+    entry = _CHECKED.get(layer)
+    if entry is None or entry[0] != modules:
+        if not resumed.supported(layer):
+            return None  # not remembered: hooks and the attention implementation change between calls
+        weighted = _weighted(layer)
+        if any(p is None for p in _parameters(weighted)):
+            return None
+        entry = _CHECKED[layer] = (modules, weighted)
+    mm = nn.modules.module
+    if mm._global_forward_hooks or mm._global_forward_pre_hooks or any(
+            m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m, _ in modules):
+        ok = resumed.supported(layer)  # Hugging Face's output recorders are hooks that record nothing
+    else:
+        ok = getattr(layer.attention.self.config, "_attn_implementation", None) == "sdpa"
+    return entry[1] if ok else None
+
+
+def supported(layer: nn.Module) -> bool:
+    """Whether `layer` can run here (module docstring); the call itself is checked by `forward`."""
+    return _checked(layer) is not None
+
+
+def _compute_dtype(hidden, param_dtype):
+    """The matmul dtype: autocast's for an fp32 layer under autocast (the mixed-precision setting, where the layer
+    norms run in fp32 as autocast runs them), else the one dtype of input and parameters; None otherwise (other
+    autocast combinations run the layer itself)."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        fp32 = hidden.dtype == param_dtype == torch.float32
+        return torch.get_autocast_dtype(hidden.device.type) if fp32 else None
+    return hidden.dtype if hidden.dtype == param_dtype else None
+
+
+def forward(layer: nn.Module, args, kwargs) -> torch.Tensor | None:
+    """The output tensor of `layer(*args, **kwargs)`, differentiable w.r.t. the input and the layer's parameters,
+    or None when the layer or this call is not handled here (then run the layer itself)."""
+    weighted = _checked(layer) if torch.is_grad_enabled() else None
+    if weighted is None:
+        return None
+    found = layout.call_arguments(args, kwargs)
+    if found is None:
+        return None
+    hidden, mask = found
+    params = _parameters(weighted)
+    first = params[0]
+    if (not hidden.is_floating_point() or hidden.device != first.device
+            or any(p.dtype != first.dtype or p.device != first.device for p in params)):
+        return None
+    dtype = _compute_dtype(hidden, first.dtype)
+    if dtype is None or not (hidden.requires_grad or any(p.requires_grad for p in params)):
+        return None
+    edits = interventions.active(layer)
+    if edits:
+        return _composed(layer, hidden, mask, dtype, edits)
+    return _TrainingLayer.apply(hidden, mask, layer, dtype, *params)
+
+
+def _composed(layer, hidden, mask, dtype, edits):
+    """The layer in PyTorch ops differentiated by autograd (input and parameters), with the interventions `edits`
+    applied where the model's own modules would apply them; the same dropout draws."""
+    sa, so, inter, out = bert_parts(layer)
+    B, T, _ = hidden.shape
+    heads, width = sa.num_attention_heads, sa.attention_head_size
+
+    def linear(x, module):
+        return F.linear(x, module.weight.to(dtype), module.bias.to(dtype))
+
+    with torch.autocast(hidden.device.type, enabled=False):
+        x = hidden.to(dtype)
+        q, k, v = (interventions.apply(edits, name, linear(x, m)).view(B, T, heads, width).transpose(1, 2)
+                   for name, m in (("query", sa.query), ("key", sa.key), ("value", sa.value)))
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask(mask, dtype),
+                                                 dropout_p=sa.dropout.p if sa.training else 0.0, scale=sa.scaling)
+        attended = so.dropout(linear(context.transpose(1, 2).reshape(B, T, heads * width), so.dense))
+        h1 = interventions.apply(edits, "attention_output", so.LayerNorm(attended + hidden))
+        activated = interventions.apply(edits, "intermediate", inter.intermediate_act_fn(linear(h1.to(dtype),
+                                                                                                 inter.dense)))
+        projected = out.dropout(linear(activated, out.dense))
+        return interventions.apply(edits, "output", out.LayerNorm(projected + h1))
+
+
+def _dropout_backward(grad, keep, p):
+    if keep is None:
+        return grad
+    if keep.dtype == torch.bool:
+        return torch.ops.aten.native_dropout_backward(grad, keep, 1.0 / (1.0 - p))
+    return grad * keep
+
+
+def _mm_into(acc, a, b):
+    """``acc + a @ b`` accumulated at acc's precision (in place into acc, which this module owns)."""
+    if (fp32_mm_supported(acc.device) and acc.dtype == torch.float32
+            and a.dtype in (torch.bfloat16, torch.float16)):
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    return acc.add_((a @ b).to(acc.dtype))
+
+
+def _weight_grad(grad_rows, input_rows, dtype):
+    """``grad_rowsᵀ @ input_rows`` in the parameter dtype, accumulated in fp32 (or wider)."""
+    if (fp32_mm_supported(grad_rows.device) and dtype == torch.float32
+            and grad_rows.dtype in (torch.bfloat16, torch.float16)):
+        return torch.mm(grad_rows.t(), input_rows, out_dtype=torch.float32)
+    return (grad_rows.t() @ input_rows).to(dtype)
+
+
+def _will_run(param) -> bool:
+    try:
+        return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(param).node)
+    except RuntimeError:  # a leaf that torch.autograd.grad was asked for: PyTorch declines to answer, but it is
+        return True
+
+
+def _wanted(needs, params):
+    """Which parameter gradients this backward must compute: those that need one, less those the running
+    backward will not deliver (``torch.autograd.grad(out, inputs)`` differentiating the input only, as GS's ``g``
+    does: the weight-gradient matmuls are then skipped, as the model's own autograd nodes skip them). Asked for one
+    parameter, and for each only when that one is not wanted."""
+    if not needs[0] or not hasattr(torch._C, "_will_engine_execute_node") or _will_run(params[0]):
+        return needs
+    return tuple(n and _will_run(p) for n, p in zip(needs, params))
+
+
+class _TrainingLayer(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, mask, layer, dtype, *params):
+        wq, bq, wk, bk, wv, bv, wo, bo, g1, be1, wi, bi, wo2, bo2, g2, be2 = params
+        sa, so, inter, out = bert_parts(layer)
+        B, T, D = hidden.shape
+        heads, width = sa.num_attention_heads, sa.attention_head_size
+        p_attn = sa.dropout.p if sa.training else 0.0
+        p1, p2 = dropout_p(so.dropout), dropout_p(out.dropout)
+        approximate = _gelu_approximate(inter)
+        with torch.autocast(hidden.device.type, enabled=False):
+            x = hidden.reshape(-1, D)
+            x16 = x.to(dtype)
+            w_qkv = torch.cat((wq, wk, wv)).to(dtype)
+            qkv = torch.addmm(torch.cat((bq, bk, bv)).to(dtype), x16, w_qkv.t())
+            qkv_leaf = qkv.detach().requires_grad_(True)
+            with torch.enable_grad():
+                q, k, v = (t.view(B, T, heads, width).transpose(1, 2) for t in qkv_leaf.split(heads * width, dim=1))
+                context = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask(mask, dtype),
+                                                         dropout_p=p_attn, scale=sa.scaling)
+            rows = context.detach().transpose(1, 2).reshape(-1, heads * width)
+            wo16 = wo.to(dtype)
+            a, keep1 = dropout(torch.addmm(bo.to(dtype), rows, wo16.t()), p1)
+            s1 = a + x
+            h1, mean1, rstd1 = torch.native_layer_norm(s1, (D,), g1, be1, so.LayerNorm.eps)
+            h1_16 = h1.to(dtype)
+            wi16 = wi.to(dtype)
+            inner = torch.addmm(bi.to(dtype), h1_16, wi16.t())
+            if approximate is not None:
+                activated = F.gelu(inner, approximate=approximate)
+            else:
+                inner = inner.requires_grad_(True)
+                with torch.enable_grad():
+                    activated = inter.intermediate_act_fn(inner)
+            wo2_16 = wo2.to(dtype)
+            o, keep2 = dropout(torch.addmm(bo2.to(dtype), activated.detach(), wo2_16.t()), p2)
+            s2 = o + h1
+            y, mean2, rstd2 = torch.native_layer_norm(s2, (D,), g2, be2, out.LayerNorm.eps)
+        saved = dict(x16=x16, w_qkv=w_qkv, qkv_leaf=qkv_leaf, context=context, rows=rows, wo16=wo16, keep1=keep1,
+                     s1=s1, mean1=mean1, rstd1=rstd1, h1_16=h1_16, wi16=wi16, inner=inner, activated=activated,
+                     wo2_16=wo2_16, keep2=keep2, s2=s2, mean2=mean2, rstd2=rstd2, g1=g1, be1=be1, g2=g2, be2=be2)
+        # saved tensors (not ctx attributes) are freed when the backward has run, as the layer's own are
+        ctx.save_for_backward(*saved.values())
+        ctx.names = tuple(saved)
+        ctx.params = params  # leaves that outlive the step: only to ask whether this backward wants their gradients
+        ctx.shapes = (B, T, D, heads, width, p1, p2, approximate, hidden.dtype, g1.dtype,
+                      (wq.shape[0], wk.shape[0], wv.shape[0]))
+        return y.view(B, T, D)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y):
+        t = dict(zip(ctx.names, ctx.saved_tensors))
+        B, T, D, heads, width, p1, p2, approximate, x_dtype, p_dtype, qkv_sizes = ctx.shapes
+        g1, be1, g2, be2 = t["g1"], t["be1"], t["g2"], t["be2"]
+        need = _wanted(ctx.needs_input_grad[4:], ctx.params)
+        dtype = t["x16"].dtype
+        with torch.autocast(grad_y.device.type, enabled=False):
+            grad_s2, grad_g2, grad_be2 = torch.ops.aten.native_layer_norm_backward(
+                grad_y.reshape(-1, D).to(t["s2"].dtype), t["s2"], (D,), t["mean2"], t["rstd2"], g2, be2,
+                (True, need[14], need[15]))
+            grad_o = _dropout_backward(grad_s2.to(dtype), t["keep2"], p2)
+            grad_wo2 = _weight_grad(grad_o, t["activated"].detach(), p_dtype) if need[12] else None
+            grad_bo2 = grad_o.sum(0, dtype=p_dtype) if need[13] else None
+            grad_activated = torch.mm(grad_o, t["wo2_16"])
+            if approximate is not None:
+                grad_inner = torch.ops.aten.gelu_backward(grad_activated, t["inner"], approximate=approximate)
+            else:
+                (grad_inner,) = torch.autograd.grad(t["activated"], t["inner"], grad_activated, retain_graph=True)
+            grad_wi = _weight_grad(grad_inner, t["h1_16"], p_dtype) if need[10] else None
+            grad_bi = grad_inner.sum(0, dtype=p_dtype) if need[11] else None
+            grad_h1 = _mm_into(grad_s2, grad_inner, t["wi16"])  # the residual's gradient + the projection's
+            grad_s1, grad_g1, grad_be1 = torch.ops.aten.native_layer_norm_backward(
+                grad_h1, t["s1"], (D,), t["mean1"], t["rstd1"], g1, be1, (True, need[8], need[9]))
+            grad_a = _dropout_backward(grad_s1.to(dtype), t["keep1"], p1)
+            grad_wo = _weight_grad(grad_a, t["rows"], p_dtype) if need[6] else None
+            grad_bo = grad_a.sum(0, dtype=p_dtype) if need[7] else None
+            grad_context = torch.mm(grad_a, t["wo16"]).view(B, T, heads, width).transpose(1, 2)
+            # retained: this one-node graph is freed with the saved tensors (a retain_graph backward can run again)
+            (grad_qkv,) = torch.autograd.grad(t["context"], t["qkv_leaf"], grad_context, retain_graph=True)
+            grad_x = _mm_into(grad_s1.to(torch.promote_types(x_dtype, grad_s1.dtype)), grad_qkv, t["w_qkv"])
+            grad_w_qkv = _weight_grad(grad_qkv, t["x16"], p_dtype) if any(need[0:6:2]) else None
+            grad_b_qkv = grad_qkv.sum(0, dtype=p_dtype) if any(need[1:6:2]) else None
+        wq_wk_wv = grad_w_qkv.split(qkv_sizes) if grad_w_qkv is not None else (None,) * 3
+        bq_bk_bv = grad_b_qkv.split(qkv_sizes) if grad_b_qkv is not None else (None,) * 3
+        qkv_grads = [g if need[i] else None for i, g in enumerate(
+            (wq_wk_wv[0], bq_bk_bv[0], wq_wk_wv[1], bq_bk_bv[1], wq_wk_wv[2], bq_bk_bv[2]))]
+        grad_hidden = grad_x.view(B, T, D).to(x_dtype) if ctx.needs_input_grad[0] else None
+        return (grad_hidden, None, None, None, *qkv_grads, grad_wo, grad_bo, grad_g1, grad_be1, grad_wi, grad_bi,
+                grad_wo2, grad_bo2, grad_g2, grad_be2)

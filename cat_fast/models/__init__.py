@@ -1,0 +1,26 @@
+"""Everything cat_fast knows about a Hugging Face model: the only package that looks inside one.
+
+- `structure(model)`: the encoder layer list, embeddings and classification head (`structure`);
+- `capture` / `resume`: ``h_m`` of a batch from the model's own forward, and the model resumed from ``h̃`` at layer m
+  with the clean forward's dropout masks (`capture`); `head_logits`, `grad_wrt_pooled` for the pooled vector;
+- `first_token_ready` / `first_token_forward`: the last layer for row 0 only where the head reads nothing else;
+- `model_inputs`, `sync_free_inputs`, `logits_of`: what the forward takes and gives (`inputs`);
+- `intervene(model, layer, component, fn)`: edit a layer's activations on every path (`interventions`);
+- `load_classifier`: a sequence classifier and its tokenizer from a local directory or the shipped MiniLM
+  (`pretrained`, imported on use).
+
+No modeling file is imported: models are driven through their own ``forward`` with hooks.
+"""
+from .capture import Capture, capture, grad_wrt_pooled, head_logits, resume
+from .first_token import first_token_forward, first_token_ok, first_token_ready
+from .inputs import TARGET_KEYS, logits_of, model_inputs, sync_free_inputs
+from .interventions import COMPONENTS, intervene
+from .rng import get_state as get_rng_state
+from .rng import set_state as set_rng_state
+from .structure import ModelStructure, num_layers, structure
+
+__all__ = [
+    "ModelStructure", "Capture", "structure", "num_layers", "capture", "resume", "first_token_ok", "first_token_ready",
+    "first_token_forward", "head_logits", "grad_wrt_pooled", "logits_of", "model_inputs", "sync_free_inputs",
+    "TARGET_KEYS", "intervene", "COMPONENTS", "get_rng_state", "set_rng_state",
+]

@@ -1,0 +1,255 @@
+"""Capture and resume: the hidden state ``h_m`` of a batch from the model's own forward, and the model resumed from
+a replacement ``h̃`` at that layer without recomputing the layers below (docs/METHODS.md §1.1, §1.6).
+
+`capture` runs the model's forward once with hooks that record each layer call's output, the embedding output and
+``h_m`` (with the RNG state when layer m+1 starts). `resume` calls the forward again with the embeddings and layer
+calls 1..m short-circuited (they return the recorded outputs) and ``h̃`` passed to layer m+1, so layers m+1..L get
+exactly the arguments the model computes, and (``same_dropout``) draw the clean forward's dropout masks. Layers
+are identified by call order (ALBERT calls one shared layer L times). ``h_m`` equals ``hidden_states[m]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import layers
+from . import fast_layers
+from .inputs import model_inputs, sync_free_inputs
+from .patching import first_of, hidden_argument, patch_forward, replace_first, unpatch_forward
+from .rng import get_state as get_rng_state
+from .rng import set_state as set_rng_state
+from .structure import check_trainable_forward, structure, unsupported
+
+__all__ = ["Capture", "capture", "resume", "head_logits", "grad_wrt_pooled"]
+
+
+@dataclass
+class Capture:
+    """Result of `capture`: the model outputs of the clean forward and what `resume` needs."""
+
+    layer: int
+    hidden: torch.Tensor  # h_m, part of the clean forward's graph
+    outputs: object  # the model's own output (ModelOutput)
+    inputs: dict  # keyword arguments the model was called with
+    training: bool
+    layer_outputs: list = field(default_factory=list)  # outputs of layer calls 1..m, as returned
+    hidden_loc: tuple | None = None  # where h_m sits in layer m+1's arguments: ("arg", i) / ("kw", name)
+    embedding_output: object = None
+    rng_state: tuple | None = None  # RNG state when layer m+1 started (or after layer L for m = L)
+    head_input: torch.Tensor | None = None  # input of the classification projection (pooled=True)
+    head_rng_state: tuple | None = None
+    pooled: torch.Tensor | None = None  # [B, D] pooled representation (pooled=True)
+    rng_marker: object = None  # called by `resume` where it would restore rng_state (cat_fast.objectives.cat_graphs)
+    last_output: object = None  # layer L's output as returned (its format, for `resume(..., first_token=True)`)
+    padding_mask: torch.Tensor | None = None  # the batch's 2-D attention mask ([B, T]; `inputs` may hold a 4-D one)
+
+
+def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool = True,
+            first_token: bool = False, on_hidden=None, training_layers: bool = False) -> Capture:
+    """Run the model's own forward once on `batch`, recording ``h_layer`` and what `resume` needs.
+
+    `batch` may contain targets (`labels`, ...); they are not passed to the model. With ``pooled=True`` also
+    record the pooled representation (the input of the classification projection). ``layer=None`` (with
+    ``pooled=True``) records only the pooled representation: no hook on the encoder layers, less host work
+    (no `resume` from such a capture). ``rng=False``: no RNG states recorded (no same-dropout re-runs).
+    ``first_token=True``: the last layer runs for the first token only when `first_token_ready` has accepted the
+    model and ``layer < L`` (then rows 1.. of its output are its input rows; the logits are the same).
+    ``on_hidden(cap)``: called inside the forward as soon as ``h_layer`` exists (``layer < L``: when layer
+    ``layer + 1`` is about to run, with `cap` filled up to there: ``hidden``, ``hidden_loc``, ``rng_state``,
+    ``layer_outputs``, ``inputs``), so work that needs only ``h_layer`` can be queued on the GPU before the rest of
+    the forward. It must leave the RNG state as it found it. ``training_layers=True``: the encoder layers run
+    `layers.training` where it supports them (see there: the same values, dropout draws and gradients, one autograd
+    node per layer; no double backward through them).
+    """
+    st = structure(model)
+    check_trainable_forward(model, st)
+    L = st.num_layers
+    if layer is None and not pooled:
+        raise ValueError("capture(layer=None) records nothing unless pooled=True")
+    if layer is not None and not 0 <= layer <= L:
+        raise ValueError(f"layer must be in [0, {L}] for {st.model_class}, got {layer}")
+    given = model_inputs(batch)
+    inputs = sync_free_inputs(model, given)
+    cap = Capture(layer=layer, hidden=None, outputs=None, inputs=inputs, training=model.training,
+                  padding_mask=given.get("attention_mask"))
+    calls = {"started": 0, "done": 0}
+    keep_rng = model.training and rng
+
+    def pre(mod, args, kwargs):
+        k = calls["started"]
+        calls["started"] += 1
+        if k == layer:
+            cap.hidden, cap.hidden_loc = hidden_argument(args, kwargs)
+            if keep_rng:
+                cap.rng_state = get_rng_state(cap.hidden.device)
+            if on_hidden is not None:
+                on_hidden(cap)
+
+    def post(mod, args, kwargs, output):
+        k = calls["done"]
+        calls["done"] += 1
+        if k < layer:
+            cap.layer_outputs.append(output)
+        if k == L - 1:
+            cap.last_output = output
+        if k == L - 1 and layer == L:
+            cap.hidden = first_of(output)
+            if keep_rng:
+                cap.rng_state = get_rng_state(cap.hidden.device)
+
+    def emb_post(mod, args, output):
+        cap.embedding_output = output
+
+    def head_pre(mod, args, kwargs):
+        x, _ = hidden_argument(args, kwargs)
+        cap.head_input = x
+        cap.pooled = x[:, 0] if x.dim() == 3 else x
+        if keep_rng:
+            cap.head_rng_state = get_rng_state(x.device)
+
+    handles = []
+    try:
+        if layer is not None:
+            for mod in st.layer_modules:
+                handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+                handles.append(mod.register_forward_hook(post, with_kwargs=True))
+            if st.embeddings is not None:
+                handles.append(st.embeddings.register_forward_hook(emb_post))
+        if pooled:
+            handles.append(st.head.register_forward_pre_hook(head_pre, with_kwargs=True))
+        prune = first_token and (layer is None or layer < L)
+        with fast_layers.training_layers(model, st, inputs, training_layers), \
+                fast_layers.last_layer_first_token(model, st, inputs, prune):
+            cap.outputs = model(**inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    if layer is not None and calls["started"] != L:
+        unsupported(model, f"its layer list '{st.layer_list_name}' was called {calls['started']} times in one forward, "
+                     f"expected {L} (config.num_hidden_layers)")
+    if pooled and cap.head_input is None:
+        unsupported(model, f"its classification module '{st.head_name}' was not called in the forward")
+    return cap
+
+
+def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, same_dropout: bool = True,
+           first_token: bool = False, first_token_fill: float | None = None, input_grad_only: bool = False,
+           training_layers: bool = False):
+    """Run layers ``m+1..L`` and the model's own head on `h_tilde` in place of ``h_m``; return the model output.
+
+    The lower layers are not recomputed (see the module docstring). `attention_mask` (2-D, optional)
+    replaces the batch's mask for the resumed layers (CMIX mask modes). Differentiable w.r.t. `h_tilde` and
+    the parameters of layers ``m+1..L`` and the head. ``first_token=True``: the last layer computes row 0
+    only (module docstring; check `first_token_ok` first); `first_token_fill` sets its other rows (the probe).
+    ``input_grad_only=True`` promises that no parameter gradient is taken through this pass (CAT's CAL steps and
+    its detached final pass): layers ``m+1..L`` with the Bert layout then run `layers.resumed` (same values and
+    dropout draws; the input gradient summed in fp32 under autocast). ``training_layers=True`` (without
+    ``input_grad_only``): layers ``m+1..L`` run `layers.training` where it supports them (the same values, dropout
+    draws and gradients, parameters included; no double backward through them).
+    """
+    st = structure(model)
+    check_trainable_forward(model, st)
+    if tuple(h_tilde.shape) != tuple(cap.hidden.shape):
+        raise ValueError(f"h_tilde must have the shape of h_m {tuple(cap.hidden.shape)}, got {tuple(h_tilde.shape)}")
+    m, L = cap.layer, st.num_layers
+    restore_rng = same_dropout and cap.rng_state is not None and model.training
+    device = h_tilde.device
+    saved_rng = get_rng_state(device) if restore_rng else None
+    calls = {"n": 0}
+    patched = []
+
+    def layer_forward(mod):
+        orig = mod.forward
+
+        def forward(*args, **kwargs):
+            k = calls["n"]
+            calls["n"] += 1
+            if k < m:
+                out = cap.layer_outputs[k]
+                if k == L - 1:  # m == L: the last layer's output is replaced
+                    out = replace_first(out, h_tilde)
+                    if restore_rng:
+                        set_rng_state(device, cap.rng_state)
+                    if cap.rng_marker is not None:
+                        cap.rng_marker()
+                return out
+            if k == m:
+                kind, where = cap.hidden_loc
+                if kind == "arg":
+                    args = (h_tilde,) + tuple(args[1:])
+                else:
+                    kwargs = dict(kwargs)
+                    kwargs[where] = h_tilde
+                if restore_rng:
+                    set_rng_state(device, cap.rng_state)
+                if cap.rng_marker is not None:
+                    cap.rng_marker()
+            if k == L - 1 and first_token:
+                out = layers.first_token.forward(mod, args, kwargs, first_token_fill)
+                if out is not None:
+                    return replace_first(cap.last_output, out)
+            elif input_grad_only and cap.last_output is not None:
+                out = layers.resumed.forward(mod, args, kwargs)
+                if out is not None:
+                    return replace_first(cap.last_output, out)
+            elif training_layers and cap.last_output is not None:
+                out = layers.training.forward(mod, args, kwargs)
+                if out is not None:
+                    return replace_first(cap.last_output, out)
+            return orig(*args, **kwargs)
+
+        return forward
+
+    inputs = dict(cap.inputs)
+    if attention_mask is not None:
+        inputs = sync_free_inputs(model, dict(inputs, attention_mask=attention_mask))
+    try:
+        for mod in st.layer_modules:
+            patched.append(patch_forward(mod, layer_forward(mod)))
+        if st.embeddings is not None and cap.embedding_output is not None:
+            cached = cap.embedding_output
+            patched.append(patch_forward(st.embeddings, lambda *a, **k: cached))
+        out = model(**inputs)
+    finally:
+        for saved in reversed(patched):
+            unpatch_forward(saved)
+        if restore_rng:
+            set_rng_state(device, saved_rng)
+    if calls["n"] != L:
+        unsupported(model, f"its layer list '{st.layer_list_name}' was called {calls['n']} times when resuming, "
+                     f"expected {L}")
+    return out
+
+
+def head_logits(model, cap: Capture, x: torch.Tensor, *, same_dropout: bool = True):
+    """Logits of the classification projection re-run on a pooled representation `x` [B, D].
+
+    Needs ``capture(..., pooled=True)``. Differentiable w.r.t. `x` and the head's parameters. With
+    ``same_dropout`` the head draws the dropout masks of the captured forward.
+    """
+    st = structure(model)
+    if cap.head_input is None:
+        raise ValueError("head_logits needs capture(..., pooled=True)")
+    inp = cap.head_input
+    if inp.dim() == 3:
+        inp = torch.cat([x.unsqueeze(1), inp[:, 1:]], dim=1)
+    else:
+        inp = x
+    restore = same_dropout and cap.head_rng_state is not None and model.training
+    saved = get_rng_state(x.device) if restore else None
+    try:
+        if restore:
+            set_rng_state(x.device, cap.head_rng_state)
+        return st.head(inp)
+    finally:
+        if restore:
+            set_rng_state(x.device, saved)
+
+
+def grad_wrt_pooled(score: torch.Tensor, cap: Capture, *, create_graph: bool) -> torch.Tensor:
+    """``∇_x score`` for the captured pooled representation x ([B, D]); `score` a scalar of the clean forward."""
+    if cap.head_input is None:
+        raise ValueError("grad_wrt_pooled needs capture(..., pooled=True)")
+    (g,) = torch.autograd.grad(score, cap.head_input, create_graph=create_graph, retain_graph=True)
+    return g[:, 0] if g.dim() == 3 else g

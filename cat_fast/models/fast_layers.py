@@ -1,0 +1,98 @@
+"""Running a model's encoder layers as cat_fast's fast layers (`cat_fast.layers`) for the length of a forward:
+`training_layers` (every layer as `layers.training`) and `last_layer_first_token` (the last layer for row 0 only,
+once `models.first_token_ok` has accepted the model). Both fall back to the model's own layer call by call."""
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+
+from torch import nn
+
+from .. import layers
+from .patching import formatted, output_format, patch_forward, unpatch_forward, wants_all_outputs
+
+__all__ = ["training_layers", "last_layer_first_token", "first_token_known", "record_first_token"]
+
+
+_FIRST_TOKEN: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+# The format of the last layer's output (None: a tensor; n: a tuple of n whose items after the first are None),
+# recorded by the check so that a forward can return its first-token row in that format.
+_LAST_FORMAT: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
+
+
+# The format of a layer's output for `training_layers` (as `_LAST_FORMAT`; False: not a format it can give),
+# recorded from the model's own layer on the first training forward of each model.
+_LAYER_FORMAT: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
+
+
+@contextmanager
+def training_layers(model, st, inputs, enabled):
+    """While active, the encoder layers run `layers.training` (one autograd node per layer: the same values, dropout
+    draws and gradients with less host work) where it supports the layer and the call; the rest run themselves
+    (a first-token last layer, patched inside this, falls back to this). Off when the call asks for hidden states
+    or attentions."""
+    if not enabled or wants_all_outputs(model, inputs) or _LAYER_FORMAT.get(model) is False:
+        yield
+        return
+    modules = st.layer_modules
+    if not any(layers.training.supported(mod) for mod in modules):
+        yield
+        return
+    fmt = _LAYER_FORMAT.get(model, "unknown")
+
+    def layer_forward(mod, orig):
+        def forward(*args, **kwargs):
+            if fmt == "unknown":
+                out = orig(*args, **kwargs)
+                _LAYER_FORMAT[model] = output_format(out)
+                return out
+            y = layers.training.forward(mod, args, kwargs)
+            return orig(*args, **kwargs) if y is None else formatted(fmt, y)
+
+        return forward
+
+    patched = [patch_forward(mod, layer_forward(mod, mod.forward)) for mod in modules]
+    try:
+        yield
+    finally:
+        for saved in reversed(patched):
+            unpatch_forward(saved)
+
+
+@contextmanager
+def last_layer_first_token(model, st, inputs, enabled):
+    """While active, the last layer's forward returns its first-token row (`layers.first_token.forward`) when
+    `first_token_ready` accepted the model and the call does not ask for hidden states or attentions."""
+    if not enabled or wants_all_outputs(model, inputs) or _FIRST_TOKEN.get(model) is not True:
+        yield
+        return
+    mod = st.layer_modules[-1]
+    orig, fmt = mod.forward, _LAST_FORMAT.get(model)
+
+    def forward(*args, **kwargs):
+        row = layers.first_token.forward(mod, args, kwargs)
+        return orig(*args, **kwargs) if row is None else formatted(fmt, row)
+
+    saved = patch_forward(mod, forward)
+    try:
+        yield
+    finally:
+        unpatch_forward(saved)
+
+
+def first_token_known(model, st):
+    """The cached decision for `model`, False (cached) when its layout is not supported, else None."""
+    known = _FIRST_TOKEN.get(model)
+    if known is None and not (st.task == "sequence_classification" and len(st.layer_modules) == st.num_layers
+                              and layers.first_token.supported(st.layer_modules[-1])):
+        known = _FIRST_TOKEN[model] = False
+    return known
+
+
+def record_first_token(model, ok: bool, fmt=None) -> None:
+    """Remember the first-token decision for `model` (and, when accepted, its last layer's output format)."""
+    if ok:
+        _LAST_FORMAT[model] = fmt
+    _FIRST_TOKEN[model] = ok

@@ -1,0 +1,26 @@
+"""Training objectives: ``loss, info = objective(batch)``, each a subclass of `Objective`, named in one registry.
+
+- `CAT` (`cat`, with its CUDA-graph CAL loop in `cat_graphs`): counterfactual adversarial training, docs/METHODS.md §1;
+- `GradientSupervision` (`gs`): gradient supervision, docs/METHODS.md §2;
+- `ERM` (`erm`): the model's own loss.
+
+``build("cat-star", model)`` makes a registered objective; ``names()`` lists them; the CLI and the Trainer
+classes use the same registry. Adding a method: subclass `Objective` (`base`), then one `register` line here.
+"""
+from .base import Entry, Objective, build, get, names, register
+from .cat import CAT, default_layers
+from .erm import ERM
+from .gs import DOUBLE_BACKWARD_HINT, GradientSupervision, double_backward_error, pair_by_group
+
+__all__ = ["Objective", "Entry", "register", "get", "names", "build", "CAT", "default_layers", "ERM",
+           "GradientSupervision", "pair_by_group", "double_backward_error", "DOUBLE_BACKWARD_HINT"]
+
+register("erm", ERM, "the model's own cross-entropy")
+register("erm-orig", ERM, "the model's own cross-entropy, trained on originals only", data="orig")
+register("cat", CAT, "CAT: CMIX + CAL (3 steps) + CRM", warmup=True, adv_steps=3)
+register("cat-star", CAT, "CAT*: CMIX + CRM, no CAL", warmup=True, adv_steps=0)
+register("cat-gs", CAT, "CAT + gradient supervision on the CMIX pair", warmup=True, eager_attention=True,
+         adv_steps=3, gs_weight=1.0)
+register("gs", GradientSupervision, "gradient supervision on counterfactual pairs", eager_attention=True)
+register("gs-random", GradientSupervision, "gradient supervision on random pairs (the paper's ablation)",
+         eager_attention=True, random_pairs=True)

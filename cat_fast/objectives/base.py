@@ -1,0 +1,103 @@
+"""The common shape of cat_fast's training objectives, and the registry that names them.
+
+An objective is called once per training step: ``loss, info = objective(batch)`` (``objective(batch, pairs)``
+for those that take counterfactual pairs), with ``loss`` a 0-d tensor to back-propagate and ``info`` a dict of
+detached 0-d tensors to log (no host synchronisation inside the step). A new method subclasses `Objective` and
+provides:
+
+- ``__init__(model, ...)``: its hyper-parameters, checked there (``ValueError`` naming the argument);
+- ``__call__(batch)``: the loss and info of one step;
+- optionally ``parameters()`` (trainable tensors the objective owns, e.g. a learned gate: give them to the
+  optimizer), ``state_dict()`` / ``load_state_dict()`` (what a checkpoint keeps; default: ``step``),
+  ``set_optimizer(optimizer)`` (an objective that steps an optimizer itself), and ``from_options`` (how the
+  CLI's flat options map to its arguments; default: the preset only);
+- class attributes read by the CLI and the trainers: ``needs_pairs`` (its batches carry counterfactual pairs).
+
+Then one `register` line names it for the CLI (``cat-fast train --method NAME``) and the Trainer classes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+__all__ = ["Objective", "Entry", "register", "get", "names", "build"]
+
+
+class Objective:
+    """Base class of the training objectives (module docstring)."""
+
+    needs_pairs = False  # batches must carry counterfactual pairs (`pairs` [B], or groups the caller turns into it)
+
+    def __init__(self, model):
+        self.model = model
+        self.step = 0  # calls so far; the trainers set it to the optimizer step (warm-ups count in it)
+
+    def __call__(self, batch):
+        raise NotImplementedError
+
+    def parameters(self):
+        """Trainable tensors the objective owns (none by default)."""
+        return []
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.step = int(state.get("step", 0))
+
+    def set_optimizer(self, optimizer) -> None:
+        """Called by the trainers with their optimizer (for objectives that step one themselves)."""
+
+    @classmethod
+    def from_options(cls, model, options: Mapping, **preset):
+        """An instance from the CLI's flat `options` (option name -> value) and a registry `preset`."""
+        return cls(model, **preset)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A registered objective: its class, preset arguments and what the CLI needs to know of it."""
+
+    name: str
+    cls: type
+    summary: str
+    preset: dict = field(default_factory=dict)
+    data: str = "orig+edits"  # the training data the CLI uses by default: "orig" or "orig+edits"
+    eager_attention: bool = False  # the CLI loads the model with eager attention (exact double backward)
+    warmup: bool = False  # the CLI trains its first --warmup-epochs epochs with plain ERM
+
+
+_REGISTRY: dict = {}
+
+
+def register(name: str, cls: type, summary: str, *, data: str = "orig+edits", eager_attention: bool = False,
+             warmup: bool = False, **preset) -> Entry:
+    """Name an objective class with preset arguments (``register("cat-star", CAT, "...", adv_steps=0)``)."""
+    if name in _REGISTRY:
+        raise ValueError(f"objective {name!r} is registered already")
+    if not (isinstance(cls, type) and issubclass(cls, Objective)):
+        raise TypeError(f"cls: expected a subclass of cat_fast.objectives.Objective, got {cls!r}")
+    if data not in ("orig", "orig+edits"):
+        raise ValueError(f"data: expected 'orig' or 'orig+edits', got {data!r}")
+    entry = Entry(name, cls, summary, dict(preset), data, eager_attention, warmup)
+    _REGISTRY[name] = entry
+    return entry
+
+
+def names() -> tuple:
+    """The registered objective names, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def get(name: str) -> Entry:
+    if name not in _REGISTRY:
+        raise ValueError(f"objective: expected one of {', '.join(_REGISTRY)}, got {name!r}")
+    return _REGISTRY[name]
+
+
+def build(name: str, model, options: Mapping | None = None, **kwargs) -> Objective:
+    """The objective `name` on `model`: its preset, then the CLI-style `options`, then `kwargs` (which win)."""
+    entry = get(name)
+    if options is None:
+        return entry.cls(model, **{**entry.preset, **kwargs})
+    return entry.cls.from_options(model, options, **{**entry.preset, **kwargs})

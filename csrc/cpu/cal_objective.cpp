@@ -1,0 +1,92 @@
+// CPU kernels and op schemas of cal_objective (cal_objective_forward, cal_objective_backward).
+// Contract: docs/KERNELS.md "cal_objective"; CUDA kernels: csrc/cuda/cal_objective.cu.
+// Every output element is written by exactly one thread with a fixed summation order, so results
+// do not depend on the number of threads.
+#include <torch/library.h>
+
+#include "kernel_utils.h"
+
+TORCH_LIBRARY_FRAGMENT(cat_fast, m) {
+  m.def("cal_objective_forward(Tensor logits, Tensor labels, float gamma, float eta) -> Tensor");
+  m.def("cal_objective_backward(Tensor grad, Tensor logits, Tensor labels, float gamma, float eta) -> Tensor");
+}
+
+namespace cat_fast {
+namespace cpu {
+namespace {
+
+void check_logits(const char* op, const at::Tensor& logits, const at::Tensor& labels) {
+  check_cpu_contig(logits, op, "logits");
+  TORCH_CHECK(logits.dim() == 2, op, ": logits must have shape [B,C], got ", logits.sizes());
+  TORCH_CHECK(logits.size(1) >= 1 || logits.size(0) == 0, op, ": logits need at least one class");
+  check_labels(labels, logits.size(0), op);
+}
+
+at::Tensor cal_objective_forward(const at::Tensor& logits, const at::Tensor& labels, double gamma, double eta) {
+  check_logits("cal_objective_forward", logits, labels);
+  const int64_t B = logits.size(0), C = logits.size(1);
+  at::Tensor out = at::empty({B}, logits.options().dtype(acc_dtype(logits.scalar_type())));
+  CAT_FAST_DISPATCH_FLOATING(logits.scalar_type(), "cal_objective_forward", [&] {
+    using acc_t = acc_type<scalar_t>;
+    const scalar_t* zp = logits.const_data_ptr<scalar_t>();
+    const int64_t* yp = labels.const_data_ptr<int64_t>();
+    acc_t* op = out.mutable_data_ptr<acc_t>();
+    const acc_t g = static_cast<acc_t>(gamma), e = static_cast<acc_t>(eta);
+    at::parallel_for(0, B, row_grain(4 * C), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const scalar_t* z = zp + i * C;
+        const int64_t y = yp[i];
+        TORCH_CHECK(y >= 0 && y < C, "cal_objective_forward: label ", y, " out of [0, ", C, ")");
+        const RowSoftmax<acc_t> st = row_softmax<scalar_t>(z, C);
+        const acc_t ce = st.m + std::log(st.s) - static_cast<acc_t>(z[y]);
+        op[i] = g * ce + e / st.s;
+      }
+    });
+  });
+  return out;
+}
+
+at::Tensor cal_objective_backward(const at::Tensor& grad_in, const at::Tensor& logits, const at::Tensor& labels,
+                                  double gamma, double eta) {
+  check_logits("cal_objective_backward", logits, labels);
+  const int64_t B = logits.size(0), C = logits.size(1);
+  TORCH_CHECK(grad_in.numel() == B, "cal_objective_backward: grad must have shape [B]");
+  const at::Tensor grad = as_contig(grad_in, acc_dtype(logits.scalar_type()));
+  at::Tensor out = at::empty_like(logits);
+  CAT_FAST_DISPATCH_FLOATING(logits.scalar_type(), "cal_objective_backward", [&] {
+    using acc_t = acc_type<scalar_t>;
+    const scalar_t* zp = logits.const_data_ptr<scalar_t>();
+    const int64_t* yp = labels.const_data_ptr<int64_t>();
+    const acc_t* gp = grad.const_data_ptr<acc_t>();
+    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    const acc_t g = static_cast<acc_t>(gamma), e = static_cast<acc_t>(eta);
+    at::parallel_for(0, B, row_grain(4 * C), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const scalar_t* z = zp + i * C;
+        const int64_t y = yp[i];
+        TORCH_CHECK(y >= 0 && y < C, "cal_objective_backward: label ", y, " out of [0, ", C, ")");
+        const RowSoftmax<acc_t> st = row_softmax<scalar_t>(z, C);
+        const acc_t inv_s = acc_t(1) / st.s;  // = pmax
+        const acc_t gi = gp[i];
+        const acc_t e_pmax = e * inv_s;
+        scalar_t* o = op + i * C;
+        for (int64_t c = 0; c < C; ++c) {
+          const acc_t p = std::exp(static_cast<acc_t>(z[c]) - st.m) * inv_s;
+          const acc_t v = g * (p - (c == y ? acc_t(1) : acc_t(0))) +
+                          e_pmax * ((c == st.argmax ? acc_t(1) : acc_t(0)) - p);
+          o[c] = static_cast<scalar_t>(gi * v);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace cat_fast
+
+TORCH_LIBRARY_IMPL(cat_fast, CPU, m) {
+  m.impl("cal_objective_forward", &cat_fast::cpu::cal_objective_forward);
+  m.impl("cal_objective_backward", &cat_fast::cpu::cal_objective_backward);
+}

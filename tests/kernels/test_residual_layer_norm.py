@@ -1,0 +1,92 @@
+"""cat_fast.kernels.triton.residual_layer_norm (fused residual add + LayerNorm for `resumed_layer`) against its PyTorch
+reference, and the reference against autograd. On the CPU the Triton kernels run under the interpreter."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+from cat_fast.kernels.triton import residual_layer_norm as rln  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+RUNS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+# (rows shape, D): one row, odd D, a BERT width, a width that is not a power of two
+SHAPES = [((1,), 32), ((3, 5), 768), ((7,), 1000), ((2, 3), 33)]
+
+
+def _inputs(lead, D, branch_dtype, p=0.3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    branch = torch.randn(*lead, D, generator=g).to(branch_dtype)
+    residual = torch.randn(*lead, D, generator=g) * 2 + 1
+    weight = torch.rand(D, generator=g) + 0.5
+    bias = torch.randn(D, generator=g)
+    keep = torch.rand(*lead, D, generator=g) > p
+    grad_y = torch.randn(*lead, D, generator=g)
+    return [t.to(DEVICE) for t in (branch, residual, weight, bias, keep, grad_y)]
+
+
+@pytest.mark.skipif(not RUNS, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("lead,D", SHAPES)
+@pytest.mark.parametrize("branch_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("with_keep", [True, False])
+def test_kernels_match_the_reference(lead, D, branch_dtype, with_keep):
+    branch, residual, weight, bias, keep, grad_y = _inputs(lead, D, branch_dtype)
+    keep = keep if with_keep else None
+    out16 = torch.bfloat16 if branch_dtype == torch.float32 else branch_dtype
+    got = rln.forward(branch, residual, weight, bias, 1e-12, out16_dtype=out16)
+    want = rln.reference_forward(branch, residual, weight, bias, 1e-12, out16_dtype=out16)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        tol = 1e-5 if g.dtype == torch.float32 else 1e-2  # 16-bit: one rounding step apart at most
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+    y, _, mean, rstd = got
+    got_b = rln.backward(grad_y, branch, residual, weight, mean, rstd, keep, 1 / 0.7)
+    want_b = rln.reference_backward(grad_y, branch, residual, weight, mean, rstd, keep, 1 / 0.7)
+    for g, w in zip(got_b, want_b):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        tol = 1e-5 if g.dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+    if with_keep:
+        assert torch.all(got_b[1][~keep] == 0)
+
+
+@pytest.mark.skipif(not RUNS, reason="needs CUDA or TRITON_INTERPRET=1")
+def test_constant_row_and_non_contiguous_residual():
+    branch, residual, weight, bias, keep, grad_y = _inputs((4, 6), 64, torch.bfloat16)
+    residual = residual.transpose(0, 1).contiguous().transpose(0, 1)  # same values, another memory order
+    assert not residual.is_contiguous()
+    branch[1, 2] = 0
+    residual[1, 2] = 3.0  # a constant row: variance 0, rstd = 1/sqrt(eps)
+    y, _, mean, rstd = rln.forward(branch, residual, weight, bias, 1e-5)
+    y_ref, _, mean_ref, rstd_ref = rln.reference_forward(branch, residual, weight, bias, 1e-5)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y[1, 2], bias)
+    grads = rln.backward(grad_y, branch, residual, weight, mean, rstd, keep, 1.25)
+    want = rln.reference_backward(grad_y, branch, residual, weight, mean_ref, rstd_ref, keep, 1.25)
+    torch.testing.assert_close(grads[0], want[0], rtol=1e-4, atol=1e-4)
+    assert torch.isfinite(grads[0]).all()
+
+
+def test_reference_is_layer_norm_and_its_gradient():
+    # float64: the reference forward is F.layer_norm of the sum, and its backward is autograd's gradient of it
+    lead, D = (3, 5), 40
+    g = torch.Generator().manual_seed(3)
+    branch = torch.randn(*lead, D, generator=g, dtype=torch.float64, requires_grad=True)
+    residual = torch.randn(*lead, D, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.rand(D, generator=g, dtype=torch.float64) + 0.5
+    bias = torch.randn(D, generator=g, dtype=torch.float64)
+    keep = torch.rand(*lead, D, generator=g) > 0.25
+    grad_y = torch.randn(*lead, D, generator=g, dtype=torch.float64)
+    scale = 1 / 0.75
+    dropped = torch.where(keep, branch * scale, 0.0)
+    y_ref = F.layer_norm(dropped + residual, (D,), weight, bias, 1e-6)
+    grad_dropped, grad_residual = torch.autograd.grad(y_ref, (dropped, residual), grad_y)
+    (grad_branch,) = torch.autograd.grad(dropped, branch, grad_dropped)
+    y, _, mean, rstd = rln.reference_forward(dropped.detach(), residual.detach(), weight, bias, 1e-6)
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    grad_s, grad_b = rln.reference_backward(grad_y, dropped.detach(), residual.detach(), weight, mean, rstd, keep,
+                                            scale)
+    torch.testing.assert_close(grad_s, grad_residual, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad_b, grad_branch, rtol=1e-10, atol=1e-12)

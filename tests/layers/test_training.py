@@ -1,0 +1,409 @@
+"""cat_fast.training_layer: the Bert-layout layer as one autograd node, against the model's own layer (output,
+input gradient and every parameter gradient), and its use in the training forwards of `models` and GS."""
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.nn.utils.parametrize  # noqa: F401 - torch.nn.utils.parametrize below
+
+from cat_fast import models
+from cat_fast.layers import training as training_layer
+from cat_fast.objectives import CAT, GradientSupervision
+from tests.conftest import assert_same_cat_steps, cat_steps, tiny_batch, tiny_model
+
+BERT_LAYOUTS = ("bert", "roberta", "electra")
+CUDA = torch.cuda.is_available()
+
+
+def _layer_and_mask(arch="bert", batch=4, length=9, dtype=torch.float64, device="cpu", padded=True, **extra):
+    model = tiny_model(arch, attn="sdpa", dtype=dtype, num_layers=2, hidden_dropout_prob=0.3,
+                       attention_probs_dropout_prob=0.3, **extra).to(device)
+    b = tiny_batch(arch, batch=batch, length=length, padded=padded)
+    mask = models.inputs._padding_mask_4d(b["attention_mask"].to(device))
+    return model, models.structure(model).layer_modules[1], mask
+
+
+def _output(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _both(layer, x, mask, seed=3, autocast=False):
+    """For the layer itself and for `training_layer`, from the same generator state: (output, gradients of the
+    input and of every parameter that requires one, in `layer.parameters()` order)."""
+    results = []
+    g = torch.randn(x.shape, dtype=torch.float32 if autocast else x.dtype, device=x.device,
+                    generator=torch.Generator(x.device).manual_seed(9))
+    for run in (lambda t: _output(layer(t, mask)), lambda t: training_layer.forward(layer, (t, mask), {})):
+        torch.manual_seed(seed)
+        t = x.detach().requires_grad_(x.requires_grad)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+            y = run(t)
+        assert y is not None
+        wrt = ([t] if t.requires_grad else []) + [p for p in layer.parameters() if p.requires_grad]
+        results.append((y, torch.autograd.grad(y, wrt, g.to(y.dtype))))
+    return results
+
+
+def _assert_same(results, rtol=1e-12, atol=1e-12):
+    (y_own, g_own), (y, g) = results
+    torch.testing.assert_close(y, y_own, rtol=rtol, atol=atol, equal_nan=True)
+    assert len(g) == len(g_own)
+    for a, b in zip(g, g_own):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, equal_nan=True)
+
+
+@pytest.mark.parametrize("arch", BERT_LAYOUTS)
+@pytest.mark.parametrize("train", [False, True])
+def test_output_and_all_gradients_equal_the_layer(arch, train):
+    _, layer, mask = _layer_and_mask(arch)
+    layer.train(train)
+    x = torch.randn(4, 9, 32, dtype=torch.float64, requires_grad=True)
+    results = _both(layer, x, mask)
+    assert all(not torch.equal(gr, torch.zeros_like(gr)) for gr in results[0][1])
+    _assert_same(results)
+
+
+def test_dropout_draws_are_the_layers():
+    """A different seed gives other masks, so the agreement above is not that of two dropout-free passes."""
+    _, layer, mask = _layer_and_mask()
+    layer.train()
+    x = torch.randn(4, 9, 32, dtype=torch.float64, requires_grad=True)
+    (y_own, _), _ = _both(layer, x, mask, seed=3)
+    _, (y_other, _) = _both(layer, x, mask, seed=4)
+    assert (y_own - y_other).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("case", ["batch_of_one", "no_padding", "no_mask", "non_contiguous", "all_padding_row",
+                                  "odd_length"])
+def test_edge_cases(case):
+    batch = 1 if case == "batch_of_one" else 4
+    length = 7 if case == "odd_length" else 9
+    _, layer, mask = _layer_and_mask(batch=batch, length=length, padded=case != "no_padding")
+    layer.train()
+    x = torch.randn(batch, length, 32, dtype=torch.float64)
+    if case == "no_mask":
+        mask = None
+    if case == "non_contiguous":
+        x = torch.randn(batch, 32, length, dtype=torch.float64).transpose(1, 2)
+        assert not x.is_contiguous()
+    if case == "all_padding_row":
+        mask = mask.clone()
+        mask[2] = False
+    _assert_same(_both(layer, x.requires_grad_(True), mask))
+
+
+def test_frozen_parameters_and_an_input_without_gradient():
+    _, layer, mask = _layer_and_mask()
+    layer.train()
+    frozen = [layer.attention.self.key.weight, layer.attention.output.LayerNorm.bias, layer.output.dense.bias]
+    for p in frozen:
+        p.requires_grad_(False)
+    x = torch.randn(4, 9, 32, dtype=torch.float64)  # no gradient for the input
+    _assert_same(_both(layer, x, mask))
+    y = training_layer.forward(layer, (x, mask), {})
+    y.sum().backward()
+    assert all(p.grad is None for p in frozen)
+    assert layer.attention.self.query.weight.grad is not None
+
+
+def test_gradcheck_float64():
+    """Input and parameter gradients against finite differences (gradcheck perturbs the parameters in place, and
+    the layer reads them from its modules)."""
+    _, layer, mask = _layer_and_mask()
+    layer.eval()
+    x = torch.randn(2, 5, 32, dtype=torch.float64, requires_grad=True)
+    params = (layer.attention.self.query.weight, layer.attention.self.value.bias, layer.attention.output.dense.weight,
+              layer.attention.output.LayerNorm.weight, layer.intermediate.dense.weight, layer.output.LayerNorm.bias)
+    mask = mask[:2, :, :5, :5]
+    assert torch.autograd.gradcheck(lambda t, *_: training_layer.forward(layer, (t, mask), {}), (x, *params))
+
+
+def test_a_retained_graph_runs_its_backward_again():
+    _, layer, mask = _layer_and_mask()
+    layer.train()
+    x = torch.randn(4, 9, 32, dtype=torch.float64, requires_grad=True)
+    y = training_layer.forward(layer, (x, mask), {})
+    first = torch.autograd.grad(y.sum(), (x, layer.intermediate.dense.weight), retain_graph=True)
+    second = torch.autograd.grad(y.sum(), (x, layer.intermediate.dense.weight))
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_an_input_only_backward_skips_the_weight_gradients(monkeypatch):
+    """torch.autograd.grad w.r.t. the input (GS's g) computes no parameter gradient; w.r.t. one parameter, that
+    one; the values are those of the full backward."""
+    _, layer, mask = _layer_and_mask()
+    layer.train()
+    x = torch.randn(4, 9, 32, dtype=torch.float64, requires_grad=True)
+    torch.manual_seed(3)
+    y = training_layer.forward(layer, (x, mask), {})
+    g = torch.randn_like(y)
+    w = layer.intermediate.dense.weight
+    full = torch.autograd.grad(y, (x, w), g, retain_graph=True)
+    products = []
+    original = training_layer._weight_grad
+    monkeypatch.setattr(training_layer, "_weight_grad", lambda *a: products.append(a[0].shape) or original(*a))
+    (only_x,) = torch.autograd.grad(y, x, g, retain_graph=True)
+    assert products == []
+    (only_w,) = torch.autograd.grad(y, w, g)
+    assert len(products) == 1
+    torch.testing.assert_close(only_x, full[0], rtol=0, atol=0)
+    torch.testing.assert_close(only_w, full[1], rtol=0, atol=0)
+
+
+def test_calls_and_layers_it_does_not_take_return_none():
+    model, layer, mask = _layer_and_mask()
+    x = torch.randn(4, 9, 32, dtype=torch.float64, requires_grad=True)
+    with torch.no_grad():
+        assert training_layer.forward(layer, (x, mask), {}) is None  # no autograd: nothing to gain
+    assert training_layer.forward(layer, (x.detach(), mask), {}) is not None  # parameters still need gradients
+    assert training_layer.forward(layer, (x, mask), {"encoder_hidden_states": x}) is None
+    handle = layer.output.dense.register_forward_hook(lambda *a: None)
+    assert not training_layer.supported(layer)
+    handle.remove()
+    assert training_layer.supported(layer)
+    eager_model = tiny_model("bert", attn="eager", dtype=torch.float64, num_layers=2)
+    assert not training_layer.supported(models.structure(eager_model).layer_modules[0])
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast over a float64 layer: the layer's own rules
+        assert training_layer.forward(layer, (x, mask), {}) is None
+    assert training_layer.forward(layer, (x.float(), mask), {}) is None  # input and parameters of two dtypes
+    distil = tiny_model("distilbert", attn="sdpa", dtype=torch.float64, num_layers=2)
+    assert not training_layer.supported(models.structure(distil).layer_modules[0])
+
+
+def test_a_part_replaced_or_parametrized_after_a_call_runs_the_layer_itself():
+    """The full check is remembered per layer only while its submodules and their types stay the same."""
+    _, layer, mask = _layer_and_mask()
+    x = torch.randn(4, 9, 32, dtype=torch.float64, requires_grad=True)
+    assert training_layer.forward(layer, (x, mask), {}) is not None
+
+    class Adapter(torch.nn.Linear):  # an adapter wrapping the projection: its forward is not the weights'
+        pass
+
+    dense = layer.output.dense
+    layer.output.dense = Adapter(32, 32, dtype=torch.float64)
+    assert training_layer.forward(layer, (x, mask), {}) is None
+    layer.output.dense = dense
+    assert training_layer.forward(layer, (x, mask), {}) is not None
+    torch.nn.utils.parametrize.register_parametrization(dense, "weight", torch.nn.Identity())
+    assert training_layer.forward(layer, (x, mask), {}) is None
+
+
+def _logits_and_grads(model, batch, training_layers, seed=5):
+    torch.manual_seed(seed)
+    out = models.first_token_forward(model, batch, training_layers=training_layers)
+    loss = F.cross_entropy(out.logits, batch["labels"])
+    grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad], allow_unused=True)
+    return out.logits, grads
+
+
+@pytest.mark.parametrize("arch", BERT_LAYOUTS)
+def test_first_token_forward_with_training_layers_matches_the_model(arch):
+    model = tiny_model(arch, attn="sdpa", dtype=torch.float64, num_layers=3)
+    model.train()
+    batch = tiny_batch(arch)
+    used = []
+    real = training_layer._TrainingLayer.apply
+    try:
+        training_layer._TrainingLayer.apply = lambda *a: used.append(1) or real(*a)
+        for _ in range(2):  # the first call records the layers' output format with the model's own layers
+            used.clear()
+            logits, grads = _logits_and_grads(model, batch, True)
+    finally:
+        training_layer._TrainingLayer.apply = real
+    assert len(used) == 2  # layers 1 and 2; the last runs for the first token
+    want_logits, want = _logits_and_grads(model, batch, False)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads, want):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def _gs_loss_and_grads(model, batch, pairs, training_layers, **options):
+    gs = GradientSupervision(model, training_layers=training_layers, **options)
+    out = []
+    for seed in (11, 12):  # pooled exact: the second call takes the closed-form path
+        torch.manual_seed(seed)
+        model.zero_grad(set_to_none=True)
+        loss, _ = gs(batch, pairs)
+        loss.backward()  # the first-order passes run inside it (low_memory)
+        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    return out
+
+
+@pytest.mark.parametrize("options", [dict(representation="pooled", mode="exact"),
+                                     dict(representation="pooled", mode="first_order"),
+                                     dict(representation=0, mode="first_order"),
+                                     dict(representation=1, mode="first_order", difference="forward")],
+                         ids=["pooled-exact", "pooled-first-order", "h0-first-order", "h1-first-order-forward"])
+def test_gs_step_is_unchanged_by_training_layers(options, monkeypatch):
+    calls = []
+    original = training_layer._TrainingLayer.apply
+    monkeypatch.setattr(training_layer._TrainingLayer, "apply", lambda *a: calls.append(1) or original(*a))
+    model = tiny_model("bert", attn="sdpa", dtype=torch.float64, num_layers=3, hidden_dropout_prob=0.2,
+                       attention_probs_dropout_prob=0.2)
+    model.train()
+    batch = tiny_batch("bert")
+    pairs = torch.tensor([1, 0, 3, 2])
+    batch["labels"] = torch.tensor([0, 1, 2, 0])
+    _gs_loss_and_grads(model, batch, pairs, True, **options)  # the layers' output format recorded
+    calls.clear()
+    got = _gs_loss_and_grads(model, batch, pairs, True, **options)
+    assert calls, "the training layer never ran"
+    calls.clear()
+    want = _gs_loss_and_grads(model, batch, pairs, False, **options)
+    assert not calls
+    for (loss, grads), (loss_want, grads_want) in zip(got, want):
+        torch.testing.assert_close(loss, loss_want, rtol=1e-12, atol=1e-12)
+        assert grads.keys() == grads_want.keys()
+        for n in grads:
+            torch.testing.assert_close(grads[n], grads_want[n], rtol=1e-9, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize("prune", [True, False])
+def test_cat_step_is_unchanged_by_training_layers(prune, monkeypatch):
+    # Train mode (dropout), float64, CAL steps on: loss, info and parameter gradients of three CAT steps with the
+    # training layers in the clean forward equal those with the model's own layers.
+    calls = []
+    original = training_layer._TrainingLayer.apply
+    monkeypatch.setattr(training_layer._TrainingLayer, "apply", lambda *a: calls.append(1) or original(*a))
+    results = []
+    for fast in (True, False):
+        model = tiny_model("bert", attn="sdpa", dtype=torch.float64, num_layers=4, hidden_dropout_prob=0.3,
+                           attention_probs_dropout_prob=0.3).train()
+        cat = CAT(model, layers=[0, 1, 2], adv_steps=2, adv_lr=0.5, generator=torch.Generator().manual_seed(5),
+                  prune_last_layer=prune, training_layers=fast)
+        results.append(cat_steps(model, cat, seed=11))
+        if fast:
+            assert calls, "the training layer never ran"
+            calls.clear()
+    assert not calls
+    assert_same_cat_steps(*results)
+
+
+def test_cat_with_gradient_supervision_keeps_the_models_layers(monkeypatch):
+    calls = []
+    original = training_layer._TrainingLayer.apply
+    monkeypatch.setattr(training_layer._TrainingLayer, "apply", lambda *a: calls.append(1) or original(*a))
+    model = tiny_model("bert", attn="sdpa", dtype=torch.float64, num_layers=3).train()
+    assert training_layer.supported(models.structure(model).layer_modules[0])
+    cat = CAT(model, layers=[1], adv_steps=1, gs_weight=0.5, generator=torch.Generator().manual_seed(5))
+    for _ in range(2):
+        loss, _ = cat(tiny_batch("bert", batch=4))
+        loss.backward()
+    assert not calls
+
+
+# ----------------------------------------------------------------------------- CUDA
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("arch", BERT_LAYOUTS)
+@pytest.mark.parametrize("train", [False, True])
+def test_autocast_bf16_on_cuda_agrees_to_16_bit_rounding(arch, train):
+    torch.manual_seed(0)
+    _, layer, mask = _layer_and_mask(arch, batch=6, length=40, dtype=torch.float32, device="cuda", hidden_size=64,
+                                     num_attention_heads=4, intermediate_size=256)
+    layer.train(train)
+    x = torch.randn(6, 40, 64, device="cuda", requires_grad=True)
+    (y_own, g_own), (y, g) = _both(layer, x, mask, autocast=True)
+    assert y.dtype == y_own.dtype == torch.float32
+    torch.testing.assert_close(y, y_own, rtol=2e-2, atol=2e-2)  # the same dropout masks, else O(1) differences
+    names = ["input"] + [n for n, _ in layer.named_parameters()]
+    grads = dict(zip(names, g))
+    for name, a, b in zip(names, g, g_own):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        if name.endswith("key.bias"):
+            # exactly 0 (softmax ignores a shift shared by all keys): both are rounding noise, small beside the
+            # value bias's gradient
+            assert max(a.abs().max(), b.abs().max()) < 1e-2 * grads[name.replace("key", "value")].abs().max()
+            continue
+        scale = b.abs().max().clamp_min(1e-6)
+        assert (a - b).abs().max() / scale < 3e-2, name
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("case", ["bf16_model", "fp16_autocast"])
+def test_16_bit_model_and_fp16_autocast_on_cuda(case):
+    dtype = torch.bfloat16 if case == "bf16_model" else torch.float32
+    _, layer, mask = _layer_and_mask(batch=5, length=24, dtype=dtype, device="cuda")
+    layer.train()
+    x = torch.randn(5, 24, 32, device="cuda", dtype=dtype, requires_grad=True)
+    g = torch.randn(5, 24, 32, device="cuda")
+    results = []
+    for run in (lambda t: _output(layer(t, mask)), lambda t: training_layer.forward(layer, (t, mask), {})):
+        torch.manual_seed(3)
+        t = x.detach().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.float16, enabled=case == "fp16_autocast"):
+            y = run(t)
+        assert y is not None
+        wrt = [t, layer.intermediate.dense.weight, layer.output.LayerNorm.weight, layer.attention.self.query.bias]
+        results.append((y, torch.autograd.grad(y, wrt, g.to(y.dtype))))
+    (y_own, g_own), (y, grads) = results
+    assert y.dtype == y_own.dtype
+    torch.testing.assert_close(y, y_own, rtol=3e-2, atol=3e-2)
+    for a, b in zip(grads, g_own):
+        assert a.dtype == b.dtype
+        assert (a - b).abs().max() / b.abs().max().clamp_min(1e-6) < 5e-2
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_fp32_on_cuda_agrees_closely():
+    _, layer, mask = _layer_and_mask(batch=3, length=33, dtype=torch.float32, device="cuda")
+    layer.train()
+    x = torch.randn(3, 33, 32, device="cuda", requires_grad=True)
+    _assert_same(_both(layer, x, mask), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gs_pooled_step_on_cuda_is_unchanged_by_training_layers(dtype):
+    model = tiny_model("bert", attn="sdpa", num_layers=3).cuda()
+    model.train()
+    batch = {k: v.cuda() for k, v in tiny_batch("bert", batch=6).items()}
+    batch["labels"] = torch.tensor([0, 1, 2, 0, 1, 2], device="cuda")
+    pairs = torch.tensor([1, 0, 3, 2, 5, 4], device="cuda")
+
+    def run(training_layers):
+        gs = GradientSupervision(model, representation="pooled", mode="exact", training_layers=training_layers)
+        out = []
+        for seed in (11, 12, 13):
+            torch.manual_seed(seed)
+            with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+                loss, _ = gs(batch, pairs)
+            params = [p for p in model.parameters() if p.requires_grad]
+            out.append((loss.detach(), torch.autograd.grad(loss, params, allow_unused=True)))
+        return out
+
+    run(True)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for (loss, grads), (loss_want, grads_want) in zip(run(True), run(False)):
+        torch.testing.assert_close(loss, loss_want, rtol=tol, atol=tol)
+        for a, b in zip(grads, grads_want):
+            if b is None:
+                assert a is None
+                continue
+            scale = b.abs().max().clamp_min(1e-6)
+            assert (a - b).abs().max() / scale < tol
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_what_the_backward_needs_is_freed_when_it_has_run():
+    """A training loop keeps its last loss (and so the graph) alive into the next step: the saved activations must
+    go with the backward, as the layer's own do."""
+    _, layer, mask = _layer_and_mask(batch=8, length=64, dtype=torch.float32, device="cuda")
+    layer.train()
+    kept = {}
+    for name, run in (("own", lambda t: _output(layer(t, mask))),
+                      ("training", lambda t: training_layer.forward(layer, (t, mask), {}))):
+        x = torch.randn(8, 64, 32, device="cuda", requires_grad=True)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        y = run(x)
+        during = torch.cuda.memory_allocated() - base
+        y.sum().backward()
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        kept[name] = (during, torch.cuda.memory_allocated() - base)
+        del y
+    assert kept["training"][0] > 4 * kept["training"][1]  # something was saved, and freed
+    assert kept["training"][1] <= kept["own"][1]
