@@ -26,7 +26,7 @@ on a 2-core CPU: ``--model minilm``, ``--epochs 3``, ``--batch-size 8`` (the pap
 decay 0.01 except biases and LayerNorm weights, linear decay to 0, gradient clipping at 1.0),
 ``--max-length 128``, ``--seed 0``. The paper's other settings (lr 1e-5/2e-5, 20-30 epochs) are one flag away.
 
-Batches: for gs / gs-random, whole groups (an original and its edits) go into one batch, so every sample's
+Batches: for gs / gs-random, whole groups (an original and its edits, or rows sharing a group id) go into one batch, so every sample's
 counterfactual is in its batch (``pairs``); the other methods shuffle single examples. Either way batches
 are drawn with ``--seed`` (+ the epoch).
 
@@ -34,15 +34,23 @@ Evaluation: ``dev`` (the task's built-in CAD dev set, originals + edits, unless 
 epoch; with the built-in dev set also ``dev_orig`` and ``dev_edit`` (its originals and its edits). The
 final model is the one after the last epoch (no checkpoint selection).
 
+Data: ``--task`` (the built-in CAD data, or CAD-format files) or your own file with ``--text-column`` /
+``--label-column`` [``--text-pair-column``, ``--group-column``, ``--id-column``, ``--labels``] (`sources`).
+Training runs through `cat_fast.integrations.ObjectiveTrainer` (the Hugging Face Trainer): ``--grad-accum``,
+``--bf16``, ``--report-to``, ``--save-steps`` checkpoints in ``DIR.checkpoints`` and ``--resume``.
+
 Output ``--out DIR``: ``metrics.json``, the checkpoint (``config.json``, ``model.safetensors``, tokenizer
 files, ``cat_fast.json``) and ``curves.png``. Everything is written into a temporary sibling directory
-that is renamed into place at the end, so a failed or interrupted run leaves no DIR behind.
+that is renamed into place at the end, so a failed or interrupted run (Ctrl-C, SIGTERM) leaves no DIR behind;
+``--overwrite`` replaces only a directory cat-fast wrote (its ``.cat-fast`` marker).
 
-Bad input exits with status 2 and one line on stderr: ``cat-fast: error: ...``.
+Bad input exits with status 2 and one line on stderr: ``cat-fast: error: ...``; a loss that becomes NaN or
+infinite stops the run with status 3.
 """
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from typing import Optional, Sequence
 
@@ -57,64 +65,116 @@ def _methods():
     return names()
 
 
+def _columns(parser) -> None:
+    c = parser.add_argument_group("your own data (instead of --task: CSV, TSV, JSON Lines, a save_to_disk directory "
+                                  "or a local Hugging Face dataset)")
+    c.add_argument("--text-column", metavar="NAME", help="column of the text (the premise for text pairs)")
+    c.add_argument("--text-pair-column", metavar="NAME", help="column of the second text of a pair (the hypothesis)")
+    c.add_argument("--label-column", metavar="NAME", help="column of the label (strings or integers)")
+    c.add_argument("--group-column", metavar="NAME", help="rows with the same value are counterfactuals of each other "
+                   "(the first in the file is the original); needed by gs and gs-random")
+    c.add_argument("--id-column", metavar="NAME", help="column of an example id (default: the row number)")
+    c.add_argument("--labels", type=_names, metavar="A,B,...", help="the label set, in id order (default: every label "
+                   "in the training file, integers in numeric order, names in alphabetical order)")
+
+
+def _names(s: str):
+    names = [x.strip() for x in s.split(",") if x.strip()]
+    if len(names) < 2 or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"expected at least two distinct comma-separated labels, got {s!r}")
+    return names
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="cat-fast", description="Train and evaluate text classifiers with counterfactual methods (CAT, GS) on CAD data.")
+    from .. import __version__
+
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = Parser(prog="cat-fast", formatter_class=fmt,
+               description="Train and evaluate text classifiers with counterfactual and debiasing objectives (CAT, "
+                           "gradient supervision) on the built-in CAD data or your own files.")
+    p.add_argument("--version", action="version", version=f"cat-fast {__version__}")
     sub = p.add_subparsers(dest="command", metavar="{train,eval}", parser_class=Parser)
     sub.required = True
 
-    t = sub.add_parser("train", help="train a classifier", description="Train a classifier (see `python -m pydoc cat_fast.cli`).")
-    t.add_argument("--task", required=True, choices=("sentiment", "nli"))
-    t.add_argument("--method", required=True, choices=_methods())
-    t.add_argument("--train", nargs="+", metavar="FILE", help="training files (default: the built-in CAD train split). "
-                   "sentiment: a paired file (with batch_id) or plain files; nli: originals, then revised files paired by position")
-    t.add_argument("--dev", metavar="FILE", help="dev file evaluated after every epoch as 'dev' (default: the built-in CAD dev set)")
-    t.add_argument("--eval", nargs="+", action="extend", metavar="NAME=FILE", default=[], help="extra evaluation sets")
-    t.add_argument("--data", choices=DATA_MODES, help="training data: originals only or originals + edits (default: by method)")
-    t.add_argument("--model", default="minilm", help="model directory, or 'minilm' (default)")
-    t.add_argument("--epochs", type=positive_int, default=3)
-    t.add_argument("--batch-size", type=positive_int, default=8)
-    t.add_argument("--lr", type=float, default=5e-5)
-    t.add_argument("--weight-decay", type=float, default=0.01)
-    t.add_argument("--lr-warmup-ratio", type=float, default=0.0, help="fraction of steps with linear lr warm-up (default 0)")
+    t = sub.add_parser("train", help="train a classifier", formatter_class=fmt,
+                       description="Train a classifier (see `python -m pydoc cat_fast.cli`). Give --task for the "
+                                   "built-in CAD data, or --train FILE with --text-column and --label-column.")
+    t.add_argument("--task", choices=("sentiment", "nli"),
+                   help="built-in CAD data (and CAD-format --train files): a preset of the columns and labels")
+    t.add_argument("--method", required=True, choices=_methods(), help="the objective (cat_fast.objectives registry)")
+    t.add_argument("--train", nargs="+", metavar="FILE", help="training data (default with --task: the built-in CAD "
+                   "train split; CAD sentiment: a paired file with batch_id or plain files; CAD nli: originals, then "
+                   "revised files paired by position; your own data: one file or directory)")
+    t.add_argument("--dev", metavar="FILE", help="dev file scored after every epoch as 'dev' (default with --task: "
+                   "the built-in CAD dev set, also scored as dev_orig and dev_edit)")
+    t.add_argument("--eval", nargs="+", action="extend", metavar="NAME=FILE", default=[],
+                   help="extra evaluation sets, scored at the end")
+    _columns(t)
+    t.add_argument("--data", choices=DATA_MODES, help="training data: originals only or originals + edits "
+                   "(default: the method's: erm-orig originals, the others originals + edits)")
+    t.add_argument("--model", default="minilm", help="model directory, or 'minilm' (the shipped all-MiniLM-L6-v2)")
+    t.add_argument("--epochs", type=positive_int, default=3, help="training epochs")
+    t.add_argument("--batch-size", type=positive_int, default=8, help="examples per batch")
+    t.add_argument("--grad-accum", type=positive_int, default=1, help="batches per optimizer step (gradient accumulation)")
+    t.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (linear decay to 0)")
+    t.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (not on biases and norms)")
+    t.add_argument("--lr-warmup-ratio", type=float, default=0.0, help="fraction of the steps with a linear lr warm-up")
     t.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0 = off)")
-    t.add_argument("--max-length", type=positive_int, default=128)
-    t.add_argument("--per-class", type=positive_int, metavar="K", help="few-shot: K original examples per class (+ their edits)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    t.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
+    t.add_argument("--max-length", type=positive_int, default=128, help="tokens per example (truncation)")
+    t.add_argument("--per-class", type=positive_int, metavar="K", help="few-shot: K original examples per class (+ "
+                   "their edits)")
+    t.add_argument("--seed", type=int, default=0, help="seed of the head's initialisation, the batches and the draws")
+    t.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when available")
+    t.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision")
     t.add_argument("--attn", default="auto", choices=("auto", "eager", "sdpa"),
-                   help="attention implementation; auto = eager for gs, gs-random and cat-gs (exact double backward), else the default")
-    t.add_argument("--eval-batch-size", type=positive_int, default=64)
+                   help="attention implementation; auto = eager for gs, gs-random and cat-gs (exact double "
+                        "backward), else the model's default")
+    t.add_argument("--eval-batch-size", type=positive_int, default=64, help="examples per evaluation batch")
     t.add_argument("--out", metavar="DIR", help="output directory (default: runs/TASK-METHOD-seedN)")
-    t.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --out")
+    t.add_argument("--overwrite", action="store_true", help="replace an existing --out that cat-fast wrote")
     t.add_argument("--no-checkpoint", action="store_true",
                    help="write metrics and curves but not the model weights (for seed sweeps)")
+    r = t.add_argument_group("checkpoints and logs")
+    r.add_argument("--save-steps", type=nonneg_int, default=0, help="write a resumable checkpoint every N optimizer "
+                   "steps to DIR.checkpoints (0 = none; removed when the run completes)")
+    r.add_argument("--save-total-limit", type=positive_int, default=2, help="checkpoints kept in DIR.checkpoints")
+    r.add_argument("--resume", action="store_true", help="continue from the last checkpoint in DIR.checkpoints")
+    r.add_argument("--logging-steps", type=positive_int, default=1, help="optimizer steps per logged point "
+                   "(losses and the objective's terms are averaged over them)")
+    r.add_argument("--report-to", nargs="+", metavar="NAME", help="logging integrations of the Hugging Face Trainer "
+                   "(tensorboard, wandb, ... where installed)")
     g = t.add_argument_group("CAT / GS")
-    g.add_argument("--warmup-epochs", type=nonneg_int, default=1, help="CAT methods: plain ERM epochs first (default 1)")
-    g.add_argument("--cat-layers", type=int_list, metavar="M,M,...", help="CAT mixing layers Q (default: the objective's)")
-    g.add_argument("--alpha", type=float, default=0.3)
-    g.add_argument("--beta", type=float, default=0.3)
-    g.add_argument("--gamma", type=float, default=10.0)
-    g.add_argument("--eta", type=float, default=20.0)
+    g.add_argument("--warmup-epochs", type=nonneg_int, default=1, help="CAT methods: plain ERM epochs first")
+    g.add_argument("--cat-layers", type=int_list, metavar="M,M,...", help="CAT mixing layers Q (default: the paper's "
+                   "{8,9,10} of 12 scaled to the model's depth)")
+    g.add_argument("--alpha", type=float, default=0.3, help="CAT: λ ~ Beta(alpha, beta)")
+    g.add_argument("--beta", type=float, default=0.3, help="CAT: λ ~ Beta(alpha, beta)")
+    g.add_argument("--gamma", type=float, default=10.0, help="CAT: weight of the CE term of the CAL objective")
+    g.add_argument("--eta", type=float, default=20.0, help="CAT: weight of the max-probability term of the CAL "
+                   "objective")
     g.add_argument("--adv-steps", type=nonneg_int, help="CAL steps (default: 3 for cat and cat-gs, 0 for cat-star)")
-    g.add_argument("--adv-lr", type=float, default=2e-2)
-    g.add_argument("--mask-mode", default="self", choices=("self", "partner", "union", "intersection"))
+    g.add_argument("--adv-lr", type=float, default=2e-2, help="CAL step size on λ")
+    g.add_argument("--mask-mode", default="self", choices=("self", "partner", "union", "intersection"),
+                   help="CAT: attention mask of the mixed sequence")
     g.add_argument("--cat-update", choices=("sum", "alternate"), default="sum",
-                   help="CAT update: one summed ERM + CRM loss (default), or the paper's alternating CRM then ERM steps")
-    g.add_argument("--crm-lr", type=float, default=2e-5, help="learning rate of the CRM step with --cat-update alternate")
-    g.add_argument("--gs-weight", type=float, default=1.0, help="weight of the GS loss (gs, gs-random, cat-gs; default 1.0)")
+                   help="CAT update: one summed ERM + CRM loss, or the paper's alternating CRM then ERM steps")
+    g.add_argument("--crm-lr", type=float, default=2e-5, help="learning rate of the CRM step with --cat-update "
+                   "alternate")
+    g.add_argument("--gs-weight", type=float, default=1.0, help="weight of the GS loss (gs, gs-random, cat-gs)")
 
-    e = sub.add_parser("eval", help="evaluate a trained classifier", description="Evaluate a checkpoint written by `cat-fast train`.")
-    e.add_argument("--model", required=True, metavar="DIR")
-    e.add_argument("--task", choices=("sentiment", "nli"), help="default: the task stored in the checkpoint")
+    e = sub.add_parser("eval", help="evaluate a trained classifier", formatter_class=fmt,
+                       description="Evaluate a checkpoint written by `cat-fast train`.")
+    e.add_argument("--model", required=True, metavar="DIR", help="a checkpoint directory")
+    e.add_argument("--task", choices=("sentiment", "nli"), help="default: the data the checkpoint was trained on")
     e.add_argument("--eval", nargs="+", action="extend", metavar="NAME=FILE", default=[],
-                   help="evaluation sets (default: the built-in dev set as dev, dev_orig, dev_edit)")
+                   help="evaluation sets (default with a CAD task: the built-in dev set as dev, dev_orig, dev_edit)")
+    _columns(e)
     e.add_argument("--max-length", type=positive_int, help="default: the checkpoint's training max length, else 128")
-    e.add_argument("--eval-batch-size", type=positive_int, default=64)
-    e.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    e.add_argument("--bf16", action="store_true")
+    e.add_argument("--eval-batch-size", type=positive_int, default=64, help="examples per batch")
+    e.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when available")
+    e.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
     e.add_argument("--out", metavar="DIR", help="write DIR/metrics.json (default: print JSON)")
-    e.add_argument("--overwrite", action="store_true")
+    e.add_argument("--overwrite", action="store_true", help="replace an existing --out that cat-fast wrote")
     return p
 
 
@@ -126,14 +186,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .evaluate import evaluate
     from .train import train
 
+    previous = signal.signal(signal.SIGTERM, _terminated)  # SIGTERM ends a run like Ctrl-C: nothing half-written
     try:
         if args.command == "train":
             train(args)
         else:
             evaluate(args)
     except (DataError, ModelLoadError, CliError) as e:
-        fail(e)
+        fail(e, getattr(e, "exit_code", 2))
     except KeyboardInterrupt:
         sys.stderr.write("cat-fast: interrupted\n")
         raise SystemExit(130)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _terminated(signum, frame):
+    raise KeyboardInterrupt

@@ -12,8 +12,8 @@ import sys
 import tempfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["CliError", "Parser", "fail", "AtomicDir", "CHECKPOINT_META", "DATA_MODES", "parse_evals", "get_device",
-           "setup_device", "seed_everything", "autocast", "to_device", "predict", "accuracy", "EvalSet", "eval_sets",
+__all__ = ["CliError", "TrainingFailed", "MARKER", "mark_output", "Parser", "fail", "AtomicDir", "CHECKPOINT_META", "DATA_MODES", "parse_evals", "get_device",
+           "setup_device", "seed_everything", "autocast", "to_device", "predict", "accuracy", "EvalSet",
            "plot", "write_json", "save_checkpoint", "int_at_least", "positive_int", "nonneg_int", "int_list"]
 
 
@@ -26,6 +26,14 @@ CHECKPOINT_META = "cat_fast.json"
 class CliError(Exception):
     """A user error reported as one line with exit status 2."""
 
+    exit_code = 2
+
+
+class TrainingFailed(CliError):
+    """A run that cannot go on (its loss became non-finite): one line, exit status 3."""
+
+    exit_code = 3
+
 
 class Parser(argparse.ArgumentParser):
     """argparse whose errors are one line (``cat-fast: error: ...``), exit status 2."""
@@ -34,11 +42,11 @@ class Parser(argparse.ArgumentParser):
         fail(message)
 
 
-def fail(message) -> None:
+def fail(message, code: int = 2) -> None:
     msg = " ".join(str(message).split())
     sys.stderr.write(f"cat-fast: error: {msg}\n")
     sys.stderr.flush()
-    raise SystemExit(2)
+    raise SystemExit(code)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -95,6 +103,18 @@ def parse_evals(specs: Sequence[str], reserved: Sequence[str] = ()) -> List[Tupl
 # output directory, written atomically
 
 
+MARKER = ".cat-fast"  # in every directory cat-fast writes: what --overwrite may replace
+
+
+def mark_output(directory: str) -> None:
+    with open(os.path.join(directory, MARKER), "w") as f:
+        f.write("written by cat-fast; `cat-fast ... --overwrite` may replace this directory\n")
+
+
+def _within(inner: str, outer: str) -> bool:
+    return inner == outer or inner.startswith(outer.rstrip(os.sep) + os.sep)
+
+
 class AtomicDir:
     """Write into a temporary sibling of ``path``; ``commit()`` renames it into place.
 
@@ -109,11 +129,24 @@ class AtomicDir:
         self.created: List[str] = []
 
     @staticmethod
-    def check(path: str, overwrite: bool) -> None:
+    def check(path: str, overwrite: bool, inputs: Sequence[str] = ()) -> None:
+        """An existing non-empty `path` is replaced only with `overwrite`, only when cat-fast wrote it (its marker
+        file), and never when it is or holds the working directory or one of the run's `inputs`."""
         if os.path.exists(path) and not os.path.isdir(path):
             raise CliError(f"--out {path} exists and is not a directory")
-        if os.path.isdir(path) and os.listdir(path) and not overwrite:
+        if not (os.path.isdir(path) and os.listdir(path)):
+            return
+        if not overwrite:
             raise CliError(f"--out {path} exists and is not empty; pass --overwrite to replace it")
+        real = os.path.realpath(path)
+        for inside in [os.getcwd()] + [p for p in inputs if p and os.path.exists(p)]:
+            if _within(os.path.realpath(inside), real):
+                what = "the working directory" if inside == os.getcwd() else f"the input {inside}"
+                raise CliError(f"--out {path} holds {what}; --overwrite replaces only a directory cat-fast wrote, "
+                               "choose another --out")
+        if not os.path.isfile(os.path.join(path, MARKER)):
+            raise CliError(f"--out {path} was not written by cat-fast (no {MARKER} file in it); --overwrite "
+                           "replaces only a directory cat-fast wrote, choose another --out or remove it yourself")
 
     def __enter__(self) -> str:
         parent = os.path.dirname(self.path)
@@ -131,6 +164,7 @@ class AtomicDir:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(self.tmp, 0o777 & ~umask)  # mkdtemp makes 0700; give the final DIR ordinary permissions
+        mark_output(self.tmp)
         return self.tmp
 
     def commit(self) -> None:
@@ -254,45 +288,51 @@ class EvalSet:
         return out
 
 
-def eval_sets(task: str, dev: Optional[str], evals: List[Tuple[str, str]], tokenizer, max_length: int,
-               include_dev: bool = True) -> List[EvalSet]:
-    from .. import data as D
-
-    sets = []
-    if include_dev:
-        if dev:
-            sets.append(EvalSet("dev", D.load_eval(task, dev), tokenizer, max_length))
-        else:
-            sets.append(EvalSet("dev", D.load_builtin(task, "dev"), tokenizer, max_length, split_orig_edit=True))
-    for name, path in evals:
-        sets.append(EvalSet(name, D.load_eval(task, path), tokenizer, max_length))
-    return sets
-
-
-def plot(path: str, losses: List[float], history: List[Dict], warmup_steps: int, title: str) -> None:
+def plot(path: str, logs: List[Dict], history: List[Dict], warmup_steps: int, title: str) -> None:
+    """``curves.png``: the loss and its ERM and counterfactual parts per logged step, dev accuracy per epoch, and (for
+    CAT) λ before / after CAL and the mean CRM weight."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-    steps = list(range(1, len(losses) + 1))
-    a.plot(steps, losses, lw=0.8, alpha=0.5, label="loss")
-    if len(losses) >= 5:
-        w = max(2, len(losses) // 20)
-        smooth = [sum(losses[max(0, i - w + 1):i + 1]) / len(losses[max(0, i - w + 1):i + 1]) for i in range(len(losses))]
-        a.plot(steps, smooth, lw=1.5, label=f"mean of {w}")
-    if 0 < warmup_steps < len(losses):
+    steps = [h for h in logs if "loss" in h and "step" in h]
+    parts = [(k, label) for k, label in (("cat/erm_loss", "ERM part"), ("cat/crm_loss", "CRM part"),
+                                          ("objective/erm_loss", "ERM part"), ("objective/crm_loss", "CRM part"),
+                                          ("gs/ce_loss", "CE part"), ("gs/gs_loss", "GS part"),
+                                          ("objective/ce_loss", "CE part"), ("objective/gs_loss", "GS part"))
+             if any(k in h for h in steps)]
+    lam = [k for k in ("lambda_before", "lambda_after", "crm_weight_mean")
+           if any(f"{p}/{k}" in h for h in steps for p in ("cat", "objective"))]
+    fig, axes = plt.subplots(1, 3 if lam else 2, figsize=(15 if lam else 10, 3.6))
+    a, b = axes[0], axes[1]
+    xs = [h["step"] for h in steps]
+    a.plot(xs, [h["loss"] for h in steps], lw=0.8, alpha=0.6, label="loss")
+    for key, label in parts:
+        after = key.endswith(("crm_loss", "gs_loss"))  # the counterfactual part: 0 during a warm-up, not shown there
+        pts = [(h["step"], h[key]) for h in steps if key in h and not (after and h["step"] <= warmup_steps)]
+        a.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.0, label=label)
+    if 0 < warmup_steps < (xs[-1] if xs else 0):
         a.axvspan(0, warmup_steps, color="grey", alpha=0.15, label="ERM warm-up")
-    a.set_xlabel("step")
+    a.set_xlabel("optimizer step")
     a.set_ylabel("training loss")
     a.legend(fontsize=8)
-    xs = [h["step"] for h in history]
+    ev_x = [h["step"] for h in history]
     for key in sorted({k for h in history for k in h.get("eval", {})}):
-        b.plot(xs, [h["eval"].get(key, {}).get("accuracy", float("nan")) for h in history], marker="o", label=key)
-    b.set_xlabel("step")
+        b.plot(ev_x, [h["eval"].get(key, {}).get("accuracy", float("nan")) for h in history], marker="o", label=key)
+    b.set_xlabel("optimizer step (end of each epoch)")
     b.set_ylabel("accuracy")
-    b.legend(fontsize=8)
+    if history and any(h.get("eval") for h in history):
+        b.legend(fontsize=8)
+    if lam:
+        c = axes[2]
+        for k in lam:
+            key = next(f"{p}/{k}" for p in ("cat", "objective") if any(f"{p}/{k}" in h for h in steps))
+            pts = [(h["step"], h[key]) for h in steps if key in h and (h["step"] > warmup_steps)]
+            c.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.0, label=k.replace("_", " "))
+        c.set_xlabel("optimizer step (after the warm-up)")
+        c.set_ylabel("λ / CRM weight")
+        c.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

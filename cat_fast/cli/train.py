@@ -1,8 +1,16 @@
-"""``cat-fast train``: fine-tune a classifier with a registered objective (`cat_fast.objectives`) on CAD data."""
+"""``cat-fast train``: fine-tune a classifier with a registered objective (`cat_fast.objectives`) through the Hugging
+Face Trainer (`cat_fast.integrations.ObjectiveTrainer`), on the built-in CAD data or the user's own files.
+
+The batches of every epoch are drawn up front (`cat_fast.data.make_batches`, seeded by ``--seed`` + epoch; whole
+counterfactual groups per batch for objectives that need pairs) and fed to the Trainer as one stream, so a resumed
+run sees exactly the batches an uninterrupted one sees. Dev accuracy is measured at the end of each epoch.
+"""
 from __future__ import annotations
 
+import glob
 import math
 import os
+import shutil
 import sys
 import time
 from typing import Dict, List
@@ -11,86 +19,185 @@ from .. import objectives
 from .common import (
     AtomicDir,
     CliError,
-    autocast,
+    EvalSet,
+    TrainingFailed,
     get_device,
+    mark_output,
     parse_evals,
     plot,
     save_checkpoint,
     seed_everything,
     setup_device,
-    to_device,
     write_json,
 )
-from .common import eval_sets as build_eval_sets
+from .sources import Source
 
 __all__ = ["train"]
+
+FLOAT_OPTIONS = {  # option dest -> (flag, lowest allowed, open at the low end)
+    "lr": ("--lr", 0.0, False), "weight_decay": ("--weight-decay", 0.0, False),
+    "lr_warmup_ratio": ("--lr-warmup-ratio", 0.0, False), "max_grad_norm": ("--max-grad-norm", 0.0, False),
+    "alpha": ("--alpha", 0.0, True), "beta": ("--beta", 0.0, True), "gamma": ("--gamma", None, False),
+    "eta": ("--eta", None, False), "adv_lr": ("--adv-lr", 0.0, False), "crm_lr": ("--crm-lr", 0.0, False),
+    "gs_weight": ("--gs-weight", 0.0, False),
+}
+
+
+def check_options(args) -> None:
+    """Every number finite and in its range (one-line errors naming the option)."""
+    for dest, (flag, low, open_low) in FLOAT_OPTIONS.items():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        if not math.isfinite(value) or (low is not None and (value < low or (open_low and value == low))):
+            where = "" if low is None else (f" > {low:g}" if open_low else f" >= {low:g}")
+            raise CliError(f"{flag} must be a finite number{where}, got {value}")
+    if args.lr_warmup_ratio > 1:
+        raise CliError(f"--lr-warmup-ratio must be in [0, 1], got {args.lr_warmup_ratio}")
+
+
+def check_max_length(max_length: int, model, pairs: bool, flag: str = "--max-length") -> None:
+    """`max_length` must leave room for the special tokens and fit the model's position embeddings."""
+    config = model.config
+    low = 5 if pairs else 3  # [CLS] a [SEP] (b [SEP])
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and getattr(config, "model_type", "") in ("roberta", "xlm-roberta", "camembert", "longformer"):
+        limit -= (getattr(config, "pad_token_id", 1) or 1) + 1  # their positions start after the padding index
+    if max_length < low or (limit and max_length > limit):
+        bound = f"at most {limit} (the model's positions)" if limit else "no upper bound"
+        raise CliError(f"{flag} must be at least {low} (room for the special tokens{' of a text pair' if pairs else ''})"
+                       f" and {bound}, got {max_length}")
+
+
+def _report_skipped(name: str, data) -> None:
+    skipped = getattr(data, "skipped", 0)
+    if skipped:
+        where = ", ".join(getattr(data, "skipped_where", [])[:3])
+        sys.stderr.write(f"cat-fast: warning: {name}: skipped {skipped} row(s) with empty text ({where})\n")
+
+
+def _stream_parts(tokenized, tokenizer, epoch_batches, partners):
+    """A dataset, a batch sampler and a collate function over the batches of every epoch in order (keys are
+    (epoch, index); the collate function pairs each sample with its counterfactual chosen for that epoch)."""
+    import torch
+
+    from .. import data as D
+
+    class Items(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(tokenized)
+
+        def __getitem__(self, key):
+            epoch, i = key
+            item = tokenized[i]
+            item["epoch"] = epoch
+            return item
+
+    class Stream(torch.utils.data.Sampler):
+        def __init__(self):
+            self.batches = [[(e, i) for i in batch] for e, batches in enumerate(epoch_batches) for batch in batches]
+
+        def __iter__(self):
+            return iter(self.batches)
+
+        def __len__(self):
+            return len(self.batches)
+
+    collators = {}
+
+    def collate(items):
+        epoch = items[0]["epoch"]
+        if epoch not in collators:
+            collators[epoch] = D.Collator(tokenizer, partner=partners(epoch) if partners else None)
+        return collators[epoch]([{k: v for k, v in it.items() if k != "epoch"} for it in items])
+
+    return Items(), Stream(), collate
 
 
 def train(args) -> Dict:
     import torch
-    from tqdm.auto import tqdm
+    from transformers import TrainerCallback, TrainingArguments
+    from transformers.trainer_callback import ProgressCallback
 
     from .. import data as D
+    from ..integrations.trainer import NonFiniteLossError, ObjectiveTrainer
     from ..models.pretrained import load_classifier
 
     t_start = time.time()
-    task = D.TASKS[args.task]
     method = args.method
     entry = objectives.get(method)
+    source = Source.from_args(args)
     data_mode = args.data or entry.data
-    out = args.out or os.path.join("runs", f"{args.task}-{method}-seed{args.seed}")
-    AtomicDir.check(out, args.overwrite)
-    reserved = ("dev", "dev_orig", "dev_edit")
-    evals = parse_evals(args.eval, reserved)
-    for opt, v in (("--lr", args.lr), ("--weight-decay", args.weight_decay), ("--lr-warmup-ratio", args.lr_warmup_ratio)):
-        if not math.isfinite(v) or v < 0:
-            raise CliError(f"{opt} must be a finite non-negative number, got {v}")
-    if args.lr_warmup_ratio > 1:
-        raise CliError(f"--lr-warmup-ratio must be in [0, 1], got {args.lr_warmup_ratio}")
+    out = args.out or os.path.join("runs", f"{source.name}-{method}-seed{args.seed}")
+    check_options(args)
+    evals = parse_evals(args.eval, ("dev", "dev_orig", "dev_edit"))
+    inputs = list(args.train or []) + ([args.dev] if args.dev else []) + [p for _, p in evals] + [args.model]
+    AtomicDir.check(out, args.overwrite, inputs=inputs)
+    checkpoints = os.path.abspath(out) + ".checkpoints"
+    if args.resume and not glob.glob(os.path.join(checkpoints, "checkpoint-*")):
+        raise CliError(f"--resume: no checkpoint in {checkpoints} (checkpoints are written with --save-steps)")
     device = get_device(args.device)
     setup_device(device)
     seed_everything(args.seed)
 
     # ---- data (validated before anything is written)
-    train = D.load_train(args.task, args.train)
+    train_data = source.read_train(args.train)
+    _report_skipped("training data", train_data)
     if args.per_class:
-        train = D.few_shot(train, args.per_class, seed=args.seed, with_edits=(data_mode == "orig+edits"))
+        train_data = D.few_shot(train_data, args.per_class, seed=args.seed, with_edits=(data_mode == "orig+edits"))
     elif data_mode == "orig":
-        train = train.originals()
+        train_data = train_data.originals()
     use_pairs = entry.cls.needs_pairs
-    if use_pairs and not train.has_pairs:
+    if use_pairs and not train_data.has_pairs:
         why = ("--data orig drops the edits" if data_mode == "orig" else
-               "use a paired sentiment file (with batch_id) or NLI revised files after the originals")
+               "give --group-column for your own files; for CAD use a paired sentiment file (with batch_id) or NLI "
+               "revised files after the originals")
         raise CliError(f"--method {method} needs counterfactual pairs in the training data, found none ({why})")
-    # validate every evaluation file now, tokenise later
-    for name, path in evals:
-        D.load_eval(args.task, path)
-    if args.dev:
-        D.load_eval(args.task, args.dev)
+    label_names = source.label_names(train_data)
+    dev_data = source.read(args.dev, labels=label_names) if args.dev else source.builtin_dev()
+    eval_data = [(name, source.read(path, labels=label_names)) for name, path in evals]
+    for name, d in ([("dev", dev_data)] if dev_data is not None else []) + eval_data:
+        _report_skipped(name, d)
 
     # ---- model
     attn = args.attn if args.attn != "auto" else ("eager" if entry.eager_attention else None)
     seed_everything(args.seed)  # the fresh head's initialisation depends on the seed only
-    model, tokenizer = load_classifier(args.model, task.num_labels, attn_implementation=attn, label_names=task.labels)
+    model, tokenizer = load_classifier(args.model, len(label_names), attn_implementation=attn,
+                                       label_names=tuple(label_names))
+    check_max_length(args.max_length, model, pairs=train_data.text_pair is not None)
     model.to(device)
 
-    train_tok = D.TokenizedData(train, tokenizer, args.max_length)
-    eval_sets = build_eval_sets(args.task, args.dev, evals, tokenizer, args.max_length)
-    sampler = D.make_batches(train, args.batch_size, keep_groups=use_pairs, shuffle=True, seed=args.seed)
+    train_tok = D.TokenizedData(train_data, tokenizer, args.max_length)
+    dev_set = None if dev_data is None else EvalSet("dev", dev_data, tokenizer, args.max_length,
+                                                     split_orig_edit=args.dev is None and not source.custom)
+    eval_sets = [EvalSet(name, d, tokenizer, args.max_length) for name, d in eval_data]
+    sampler = D.make_batches(train_data, args.batch_size, keep_groups=use_pairs, shuffle=True, seed=args.seed)
     epoch_batches = [sampler.batches(e) for e in range(args.epochs)]
-    total_steps = sum(len(b) for b in epoch_batches)
+    accum = args.grad_accum
+    ends, seen = [], 0  # the optimizer step at which each epoch ends
+    for batches in epoch_batches:
+        seen += len(batches)
+        ends.append(math.ceil(seen / accum))
+    total_steps = ends[-1] if ends else 0
+    if total_steps == 0:
+        raise CliError("the training data gives no batch")
     cat_active_from = args.warmup_epochs if entry.warmup else 0
-    warmup_steps = sum(len(b) for b in epoch_batches[:cat_active_from])
+    warmup_steps = ends[cat_active_from - 1] if 0 < cat_active_from <= len(ends) else (
+        total_steps if cat_active_from > len(ends) else 0)
     if entry.warmup and cat_active_from >= args.epochs:
         sys.stderr.write(f"cat-fast: warning: --warmup-epochs {args.warmup_epochs} >= --epochs {args.epochs}: "
                          f"{method} trains with plain ERM only\n")
 
     # the registry's preset, then the command line (a CPU generator seeded by --seed: λ, partners and layers are
-    # reproducible on any device); warm-up epochs run here as plain ERM
-    objective = objectives.build(method, model, options=vars(args))
+    # reproducible on any device)
+    try:
+        objective = objectives.build(method, model, options=vars(args),
+                                     **({"warmup_steps": warmup_steps} if entry.warmup else {}))
+    except (ValueError, TypeError) as error:
+        raise CliError(f"--method {method}: {error}") from error
 
     decay, no_decay = [], []
-    for n, p in model.named_parameters():
+    for _, p in model.named_parameters():
         if p.requires_grad:
             (no_decay if p.ndim < 2 else decay).append(p)
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
@@ -103,94 +210,145 @@ def train(args) -> Dict:
         return max(0.0, (total_steps - step) / max(1, total_steps - lr_warm))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    partners = (lambda epoch: train_data.choose_partners(args.seed + epoch)) if use_pairs else None
+    items, stream, collate = _stream_parts(train_tok, tokenizer, epoch_batches, partners)
 
     config = {k: v for k, v in vars(args).items() if k not in ("command",)}
-    config.update(data=data_mode, out=out, attn=attn or "default", device=str(device))
-    ckpt_meta = {"task": args.task, "method": method, "max_length": args.max_length, "labels": list(task.labels),
-                 "base_model": args.model, "seed": args.seed}
+    config.update(data=data_mode, out=out, attn=attn or "default", device=str(device), task=source.name)
+    ckpt_meta = dict(source.meta(train_data), method=method, max_length=args.max_length, base_model=args.model,
+                     seed=args.seed)
+
+    class Run(ObjectiveTrainer):
+        pending: Dict = {}  # the last epoch's dev accuracy, logged with that step's loss
+
+        def get_train_dataloader(self):
+            loader = torch.utils.data.DataLoader(items, batch_sampler=stream, collate_fn=collate, num_workers=0)
+            return self.accelerator.prepare(loader)
+
+        def log(self, logs, *a, **k):
+            if self.pending and "loss" in logs:
+                logs, self.pending = {**logs, **self.pending}, {}
+            return super().log(logs, *a, **k)
+
+    class EpochEnd(TrainerCallback):
+        """Dev accuracy at the end of each epoch, logged with that step's loss (so a resumed run has it too)."""
+
+        def __init__(self):
+            self.next = 0
+
+        def on_train_begin(self, targs, state, control, **kw):
+            self.next = sum(1 for e in ends if e <= state.global_step)
+
+        def on_step_end(self, targs, state, control, **kw):
+            while self.next < len(ends) and state.global_step >= ends[self.next]:
+                self.next += 1
+                logs = {"cat_fast_epoch": float(self.next)}
+                if dev_set is not None:
+                    for name, value in dev_set.evaluate(model, args.eval_batch_size, device, args.bf16).items():
+                        logs[f"eval/{name}/accuracy"] = value["accuracy"]
+                        logs[f"eval/{name}/n"] = float(value["n"])
+                trainer.pending = {**trainer.pending, **logs}
+                control.should_log = True
+            return control
+
+    class Quiet(ProgressCallback):
+        """The Trainer's progress bar, without printing every log line."""
+
+        def on_log(self, targs, state, control, logs=None, **kw):
+            if self.training_bar is not None and logs:
+                shown = {k: f"{v:.4f}" for k, v in logs.items() if k in ("loss", "eval/dev/accuracy")}
+                if shown:
+                    self.training_bar.set_postfix(shown, refresh=False)
 
     atomic = AtomicDir(out, args.overwrite)
     with atomic as tmp:
-        seed_everything(args.seed)
-        model.train()
-        losses: List[float] = []
-        history: List[Dict] = []
-        train_seconds = 0.0
-        step = 0
-        bar = tqdm(total=total_steps, desc=f"{args.task}/{method}", file=sys.stderr, dynamic_ncols=True, leave=True)
+        saving = args.save_steps > 0
+        if saving:
+            os.makedirs(checkpoints, exist_ok=True)
+            mark_output(checkpoints)
+        targs = TrainingArguments(
+            output_dir=checkpoints if saving else tmp, max_steps=total_steps, num_train_epochs=1,
+            per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=accum,
+            max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else 0.0,
+            logging_steps=args.logging_steps, save_strategy="steps" if saving else "no",
+            save_steps=args.save_steps if saving else 500, save_total_limit=args.save_total_limit,
+            seed=args.seed, data_seed=args.seed, bf16=args.bf16, use_cpu=device.type == "cpu",
+            report_to=args.report_to or "none", remove_unused_columns=False, dataloader_num_workers=0,
+            disable_tqdm=False, log_level="error", save_only_model=False)
+        trainer = Run(model=model, args=targs, train_dataset=items, optimizers=(optimizer, scheduler),
+                      objective=objective)
+        trainer.pending = {}
+        trainer.remove_callback(ProgressCallback)
+        trainer.add_callback(Quiet)
+        trainer.add_callback(EpochEnd())
+        t0 = time.time()
         try:
-            for epoch in range(args.epochs):
-                collate = D.Collator(tokenizer, partner=train.choose_partners(args.seed + epoch) if use_pairs else None)
-                use_objective = objective is not None and epoch >= cat_active_from
-                info_sums: Dict[str, float] = {}
-                t0 = time.time()
-                for idx in epoch_batches[epoch]:
-                    batch = to_device(collate([train_tok[i] for i in idx]), device)
-                    pairs = batch.pop("pairs", None)
-                    with autocast(device, args.bf16):
-                        if not use_objective:
-                            loss, info = model(**batch).loss, {}
-                        elif use_pairs:
-                            loss, info = objective(batch, pairs)
-                        else:
-                            loss, info = objective(batch)
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    if args.max_grad_norm > 0:
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    optimizer.step()
-                    scheduler.step()
-                    step += 1
-                    lv = float(loss.detach())
-                    losses.append(lv)
-                    for k, v in (info or {}).items():
-                        try:
-                            info_sums[k] = info_sums.get(k, 0.0) + float(v.detach() if hasattr(v, "detach") else v)
-                        except (TypeError, ValueError, RuntimeError):
-                            pass
-                    bar.update(1)
-                    bar.set_postfix(epoch=epoch + 1, loss=f"{lv:.4f}", refresh=False)
-                train_seconds += time.time() - t0
-                n_b = max(1, len(epoch_batches[epoch]))
-                ev = eval_sets[0].evaluate(model, args.eval_batch_size, device, args.bf16)
-                history.append({
-                    "epoch": epoch + 1,
-                    "step": step,
-                    "objective": ("erm" if not use_objective else method),
-                    "train_loss": sum(losses[-n_b:]) / n_b if epoch_batches[epoch] else float("nan"),
-                    "info": {k: v / n_b for k, v in info_sums.items()},
-                    "eval": ev,
-                })
-                bar.set_postfix(epoch=epoch + 1, loss=f"{losses[-1]:.4f}" if losses else "-", dev=f"{ev['dev']['accuracy']:.3f}")
-        finally:
-            bar.close()
-
-        results = dict(history[-1]["eval"]) if history else {}
-        for s in eval_sets[1:]:
+            trainer.train(resume_from_checkpoint=True if args.resume else None)
+        except NonFiniteLossError as error:
+            raise TrainingFailed(f"{error}; no output written (check the hyper-parameters, or lower --lr)") from error
+        except KeyboardInterrupt:
+            if saving and glob.glob(os.path.join(checkpoints, "checkpoint-*")):
+                sys.stderr.write(f"cat-fast: checkpoints kept in {checkpoints}: run the same command with --resume "
+                                 "to continue\n")
+            raise
+        train_seconds = time.time() - t0
+        if trainer.pending:
+            trainer.state.log_history.append({**trainer.pending, "step": trainer.state.global_step})
+        logs = trainer.state.log_history
+        history = _history(logs, ends, cat_active_from, method)
+        results = dict(history[-1]["eval"]) if history and history[-1]["eval"] else {}
+        for s in eval_sets:
             results.update(s.evaluate(model, args.eval_batch_size, device, args.bf16))
 
         if not args.no_checkpoint:
             save_checkpoint(tmp, model, tokenizer, ckpt_meta)
         metrics = {
             "method": method,
-            "task": args.task,
+            "task": source.name,
             "model": args.model,
             "seed": args.seed,
             "eval": results,
             "train_seconds": round(train_seconds, 3),
-            "steps": step,
+            "steps": trainer.state.global_step,
             "total_seconds": round(time.time() - t_start, 3),
             "warmup_steps": warmup_steps,
-            "data": {"mode": data_mode, "n_train": len(train), "n_orig": train.n_orig, "n_edits": len(train) - train.n_orig,
-                     "classes": train.class_counts(), "groups": len(train.groups)},
+            "labels": list(label_names),
+            "data": {"mode": data_mode, "n_train": len(train_data), "n_orig": train_data.n_orig,
+                     "n_edits": len(train_data) - train_data.n_orig, "classes": train_data.class_counts(),
+                     "groups": len(train_data.groups), "skipped": getattr(train_data, "skipped", 0)},
             "history": history,
             "config": config,
         }
-        write_json(os.path.join(tmp, "metrics.json"), metrics)
-        plot(os.path.join(tmp, "curves.png"), losses, history, warmup_steps,
-              f"{args.task} / {method} / {os.path.basename(str(args.model).rstrip('/'))} / seed {args.seed}")
+        plot(os.path.join(tmp, "curves.png"), logs, history, warmup_steps,
+             f"{source.name} / {method} / {os.path.basename(str(args.model).rstrip('/'))} / seed {args.seed}")
         metrics["total_seconds"] = round(time.time() - t_start, 3)
         write_json(os.path.join(tmp, "metrics.json"), metrics)
         atomic.commit()
-    sys.stderr.write(f"cat-fast: wrote {out} (dev accuracy {results.get('dev', {}).get('accuracy', float('nan')):.4f})\n")
+    if saving:
+        shutil.rmtree(checkpoints, ignore_errors=True)  # the run is complete: its checkpoints are not needed
+    dev_acc = results.get("dev", {}).get("accuracy", float("nan"))
+    sys.stderr.write(f"cat-fast: wrote {out} (dev accuracy {dev_acc:.4f})\n")
     return metrics
+
+
+def _history(logs: List[Dict], ends: List[int], cat_active_from: int, method: str) -> List[Dict]:
+    """Per-epoch summaries (train loss and info means over the epoch's logged steps, dev accuracy) from the
+    Trainer's log history."""
+    history, start = [], 0
+    evals = {int(h["cat_fast_epoch"]): h for h in logs if "cat_fast_epoch" in h}
+    for e, end in enumerate(ends, 1):
+        steps = [h for h in logs if "loss" in h and start < h.get("step", 0) <= end]
+        info_keys = sorted({k for h in steps for k in h if "/" in k})
+        ev = evals.get(e, {})
+        names = sorted({k.split("/")[1] for k in ev if k.startswith("eval/")})
+        history.append({
+            "epoch": e,
+            "step": end,
+            "objective": "erm" if e <= cat_active_from else method,
+            "train_loss": sum(h["loss"] for h in steps) / len(steps) if steps else float("nan"),
+            "info": {k.split("/", 1)[1]: sum(h[k] for h in steps if k in h) / max(1, sum(k in h for h in steps))
+                     for k in info_keys},
+            "eval": {n: {"accuracy": ev[f"eval/{n}/accuracy"], "n": int(ev[f"eval/{n}/n"])} for n in names},
+        })
+        start = end
+    return history

@@ -1,8 +1,10 @@
-"""Counterfactually-augmented data (CAD): reading, validation, pairs, few-shot sampling and batching.
+"""Counterfactually-augmented data (CAD) and users' own data: reading, validation, pairs, few-shot sampling, batching.
 
 The shipped CAD files (Kaushik et al., ICLR 2020; Apache-2.0) live in ``cat_fast/data/cad/``;
-:func:`builtin_path` finds them. See :mod:`cat_fast.data.core` for formats and pairing rules and
-:mod:`cat_fast.data.batching` for how batches keep pairs together.
+:func:`builtin_path` finds them. See :mod:`cat_fast.data.core` for formats and pairing rules,
+:mod:`cat_fast.data.tables` for users' own files (:func:`load_table`: CSV, TSV, JSON Lines, Hugging Face dataset
+folders; any label set, optional groups of counterfactuals) and :mod:`cat_fast.data.batching` for how batches keep
+pairs together (:class:`GroupBatchSampler`, :func:`group_batches`).
 
 Typical use::
 
@@ -16,9 +18,14 @@ Typical use::
     for batch in loader:
         pairs = batch.pop("pairs")                      # int64 [B], -1 = no counterfactual in batch
         loss, info = gs(batch, pairs)
+
+Your own data instead of the built-in files::
+
+    train = data.load_table("train.csv", text_column="text", label_column="label", group_column="pair_id")
 """
-from . import batching, core
+from . import batching, core, tables
 from .batching import *  # noqa: F401,F403  (the public names are listed in each module's __all__)
 from .core import *  # noqa: F401,F403
+from .tables import *  # noqa: F401,F403
 
-__all__ = core.__all__ + batching.__all__
+__all__ = core.__all__ + batching.__all__ + tables.__all__

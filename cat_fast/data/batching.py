@@ -10,17 +10,24 @@
   with ``labels`` (int64 [B]) and, when asked, ``pairs`` (int64 [B]): ``pairs[i]`` is the position in
   the batch of a counterfactual of sample i with a different label, -1 when none is in the batch.
   Pop ``pairs`` before calling the model.
+* :func:`group_batches` is the same packing over a plain list of group ids (one per example, e.g. a
+  ``datasets.Dataset`` column): the batches for one epoch, for a ``DataLoader(batch_sampler=...)`` or a
+  ``Trainer`` that builds its own loader. ``group_batches(ids, B, seed=s, epoch=e)`` equals
+  ``GroupBatchSampler(groups, B, seed=s).batches(e)`` with the groups in order of first appearance.
+
+These work for any :class:`~cat_fast.data.core.CadData`, built-in CAD or user data (:func:`cat_fast.data.load_table`),
+single texts or text pairs.
 """
 from __future__ import annotations
 
 import random
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Hashable, Iterable, Iterator, List, Optional, Sequence
 
 import torch
 
 from .core import CadData
 
-__all__ = ["TokenizedData", "GroupBatchSampler", "Collator", "make_batches"]
+__all__ = ["TokenizedData", "GroupBatchSampler", "Collator", "make_batches", "group_batches"]
 
 
 class TokenizedData(torch.utils.data.Dataset):
@@ -48,6 +55,51 @@ class TokenizedData(torch.utils.data.Dataset):
         return item
 
 
+def _pack(groups: Sequence[List[int]], batch_size: int, shuffle: bool, rng_seed: int) -> List[List[int]]:
+    """Groups (shuffled with ``random.Random(rng_seed)`` when ``shuffle``) packed greedily into batches."""
+    order = list(range(len(groups)))
+    if shuffle:
+        random.Random(rng_seed).shuffle(order)
+    out, cur = [], []
+    for g in order:
+        grp = groups[g]
+        if cur and len(cur) + len(grp) > batch_size:
+            out.append(cur)
+            cur = []
+        cur = cur + grp
+        if len(cur) >= batch_size:
+            out.append(cur)
+            cur = []
+    if cur:
+        out.append(cur)
+    return out
+
+
+def group_batches(group_ids: Iterable[Hashable], batch_size: int, seed: int = 0, epoch: int = 0,
+                  shuffle: bool = True) -> List[List[int]]:
+    """Batches of positions ``0..len(group_ids)-1`` that never split a group, for one epoch.
+
+    ``group_ids``: one id per example (any hashable: int, str; a list, a tensor or a ``datasets`` column);
+    examples with equal ids form a group (every distinct value is one group, ``-1`` and ``None`` included).
+    Groups are taken in order of first appearance, shuffled with ``random.Random(seed + epoch)`` when
+    ``shuffle``, and packed greedily: a batch is closed when the next group would make it exceed ``batch_size``;
+    a group larger than ``batch_size`` is a batch of its own. Same batches as :class:`GroupBatchSampler`.
+
+    Example (Hugging Face ``datasets`` + ``torch``)::
+
+        batches = group_batches(train_ds["pair_group"], 16, seed=0, epoch=epoch)
+        loader = DataLoader(train_ds, batch_sampler=batches, collate_fn=collator)
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if hasattr(group_ids, "tolist"):  # tensors, numpy arrays
+        group_ids = group_ids.tolist()
+    groups: Dict[Hashable, List[int]] = {}
+    for i, g in enumerate(group_ids):
+        groups.setdefault(g, []).append(i)
+    return _pack(list(groups.values()), batch_size, shuffle, seed + epoch)
+
+
 class GroupBatchSampler(torch.utils.data.Sampler):
     """Batches of whole groups, shuffled per epoch by seed (call :meth:`set_epoch`)."""
 
@@ -65,22 +117,7 @@ class GroupBatchSampler(torch.utils.data.Sampler):
 
     def batches(self, epoch: Optional[int] = None) -> List[List[int]]:
         epoch = self.epoch if epoch is None else epoch
-        order = list(range(len(self.groups)))
-        if self.shuffle:
-            random.Random(self.seed + epoch).shuffle(order)
-        out, cur = [], []
-        for g in order:
-            grp = self.groups[g]
-            if cur and len(cur) + len(grp) > self.batch_size:
-                out.append(cur)
-                cur = []
-            cur = cur + grp
-            if len(cur) >= self.batch_size:
-                out.append(cur)
-                cur = []
-        if cur:
-            out.append(cur)
-        return out
+        return _pack(self.groups, self.batch_size, self.shuffle, self.seed + epoch)
 
     def __iter__(self) -> Iterator[List[int]]:
         return iter(self.batches())

@@ -21,10 +21,13 @@ is changed.
 
 Files are read through ``datasets.load_dataset("csv", ...)`` with ``delimiter="\\t"``,
 ``quoting=csv.QUOTE_NONE`` and ``keep_default_na=False`` (so a review reading "NA" stays text), fully
-offline, with a private temporary cache directory.
+offline, with a private temporary cache directory; a UTF-8 byte-order mark at the start is ignored.
 
-Every problem with the input raises :class:`DataError` (a ``ValueError``) naming the file and what is
-wrong.
+Every problem with the input raises :class:`DataError` (a ``ValueError``, one line) naming the file and what is
+wrong (for a file the parser rejects: the line and the parser's reason).
+
+A :class:`CadData` carries a :class:`TaskSpec`: a built-in one (``CadData("sentiment", ...)``) or its own (any label
+set); users' own files are read by :func:`cat_fast.data.load_table` (:mod:`cat_fast.data.tables`).
 """
 from __future__ import annotations
 
@@ -37,13 +40,14 @@ import shutil
 import tempfile
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 __all__ = [
     "DataError",
     "TaskSpec",
     "TASKS",
     "CadData",
+    "PAIRINGS",
     "DATA_DIR",
     "builtin_path",
     "builtin_train_files",
@@ -66,10 +70,30 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class TaskSpec:
+    """What a task's examples look like: its name, label column, text column(s) and label names (id = position).
+
+    The built-in tasks are in :data:`TASKS`; user data (:func:`cat_fast.data.load_table`) carries its own, e.g.
+    ``TaskSpec("custom", "label", ("premise", "hypothesis"), ("entailment", "neutral", "contradiction"))``.
+    """
+
     name: str
     label_column: str
     text_columns: Tuple[str, ...]
     labels: Tuple[str, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "text_columns", tuple(self.text_columns))
+        object.__setattr__(self, "labels", tuple(self.labels))
+        if not self.labels:
+            raise DataError(f"task {self.name!r}: no labels; expected at least one label name")
+        if not all(isinstance(n, str) for n in self.labels):
+            raise DataError(f"task {self.name!r}: label names must be strings, got {list(self.labels)!r}")
+        dup = sorted({n for n in self.labels if self.labels.count(n) > 1})
+        if dup:
+            raise DataError(f"task {self.name!r}: duplicate label name(s) {', '.join(map(repr, dup))}")
+        if not 1 <= len(self.text_columns) <= 2:
+            raise DataError(f"task {self.name!r}: expected one text column or two (a text pair), "
+                            f"got {list(self.text_columns)!r}")
 
     @property
     def columns(self) -> Tuple[str, ...]:
@@ -163,11 +187,45 @@ def clean(text: str) -> str:
     return _SPACES.sub(" ", text).strip()
 
 
+def _one_line(exc: BaseException) -> str:
+    """The reason an exception gives, on one line (``Type: message``, newlines as "; ").
+
+    Follows the exception's causes and prefers the parser's own error (pandas, pyarrow, csv, json, a Unicode
+    error) to a wrapper such as ``datasets``' "An error occurred while generating the dataset".
+    """
+    chain: List[BaseException] = []
+    e: Optional[BaseException] = exc
+    while e is not None and all(e is not c for c in chain):
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    said = [c for c in chain if str(c).strip() and type(c).__name__ != "DatasetGenerationError"] or chain
+    parser = [c for c in said if isinstance(c, (UnicodeError, csv.Error, ValueError))
+              and type(c).__module__.split(".")[0] in ("pandas", "pyarrow", "_csv", "csv", "json", "builtins")]
+    pick = (parser or said)[0]
+    text = "; ".join(line.strip() for line in str(pick).splitlines() if line.strip())
+    return f"{type(pick).__name__}: {text}" if text else type(pick).__name__
+
+
+def _locate_tsv_problem(path: str, n_columns: int) -> Optional[Tuple[int, str]]:
+    """(line, reason) of the first line of a TSV file that is not valid UTF-8 or has more fields than the header."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                return n, f"not valid UTF-8 (byte {raw[e.start]:#04x} at byte {e.start + 1} of the line)"
+            fields = line.rstrip("\r\n").count("\t") + 1
+            if n > 1 and fields > n_columns and line.strip():
+                return n, f"{fields} tab-separated fields, expected {n_columns} (the header's)"
+    return None
+
+
 def read_tsv(path: str, required: Sequence[str]) -> Dict[str, List[str]]:
     """Read a CAD TSV file (header row, tab-separated, no quoting) into columns of strings.
 
-    Raises :class:`DataError` for a missing file, an empty file (no header, or a header without rows)
-    and missing columns (naming them and the expected ones).
+    A UTF-8 byte-order mark at the start of the file is ignored. Raises :class:`DataError` (one line) for a
+    missing file, an empty file (no header, or a header without rows), missing columns (naming them and the
+    expected ones) and a file the parser rejects (with the parser's reason and the line).
     """
     if not os.path.exists(path):
         raise DataError(f"{path}: file not found")
@@ -176,7 +234,7 @@ def read_tsv(path: str, required: Sequence[str]) -> Dict[str, List[str]]:
     if os.path.getsize(path) == 0:
         raise DataError(f"{path}: file is empty (expected a header row with columns {', '.join(required)})")
     # check the header ourselves: clearer messages than pandas' and no cache work for a bad file
-    with open(path, newline="", encoding="utf-8", errors="replace") as f:
+    with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
         header_line = f.readline().rstrip("\r\n")
         has_row = any(line.strip() for line in f)
     header = header_line.split("\t")
@@ -194,6 +252,8 @@ def read_tsv(path: str, required: Sequence[str]) -> Dict[str, List[str]]:
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a parse error is reported once, in the DataError
     try:
         ds = datasets.load_dataset(
             "csv",
@@ -205,8 +265,11 @@ def read_tsv(path: str, required: Sequence[str]) -> Dict[str, List[str]]:
             keep_in_memory=True,
         )["data"]
     except Exception as e:  # pandas parse errors, bad encoding, ...
-        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise DataError(f"{path}: cannot be read as a tab-separated file: {msg}") from e
+        where = _locate_tsv_problem(path, len(header))
+        at = f"line {where[0]}: {where[1]}; " if where else ""
+        raise DataError(f"{path}: cannot be read as a tab-separated file: {at}{_one_line(e)}") from e
+    finally:
+        datasets.logging.set_verbosity(verbosity)
     if ds.num_rows == 0:
         raise DataError(f"{path}: file is empty (a header row but no data rows)")
     return {c: ["" if v is None else str(v) for v in ds[c]] for c in ds.column_names}
@@ -229,28 +292,67 @@ def _labels(path: str, spec: TaskSpec, values: Sequence[str]) -> List[int]:
 # the data container
 
 
+PAIRINGS = ("original", "all")
+
+
 @dataclass
 class CadData:
     """Examples of one task, with their counterfactual groups.
 
+    ``task`` is a built-in task name (``"sentiment"``, ``"nli"``: its :class:`TaskSpec` comes from :data:`TASKS`)
+    or a :class:`TaskSpec` of its own (user data, any label set); ``spec`` may also be given by keyword, and
+    ``self.task`` is always the name, ``self.spec`` the spec.
+
     ``groups[g]`` lists the example indices of group g, the original first, then its edits. An
     example without counterfactuals is a group of one. ``partners[i]`` lists the counterfactuals of
-    example i whose label differs from i's (an edit's only candidate is its original; an original's
-    candidates are its edits).
+    example i whose label differs from i's, as chosen by ``pairing``:
+
+    * ``"original"`` (CAD, the default): an edit's only candidate is its original; an original's candidates are
+      its edits (two edits of one original are not partners).
+    * ``"all"`` (user groups, :func:`cat_fast.data.load_table`): any two members of a group with different
+      labels are partners of each other.
+
+    ``ids``: one example id per example (default: ``"0"``, ``"1"``, ... in order), kept through :meth:`subset`
+    (to align per-example files such as bias scores). ``sources``: ``"file:line"`` of each example, for
+    messages. ``skipped`` / ``skipped_where``: rows the loader skipped (blank text) and where the first few were;
+    a subset keeps them (they describe the source it came from).
     """
 
-    task: str
+    task: Union[str, TaskSpec]
     text: List[str]
     text_pair: Optional[List[str]]
     labels: List[int]
     is_orig: List[bool]
     group: List[int]
     sources: List[str] = field(default_factory=list)  # "file:line" of each example, for messages
+    ids: List[str] = field(default_factory=list)
+    spec: Optional[TaskSpec] = None
+    pairing: str = "original"
+    skipped: int = 0
+    skipped_where: List[str] = field(default_factory=list)
 
     def __post_init__(self):
-        self.spec = TASKS[self.task]
+        if isinstance(self.task, TaskSpec):
+            if self.spec is not None and self.spec != self.task:
+                raise DataError(f"CadData: task {self.task.name!r} and spec {self.spec.name!r} disagree; give one")
+            self.spec, self.task = self.task, self.task.name
+        elif self.spec is None:
+            self.spec = _task(self.task)
+        if self.pairing not in PAIRINGS:
+            raise DataError(f"CadData: unknown pairing {self.pairing!r}; expected one of {', '.join(PAIRINGS)}")
         n = len(self.text)
         assert len(self.labels) == n and len(self.is_orig) == n and len(self.group) == n
+        assert self.text_pair is None or len(self.text_pair) == n
+        assert not self.sources or len(self.sources) == n
+        if not self.ids:
+            self.ids = [str(i) for i in range(n)]
+        assert len(self.ids) == n
+        k = self.spec.num_labels
+        bad = next((i for i, y in enumerate(self.labels) if not 0 <= y < k), None)
+        if bad is not None:
+            where = f" ({self.sources[bad]})" if self.sources else ""
+            raise DataError(f"CadData: label id {self.labels[bad]} of example {bad}{where} is not in 0..{k - 1} "
+                            f"(labels {', '.join(self.spec.labels)})")
         groups: "OrderedDict[int, List[int]]" = OrderedDict()
         for i, g in enumerate(self.group):
             groups.setdefault(g, []).append(i)
@@ -258,6 +360,12 @@ class CadData:
         self.groups: List[List[int]] = [sorted(ix, key=lambda i: (not self.is_orig[i], i)) for ix in groups.values()]
         self.partners: List[List[int]] = [[] for _ in range(n)]
         for ix in self.groups:
+            if len(ix) < 2:
+                continue
+            if self.pairing == "all":
+                for i in ix:
+                    self.partners[i] = [j for j in ix if j != i and self.labels[j] != self.labels[i]]
+                continue
             origs = [i for i in ix if self.is_orig[i]]
             for o in origs:
                 for e in ix:
@@ -304,6 +412,11 @@ class CadData:
             is_orig=[self.is_orig[i] for i in indices],
             group=[self.group[i] for i in indices],
             sources=[self.sources[i] for i in indices] if self.sources else [],
+            ids=[self.ids[i] for i in indices],
+            spec=self.spec,
+            pairing=self.pairing,
+            skipped=self.skipped,
+            skipped_where=list(self.skipped_where),
         )
 
     def originals(self) -> "CadData":
@@ -317,7 +430,8 @@ class CadData:
         """One counterfactual partner per example (dataset index, or -1 when it has none).
 
         An edit gets its original; an original gets one of its differently-labelled edits, drawn with
-        ``random.Random(seed)`` (sentiment originals have exactly one edit).
+        ``random.Random(seed)`` (sentiment originals have exactly one edit). With ``pairing="all"`` every example
+        draws among all its partners (:attr:`partners`) the same way.
         """
         rng = random.Random(seed)
         out = []
@@ -332,8 +446,12 @@ class CadData:
 
     def describe(self) -> str:
         counts = ", ".join(f"{k}={v}" for k, v in self.class_counts().items())
-        return (f"{self.task}: {len(self)} examples ({self.n_orig} originals, {len(self) - self.n_orig} edits; {counts}), "
-                f"{len(self.groups)} groups")
+        out = (f"{self.task}: {len(self)} examples ({self.n_orig} originals, {len(self) - self.n_orig} edits; {counts}), "
+               f"{len(self.groups)} groups")
+        if self.skipped:
+            more = ", ..." if self.skipped > len(self.skipped_where) else ""
+            out += f"; {self.skipped} row(s) skipped for empty text ({', '.join(self.skipped_where)}{more})"
+        return out
 
 
 # --------------------------------------------------------------------------------------------

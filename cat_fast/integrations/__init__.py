@@ -1,4 +1,4 @@
 """cat_fast inside other training frameworks: the Hugging Face `Trainer` classes (`trainer`, imports transformers)."""
-from .trainer import CATTrainer, GSTrainer, ObjectiveTrainer
+from .trainer import CATTrainer, GSTrainer, NonFiniteLossError, ObjectiveTrainer
 
-__all__ = ["ObjectiveTrainer", "CATTrainer", "GSTrainer"]
+__all__ = ["ObjectiveTrainer", "CATTrainer", "GSTrainer", "NonFiniteLossError"]

@@ -2,49 +2,64 @@
 registered objective (`cat_fast.objectives`), and its two named forms ``CATTrainer(..., cat_kwargs={...})`` and
 ``GSTrainer(..., gs_kwargs={...})``.
 
-They override ``compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None, **kwargs)`` (the
-signature of transformers 4.46 … 5.x) and use the objective only in training mode; evaluation / prediction use
-the model's own loss (ERM) on the model inputs. Choices:
+They override ``compute_loss`` and use the objective only in training mode (evaluation uses the model's own loss),
+so gradient accumulation, checkpoints and ``resume_from_checkpoint``, mixed precision and the logging integrations
+are the Trainer's. What they add:
 
-* The objective wraps ``trainer.model`` (the unwrapped model): single-process training (CPU, one GPU). Under
-  DDP/FSDP/DeepSpeed the objective would bypass the wrapper; that is not supported.
-* The objective's loss is a per-batch mean: the trainers tell the Trainer to divide it by the gradient-accumulation
-  steps (``loss_is_scaled_for_ga = False`` and ``model_accepts_loss_kwargs = False``, for old and new versions).
-* Warm-ups count optimizer steps: ``objective.step`` is set to ``state.global_step`` before each call.
-  CAT's ``update="alternate"`` uses the Trainer's optimizer for the CRM update unless ``cat_kwargs["crm_optimizer"]``
-  is given (that inner step bypasses the Trainer's gradient clipping and AMP scaling).
-* Objectives that need pairs (GS) read them from the batch: ``pairs`` (int64, index of the partner WITHIN the batch, -1 = none) or
-  ``pair_group`` (a group id per example; partners = same id in the batch, via `cat_fast.objectives.pair_by_group`). These
-  columns (and ``context_mask`` for QA CAT) are kept by ``remove_unused_columns``. Note that the default shuffled
-  sampler rarely puts both members of a pair in one batch: build batches that keep groups together (e.g. a
-  dataset of pre-grouped rows with ``shuffle`` handled upstream) or use ``random_pairs=True``.
-* The last step's ``info`` is added to the Trainer's logs as ``cat/<key>`` / ``gs/<key>`` floats (one host
-  transfer per logging step, outside the training step).
-* A double-backward failure of the attention kernel in ``backward`` is re-raised as the one-line fix message
-  of `cat_fast.objectives.DOUBLE_BACKWARD_HINT`.
+* Objectives that need pairs (GS) read them from the batch: ``pairs`` (the partner's index WITHIN the batch, -1 =
+  none) or ``pair_group`` (a group id per example; partners = same id in the batch). With ``pair_group`` the
+  training batches keep every group whole by default (``keep_groups``; `cat_fast.data.GroupBatchSampler`), and a
+  warning says once when a logging window saw no usable pair (GS would then be plain ERM).
+* ``info`` is averaged over the logging window and the accumulation steps, like ``loss``, and logged as
+  ``<prefix>/<key>`` (one host transfer per logging step).
+* ``objective.step`` is the optimizer step (warm-ups count in it); the objective's state (step, random generator)
+  is saved in each checkpoint and restored on resume, so a resumed run draws what an uninterrupted one draws.
+* A non-finite loss stops training with `NonFiniteLossError` naming the step and the term (``check_finite``; one
+  host sync per step) before the optimizer applies it.
+* The objective's loss is a per-batch mean: the Trainer divides it by the accumulation steps.
+* Refused with the reason: ``TrainingArguments(torch_compile=True)`` and compiled models (the objectives hook and
+  patch the model's layers every step, which a compiled graph would not run); DDP/FSDP/DeepSpeed wrappers (the
+  objective would bypass them).
+* A double-backward failure of the attention kernel is re-raised as `cat_fast.objectives.DOUBLE_BACKWARD_HINT`.
 """
 from __future__ import annotations
 
+import os
+import warnings
+
+import torch
 from transformers import Trainer
 
 from .. import objectives
 from ..objectives import double_backward_error, pair_by_group
 
-__all__ = ["ObjectiveTrainer", "CATTrainer", "GSTrainer"]
+__all__ = ["ObjectiveTrainer", "CATTrainer", "GSTrainer", "NonFiniteLossError", "OBJECTIVE_STATE"]
 
 EXTRA_COLUMNS = ("pairs", "pair_group", "context_mask")
+OBJECTIVE_STATE = "cat_fast_objective.pt"  # the objective's state inside a checkpoint folder
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite (the message names the step and the term)."""
 
 
 class ObjectiveTrainer(Trainer):
-    """`transformers.Trainer` that trains with a cat_fast objective: ``objective`` is a registered name
-    (`cat_fast.objectives.names()`), an `Objective` subclass or an `Objective` built on this trainer's model;
-    ``objective_kwargs`` are the keyword arguments of the first two."""
+    """`transformers.Trainer` that trains with a cat_fast objective (module docstring).
+
+    ``objective``: a registered name (`cat_fast.objectives.names()`), an `Objective` subclass or an `Objective`
+    built on this trainer's model; ``objective_kwargs``: the keyword arguments of the first two. ``keep_groups``:
+    batches keep each ``pair_group`` whole (default: when the objective needs pairs and the dataset has that
+    column). ``check_finite``: stop on a non-finite loss (default True)."""
 
     _log_prefix = "objective"
 
-    def __init__(self, *args, objective=None, objective_kwargs=None, **kwargs):
+    def __init__(self, *args, objective=None, objective_kwargs=None, keep_groups=None, check_finite=True, **kwargs):
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if getattr(training_args, "torch_compile", False):
+            raise ValueError("TrainingArguments(torch_compile=True) is not supported by cat_fast's objectives: they "
+                             "hook and patch the model's layers every step, which a compiled graph would not run; "
+                             "set torch_compile=False")
         super().__init__(*args, **kwargs)
-        self._last_info = None
         self.loss_is_scaled_for_ga = False
         self.model_accepts_loss_kwargs = False
         if objective is None:
@@ -57,7 +72,14 @@ class ObjectiveTrainer(Trainer):
         elif not isinstance(objective, objectives.Objective):
             raise TypeError(f"objective: expected a registered name or an Objective, got {type(objective).__name__}")
         self.objective = objective
+        self.keep_groups = keep_groups
+        self.check_finite = bool(check_finite)
+        self._last_info = None
+        self._info_sum = {}
+        self._info_count = 0
+        self._warned_no_pairs = False
 
+    # ------------------------------------------------------------------ data
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
         if self._signature_columns is not None:
@@ -65,6 +87,49 @@ class ObjectiveTrainer(Trainer):
                 c for c in EXTRA_COLUMNS if c not in self._signature_columns
             ]
 
+    def _group_ids(self):
+        """The ``pair_group`` column when batches should keep groups whole, else None."""
+        dataset = self.train_dataset
+        names = getattr(dataset, "column_names", None) or []
+        wanted = self.keep_groups
+        if wanted is None:
+            wanted = self.objective.needs_pairs and not getattr(self.objective, "random_pairs", False)
+        if not wanted:
+            return None
+        if "pair_group" not in names:
+            if self.keep_groups:
+                raise ValueError("keep_groups=True needs a 'pair_group' column in train_dataset")
+            return None
+        return list(dataset["pair_group"])
+
+    def get_train_dataloader(self):
+        group_ids = self._group_ids()
+        if group_ids is None:
+            return super().get_train_dataloader()
+        from ..data import GroupBatchSampler
+
+        groups = {}
+        for i, g in enumerate(group_ids):
+            groups.setdefault(g, []).append(i)
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        sampler = GroupBatchSampler(list(groups.values()), self._train_batch_size, shuffle=True, seed=seed)
+        dataset, collator = self.train_dataset, self.data_collator
+        try:
+            import datasets
+
+            is_hf = isinstance(dataset, datasets.Dataset)
+        except ImportError:
+            is_hf = False
+        if is_hf:
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collator,
+                                             num_workers=self.args.dataloader_num_workers,
+                                             pin_memory=self.args.dataloader_pin_memory)
+        return self.accelerator.prepare(loader)
+
+    # ------------------------------------------------------------------ steps
     def _eval_loss(self, model, inputs, return_outputs, num_items_in_batch, kwargs):
         plain = {k: v for k, v in inputs.items() if k not in EXTRA_COLUMNS}
         if num_items_in_batch is not None:
@@ -73,19 +138,23 @@ class ObjectiveTrainer(Trainer):
 
     def training_step(self, *args, **kwargs):
         try:
-            return super().training_step(*args, **kwargs)
+            loss = super().training_step(*args, **kwargs)
         except RuntimeError as exc:
             mapped = double_backward_error(exc)
             if mapped is not None:
                 raise mapped from exc
             raise
+        if self.check_finite and not bool(torch.isfinite(loss).all()):
+            raise NonFiniteLossError(self._non_finite_message(loss))
+        return loss
 
-    def log(self, logs, *args, **kwargs):
-        if self._last_info is not None and "loss" in logs:
-            logs = dict(logs)
-            logs.update({f"{self._log_prefix}/{k}": float(v) for k, v in self._last_info.items()})
-            self._last_info = None
-        return super().log(logs, *args, **kwargs)
+    def _non_finite_message(self, loss):
+        step = self.state.global_step + 1
+        terms = [k for k, v in (self._last_info or {}).items()
+                 if isinstance(v, torch.Tensor) and not bool(torch.isfinite(v).all())]
+        where = f"in {', '.join(terms)}" if terms else "in the objective's loss"
+        return (f"the training loss became {float(loss.detach().float().mean())} at step {step} ({where}); "
+                "training stopped before the optimizer applied it")
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None, **kwargs):
         if not model.training:
@@ -105,7 +174,39 @@ class ObjectiveTrainer(Trainer):
         else:
             loss, info = objective(inputs)
         self._last_info = info
+        for k, v in info.items():  # summed on the device: no host sync in the step
+            v = v.detach().float() if isinstance(v, torch.Tensor) else torch.tensor(float(v))
+            self._info_sum[k] = v if k not in self._info_sum else self._info_sum[k] + v.to(self._info_sum[k].device)
+        self._info_count += 1
         return (loss, None) if return_outputs else loss
+
+    def log(self, logs, *args, **kwargs):
+        if self._info_count and "loss" in logs:
+            logs = dict(logs)
+            means = {k: float(v) / self._info_count for k, v in self._info_sum.items()}
+            logs.update({f"{self._log_prefix}/{k}": v for k, v in means.items()})
+            self._info_sum, self._info_count = {}, 0
+            if (self.objective.needs_pairs and not getattr(self.objective, "random_pairs", False)
+                    and means.get("gs_pairs", 1.0) == 0 and not self._warned_no_pairs):
+                self._warned_no_pairs = True
+                warnings.warn(f"{type(self).__name__}: no training step since the last log saw a counterfactual "
+                              "pair with another label in its batch, so the GS term is 0 (plain ERM): keep groups "
+                              "in one batch (a 'pair_group' column; keep_groups=True) or check the pairs",
+                              RuntimeWarning, stacklevel=2)
+        return super().log(logs, *args, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save_checkpoint(self, model, trial, *args, **kwargs):
+        super()._save_checkpoint(model, trial, *args, **kwargs)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        if os.path.isdir(folder) and self.args.should_save:
+            torch.save(self.objective.state_dict(), os.path.join(folder, OBJECTIVE_STATE))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, *args, **kwargs):
+        super()._load_from_checkpoint(resume_from_checkpoint, *args, **kwargs)
+        path = os.path.join(resume_from_checkpoint, OBJECTIVE_STATE)
+        if os.path.isfile(path):
+            self.objective.load_state_dict(torch.load(path, weights_only=False))
 
 
 class CATTrainer(ObjectiveTrainer):
@@ -133,3 +234,4 @@ class GSTrainer(ObjectiveTrainer):
     @property
     def gs(self):
         return self.objective
+

@@ -39,6 +39,7 @@ class Capture:
     rng_state: tuple | None = None  # RNG state when layer m+1 started (or after layer L for m = L)
     head_input: torch.Tensor | None = None  # input of the classification projection (pooled=True)
     head_rng_state: tuple | None = None
+    head_autocast: tuple | None = None  # (enabled, dtype) of autocast where the model's forward called its head
     pooled: torch.Tensor | None = None  # [B, D] pooled representation (pooled=True)
     rng_marker: object = None  # called by `resume` where it would restore rng_state (cat_fast.objectives.cat_graphs)
     last_output: object = None  # layer L's output as returned (its format, for `resume(..., first_token=True)`)
@@ -105,6 +106,9 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
         x, _ = hidden_argument(args, kwargs)
         cap.head_input = x
         cap.pooled = x[:, 0] if x.dim() == 3 else x
+        # a wrapper may autocast inside the model's forward only (accelerate's mixed precision): re-runs of the
+        # head take this state, not the caller's
+        cap.head_autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
         if keep_rng:
             cap.head_rng_state = get_rng_state(x.device)
 
@@ -125,6 +129,12 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
     finally:
         for h in handles:
             h.remove()
+    if (layer is not None and cap.hidden is not None and cap.padding_mask is not None
+            and cap.hidden.shape[1] != cap.padding_mask.shape[-1]):
+        unsupported(model, f"it pads the sequence inside its forward ({cap.padding_mask.shape[-1]} tokens in the batch, "
+                           f"{cap.hidden.shape[1]} at layer {layer}; Longformer-style models pad to a multiple of "
+                           "config.attention_window): pad the batches to that multiple yourself (tokenizer(..., "
+                           "pad_to_multiple_of=N)) so that it has nothing to pad")
     if layer is not None and calls["started"] != L:
         unsupported(model, f"its layer list '{st.layer_list_name}' was called {calls['started']} times in one forward, "
                      f"expected {L} (config.num_hidden_layers)")
@@ -226,7 +236,8 @@ def head_logits(model, cap: Capture, x: torch.Tensor, *, same_dropout: bool = Tr
     """Logits of the classification projection re-run on a pooled representation `x` [B, D].
 
     Needs ``capture(..., pooled=True)``. Differentiable w.r.t. `x` and the head's parameters. With
-    ``same_dropout`` the head draws the dropout masks of the captured forward.
+    ``same_dropout`` the head draws the dropout masks of the captured forward; it runs under the autocast state
+    the model's own forward ran it under (mixed precision applied inside the forward by a wrapper included).
     """
     st = structure(model)
     if cap.head_input is None:
@@ -238,10 +249,13 @@ def head_logits(model, cap: Capture, x: torch.Tensor, *, same_dropout: bool = Tr
         inp = x
     restore = same_dropout and cap.head_rng_state is not None and model.training
     saved = get_rng_state(x.device) if restore else None
+    enabled, dtype = cap.head_autocast or (torch.is_autocast_enabled(x.device.type),
+                                           torch.get_autocast_dtype(x.device.type))
     try:
         if restore:
             set_rng_state(x.device, cap.head_rng_state)
-        return st.head(inp)
+        with torch.autocast(x.device.type, dtype=dtype, enabled=enabled):
+            return st.head(inp)
     finally:
         if restore:
             set_rng_state(x.device, saved)

@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["ModelLoadError", "MINILM", "resolve_model_dir", "load_classifier", "has_weights"]
+__all__ = ["ModelLoadError", "MINILM", "resolve_model_dir", "load_classifier", "has_weights", "has_tokenizer"]
 
 MINILM = "minilm"
 _WEIGHT_PATTERNS = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
@@ -27,6 +27,16 @@ _WEIGHT_PATTERNS = ("model.safetensors", "pytorch_model.bin", "model.safetensors
 
 class ModelLoadError(ValueError):
     """A model that cannot be loaded: missing package, missing directory, no weights, no tokenizer."""
+
+
+# files from which a tokenizer's vocabulary is read; without one AutoTokenizer may build a near-empty vocabulary
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model",
+                    "tokenizer.model")
+
+
+def has_tokenizer(directory: str) -> bool:
+    return any(os.path.isfile(os.path.join(directory, f)) for f in _TOKENIZER_FILES) or bool(
+        glob.glob(os.path.join(directory, "*.model")))
 
 
 def has_weights(directory: str) -> bool:
@@ -122,6 +132,9 @@ def load_classifier(
     except Exception as e:
         raise ModelLoadError(f"{directory}: cannot load the model: {_one_line(e)}") from e
     model = model.to(dtype)
+    if not has_tokenizer(directory):
+        raise ModelLoadError(f"{directory}: no tokenizer files (expected one of {', '.join(_TOKENIZER_FILES)}): copy "
+                             "the tokenizer of the base model there (tokenizer.save_pretrained(DIR))")
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
     except Exception as e:

@@ -20,7 +20,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-__all__ = ["Objective", "Entry", "register", "get", "names", "build"]
+import torch
+
+__all__ = ["Objective", "Entry", "register", "get", "names", "build", "check_number"]
+
+
+def check_number(name: str, value, *, low=None, high=None, low_open=False, integer=False) -> float:
+    """`value` as a float (int with ``integer``) after checking it is a finite number in [low, high] (``low_open``:
+    (low, high]); otherwise a ValueError / TypeError naming `name` and the range expected."""
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not float(value).is_integer()):
+        raise TypeError(f"{name}: expected {kind}, got {value!r}")
+    value = float(value)
+    bounds = ("(" if low_open else "[") + ("-inf" if low is None else f"{low:g}") + ", " + (
+        "inf" if high is None else f"{high:g}") + ("]" if high is not None else ")")
+    if (value != value or value in (float("inf"), float("-inf")) or (low is not None and (value < low or (
+            low_open and value == low))) or (high is not None and value > high)):
+        raise ValueError(f"{name}: expected a finite number in {bounds}, got {value}")
+    return int(value) if integer else value
 
 
 class Objective:
@@ -40,10 +57,19 @@ class Objective:
         return []
 
     def state_dict(self) -> dict:
-        return {"step": self.step}
+        """``step`` and, for an objective with a ``generator``, its state (what a resumed run needs to draw the
+        same numbers)."""
+        state = {"step": self.step}
+        generator = getattr(self, "generator", None)
+        if isinstance(generator, torch.Generator):
+            state["generator"] = generator.get_state()
+        return state
 
     def load_state_dict(self, state: Mapping) -> None:
         self.step = int(state.get("step", 0))
+        generator = getattr(self, "generator", None)
+        if isinstance(generator, torch.Generator) and state.get("generator") is not None:
+            generator.set_state(state["generator"])
 
     def set_optimizer(self, optimizer) -> None:
         """Called by the trainers with their optimizer (for objectives that step one themselves)."""

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from .. import models
 from ..kernels.dtypes import upcast
 from ..ops import MASK_MODES, cal_objective, cal_step_, cmix, crm_loss, crm_weights, gs_cosine_loss
-from .base import Objective
+from .base import Objective, check_number
 from .cat_graphs import CALGraphs
 from .gs import check_double_backward, masked_mean
 
@@ -64,11 +64,19 @@ class CAT(Objective):
             layers = [layers]
         layers = sorted({int(m) for m in layers})
         if not layers or layers[0] < 0 or layers[-1] > L:
-            raise ValueError(f"layers must be non-empty and within [0, {L}] for {st.model_class}, got {layers}")
-        if alpha <= 0 or beta <= 0:
-            raise ValueError(f"alpha and beta must be > 0, got {alpha}, {beta}")
-        if adv_steps < 0:
-            raise ValueError(f"adv_steps must be >= 0, got {adv_steps}")
+            raise ValueError(f"layers: expected mixing layers within [0, {L}] for {st.model_class} (it has {L} "
+                             f"layers), got {layers}")
+        alpha = check_number("alpha", alpha, low=0, low_open=True)
+        beta = check_number("beta", beta, low=0, low_open=True)
+        gamma, eta = check_number("gamma", gamma), check_number("eta", eta)
+        adv_steps = check_number("adv_steps", adv_steps, low=0, integer=True)
+        adv_lr = check_number("adv_lr", adv_lr, low=0)
+        p = check_number("p", p, low=1)
+        for name, value in (("a1", a1), ("a2", a2)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                raise ValueError(f"{name}: expected a number (inf allowed, not NaN), got {value!r}")
+        gs_weight = check_number("gs_weight", gs_weight, low=0)
+        warmup_steps = check_number("warmup_steps", warmup_steps, low=0, integer=True)
         if mask_mode not in MASK_MODES:
             raise ValueError(f"mask_mode must be one of {MASK_MODES}, got {mask_mode!r}")
         if update not in ("sum", "alternate"):
@@ -77,8 +85,6 @@ class CAT(Objective):
             raise ValueError(f"partner must be 'permutation' or 'replacement', got {partner!r}")
         if a1 > a2:
             raise ValueError(f"a1 must be <= a2, got {a1} > {a2}")
-        if gs_weight < 0:
-            raise ValueError(f"gs_weight must be >= 0, got {gs_weight}")
         if int(max_graphs) != max_graphs or max_graphs < 0:
             raise ValueError(f"max_graphs must be an integer >= 0, got {max_graphs!r}")
         if gs_weight > 0 and st.task != "sequence_classification":

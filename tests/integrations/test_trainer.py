@@ -69,3 +69,91 @@ def test_objective_trainer_takes_a_registered_name(tmp_path):
     with pytest.raises(ValueError, match="objective: expected one of"):
         ObjectiveTrainer(model=tiny_model("bert", num_labels=2), args=args(tmp_path), train_dataset=tiny_dataset(),
                          objective="nope")
+
+
+def grouped_dataset(n=16, length=8):
+    """Groups (i, i + n/2) far apart in the file: a shuffled or sequential sampler of batch 4 rarely joins them."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 100, (n, length), generator=g)
+    half = n // 2
+    return datasets.Dataset.from_dict({
+        "input_ids": ids.tolist(), "attention_mask": [[1] * length] * n,
+        "labels": [0] * half + [1] * half, "pair_group": [i % half for i in range(n)],
+    })
+
+
+def small_args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=4, learning_rate=1e-3,
+                logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, data_seed=0)
+    return TrainingArguments(**{**base, **kw})
+
+
+def test_gs_trainer_keeps_groups_in_one_batch(tmp_path):
+    trainer = GSTrainer(model=tiny_model("bert", num_labels=2).train(), args=small_args(tmp_path),
+                        train_dataset=grouped_dataset(), gs_kwargs={"weight": 1.0})
+    trainer.train()
+    logged = [h["gs/gs_pairs"] for h in trainer.state.log_history if "gs/gs_pairs" in h]
+    assert logged == [4.0] * 4  # two whole groups per batch of 4, both directions
+
+
+def test_gs_trainer_warns_when_batches_split_the_groups(tmp_path):
+    trainer = GSTrainer(model=tiny_model("bert", num_labels=2).train(), args=small_args(tmp_path, max_steps=2),
+                        train_dataset=grouped_dataset(), gs_kwargs={"weight": 1.0}, keep_groups=False)
+    with pytest.warns(RuntimeWarning, match="no training step since the last log saw a counterfactual pair"):
+        trainer.train()
+
+
+def test_info_is_averaged_over_the_logging_window(tmp_path):
+    trainer = CATTrainer(model=tiny_model("bert", num_labels=2).train(), args=small_args(tmp_path, logging_steps=2),
+                         train_dataset=tiny_dataset(), cat_kwargs={"layers": [2], "warmup_steps": 1,
+                                                                   "generator": torch.Generator().manual_seed(0)})
+    trainer.train()
+    active = [h["cat/cat_active"] for h in trainer.state.log_history if "cat/cat_active" in h]
+    assert active == [0.5, 1.0]  # steps 1-2: warm-up then CAT; steps 3-4: CAT
+
+
+def test_compiled_models_and_torch_compile_are_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"torch_compile=True\) is not supported"):
+        CATTrainer(model=tiny_model("bert", num_labels=2), args=small_args(tmp_path, torch_compile=True),
+                   train_dataset=tiny_dataset())
+    model = tiny_model("bert", num_labels=2)
+    model.compile()
+    with pytest.raises(ValueError, match="it is compiled"):
+        GSTrainer(model=model, args=small_args(tmp_path), train_dataset=tiny_dataset())
+
+
+@pytest.mark.parametrize("mode", ["exact", "first_order"])
+def test_gs_trainer_under_bf16_mixed_precision(tmp_path, mode):
+    """accelerate applies bf16 autocast inside the model's forward only: GS's head re-runs must follow it."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tiny_model("bert", num_labels=2, attn="sdpa").to(device).train()
+    trainer = GSTrainer(model=model, args=small_args(tmp_path, bf16=True, use_cpu=device == "cpu"),
+                        train_dataset=grouped_dataset(), gs_kwargs={"mode": mode})
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 4 and all(math.isfinite(v) for v in losses)
+
+
+def test_a_non_finite_loss_stops_training(tmp_path):
+    from cat_fast.integrations import NonFiniteLossError
+
+    trainer = CATTrainer(model=tiny_model("bert", num_labels=2).train(), args=small_args(tmp_path),
+                         train_dataset=tiny_dataset(), cat_kwargs={"layers": [2], "eta": 1e308, "gamma": 1e308})
+    with pytest.raises(NonFiniteLossError, match=r"at step 1 \(in "):
+        trainer.train()
+
+
+def test_resume_restores_the_objectives_random_state(tmp_path):
+    args = small_args(tmp_path, save_strategy="steps", save_steps=2, max_steps=4)
+    model = tiny_model("bert", num_labels=2).train()
+    trainer = CATTrainer(model=model, args=args, train_dataset=tiny_dataset(),
+                         cat_kwargs={"layers": [1, 2], "generator": torch.Generator().manual_seed(0)})
+    trainer.train()
+    full = [(h["cat/layer"], h["cat/lambda_before"]) for h in trainer.state.log_history if "cat/layer" in h]
+    model = tiny_model("bert", num_labels=2).train()
+    again = CATTrainer(model=model, args=args, train_dataset=tiny_dataset(),
+                       cat_kwargs={"layers": [1, 2], "generator": torch.Generator().manual_seed(123)})
+    again.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    resumed = [(h["cat/layer"], h["cat/lambda_before"]) for h in again.state.log_history if "cat/layer" in h]
+    flat = lambda pairs: [v for pair in pairs for v in pair]  # noqa: E731
+    assert flat(resumed[-2:]) == pytest.approx(flat(full[-2:]))  # the generator state came back from the checkpoint

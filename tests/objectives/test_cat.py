@@ -283,3 +283,16 @@ def test_invalid_arguments_are_refused():
         CAT(model, layers=[7])
     with pytest.raises(ValueError, match="gs_weight"):
         CAT(tiny_model("bert", task="qa"), gs_weight=1.0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"alpha": -5}, r"alpha: expected a finite number in \(0, inf\)"),
+    ({"gamma": float("inf")}, "gamma: expected a finite number"),
+    ({"adv_lr": float("nan")}, "adv_lr: expected a finite number"),
+    ({"adv_steps": 1.5}, "adv_steps: expected an integer"),
+    ({"a1": float("nan")}, "a1: expected a number"),
+    ({"layers": [99]}, r"layers: expected mixing layers within \[0, 3\]"),
+])
+def test_bad_hyper_parameters_name_the_argument(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        CAT(tiny_model("bert"), **kwargs)

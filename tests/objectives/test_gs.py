@@ -277,3 +277,28 @@ def test_pruned_last_layer_gives_the_same_loss_and_gradients(arch, representatio
         torch.testing.assert_close(info_p[key], info_f[key], rtol=1e-10, atol=1e-12)
     assert grad_f.abs().max() > 1e-6
     torch.testing.assert_close(grad_p, grad_f, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("pairs, error, message", [
+    (torch.tensor([1]), ValueError, r"pairs: expected shape \(4,\)"),
+    (torch.tensor([1, 0, 3]), ValueError, r"pairs: expected shape \(4,\)"),
+    (torch.tensor([1, 0, 3, 4]), ValueError, r"pairs: expected partner indices in \[-1, 4\)"),
+    (torch.tensor([1, 0, -2, -1]), ValueError, r"pairs: expected partner indices in \[-1, 4\)"),
+    (torch.tensor([1.0, 0.0, 3.0, 2.0]), TypeError, "pairs: expected an integer tensor"),
+    ([1, 0, 3, 2], TypeError, "pairs: expected an integer torch.Tensor"),
+])
+def test_bad_pairs_are_clear_errors(pairs, error, message):
+    model = tiny_model("bert", attn="eager").eval()
+    batch = tiny_batch("bert", batch=4)
+    gs = GradientSupervision(model)
+    with pytest.raises(error, match=message):
+        gs(batch, pairs)
+    gs(batch, torch.tensor([1, 0, -1, 2], dtype=torch.int32))  # any integer dtype, -1 = none
+
+
+def test_bad_hyper_parameters_name_the_argument():
+    model = tiny_model("bert", attn="eager")
+    with pytest.raises(ValueError, match=r"weight: expected a finite number in \[0, inf\)"):
+        GradientSupervision(model, weight=-1.0)
+    with pytest.raises(ValueError, match="eps: expected a finite number"):
+        GradientSupervision(model, eps=float("nan"))
