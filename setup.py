@@ -52,7 +52,7 @@ setup(
     version="0.1.0",
     description="Fast, exact counterfactual and debiasing training ops (CAT, gradient supervision) for PyTorch",
     packages=find_packages(include=["cat_fast", "cat_fast.*"]),
-    package_data={"cat_fast": ["data/cad/*", "data/cad/*/*", "data/cad/*/*/*", "data/cad/*/*/*/*"]},
+    package_data={"cat_fast": ["data/cad/*", "data/cad/*/*", "data/cad/*/*/*", "data/cad/*/*/*/*", "data/hans/*"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.9",

@@ -22,6 +22,6 @@ def __getattr__(name):
 
     if name in _LAZY:
         return getattr(importlib.import_module(f"cat_fast.{_LAZY[name]}"), name)
-    if name in ("objectives", "models", "layers", "integrations", "data", "analysis", "kernels", "cli"):
+    if name in ("objectives", "models", "layers", "integrations", "data", "analysis", "kernels", "cli", "bias"):
         return importlib.import_module(f"cat_fast.{name}")
     raise AttributeError(f"module 'cat_fast' has no attribute {name!r}")

@@ -70,3 +70,10 @@ def test_import_without_triton_or_extension_still_works():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.splitlines() == ["('reference',)", "torch.Size([2, 3, 4])"]
+
+
+def test_loss_kernel_schemas_take_ignore_index_last_with_its_default():
+    """cal_objective_* and crm_loss_* take `int ignore_index=-100` last: the kernels skip those rows themselves,
+    and callers of the earlier schemas (LibTorch, the CMake library's users) keep working."""
+    for name in ("cal_objective_forward", "cal_objective_backward", "crm_loss_forward", "crm_loss_backward"):
+        assert _registry.SCHEMAS[name].split(") -> ")[0].endswith(", int ignore_index=-100"), name

@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                description="Train and evaluate text classifiers with counterfactual and debiasing objectives (CAT, "
                            "gradient supervision) on the built-in CAD data or your own files.")
     p.add_argument("--version", action="version", version=f"cat-fast {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="{train,eval}", parser_class=Parser)
+    sub = p.add_subparsers(dest="command", metavar="{train,eval,bias}", parser_class=Parser)
     sub.required = True
 
     t = sub.add_parser("train", help="train a classifier", formatter_class=fmt,
@@ -161,6 +161,35 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--crm-lr", type=float, default=2e-5, help="learning rate of the CRM step with --cat-update "
                    "alternate")
     g.add_argument("--gs-weight", type=float, default=1.0, help="weight of the GS loss (gs, gs-random, cat-gs)")
+    b = t.add_argument_group("bias-model methods (poe, reweight, reweight-inverse, learned-mixin, conf-reg)")
+    b.add_argument("--bias", metavar="FILE", help="the bias model's predictions for the training examples (written by "
+                   "`cat-fast bias fit`; rows matched by example id)")
+    b.add_argument("--teacher", metavar="DIR", help="conf-reg: a trained classifier whose probabilities are the "
+                   "targets")
+    b.add_argument("--entropy-weight", type=float, default=0.03, help="learned-mixin: weight of the entropy penalty")
+
+    bias = sub.add_parser("bias", help="bias models for the bias-model methods", formatter_class=fmt,
+                          description="Bias models (see `python -m pydoc cat_fast.cli.bias`).")
+    bsub = bias.add_subparsers(dest="bias_command", metavar="{fit}", parser_class=Parser)
+    bsub.required = True
+    f = bsub.add_parser("fit", help="write a bias model's predictions for the training examples", formatter_class=fmt,
+                        description="Fit a bias model on the training data and write its per-example "
+                                    "log-probabilities to DIR/bias.jsonl (for train --bias DIR).")
+    f.add_argument("--kind", required=True, choices=("overlap", "column"),
+                   help="overlap: word-overlap features + logistic regression (NLI); column: a classifier trained on "
+                        "one column (--model)")
+    f.add_argument("--task", choices=("sentiment", "nli"), help="built-in CAD data (or CAD-format --train files)")
+    f.add_argument("--train", nargs="+", metavar="FILE", help="training data (default with --task: the built-in "
+                   "CAD train split)")
+    _columns(f)
+    f.add_argument("--model", metavar="DIR", help="--kind column: the classifier trained on that column")
+    f.add_argument("--column", default="text_pair", help="--kind column: the column it reads (text, text_pair or a "
+                   "column name)")
+    f.add_argument("--C", type=float, default=100.0, help="--kind overlap: inverse L2 strength (Clark's C)")
+    f.add_argument("--batch-size", type=positive_int, default=64, help="--kind column: examples per batch")
+    f.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when available")
+    f.add_argument("--out", required=True, metavar="DIR", help="output directory (bias.jsonl, bias_meta.json)")
+    f.add_argument("--overwrite", action="store_true", help="replace an existing --out that cat-fast wrote")
 
     e = sub.add_parser("eval", help="evaluate a trained classifier", formatter_class=fmt,
                        description="Evaluate a checkpoint written by `cat-fast train`.")
@@ -190,6 +219,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "train":
             train(args)
+        elif args.command == "bias":
+            from .bias import fit
+
+            fit(args)
         else:
             evaluate(args)
     except (DataError, ModelLoadError, CliError) as e:

@@ -12,8 +12,8 @@ import sys
 import tempfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["CliError", "TrainingFailed", "MARKER", "mark_output", "Parser", "fail", "AtomicDir", "CHECKPOINT_META", "DATA_MODES", "parse_evals", "get_device",
-           "setup_device", "seed_everything", "autocast", "to_device", "predict", "accuracy", "EvalSet",
+__all__ = ["CliError", "TrainingFailed", "PRESETS", "MARKER", "mark_output", "Parser", "fail", "AtomicDir", "CHECKPOINT_META", "DATA_MODES", "parse_evals", "get_device",
+           "setup_device", "seed_everything", "autocast", "to_device", "predict", "predict_probs", "accuracy", "EvalSet",
            "plot", "write_json", "save_checkpoint", "int_at_least", "positive_int", "nonneg_int", "int_list"]
 
 
@@ -85,9 +85,16 @@ def int_list(s: str) -> List[int]:
 EVAL_RE = re.compile(r"^([A-Za-z0-9_.\-]+)=(.+)$")
 
 
+PRESETS = ("hans",)  # --eval NAME without a file: a challenge set shipped with cat_fast
+
+
 def parse_evals(specs: Sequence[str], reserved: Sequence[str] = ()) -> List[Tuple[str, str]]:
     out, seen = [], set(reserved)
     for s in specs:
+        if s in PRESETS and s not in seen:
+            seen.add(s)
+            out.append((s, None))
+            continue
         m = EVAL_RE.match(s)
         if not m:
             raise CliError(f"--eval expects NAME=FILE (NAME of letters, digits, '_', '-', '.'), got {s!r}")
@@ -264,6 +271,29 @@ def predict(model, tokenized, batch_size: int, device, bf16: bool = False) -> Li
     return preds
 
 
+def predict_probs(model, tokenized, batch_size: int, device, bf16: bool = False):
+    """Class probabilities [N, C] (float32, CPU) for every example of a TokenizedData, in its order."""
+    import torch
+
+    from ..data import Collator
+
+    collate = Collator(tokenized.tokenizer)
+    order = sorted(range(len(tokenized)), key=lambda i: (len(tokenized.features[i]["input_ids"]), i))
+    out = torch.empty(len(tokenized), model.config.num_labels)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for s in range(0, len(order), batch_size):
+            idx = order[s:s + batch_size]
+            batch = collate([tokenized[i] for i in idx])
+            batch.pop("labels")
+            with autocast(device, bf16):
+                logits = model(**to_device(batch, device)).logits
+            out[torch.tensor(idx)] = logits.float().softmax(-1).cpu()
+    model.train(was_training)
+    return out
+
+
 def accuracy(preds: Sequence[int], labels: Sequence[int], mask: Optional[Sequence[bool]] = None) -> Dict:
     pairs = [(p, y) for k, (p, y) in enumerate(zip(preds, labels)) if mask is None or mask[k]]
     n = len(pairs)
@@ -281,6 +311,11 @@ class EvalSet:
 
     def evaluate(self, model, batch_size, device, bf16) -> Dict[str, Dict]:
         preds = predict(model, self.tokenized, batch_size, device, bf16)
+        if self.name == "hans" and hasattr(self.data, "heuristic"):  # accuracy by heuristic x label, as HANS reports
+            from ..data import score_hans
+
+            names = [model.config.id2label[i] for i in range(model.config.num_labels)]
+            return score_hans(preds, self.data, names)
         out = {self.name: accuracy(preds, self.data.labels)}
         if self.split_orig_edit:
             out[f"{self.name}_orig"] = accuracy(preds, self.data.labels, self.data.is_orig)

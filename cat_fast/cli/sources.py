@@ -59,9 +59,12 @@ class Source:
             raise CliError("--labels is needed to read these files (or a checkpoint that names its labels)")
         return tuple(train.label_names)
 
-    def read(self, path: str, labels: Optional[Sequence[str]] = None, split: Optional[str] = None):
-        """An evaluation / dev file (pairing not required)."""
+    def read(self, path: Optional[str], labels: Optional[Sequence[str]] = None, split: Optional[str] = None):
+        """An evaluation / dev file (pairing not required); ``None``: the shipped HANS-style set (``--eval hans``)."""
         from .. import data as D
+
+        if path is None:
+            return D.load_hans()
 
         if not self.custom:
             return D.load_eval(self.task, path)

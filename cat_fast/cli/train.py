@@ -25,6 +25,7 @@ from .common import (
     mark_output,
     parse_evals,
     plot,
+    predict_probs,
     save_checkpoint,
     seed_everything,
     setup_device,
@@ -39,7 +40,7 @@ FLOAT_OPTIONS = {  # option dest -> (flag, lowest allowed, open at the low end)
     "lr_warmup_ratio": ("--lr-warmup-ratio", 0.0, False), "max_grad_norm": ("--max-grad-norm", 0.0, False),
     "alpha": ("--alpha", 0.0, True), "beta": ("--beta", 0.0, True), "gamma": ("--gamma", None, False),
     "eta": ("--eta", None, False), "adv_lr": ("--adv-lr", 0.0, False), "crm_lr": ("--crm-lr", 0.0, False),
-    "gs_weight": ("--gs-weight", 0.0, False),
+    "gs_weight": ("--gs-weight", 0.0, False), "entropy_weight": ("--entropy-weight", 0.0, False),
 }
 
 
@@ -76,7 +77,7 @@ def _report_skipped(name: str, data) -> None:
         sys.stderr.write(f"cat-fast: warning: {name}: skipped {skipped} row(s) with empty text ({where})\n")
 
 
-def _stream_parts(tokenized, tokenizer, epoch_batches, partners):
+def _stream_parts(tokenized, tokenizer, epoch_batches, partners, rows=None):
     """A dataset, a batch sampler and a collate function over the batches of every epoch in order (keys are
     (epoch, index); the collate function pairs each sample with its counterfactual chosen for that epoch)."""
     import torch
@@ -109,7 +110,11 @@ def _stream_parts(tokenized, tokenizer, epoch_batches, partners):
         epoch = items[0]["epoch"]
         if epoch not in collators:
             collators[epoch] = D.Collator(tokenizer, partner=partners(epoch) if partners else None)
-        return collators[epoch]([{k: v for k, v in it.items() if k != "epoch"} for it in items])
+        batch = collators[epoch]([{k: v for k, v in it.items() if k != "epoch"} for it in items])
+        index = torch.tensor([it["index"] for it in items])
+        for name, table in (rows or {}).items():  # per-example tensors: the bias model's, the teacher's
+            batch[name] = table.index_select(0, index)
+        return batch
 
     return Items(), Stream(), collate
 
@@ -154,6 +159,21 @@ def train(args) -> Dict:
                "revised files after the originals")
         raise CliError(f"--method {method} needs counterfactual pairs in the training data, found none ({why})")
     label_names = source.label_names(train_data)
+    rows = {}
+    if getattr(entry.cls, "needs_bias", False):
+        if not args.bias:
+            raise CliError(f"--method {method} needs --bias FILE: a bias model's predictions for the training examples "
+                           "(write them with `cat-fast bias fit`)")
+        from ..bias import load_bias
+
+        try:
+            from .bias import resolve
+
+            rows["bias"] = load_bias(resolve(args.bias), ids=train_data.ids, label_names=list(label_names), extra="ignore")
+        except (ValueError, OSError) as error:
+            raise CliError(f"--bias {args.bias}: {error}") from error
+    elif args.bias:
+        raise CliError(f"--bias is for the bias-model methods (poe, reweight, learned-mixin, conf-reg), not {method}")
     dev_data = source.read(args.dev, labels=label_names) if args.dev else source.builtin_dev()
     eval_data = [(name, source.read(path, labels=label_names)) for name, path in evals]
     for name, d in ([("dev", dev_data)] if dev_data is not None else []) + eval_data:
@@ -166,6 +186,20 @@ def train(args) -> Dict:
                                        label_names=tuple(label_names))
     check_max_length(args.max_length, model, pairs=train_data.text_pair is not None)
     model.to(device)
+    if getattr(entry.cls, "needs_teacher", False):
+        if not args.teacher:
+            raise CliError(f"--method {method} needs --teacher DIR: a classifier trained on the same labels (e.g. by "
+                           "`cat-fast train --method erm`) whose probabilities are the targets")
+        teacher, _ = load_classifier(args.teacher, None)
+        names = tuple(teacher.config.id2label[i] for i in range(teacher.config.num_labels))
+        if names != tuple(label_names):
+            raise CliError(f"--teacher {args.teacher}: its labels {list(names)} are not the data's {list(label_names)}")
+        rows["teacher_probs"] = predict_probs(teacher.to(device), D.TokenizedData(train_data, tokenizer,
+                                                                                   args.max_length),
+                                              args.eval_batch_size, device, args.bf16)
+        del teacher
+    elif args.teacher:
+        raise CliError(f"--teacher is for --method conf-reg, not {method}")
 
     train_tok = D.TokenizedData(train_data, tokenizer, args.max_length)
     dev_set = None if dev_data is None else EvalSet("dev", dev_data, tokenizer, args.max_length,
@@ -197,7 +231,7 @@ def train(args) -> Dict:
         raise CliError(f"--method {method}: {error}") from error
 
     decay, no_decay = [], []
-    for _, p in model.named_parameters():
+    for p in list(model.parameters()) + list(objective.parameters()):  # an objective's own (a learned gate) too
         if p.requires_grad:
             (no_decay if p.ndim < 2 else decay).append(p)
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
@@ -211,7 +245,7 @@ def train(args) -> Dict:
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
     partners = (lambda epoch: train_data.choose_partners(args.seed + epoch)) if use_pairs else None
-    items, stream, collate = _stream_parts(train_tok, tokenizer, epoch_batches, partners)
+    items, stream, collate = _stream_parts(train_tok, tokenizer, epoch_batches, partners, rows)
 
     config = {k: v for k, v in vars(args).items() if k not in ("command",)}
     config.update(data=data_mode, out=out, attn=attn or "default", device=str(device), task=source.name)
@@ -338,7 +372,7 @@ def _history(logs: List[Dict], ends: List[int], cat_active_from: int, method: st
     evals = {int(h["cat_fast_epoch"]): h for h in logs if "cat_fast_epoch" in h}
     for e, end in enumerate(ends, 1):
         steps = [h for h in logs if "loss" in h and start < h.get("step", 0) <= end]
-        info_keys = sorted({k for h in steps for k in h if "/" in k})
+        info_keys = sorted({k for h in steps for k in h if "/" in k and not k.startswith("eval/")})
         ev = evals.get(e, {})
         names = sorted({k.split("/")[1] for k in ev if k.startswith("eval/")})
         history.append({

@@ -5,6 +5,7 @@ The shipped CAD files (Kaushik et al., ICLR 2020; Apache-2.0) live in ``cat_fast
 :mod:`cat_fast.data.tables` for users' own files (:func:`load_table`: CSV, TSV, JSON Lines, Hugging Face dataset
 folders; any label set, optional groups of counterfactuals) and :mod:`cat_fast.data.batching` for how batches keep
 pairs together (:class:`GroupBatchSampler`, :func:`group_batches`).
+:mod:`cat_fast.data.hans` ships a HANS-style NLI challenge set (:func:`load_hans`) and scores models on it (:func:`score_hans`).
 
 Typical use::
 
@@ -26,6 +27,9 @@ Your own data instead of the built-in files::
 from . import batching, core, tables
 from .batching import *  # noqa: F401,F403  (the public names are listed in each module's __all__)
 from .core import *  # noqa: F401,F403
+from .hans import *  # noqa: F401,F403
+from .hans import __all__ as _hans_all
 from .tables import *  # noqa: F401,F403
 
 __all__ = core.__all__ + batching.__all__ + tables.__all__
+__all__ += _hans_all

@@ -35,7 +35,7 @@ from ..objectives import double_backward_error, pair_by_group
 
 __all__ = ["ObjectiveTrainer", "CATTrainer", "GSTrainer", "NonFiniteLossError", "OBJECTIVE_STATE"]
 
-EXTRA_COLUMNS = ("pairs", "pair_group", "context_mask")
+EXTRA_COLUMNS = ("pairs", "pair_group", "context_mask", "bias", "teacher_probs")
 OBJECTIVE_STATE = "cat_fast_objective.pt"  # the objective's state inside a checkpoint folder
 
 

@@ -11,7 +11,8 @@ __all__ = ["TARGET_KEYS", "model_inputs", "sync_free_inputs", "logits_of", "logi
 
 
 # Batch keys that are targets or cat_fast metadata, never passed to the model's forward.
-TARGET_KEYS = ("labels", "start_positions", "end_positions", "pairs", "context_mask")
+TARGET_KEYS = ("labels", "start_positions", "end_positions", "pairs", "pair_group", "context_mask", "bias",
+               "teacher_probs")
 
 
 def model_inputs(batch) -> dict:

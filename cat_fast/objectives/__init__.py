@@ -2,6 +2,7 @@
 
 - `CAT` (`cat`, with its CUDA-graph CAL loop in `cat_graphs`): counterfactual adversarial training, docs/METHODS.md §1;
 - `GradientSupervision` (`gs`): gradient supervision, docs/METHODS.md §2;
+- `PoE`, `Reweight`, `LearnedMixin`, `ConfidenceRegularization` (`debias`): bias-model losses, docs/METHODS.md §4;
 - `ERM` (`erm`): the model's own loss.
 
 ``build("cat-star", model)`` makes a registered objective; ``names()`` lists them; the CLI and the Trainer
@@ -9,11 +10,13 @@ classes use the same registry. Adding a method: subclass `Objective` (`base`), t
 """
 from .base import Entry, Objective, build, get, names, register
 from .cat import CAT, default_layers
+from .debias import BiasObjective, ConfidenceRegularization, LearnedMixin, PoE, Reweight
 from .erm import ERM
 from .gs import DOUBLE_BACKWARD_HINT, GradientSupervision, double_backward_error, pair_by_group
 
 __all__ = ["Objective", "Entry", "register", "get", "names", "build", "CAT", "default_layers", "ERM",
-           "GradientSupervision", "pair_by_group", "double_backward_error", "DOUBLE_BACKWARD_HINT"]
+           "GradientSupervision", "pair_by_group", "double_backward_error", "DOUBLE_BACKWARD_HINT", "BiasObjective",
+           "PoE", "Reweight", "LearnedMixin", "ConfidenceRegularization"]
 
 register("erm", ERM, "the model's own cross-entropy")
 register("erm-orig", ERM, "the model's own cross-entropy, trained on originals only", data="orig")
@@ -24,3 +27,9 @@ register("cat-gs", CAT, "CAT + gradient supervision on the CMIX pair", warmup=Tr
 register("gs", GradientSupervision, "gradient supervision on counterfactual pairs", eager_attention=True)
 register("gs-random", GradientSupervision, "gradient supervision on random pairs (the paper's ablation)",
          eager_attention=True, random_pairs=True)
+register("poe", PoE, "product of experts with a bias model (--bias)")
+register("reweight", Reweight, "examples reweighted by 1 - p_bias(y) (--bias)")
+register("reweight-inverse", Reweight, "examples reweighted by 1 / p_bias(y), the mediation paper's code (--bias)",
+         weight="inverse")
+register("learned-mixin", LearnedMixin, "learned-mixin +H with a bias model (--bias)")
+register("conf-reg", ConfidenceRegularization, "confidence regularisation (--bias, --teacher)")

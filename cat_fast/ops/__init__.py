@@ -1,14 +1,19 @@
 """The fused ops of cat_fast: plain functions on tensors, for your own objectives.
 
 Each validates its arguments (`validate`), then runs on the backend `backend.select` picks (`reference`, `cpp`,
-`cuda`, `triton`; `cat_fast.backends()`, `cat_fast.use_backend()`). Adding an op: CONTRIBUTING.md.
+`cuda`, `triton`; `cat_fast.backends()`, `cat_fast.use_backend()`). `modules` has their `torch.nn.Module` wrappers
+(`CMix`, `CALObjective`, `CRMLoss`, `GSCosineLoss`). The bias-model losses (`bias_losses`) run their reference
+composite on every device for now. Adding an op: CONTRIBUTING.md.
 """
 from .backend import backends, use_backend
+from .bias_losses import confidence_regularization_loss, learned_mixin_loss, poe_loss, reweight_loss
 from .cal_objective import cal_objective
 from .cal_step import cal_step_
 from .cmix import MASK_MODES, cmix
 from .crm_loss import crm_loss, crm_weights
 from .gs_cosine_loss import gs_cosine_loss
+from .modules import CALObjective, CMix, CRMLoss, GSCosineLoss
 
 __all__ = ["cmix", "cal_objective", "cal_step_", "crm_loss", "crm_weights", "gs_cosine_loss", "MASK_MODES",
-           "backends", "use_backend"]
+           "CMix", "CALObjective", "CRMLoss", "GSCosineLoss", "backends", "use_backend", "poe_loss", "reweight_loss",
+           "learned_mixin_loss", "confidence_regularization_loss"]

@@ -65,14 +65,43 @@ registry.register(
 )
 
 
+LAM_FORMS = ("lam may be a number, a 0-d tensor, or a tensor of shape [B], [B, 1], [B, T], [1, T], [B, T, 1] "
+             "(any size-B dim may be 1): per-sample or per-token lambda; per-feature [B, D] lambda is not supported")
+
+
+def _lam_rows(lam, h):
+    """Check `lam` and return it as the tensor the kernels take: [B] (per sample) or [B, T] (per token).
+
+    A number becomes a [B] tensor in the accumulation dtype of h; a tensor is reshaped and expanded (a view, so
+    that autograd returns its gradient in lam's own shape)."""
+    batch, tokens, _ = h.shape
+    if not isinstance(lam, torch.Tensor):
+        if isinstance(lam, bool) or not isinstance(lam, (int, float)):
+            raise TypeError(f"lam: expected a torch.Tensor or a number, got {type(lam).__name__}")
+        return torch.full((batch,), float(lam), dtype=registry.acc_dtype(h.dtype), device=h.device)
+    validate.tensor("lam", lam)
+    shape = tuple(lam.shape)
+    if shape == (batch,) or shape == (batch, tokens):
+        return lam
+    if lam.dim() > 3:
+        raise ValueError(f"lam: expected at most 3 dimensions ({LAM_FORMS}), got shape {shape}")
+    if lam.dim() >= 1 and shape[0] not in (batch, 1):
+        raise ValueError(f"lam: expected size {batch} (or 1) in dim 0 (batch size B of h; {LAM_FORMS}), got shape {shape}")
+    if lam.dim() >= 2 and shape[1] not in (tokens, 1):
+        raise ValueError(f"lam: expected size {tokens} (or 1) in dim 1 (sequence length T of h, per-token lambda; "
+                         f"{LAM_FORMS}), got shape {shape}")
+    if lam.dim() == 3 and shape[2] != 1:
+        raise ValueError(f"lam: expected size 1 in dim 2 ({LAM_FORMS}), got shape {shape}")
+    if lam.dim() >= 2 and shape[1] != 1:  # per token
+        return lam.reshape(shape[0], tokens).expand(batch, tokens)
+    return lam.reshape(shape[:1]).expand(batch)  # per sample (a 0-d lam gives shape (), expanded alike)
+
+
 def _validate_args(h, lam, partner, mask, mask_mode):
     validate.tensor("h", h, ndims=(3,))
     validate.nonempty_batch("h", h)
     batch, tokens, _ = h.shape
-    validate.tensor("lam", lam, ndims=(1, 2))
-    validate.size("lam", lam, 0, batch, "batch size B of h")
-    if lam.dim() == 2:
-        validate.size("lam", lam, 1, tokens, "sequence length T of h, per-token lambda")
+    lam = _lam_rows(lam, h)
     validate.tensor("partner", partner, ndims=(1,), dtypes=(torch.int64, torch.int32))
     validate.shape("partner", partner, (batch,), "one partner index per sample")
     if mask is not None:
@@ -83,17 +112,20 @@ def _validate_args(h, lam, partner, mask, mask_mode):
     validate.choice("mask_mode", mask_mode, MASK_MODES)
     validate.same_device(h=h, lam=lam, partner=partner, mask=mask)
     validate.index_range("partner", partner, batch, "indices into the batch")
+    return lam
 
 
 def cmix(h, lam, partner, mask=None, mask_mode="self"):
     """Mix each sample's hidden states with its partner's: `h_mix[i] = lam_i * h[partner[i]] + (1 - lam_i) * h[i]`.
 
-    h: [B, T, D] float. lam: [B] (per sample) or [B, T] (per token). partner: int64 [B], any indices
+    h: [B, T, D] float. lam: per sample or per token — a number, a 0-d tensor, or a float tensor that broadcasts
+    to [B] or [B, T]: [B], [B, 1], [B, T], [1, T], [B, T, 1] (a size-B dim may be 1); gradients w.r.t. a tensor lam
+    come back in its own shape. Per-feature [B, D] lambda is not supported. partner: int64 [B], any indices
     into the batch (repeats allowed). mask: [B, T] bool/int (1 = real token) or None; mask_mode picks
     the mixed sequence's mask: `self`, `partner`, `union` or `intersection`.
     Returns (h_mix, mask_mix); mask_mix has the dtype of mask (None when mask is None).
     """
-    _validate_args(h, lam, partner, mask, mask_mode)
+    lam = _validate_args(h, lam, partner, mask, mask_mode)
     partner = partner.long()
     backend = select("cmix", h.device)
     if backend == "reference":

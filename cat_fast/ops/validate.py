@@ -6,6 +6,7 @@ labels) would force a GPU->CPU sync, so they run only on CPU tensors, or on CUDA
 `CAT_FAST_DEBUG=1` (the CUDA kernels can also be built with `-DCAT_FAST_DEVICE_CHECKS` for
 device-side asserts).
 """
+import math
 import os
 
 import torch
@@ -53,12 +54,19 @@ def shape(name, value, expected, what):
         raise ValueError(f"{name}: expected shape {tuple(expected)} ({what}), got {tuple(value.shape)}")
 
 
-def index_range(name, value, upper, what):
+def index_range(name, value, upper, what, ignore_index=None):
+    """Values of `value` in [0, upper); with `ignore_index`, that value is allowed too (rows to skip)."""
     if value.numel() == 0 or not _can_read_values(value):
         return
     low, high = int(value.min()), int(value.max())
+    if (low < 0 or high >= upper) and ignore_index is not None:  # look again without the ignored values
+        kept = value[value != ignore_index]
+        if kept.numel() == 0:
+            return
+        low, high = int(kept.min()), int(kept.max())
     if low < 0 or high >= upper:
-        raise ValueError(f"{name}: expected values in [0, {upper}) ({what}), got values in [{low}, {high}]")
+        also = "" if ignore_index is None else f" or ignore_index={ignore_index}"
+        raise ValueError(f"{name}: expected values in [0, {upper}) ({what}){also}, got values in [{low}, {high}]")
 
 
 def choice(name, value, options):
@@ -72,12 +80,29 @@ def number(name, value):
     return float(value)
 
 
+def not_nan(name, value):
+    """A number (see `number`) that is not NaN; +-inf are allowed. Returns it as a float."""
+    value = number(name, value)
+    if math.isnan(value):
+        raise ValueError(f"{name}: expected a number that is not NaN (+-inf allowed), got nan")
+    return value
+
+
+def index_value(name, value):
+    """A Python int (not a bool) that fits in int64, e.g. `ignore_index`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(f"{name}: expected an int64 value, got {value}")
+    return value
+
+
 def nonempty_batch(name, value):
     if value.shape[0] == 0:
         raise ValueError(f"{name}: expected at least one row (batch size B >= 1), got shape {tuple(value.shape)}")
 
 
-def classes(name, logits, labels):
+def classes(name, logits, labels, ignore_index=None):
     tensor(name, logits, ndims=(2,))
     nonempty_batch(name, logits)
     if logits.shape[1] < 1:
@@ -85,4 +110,4 @@ def classes(name, logits, labels):
     tensor("labels", labels, ndims=(1,), dtypes=(torch.int64, torch.int32))
     same_device(**{name: logits, "labels": labels})
     size("labels", labels, 0, logits.shape[0], f"batch size of {name}")
-    index_range("labels", labels, logits.shape[1], f"class indices of {name}")
+    index_range("labels", labels, logits.shape[1], f"class indices of {name}", ignore_index)

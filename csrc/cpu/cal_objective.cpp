@@ -1,14 +1,15 @@
 // CPU kernels and op schemas of cal_objective (cal_objective_forward, cal_objective_backward).
 // Contract: docs/KERNELS.md "cal_objective"; CUDA kernels: csrc/cuda/cal_objective.cu.
 // Every output element is written by exactly one thread with a fixed summation order, so results
-// do not depend on the number of threads.
+// do not depend on the number of threads. Rows whose label == ignore_index: 0 and a zero gradient row. Phi's
+// subgradient goes to the first index of the row maximum (row_softmax's argmax).
 #include <torch/library.h>
 
 #include "kernel_utils.h"
 
 TORCH_LIBRARY_FRAGMENT(cat_fast, m) {
-  m.def("cal_objective_forward(Tensor logits, Tensor labels, float gamma, float eta) -> Tensor");
-  m.def("cal_objective_backward(Tensor grad, Tensor logits, Tensor labels, float gamma, float eta) -> Tensor");
+  m.def("cal_objective_forward(Tensor logits, Tensor labels, float gamma, float eta, int ignore_index=-100) -> Tensor");
+  m.def("cal_objective_backward(Tensor grad, Tensor logits, Tensor labels, float gamma, float eta, int ignore_index=-100) -> Tensor");
 }
 
 namespace cat_fast {
@@ -22,7 +23,8 @@ void check_logits(const char* op, const at::Tensor& logits, const at::Tensor& la
   check_labels(labels, logits.size(0), op);
 }
 
-at::Tensor cal_objective_forward(const at::Tensor& logits, const at::Tensor& labels, double gamma, double eta) {
+at::Tensor cal_objective_forward(const at::Tensor& logits, const at::Tensor& labels, double gamma, double eta,
+                                 int64_t ignore_index) {
   check_logits("cal_objective_forward", logits, labels);
   const int64_t B = logits.size(0), C = logits.size(1);
   at::Tensor out = at::empty({B}, logits.options().dtype(acc_dtype(logits.scalar_type())));
@@ -36,6 +38,10 @@ at::Tensor cal_objective_forward(const at::Tensor& logits, const at::Tensor& lab
       for (int64_t i = begin; i < end; ++i) {
         const scalar_t* z = zp + i * C;
         const int64_t y = yp[i];
+        if (y == ignore_index) {  // ignored row: 0
+          op[i] = acc_t(0);
+          continue;
+        }
         TORCH_CHECK(y >= 0 && y < C, "cal_objective_forward: label ", y, " out of [0, ", C, ")");
         const RowSoftmax<acc_t> st = row_softmax<scalar_t>(z, C);
         const acc_t ce = st.m + std::log(st.s) - static_cast<acc_t>(z[y]);
@@ -47,7 +53,7 @@ at::Tensor cal_objective_forward(const at::Tensor& logits, const at::Tensor& lab
 }
 
 at::Tensor cal_objective_backward(const at::Tensor& grad_in, const at::Tensor& logits, const at::Tensor& labels,
-                                  double gamma, double eta) {
+                                  double gamma, double eta, int64_t ignore_index) {
   check_logits("cal_objective_backward", logits, labels);
   const int64_t B = logits.size(0), C = logits.size(1);
   TORCH_CHECK(grad_in.numel() == B, "cal_objective_backward: grad must have shape [B]");
@@ -64,12 +70,16 @@ at::Tensor cal_objective_backward(const at::Tensor& grad_in, const at::Tensor& l
       for (int64_t i = begin; i < end; ++i) {
         const scalar_t* z = zp + i * C;
         const int64_t y = yp[i];
+        scalar_t* o = op + i * C;
+        if (y == ignore_index) {  // ignored row: zero gradient
+          for (int64_t c = 0; c < C; ++c) o[c] = static_cast<scalar_t>(0);
+          continue;
+        }
         TORCH_CHECK(y >= 0 && y < C, "cal_objective_backward: label ", y, " out of [0, ", C, ")");
-        const RowSoftmax<acc_t> st = row_softmax<scalar_t>(z, C);
+        const RowSoftmax<acc_t> st = row_softmax<scalar_t>(z, C);  // st.argmax: the FIRST index of the max
         const acc_t inv_s = acc_t(1) / st.s;  // = pmax
         const acc_t gi = gp[i];
         const acc_t e_pmax = e * inv_s;
-        scalar_t* o = op + i * C;
         for (int64_t c = 0; c < C; ++c) {
           const acc_t p = std::exp(static_cast<acc_t>(z[c]) - st.m) * inv_s;
           const acc_t v = g * (p - (c == y ? acc_t(1) : acc_t(0))) +

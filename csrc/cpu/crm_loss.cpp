@@ -1,7 +1,8 @@
 // CPU kernels and op schemas of crm_loss (crm_loss_forward, crm_loss_backward).
 // Contract: docs/KERNELS.md "crm_loss"; CUDA kernels: csrc/cuda/crm_loss.cu.
 // Every output element is written by exactly one thread with a fixed summation order, so results
-// do not depend on the number of threads.
+// do not depend on the number of threads. Rows whose label == ignore_index: loss 0, zero gradients, not counted
+// by the mean. Phi's subgradient goes to the first index of the row maximum (row_softmax's argmax).
 #include <torch/library.h>
 
 #include <vector>
@@ -9,13 +10,20 @@
 #include "kernel_utils.h"
 
 TORCH_LIBRARY_FRAGMENT(cat_fast, m) {
-  m.def("crm_loss_forward(Tensor logits, Tensor cf_logits, Tensor labels, float a1, float a2, int reduction, bool detach_weight) -> (Tensor, Tensor)");
-  m.def("crm_loss_backward(Tensor grad, Tensor logits, Tensor cf_logits, Tensor labels, Tensor stats, float a1, float a2, int reduction, bool detach_weight) -> (Tensor, Tensor)");
+  m.def("crm_loss_forward(Tensor logits, Tensor cf_logits, Tensor labels, float a1, float a2, int reduction, bool detach_weight, int ignore_index=-100) -> (Tensor, Tensor)");
+  m.def("crm_loss_backward(Tensor grad, Tensor logits, Tensor cf_logits, Tensor labels, Tensor stats, float a1, float a2, int reduction, bool detach_weight, int ignore_index=-100) -> (Tensor, Tensor)");
 }
 
 namespace cat_fast {
 namespace cpu {
 namespace {
+
+// Number of rows whose label is not ignore_index (the divisor of the mean).
+int64_t count_kept(const int64_t* labels, int64_t B, int64_t ignore_index) {
+  int64_t kept = 0;
+  for (int64_t i = 0; i < B; ++i) kept += labels[i] != ignore_index;
+  return kept;
+}
 
 void check_crm(const char* op, const at::Tensor& logits, const at::Tensor& cf_logits, const at::Tensor& labels,
                int64_t reduction) {
@@ -31,7 +39,8 @@ void check_crm(const char* op, const at::Tensor& logits, const at::Tensor& cf_lo
 
 std::tuple<at::Tensor, at::Tensor> crm_loss_forward(const at::Tensor& logits, const at::Tensor& cf_logits,
                                                     const at::Tensor& labels, double a1, double a2,
-                                                    int64_t reduction, bool /*detach_weight: backward only*/) {
+                                                    int64_t reduction, bool /*detach_weight: backward only*/,
+                                                    int64_t ignore_index) {
   check_crm("crm_loss_forward", logits, cf_logits, labels, reduction);
   const int64_t B = logits.size(0), C = logits.size(1);
   const auto acc_opts = logits.options().dtype(acc_dtype(logits.scalar_type()));
@@ -50,25 +59,26 @@ std::tuple<at::Tensor, at::Tensor> crm_loss_forward(const at::Tensor& logits, co
       for (int64_t i = begin; i < end; ++i) {
         const scalar_t* z = zp + i * C;
         const int64_t y = yp[i];
-        TORCH_CHECK(y >= 0 && y < C, "crm_loss_forward: label ", y, " out of [0, ", C, ")");
+        const bool ignored = y == ignore_index;  // loss 0, ce 0 in stats (w, phi, phi_cf as for any row)
+        TORCH_CHECK(ignored || (y >= 0 && y < C), "crm_loss_forward: label ", y, " out of [0, ", C, ")");
         const RowSoftmax<acc_t> st = row_softmax<scalar_t>(z, C);
         const RowSoftmax<acc_t> sc = row_softmax<scalar_t>(cp + i * C, C);
         const acc_t phi = acc_t(1) / st.s;
         const acc_t phi_cf = acc_t(1) / sc.s;
         const acc_t w = std::min(std::max(phi / phi_cf, lo), hi);
-        const acc_t ce = st.m + std::log(st.s) - static_cast<acc_t>(z[y]);
+        const acc_t ce = ignored ? acc_t(0) : st.m + std::log(st.s) - static_cast<acc_t>(z[y]);
         sp[i * 4 + 0] = w;
         sp[i * 4 + 1] = ce;
         sp[i * 4 + 2] = phi;
         sp[i * 4 + 3] = phi_cf;
-        lp[i] = w * ce;
+        lp[i] = ignored ? acc_t(0) : w * ce;
       }
     });
     if (reduction != 0) {
-      // Serial sum in row order (deterministic), in double.
+      // Serial sum in row order (deterministic), in double; mean divides by the non-ignored rows (0 of them: NaN).
       double total = 0;
       for (int64_t i = 0; i < B; ++i) total += static_cast<double>(lp[i]);
-      if (reduction == 1) total /= static_cast<double>(B);
+      if (reduction == 1) total /= static_cast<double>(count_kept(yp, B, ignore_index));
       *loss.mutable_data_ptr<acc_t>() = static_cast<acc_t>(total);
     }
   });
@@ -78,7 +88,7 @@ std::tuple<at::Tensor, at::Tensor> crm_loss_forward(const at::Tensor& logits, co
 std::tuple<at::Tensor, at::Tensor> crm_loss_backward(const at::Tensor& grad_in, const at::Tensor& logits,
                                                      const at::Tensor& cf_logits, const at::Tensor& labels,
                                                      const at::Tensor& stats_in, double a1, double a2,
-                                                     int64_t reduction, bool detach_weight) {
+                                                     int64_t reduction, bool detach_weight, int64_t ignore_index) {
   check_crm("crm_loss_backward", logits, cf_logits, labels, reduction);
   const int64_t B = logits.size(0), C = logits.size(1);
   const at::ScalarType acc_dt = acc_dtype(logits.scalar_type());
@@ -101,29 +111,33 @@ std::tuple<at::Tensor, at::Tensor> crm_loss_backward(const at::Tensor& grad_in, 
     scalar_t* gcp = grad_cf.mutable_data_ptr<scalar_t>();
     const acc_t lo = static_cast<acc_t>(a1), hi = static_cast<acc_t>(a2);
     const acc_t g_scalar = reduction == 0 ? acc_t(0)
-                           : reduction == 1 ? static_cast<acc_t>(gp[0] / static_cast<acc_t>(B))
+                           : reduction == 1 ? gp[0] / static_cast<acc_t>(count_kept(yp, B, ignore_index))
                                             : gp[0];
     at::parallel_for(0, B, row_grain(6 * C), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
+        const int64_t y = yp[i];
+        scalar_t* o = glp + i * C;
+        scalar_t* oc = gcp + i * C;
+        if (y == ignore_index) {  // ignored row: zero gradients
+          for (int64_t c = 0; c < C; ++c) o[c] = oc[c] = static_cast<scalar_t>(0);
+          continue;
+        }
         const acc_t go = reduction == 0 ? gp[i] : g_scalar;
         const acc_t w = sp[i * 4 + 0], ce = sp[i * 4 + 1], phi = sp[i * 4 + 2], phi_cf = sp[i * 4 + 3];
         const acc_t ratio = phi / phi_cf;
         const bool active = !detach_weight && lo < ratio && ratio < hi;
         const scalar_t* z = zp + i * C;
-        const int64_t y = yp[i];
         TORCH_CHECK(y >= 0 && y < C, "crm_loss_backward: label ", y, " out of [0, ", C, ")");
-        const RowSoftmax<acc_t> st = row_softmax<scalar_t>(z, C);
+        const RowSoftmax<acc_t> st = row_softmax<scalar_t>(z, C);  // argmax: the FIRST index of the max
         const acc_t inv_s = acc_t(1) / st.s;
         const acc_t a = go * w;
         // d/dz of the weight term: go * ce / phi_cf * phi * (onehot(argmax) - p)
         const acc_t b = active ? go * ce / phi_cf * phi : acc_t(0);
-        scalar_t* o = glp + i * C;
         for (int64_t c = 0; c < C; ++c) {
           const acc_t p = std::exp(static_cast<acc_t>(z[c]) - st.m) * inv_s;
           const acc_t v = a * (p - (c == y ? acc_t(1) : acc_t(0))) + b * ((c == st.argmax ? acc_t(1) : acc_t(0)) - p);
           o[c] = static_cast<scalar_t>(v);
         }
-        scalar_t* oc = gcp + i * C;
         if (!active) {
           for (int64_t c = 0; c < C; ++c) oc[c] = static_cast<scalar_t>(0);
           continue;

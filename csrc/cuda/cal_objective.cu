@@ -1,6 +1,8 @@
 // CAL objective forward / backward (docs/KERNELS.md "cal_objective"). One launch per call.
 // One row slot (tx threads, see common.cuh) per logits row; online softmax (max, sum exp, argmax)
-// in a single read of the row, reduced in a fixed order inside the slot.
+// in a single read of the row, reduced in a fixed order inside the slot. Rows whose label == ignore_index: 0 and a
+// zero gradient row. Phi's subgradient goes to the first index of the row maximum (SoftmaxOp keeps the smaller
+// index on ties), as in the CPU kernels.
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
@@ -36,7 +38,7 @@ __global__ void __launch_bounds__(kBlock) cal_objective_forward_kernel(const sca
                                                                        const int64_t* __restrict__ labels,
                                                                        acc_t<scalar_t>* __restrict__ out, int64_t B,
                                                                        int64_t C, acc_t<scalar_t> gamma,
-                                                                       acc_t<scalar_t> eta) {
+                                                                       acc_t<scalar_t> eta, int64_t ignore_index) {
   using A = acc_t<scalar_t>;
   __shared__ SoftmaxState<A> s_red[kBlock / 32];
   const int64_t groups = (B + blockDim.y - 1) / blockDim.y;
@@ -47,9 +49,13 @@ __global__ void __launch_bounds__(kBlock) cal_objective_forward_kernel(const sca
     const SoftmaxState<A> st = row_softmax_state(z, C, valid, s_red);
     if (valid && threadIdx.x == 0) {
       const int64_t y = labels[r];
-      CAT_FAST_DEVICE_ASSERT(y >= 0 && y < C);
-      const A lse = st.m + acc_log(st.s);
-      out[r] = gamma * (lse - static_cast<A>(z[y])) + eta / st.s;
+      if (y == ignore_index) {
+        out[r] = A(0);
+      } else {
+        CAT_FAST_DEVICE_ASSERT(y >= 0 && y < C);
+        const A lse = st.m + acc_log(st.s);
+        out[r] = gamma * (lse - static_cast<A>(z[y])) + eta / st.s;
+      }
     }
   }
 }
@@ -61,7 +67,7 @@ __global__ void __launch_bounds__(kBlock) cal_objective_backward_kernel(const ac
                                                                         const int64_t* __restrict__ labels,
                                                                         scalar_t* __restrict__ out, int64_t B,
                                                                         int64_t C, acc_t<scalar_t> gamma,
-                                                                        acc_t<scalar_t> eta) {
+                                                                        acc_t<scalar_t> eta, int64_t ignore_index) {
   using A = acc_t<scalar_t>;
   __shared__ SoftmaxState<A> s_red[kBlock / 32];
   const int64_t groups = (B + blockDim.y - 1) / blockDim.y;
@@ -72,12 +78,16 @@ __global__ void __launch_bounds__(kBlock) cal_objective_backward_kernel(const ac
     const SoftmaxState<A> st = row_softmax_state(z, C, valid, s_red);
     if (!valid) continue;
     const int64_t y = labels[r];
+    scalar_t* o = out + r * C;
+    if (y == ignore_index) {
+      for (int64_t c = threadIdx.x; c < C; c += blockDim.x) o[c] = static_cast<scalar_t>(A(0));
+      continue;
+    }
     CAT_FAST_DEVICE_ASSERT(y >= 0 && y < C);
     const A inv_s = A(1) / st.s;  // = pmax
     const A go = grad[r];
     const A k_ce = go * gamma;
     const A k_mx = go * eta * inv_s;
-    scalar_t* o = out + r * C;
     for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
       const A p = acc_exp(static_cast<A>(z[c]) - st.m) * inv_s;
       const A v = k_ce * (p - (c == y ? A(1) : A(0))) + k_mx * ((c == st.idx ? A(1) : A(0)) - p);
@@ -99,29 +109,30 @@ void check_inputs(const char* op, const at::Tensor& logits, const at::Tensor& la
 
 template <typename scalar_t>
 void launch_forward(const at::Tensor& logits, const at::Tensor& labels, at::Tensor& out, double gamma, double eta,
-                    cudaStream_t stream) {
+                    int64_t ignore_index, cudaStream_t stream) {
   using A = acc_t<scalar_t>;
   const int64_t B = logits.size(0), C = logits.size(1);
   const RowCfg cfg = class_row_cfg(C, kBlock);
   cal_objective_forward_kernel<scalar_t><<<grid_for((B + cfg.ty - 1) / cfg.ty), dim3(cfg.tx, cfg.ty), 0, stream>>>(
       logits.const_data_ptr<scalar_t>(), labels.const_data_ptr<int64_t>(), out.mutable_data_ptr<A>(), B, C,
-      static_cast<A>(gamma), static_cast<A>(eta));
+      static_cast<A>(gamma), static_cast<A>(eta), ignore_index);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename scalar_t>
 void launch_backward(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& labels, at::Tensor& out,
-                     double gamma, double eta, cudaStream_t stream) {
+                     double gamma, double eta, int64_t ignore_index, cudaStream_t stream) {
   using A = acc_t<scalar_t>;
   const int64_t B = logits.size(0), C = logits.size(1);
   const RowCfg cfg = class_row_cfg(C, kBlock);
   cal_objective_backward_kernel<scalar_t><<<grid_for((B + cfg.ty - 1) / cfg.ty), dim3(cfg.tx, cfg.ty), 0, stream>>>(
       grad.const_data_ptr<A>(), logits.const_data_ptr<scalar_t>(), labels.const_data_ptr<int64_t>(),
-      out.mutable_data_ptr<scalar_t>(), B, C, static_cast<A>(gamma), static_cast<A>(eta));
+      out.mutable_data_ptr<scalar_t>(), B, C, static_cast<A>(gamma), static_cast<A>(eta), ignore_index);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-at::Tensor cal_objective_forward(const at::Tensor& logits, const at::Tensor& labels, double gamma, double eta) {
+at::Tensor cal_objective_forward(const at::Tensor& logits, const at::Tensor& labels, double gamma, double eta,
+                                 int64_t ignore_index) {
   check_inputs("cal_objective_forward", logits, labels);
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t B = logits.size(0);
@@ -129,12 +140,12 @@ at::Tensor cal_objective_forward(const at::Tensor& logits, const at::Tensor& lab
   if (B == 0) return out;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "cal_objective_forward_cuda",
-                                  [&] { launch_forward<scalar_t>(logits, labels, out, gamma, eta, stream); });
+                                  [&] { launch_forward<scalar_t>(logits, labels, out, gamma, eta, ignore_index, stream); });
   return out;
 }
 
 at::Tensor cal_objective_backward(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& labels,
-                                  double gamma, double eta) {
+                                  double gamma, double eta, int64_t ignore_index) {
   check_inputs("cal_objective_backward", logits, labels);
   const int64_t B = logits.size(0);
   TORCH_CHECK(grad.is_cuda() && grad.device() == logits.device(), "cal_objective_backward: grad must be on the device of logits");
@@ -146,7 +157,7 @@ at::Tensor cal_objective_backward(const at::Tensor& grad, const at::Tensor& logi
   if (out.numel() == 0) return out;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "cal_objective_backward_cuda",
-                                  [&] { launch_backward<scalar_t>(grad, logits, labels, out, gamma, eta, stream); });
+                                  [&] { launch_backward<scalar_t>(grad, logits, labels, out, gamma, eta, ignore_index, stream); });
   return out;
 }
 

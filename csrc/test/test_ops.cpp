@@ -82,23 +82,28 @@ void test_cmix(at::ScalarType dt) {
 }
 
 void test_cal_objective(at::ScalarType dt) {
-  auto fwd = op<Tensor(const Tensor&, const Tensor&, double, double)>("cat_fast::cal_objective_forward");
-  auto bwd = op<Tensor(const Tensor&, const Tensor&, const Tensor&, double, double)>("cat_fast::cal_objective_backward");
+  auto fwd = op<Tensor(const Tensor&, const Tensor&, double, double, int64_t)>("cat_fast::cal_objective_forward");
+  auto bwd = op<Tensor(const Tensor&, const Tensor&, const Tensor&, double, double, int64_t)>(
+      "cat_fast::cal_objective_backward");
   const auto A = acc_of(dt);
   const int64_t B = 5, C = 7;
   const double gamma = 0.7, eta = 1.3;
   const Tensor z = (at::randn({B, C}) * 2).to(dt), za = z.to(A);
   const Tensor y = at::randint(0, C, {B}, at::TensorOptions().dtype(at::kLong));
+  const int64_t ignore_index = -100;
+  Tensor y_in = y.clone();
+  y_in[1] = ignore_index;  // an ignored row: 0 and a zero gradient row
+  const Tensor keep = (y_in != ignore_index).to(A);
   const Tensor p = at::softmax(za, 1);
   const Tensor pmax = std::get<0>(p.max(1));
-  const Tensor want = gamma * (at::logsumexp(za, {1}) - za.gather(1, y.unsqueeze(1)).squeeze(1)) + eta * pmax;
-  check("cal_objective_forward", fwd.call(z, y, gamma, eta), want, dt);
+  const Tensor want = keep * (gamma * (at::logsumexp(za, {1}) - za.gather(1, y.unsqueeze(1)).squeeze(1)) + eta * pmax);
+  check("cal_objective_forward", fwd.call(z, y_in, gamma, eta, ignore_index), want, dt);
 
   const Tensor g = at::randn({B}).to(A);
   const Tensor am = za.argmax(1);
-  const Tensor want_g =
-      g.unsqueeze(1) * (gamma * (p - onehot(y, C, A)) + eta * pmax.unsqueeze(1) * (onehot(am, C, A) - p));
-  check("cal_objective_backward", bwd.call(g, z, y, gamma, eta), want_g.to(dt), dt);
+  const Tensor want_g = (keep * g).unsqueeze(1) *
+                        (gamma * (p - onehot(y, C, A)) + eta * pmax.unsqueeze(1) * (onehot(am, C, A) - p));
+  check("cal_objective_backward", bwd.call(g, z, y_in, gamma, eta, ignore_index), want_g.to(dt), dt);
 }
 
 void test_cal_step(at::ScalarType dt) {
@@ -124,9 +129,11 @@ void test_cal_step(at::ScalarType dt) {
 }
 
 void test_crm(at::ScalarType dt) {
-  auto fwd = op<T2(const Tensor&, const Tensor&, const Tensor&, double, double, int64_t, bool)>("cat_fast::crm_loss_forward");
+  auto fwd = op<T2(const Tensor&, const Tensor&, const Tensor&, double, double, int64_t, bool, int64_t)>(
+      "cat_fast::crm_loss_forward");
   auto bwd = op<T2(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, double, int64_t,
-                   bool)>("cat_fast::crm_loss_backward");
+                   bool, int64_t)>("cat_fast::crm_loss_backward");
+  const int64_t ignore_index = -100;
   const auto A = acc_of(dt);
   const int64_t B = 6, C = 5;
   const double a1 = 0.5, a2 = 1.5;
@@ -135,19 +142,22 @@ void test_crm(at::ScalarType dt) {
       const Tensor z = (at::randn({B, C}) * 2).to(dt), zc = (at::randn({B, C}) * 2).to(dt);
       const Tensor za = z.to(A), zca = zc.to(A);
       const Tensor y = at::randint(0, C, {B}, at::TensorOptions().dtype(at::kLong));
+      Tensor y_in = y.clone();
+      y_in[2] = ignore_index;  // an ignored row: loss 0, zero gradients, not counted by the mean
+      const Tensor keep = (y_in != ignore_index).to(A);
       const Tensor p = at::softmax(za, 1), pc = at::softmax(zca, 1);
       const Tensor phi = std::get<0>(p.max(1)), phic = std::get<0>(pc.max(1));
       const Tensor r = phi / phic, w = r.clamp(a1, a2);
-      const Tensor ce = at::logsumexp(za, {1}) - za.gather(1, y.unsqueeze(1)).squeeze(1);
+      const Tensor ce = keep * (at::logsumexp(za, {1}) - za.gather(1, y.unsqueeze(1)).squeeze(1));
       const Tensor l = w * ce;
-      const Tensor want_loss = red == 0 ? l : (red == 1 ? l.mean() : l.sum());
+      const Tensor want_loss = red == 0 ? l : (red == 1 ? l.sum() / keep.sum() : l.sum());
       Tensor loss, stats;
-      std::tie(loss, stats) = fwd.call(z, zc, y, a1, a2, red, detach);
+      std::tie(loss, stats) = fwd.call(z, zc, y_in, a1, a2, red, detach, ignore_index);
       check("crm_loss_forward loss red=" + std::to_string(red), loss, want_loss, dt);
       check("crm_loss_forward stats", stats, at::stack({w, ce, phi, phic}, 1), dt);
 
       const Tensor g = red == 0 ? at::randn({B}).to(A) : at::randn({}).to(A);
-      const Tensor go = red == 0 ? g : (red == 1 ? g.expand({B}) / B : g.expand({B}));
+      const Tensor go = keep * (red == 0 ? g : (red == 1 ? g.expand({B}) / keep.sum() : g.expand({B})));
       const Tensor active = (r > a1).logical_and(r < a2).logical_and(at::scalar_tensor(!detach)).to(A);
       const Tensor dphi = phi.unsqueeze(1) * (onehot(za.argmax(1), C, A) - p);
       const Tensor dphic = phic.unsqueeze(1) * (onehot(zca.argmax(1), C, A) - pc);
@@ -155,7 +165,7 @@ void test_crm(at::ScalarType dt) {
                              (active * go * ce / phic).unsqueeze(1) * dphi;
       const Tensor want_gzc = -(active * go * ce * phi / (phic * phic)).unsqueeze(1) * dphic;
       Tensor gz, gzc;
-      std::tie(gz, gzc) = bwd.call(g, z, zc, y, stats, a1, a2, red, detach);
+      std::tie(gz, gzc) = bwd.call(g, z, zc, y_in, stats, a1, a2, red, detach, ignore_index);
       const std::string tag = " red=" + std::to_string(red) + (detach ? " detach" : "");
       check("crm_loss_backward grad_logits" + tag, gz, want_gz.to(dt), dt);
       check("crm_loss_backward grad_cf_logits" + tag, gzc, want_gzc.to(dt), dt);

@@ -191,3 +191,21 @@ def test_sigterm_leaves_nothing_and_says_so(tiny, tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "interrupted" in err
     assert not os.path.exists(out) and not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+
+
+def test_bias_fit_then_poe_with_the_hans_preset(tiny, tmp_path, capsys):
+    bias = tmp_path / "bias"
+    code, err = run(["bias", "fit", "--kind", "overlap", "--task", "nli", "--out", bias], capsys)
+    assert code == 0, err
+    meta = json.loads((bias / "bias_meta.json").read_text())
+    assert meta["n"] == 8330 and meta["train_accuracy"] > 0.40  # above the class prior of CAD NLI train
+    out = tmp_path / "poe"
+    argv = ["train", "--task", "nli", "--method", "poe", "--bias", bias, "--model", tiny, "--per-class", 4,
+            "--epochs", 1, "--max-length", 32, "--batch-size", 8, "--eval", "hans", "--out", out, "--no-checkpoint"]
+    code, err = run(argv, capsys)
+    assert code == 0, err
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["eval"]["hans"]["n"] == 3000 and m["eval"]["hans/lexical_overlap/entailment"]["n"] == 500
+    assert "poe_loss" in m["history"][0]["info"] and not any(k.startswith("dev") for k in m["history"][0]["info"])
+    code, err = run(argv[:5] + argv[7:-3] + ["--out", tmp_path / "poe2"], capsys)  # without --bias
+    assert code == 2 and "needs --bias FILE" in err

@@ -351,3 +351,19 @@ def test_sync_free_inputs_keep_the_2d_mask_where_the_model_needs_it():
     assert models.sync_free_inputs(deberta, d_inputs) is d_inputs and models.inputs._MASK_4D[deberta] is False
     no_mask = {k: v for k, v in inputs.items() if k != "attention_mask"}
     assert models.sync_free_inputs(tiny_model("bert", attn="sdpa"), no_mask) is no_mask
+
+
+def test_a_model_that_pads_inside_its_forward_is_refused_with_the_fix():
+    """Longformer pads to a multiple of attention_window inside its forward: h_m no longer matches the batch."""
+    cfg = transformers.LongformerConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=64, max_position_embeddings=80, attention_window=8,
+                                        num_labels=2, pad_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.LongformerForSequenceClassification(cfg).eval()
+    odd = {"input_ids": torch.randint(3, 100, (2, 13)), "attention_mask": torch.ones(2, 13, dtype=torch.long)}
+    with pytest.raises(ValueError, match=r"pads the sequence inside its forward \(13 tokens in the batch, 16 at "
+                                         r"layer 1.*pad_to_multiple_of"):
+        models.capture(model, odd, 1)
+    even = {"input_ids": torch.randint(3, 100, (2, 16)), "attention_mask": torch.ones(2, 16, dtype=torch.long)}
+    cap = models.capture(model, even, 1)
+    assert cap.hidden.shape[1] == 16

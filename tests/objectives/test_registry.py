@@ -8,7 +8,8 @@ from tests.conftest import tiny_batch, tiny_model
 
 
 def test_the_registry_names_every_method_of_the_cli():
-    assert objectives.names() == ("erm", "erm-orig", "cat", "cat-star", "cat-gs", "gs", "gs-random")
+    assert objectives.names() == ("erm", "erm-orig", "cat", "cat-star", "cat-gs", "gs", "gs-random", "poe",
+                                  "reweight", "reweight-inverse", "learned-mixin", "conf-reg")
     assert objectives.get("erm-orig").data == "orig" and objectives.get("erm").data == "orig+edits"
     assert [n for n in objectives.names() if objectives.get(n).warmup] == ["cat", "cat-star", "cat-gs"]
     assert [n for n in objectives.names() if objectives.get(n).cls.needs_pairs] == ["gs", "gs-random"]
@@ -62,7 +63,7 @@ def test_objective_state_and_registration_errors():
     other.load_state_dict(cat.state_dict())
     assert other.step == 5 and list(cat.parameters()) == []
     with pytest.raises(ValueError, match="objective: expected one of erm, erm-orig"):
-        objectives.get("poe")
+        objectives.get("nope")
     with pytest.raises(ValueError, match="'cat' is registered already"):
         objectives.register("cat", CAT, "again")
     with pytest.raises(TypeError, match="cls: expected a subclass"):

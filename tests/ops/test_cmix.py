@@ -4,7 +4,7 @@ import torch
 import cat_fast
 from cat_fast.ops import cmix
 
-from .conftest import assert_outputs_match, dtypes_for, noncontiguous, run
+from .conftest import assert_outputs_match, dtypes_for, noncontiguous, run, tolerance
 
 SHAPES = [(1, 1, 1), (3, 5, 7), (4, 17, 64), (5, 3, 130)]
 
@@ -149,3 +149,100 @@ def test_bad_input_names_the_argument(kwargs, error, words):
 def test_tensors_on_different_devices():
     with pytest.raises(ValueError, match="partner: expected a tensor on cuda"):
         cmix(torch.randn(2, 3, 4, device="cuda"), torch.rand(2, device="cuda"), torch.tensor([1, 0]))
+
+
+def _lam_forms(batch, tokens, generator):
+    """(id, lam, its broadcast to [B, T, 1]) for every accepted form of lambda."""
+    def rand(*shape):
+        return torch.rand(shape, generator=generator, dtype=torch.float64)
+
+    forms = [
+        ("float", 0.3, lambda lam: torch.full((1, 1, 1), lam, dtype=torch.float64)),
+        ("int", 1, lambda lam: torch.full((1, 1, 1), float(lam), dtype=torch.float64)),
+        ("0-d", rand(), lambda lam: lam.reshape(1, 1, 1)),
+        ("[1]", rand(1), lambda lam: lam.reshape(1, 1, 1)),
+        ("[B]", rand(batch), lambda lam: lam.reshape(batch, 1, 1)),
+        ("[B,1]", rand(batch, 1), lambda lam: lam[..., None]),
+        ("[1,1]", rand(1, 1), lambda lam: lam[..., None]),
+        ("[B,T]", rand(batch, tokens), lambda lam: lam[..., None]),
+        ("[1,T]", rand(1, tokens), lambda lam: lam[..., None]),
+        ("[B,T,1]", rand(batch, tokens, 1), lambda lam: lam),
+        ("[1,T,1]", rand(1, tokens, 1), lambda lam: lam),
+        ("[B,1,1]", rand(batch, 1, 1), lambda lam: lam),
+    ]
+    return forms
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 3), (4, 5, 8), (3, 7, 130)], ids=str)
+def test_lambda_broadcast_forms_match_explicit_broadcast(backend, device, shape):
+    """A number, a 0-d tensor and every shape that broadcasts to per-sample [B] or per-token [B, T] lambda give
+    what the explicitly broadcast lambda gives, and the gradient of a tensor lambda comes back in its own shape."""
+    batch, tokens, _ = shape
+    for seed, dtype in enumerate(dtypes_for(device)):
+        generator = torch.Generator().manual_seed(60 + seed)
+        h = torch.randn(shape, generator=generator, dtype=torch.float64)
+        partner = torch.randint(0, batch, (batch,), generator=generator).to(device)
+        grad_out = torch.randn(shape, generator=generator, dtype=torch.float64)
+        lam_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        for name, lam, broadcast in _lam_forms(batch, tokens, generator):
+            # truth: the plain formula in float64 with torch broadcasting, autograd for the gradient of lam
+            hd = h.to(dtype).double().requires_grad_()
+            lam_t = lam.to(lam_dtype).double().requires_grad_() if isinstance(lam, torch.Tensor) else lam
+            lam_btd = broadcast(lam_t)
+            want = lam_btd * hd[partner.cpu()] + (1 - lam_btd) * hd
+            want.backward(grad_out.to(dtype).double())
+
+            x = h.to(device=device, dtype=dtype).requires_grad_()
+            lam_in = lam.to(device=device, dtype=lam_dtype).requires_grad_() if isinstance(lam, torch.Tensor) else lam
+            got, _ = run(backend, cmix, x, lam_in, partner)
+            got.backward(grad_out.to(device=device, dtype=dtype))
+            tol = tolerance(dtype)
+            tol["atol"] *= max(1.0, (shape[1] * shape[2] / 64) ** 0.5)
+            msg = lambda m: f"lam {name} {dtype}: {m}"  # noqa: E731
+            assert got.dtype == dtype and got.shape == h.shape
+            torch.testing.assert_close(got.double().cpu(), want.detach(), **tolerance(dtype), msg=msg)
+            torch.testing.assert_close(x.grad.double().cpu(), hd.grad, **tolerance(dtype), msg=msg)
+            if isinstance(lam, torch.Tensor):
+                assert lam_in.grad.shape == lam.shape, name
+                torch.testing.assert_close(lam_in.grad.double().cpu(), lam_t.grad, **tol, msg=msg)
+
+
+@pytest.mark.parametrize("lam_shape", [(3, 1), (1, 2), (3, 2, 1), ()], ids=str)
+def test_gradcheck_of_broadcast_lambda(backend, device, lam_shape):
+    """gradcheck of h and a broadcast lambda (its gradient in its own shape); gradgradcheck for [B, 1] (every order
+    goes through the same reshape/expand, and gradgradcheck is slow under the Triton interpreter)."""
+    if device != "cpu":
+        pytest.skip("float64 gradcheck runs on the CPU")
+    h, _, partner = _inputs((3, 2, 3), torch.float64, device, False, "repeats", 8)
+    lam = torch.rand(lam_shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    h.requires_grad_()
+    lam.requires_grad_()
+
+    def fn(h, lam):
+        return run(backend, cmix, h, lam, partner)[0]
+
+    assert torch.autograd.gradcheck(fn, (h, lam))
+    if lam_shape == (3, 1):
+        assert torch.autograd.gradgradcheck(fn, (h, lam))
+
+
+@pytest.mark.parametrize(
+    "lam, error, words",
+    [
+        (torch.rand(2, 4), ValueError, "per-feature [B, D] lambda is not supported"),  # [B, D], D != T
+        (torch.rand(3, 1), ValueError, "lam: expected size 2 (or 1) in dim 0 (batch size B of h"),
+        (torch.rand(1, 2), ValueError, "lam: expected size 3 (or 1) in dim 1 (sequence length T of h"),
+        (torch.rand(2, 3, 4), ValueError, "lam: expected size 1 in dim 2"),
+        (torch.rand(2, 3, 1, 1), ValueError, "lam: expected at most 3 dimensions"),
+        (True, TypeError, "lam: expected a torch.Tensor or a number, got bool"),
+        ("0.5", TypeError, "lam: expected a torch.Tensor or a number, got str"),
+        (torch.tensor([1, 0]), TypeError, "lam: expected dtype"),
+    ],
+)
+def test_lambda_shapes_that_do_not_broadcast(lam, error, words):
+    h, partner = torch.randn(2, 3, 4), torch.tensor([1, 0])
+    for backend in ("reference", *[b for b in ("cpp",) if b in cat_fast.backends()]):
+        with pytest.raises(error) as caught:
+            run(backend, cmix, h, lam, partner)
+        assert words in str(caught.value)
+        assert "lam may be a number" in str(caught.value) or error is TypeError

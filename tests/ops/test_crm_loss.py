@@ -192,3 +192,197 @@ def test_bad_input_names_the_argument(kwargs, error, words):
     with pytest.raises(error) as caught:
         crm_loss(**args)
     assert words in str(caught.value)
+
+
+def _ignored(labels, pattern, ignore_index=-100):
+    labels = labels.clone()
+    if pattern == "some":
+        labels[::3] = ignore_index  # row 0 and every third row
+    elif pattern == "all":
+        labels[:] = ignore_index
+    return labels
+
+
+@pytest.mark.parametrize("shape", [(1, 2), (8, 3), (4, 130)], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("detach_weight", [True, False])
+@pytest.mark.parametrize("pattern", ["some", "all"])
+def test_ignore_index_matches_reference(backend, device, shape, reduction, detach_weight, pattern):
+    for seed, dtype in enumerate(dtypes_for(device)):
+        logits, cf_logits, labels = _inputs(shape, dtype, device, 50 + seed)
+        labels = _ignored(labels, pattern)
+        grad_out = torch.randn(shape[0] if reduction == "none" else (), generator=torch.Generator().manual_seed(seed),
+                               dtype=torch.float64).to(device)
+
+        def outputs(which, logits, cf_logits):
+            z = logits.detach().requires_grad_()
+            z_cf = cf_logits.detach().requires_grad_()
+            out = run(which, crm_loss, z, z_cf, labels, 0.5, 2.0, detach_weight, reduction)
+            out.backward(grad_out.to(out.dtype))
+            grad_cf = z_cf.grad if z_cf.grad is not None else torch.zeros_like(z_cf)
+            return out, z.grad, grad_cf
+
+        got = outputs(backend, logits, cf_logits)
+        kept = labels != -100
+        if reduction == "mean" and not kept.any():  # every row ignored: NaN, like F.cross_entropy; zero gradients
+            truth = outputs("reference", logits.double(), cf_logits.double())
+            assert got[0].isnan() and truth[0].isnan()
+            assert not got[1].any() and not got[2].any()
+            continue
+        truth = outputs("reference", logits.double(), cf_logits.double())
+        names = ("loss", "grad_logits", "grad_cf_logits")
+        assert_outputs_match(names, got, outputs("reference", logits, cf_logits), truth, dtype)
+        assert not got[1][~kept].any() and not got[2][~kept].any()  # ignored rows: exactly zero gradients
+        if reduction == "none":
+            assert not got[0][~kept].any()
+
+
+def test_mean_matches_cross_entropy_with_ignored_rows(backend, device):
+    """A weight clipped to 1 (a1 = a2 = 1) leaves the CE: its mean over the non-ignored rows is F.cross_entropy's."""
+    logits, cf_logits, labels = _inputs((10, 4), torch.float64 if device == "cpu" else torch.float32, device, 3)
+    labels = _ignored(labels, "some")
+    for reduction in ("mean", "sum"):
+        got = run(backend, crm_loss, logits, cf_logits, labels, 1.0, 1.0, True, reduction)
+        expected = torch.nn.functional.cross_entropy(logits, labels, reduction=reduction)
+        torch.testing.assert_close(got, expected.to(got.dtype))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_large_batch_with_ignored_rows_matches_reference(backend, device, reduction, monkeypatch):
+    """The multi-block / multi-program mean and sum with ignored rows (the mean divides by the count of the others,
+    added up like the partial sums), and the mean's backward, whose blocks each count the kept labels."""
+    _few_triton_programs(backend, device, monkeypatch)
+    shapes = [(5000, 3)] if device == "cpu" else [(600_000, 3), (3000, 300)]
+    for shape in shapes:
+        logits, cf_logits, labels = _inputs(shape, torch.float32, device, 31)
+        labels[torch.arange(shape[0], device=device) % 7 == 2] = -100
+        z = logits.detach().requires_grad_()
+        got = run(backend, crm_loss, z, cf_logits, labels, 0.5, 2.0, True, reduction)
+        got.backward()
+        z_ref = logits.double().requires_grad_()
+        truth = run("reference", crm_loss, z_ref, cf_logits.double(), labels, 0.5, 2.0, True, reduction)
+        truth.backward()
+        torch.testing.assert_close(got.double(), truth.detach(), **tolerance(torch.float32))
+        torch.testing.assert_close(z.grad.double(), z_ref.grad, **tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_gradcheck_with_ignored_rows(backend, device, reduction):
+    if device != "cpu":
+        pytest.skip("float64 gradcheck runs on the CPU")
+    logits, cf_logits, labels = _inputs((6, 3), torch.float64, device, 16)
+    labels = _ignored(labels, "some")
+    logits.requires_grad_()
+    cf_logits.requires_grad_()
+
+    def fn(z, z_cf):
+        return run(backend, crm_loss, z, z_cf, labels, 0.0, 10.0, False, reduction)
+
+    assert torch.autograd.gradcheck(fn, (logits, cf_logits))
+
+
+TIES = [[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0], [0.0, 5.0, -1.0, 5.0]]
+CF_TIES = [[0.0, 2.0, 0.5, 2.0], [1.0, 4.0, 4.0, 4.0], [3.0, 3.0, 0.0, 0.0]]
+
+
+def test_tied_maxima_give_the_first_index_the_phi_gradient(backend, device):
+    """Phi's subgradient at tied maxima goes to the FIRST tied index (torch.argmax's), on every backend, for both
+    logits and cf_logits (detach_weight=False, weights strictly inside the clip range)."""
+    for dtype in dtypes_for(device):
+        logits = torch.tensor(TIES, dtype=torch.float64).to(device=device, dtype=dtype)
+        cf_logits = torch.tensor(CF_TIES, dtype=torch.float64).to(device=device, dtype=dtype)
+        labels = torch.tensor([0, 1, 2], device=device)
+        grads = {}
+        for which in ("reference", backend):
+            z, z_cf = logits.detach().requires_grad_(), cf_logits.detach().requires_grad_()
+            run(which, crm_loss, z, z_cf, labels, 0.0, 10.0, False, "sum").backward()
+            grads[which] = (z.grad, z_cf.grad)
+        z, zc = logits.double(), cf_logits.double()
+        p, pc = z.softmax(-1), zc.softmax(-1)
+        phi, phi_cf = p.amax(-1, keepdim=True), pc.amax(-1, keepdim=True)
+        ce = torch.nn.functional.cross_entropy(z, labels.cpu().to(z.device), reduction="none")[:, None]
+        onehot = torch.nn.functional.one_hot
+        dphi = phi * (onehot(z.argmax(-1), 4).double() - p)
+        dphi_cf = phi_cf * (onehot(zc.argmax(-1), 4).double() - pc)
+        w = phi / phi_cf
+        assert ((w > 0) & (w < 10)).all()
+        expected = (w * (p - onehot(labels.cpu().to(z.device), 4).double()) + ce / phi_cf * dphi,
+                    -ce * phi / phi_cf**2 * dphi_cf)
+        tol = tolerance(dtype)
+        for name, ref, got, want in zip(("grad_logits", "grad_cf_logits"), grads["reference"], grads[backend], expected):
+            torch.testing.assert_close(ref.double(), want, **tol, msg=lambda m: f"reference {name} {dtype}: {m}")
+            torch.testing.assert_close(got.double(), want, **tol, msg=lambda m: f"{backend} {name} {dtype}: {m}")
+
+
+def test_opcheck_with_ignore_index(backend, device):
+    logits, cf_logits, labels = _inputs((5, 3), torch.float32, device, 2)
+    labels[3] = 7  # ignore_index = 7 below
+    kernels = cat_fast.ops.registry.kernels(backend)
+    for reduction in (0, 1, 2):
+        torch.library.opcheck(
+            kernels.crm_loss_forward.default,
+            (logits.detach().requires_grad_(), cf_logits.detach().requires_grad_(), labels, 0.0, 10.0, reduction,
+             False, 7),
+        )
+    _, stats = kernels.crm_loss_forward(logits, cf_logits, labels, 0.0, 10.0, 0, False, 7)
+    for reduction, grad in ((0, torch.randn(5, device=device)), (1, torch.randn((), device=device))):
+        args = (grad, logits, cf_logits, labels, stats, 0.0, 10.0, reduction, False, 7)
+        torch.library.opcheck(kernels.crm_loss_backward.default, args)
+        grad_logits, grad_cf = kernels.crm_loss_backward(*args)
+        assert not grad_logits[3].any() and not grad_cf[3].any() and stats[3, 1] == 0
+
+
+def test_kernel_schemas_default_ignore_index_to_minus_100(backend, device):
+    """ignore_index is last in the schemas, with a default: callers of the earlier schemas keep working."""
+    logits, cf_logits, labels = _inputs((4, 3), torch.float32, device, 3)
+    labels[2] = -100
+    kernels = cat_fast.ops.registry.kernels(backend)
+    loss, stats = kernels.crm_loss_forward(logits, cf_logits, labels, 0.0, 10.0, 1, True)
+    loss_explicit, _ = kernels.crm_loss_forward(logits, cf_logits, labels, 0.0, 10.0, 1, True, -100)
+    torch.testing.assert_close(loss, loss_explicit)
+    torch.testing.assert_close(loss, (stats[:, 0] * stats[:, 1]).sum() / 3)
+
+
+@pytest.mark.parametrize("a1, a2", [(float("-inf"), 1.5), (0.5, float("inf")), (float("-inf"), float("inf"))])
+def test_infinite_clip_bounds_match_reference(backend, device, a1, a2):
+    logits, cf_logits, labels = _inputs((7, 3), torch.float32, device, 9)
+    for detach_weight in (True, False):
+        grads = []
+        for which in ("reference", backend):
+            z, z_cf = logits.detach().requires_grad_(), cf_logits.detach().requires_grad_()
+            loss = run(which, crm_loss, z, z_cf, labels, a1, a2, detach_weight, "sum")
+            loss.backward()
+            grads.append((loss, z.grad))
+        torch.testing.assert_close(grads[1][0], grads[0][0])
+        torch.testing.assert_close(grads[1][1], grads[0][1])
+    torch.testing.assert_close(run(backend, crm_weights, logits, cf_logits, a1, a2),
+                               run("reference", crm_weights, logits, cf_logits, a1, a2))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(a1=float("nan")), ValueError, "a1: expected a number that is not NaN"),
+        (dict(a2=float("nan")), ValueError, "a2: expected a number that is not NaN"),
+        (dict(a1=float("nan"), a2=float("nan")), ValueError, "a1: expected a number that is not NaN"),
+        (dict(a1="0"), TypeError, "a1: expected a number"),
+        (dict(labels=torch.tensor([0, -100, 1])), None, None),
+        (dict(labels=torch.tensor([0, -3, 1])), ValueError, "labels: expected values in [0, 2) (class indices of logits) or ignore_index=-100"),
+        (dict(labels=torch.tensor([0, 5, 1]), ignore_index=5), None, None),
+        (dict(ignore_index=0.5), TypeError, "ignore_index: expected an int"),
+    ],
+)
+def test_clip_bounds_and_ignore_index_arguments(kwargs, error, words):
+    args = dict(logits=torch.randn(3, 2), cf_logits=torch.randn(3, 2), labels=torch.tensor([0, 1, 1]))
+    args.update(kwargs)
+    for backend in ("reference", "cpp"):
+        if error is None:
+            run(backend, crm_loss, **args)
+            continue
+        with pytest.raises(error) as caught:
+            run(backend, crm_loss, **args)
+        assert words in str(caught.value)
+        if "ignore_index" not in args and "labels" not in kwargs:
+            with pytest.raises(error) as caught:
+                run(backend, crm_weights, args["logits"], args["cf_logits"], args.get("a1", 0.0), args.get("a2", 10.0))
+            assert words in str(caught.value)

@@ -1,4 +1,5 @@
-"""Triton kernels of cal_objective (docs/KERNELS.md#cal_objective)."""
+"""Triton kernels of cal_objective (docs/KERNELS.md#cal_objective). Rows whose label == ignore_index: 0 / zero gradient;
+Phi's subgradient goes to the first index of the row maximum (row_softmax_stats)."""
 import torch
 import triton
 import triton.language as tl
@@ -11,30 +12,32 @@ _TILE = 2048
 
 
 @triton.jit
-def _cal_obj_fwd_kernel(logits_ptr, labels_ptr, out_ptr, B, C, g_hi, g_lo, e_hi, e_lo,
+def _cal_obj_fwd_kernel(logits_ptr, labels_ptr, out_ptr, B, C, g_hi, g_lo, e_hi, e_lo, ignore_index,
                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < B
     m, s, _am = row_softmax_stats(logits_ptr, rows, rmask, C, BLOCK_R, BLOCK_C, ACC, False)
     y = tl.load(labels_ptr + rows, mask=rmask, other=0)
-    zy = tl.load(logits_ptr + rows.to(tl.int64) * C + y, mask=rmask, other=0.0).to(ACC)
+    keep = y != ignore_index
+    zy = tl.load(logits_ptr + rows.to(tl.int64) * C + y, mask=rmask & keep, other=0.0).to(ACC)
     gamma = scalar_acc(g_hi, g_lo, ACC)
     eta = scalar_acc(e_hi, e_lo, ACC)
     # max softmax = exp(m - lse) = 1 / s
-    val = gamma * (m + tl.log(s) - zy) + eta / s
+    val = tl.where(keep, gamma * (m + tl.log(s) - zy) + eta / s, 0.0)
     tl.store(out_ptr + rows, val.to(out_ptr.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
-def _cal_obj_bwd_kernel(grad_ptr, logits_ptr, labels_ptr, out_ptr, B, C, g_hi, g_lo, e_hi, e_lo,
+def _cal_obj_bwd_kernel(grad_ptr, logits_ptr, labels_ptr, out_ptr, B, C, g_hi, g_lo, e_hi, e_lo, ignore_index,
                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < B
     m, s, am = row_softmax_stats(logits_ptr, rows, rmask, C, BLOCK_R, BLOCK_C, ACC, True)
     y = tl.load(labels_ptr + rows, mask=rmask, other=0)
-    go = tl.load(grad_ptr + rows, mask=rmask, other=0.0).to(ACC)
+    keep = y != ignore_index
     gamma = scalar_acc(g_hi, g_lo, ACC)
     eta = scalar_acc(e_hi, e_lo, ACC)
+    go = tl.where(keep, tl.load(grad_ptr + rows, mask=rmask, other=0.0).to(ACC), 0.0)
     inv_s = 1.0 / s
     cg = (go * gamma)[:, None]
     ce = (go * eta * inv_s)[:, None]  # go * eta * pmax
@@ -46,7 +49,7 @@ def _cal_obj_bwd_kernel(grad_ptr, logits_ptr, labels_ptr, out_ptr, B, C, g_hi, g
         p = tl.exp(x - m[:, None]) * inv_s[:, None]
         oy = tl.where(cols[None, :] == y[:, None], 1.0, 0.0)
         oa = tl.where(cols[None, :] == am[:, None], 1.0, 0.0)
-        g = cg * (p - oy) + ce * (oa - p)
+        g = tl.where(keep[:, None], cg * (p - oy) + ce * (oa - p), 0.0)
         tl.store(out_ptr + roff[:, None] + cols[None, :], g.to(out_ptr.dtype.element_ty), mask=m2)
 
 
@@ -56,7 +59,8 @@ def _cfg(B, C):
     return BLOCK_R, BLOCK_C, num_warps
 
 
-def cal_objective_forward(logits: torch.Tensor, labels: torch.Tensor, gamma: float, eta: float):
+def cal_objective_forward(logits: torch.Tensor, labels: torch.Tensor, gamma: float, eta: float,
+                          ignore_index: int = -100):
     B, C = logits.shape
     out = torch.empty((B,), dtype=acc_dtype(logits.dtype), device=logits.device)
     if B == 0:
@@ -65,13 +69,13 @@ def cal_objective_forward(logits: torch.Tensor, labels: torch.Tensor, gamma: flo
     g_hi, g_lo = split_scalar(gamma)
     e_hi, e_lo = split_scalar(eta)
     _cal_obj_fwd_kernel[(triton.cdiv(B, BLOCK_R),)](
-        logits, labels, out, B, C, g_hi, g_lo, e_hi, e_lo,
+        logits, labels, out, B, C, g_hi, g_lo, e_hi, e_lo, ignore_index,
         BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, ACC=acc_tl_dtype(logits), num_warps=nw)
     return out
 
 
 def cal_objective_backward(grad: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
-                           gamma: float, eta: float):
+                           gamma: float, eta: float, ignore_index: int = -100):
     B, C = logits.shape
     out = torch.empty_like(logits)
     if B == 0:
@@ -80,6 +84,6 @@ def cal_objective_backward(grad: torch.Tensor, logits: torch.Tensor, labels: tor
     g_hi, g_lo = split_scalar(gamma)
     e_hi, e_lo = split_scalar(eta)
     _cal_obj_bwd_kernel[(triton.cdiv(B, BLOCK_R),)](
-        grad, logits, labels, out, B, C, g_hi, g_lo, e_hi, e_lo,
+        grad, logits, labels, out, B, C, g_hi, g_lo, e_hi, e_lo, ignore_index,
         BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, ACC=acc_tl_dtype(logits), num_warps=nw)
     return out
