@@ -9,6 +9,7 @@ cast the current weights (cache off); replaced parameters drop every graph. New 
 """
 from __future__ import annotations
 
+import gc
 import warnings
 
 import torch
@@ -247,12 +248,22 @@ class CALGraphs:
             static_cap.rng_marker = None
             torch.cuda.current_stream(device).wait_stream(side)
             cf_box.clear()
-            cal = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(cal, pool=self._pool):
-                cal_step()
-            final = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(final, pool=self._pool):
-                final_forward()
+            # No garbage collection during capture: a collection there can free another CAT's graphs (CAT and its
+            # CALGraphs form a reference cycle), and destroying a graph while one is being captured leaves the CUDA
+            # generator in capture state ("Offset increment outside graph capture") or fails the capture.
+            gc_was_enabled = gc.isenabled()
+            gc.collect()
+            gc.disable()
+            try:
+                cal = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(cal, pool=self._pool):
+                    cal_step()
+                final = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(final, pool=self._pool):
+                    final_forward()
+            finally:
+                if gc_was_enabled:
+                    gc.enable()
             return _Graphs(statics, cal, final, cf_box[-1], leads)
         except Exception as error:  # noqa: BLE001 - any capture failure means: run this signature eagerly
             self._warn(("capture", type(error).__name__),
