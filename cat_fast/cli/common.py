@@ -13,7 +13,7 @@ import tempfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["CliError", "TrainingFailed", "PRESETS", "MARKER", "mark_output", "Parser", "fail", "AtomicDir", "CHECKPOINT_META", "DATA_MODES", "parse_evals", "get_device",
-           "setup_device", "seed_everything", "autocast", "to_device", "predict", "predict_probs", "accuracy", "EvalSet",
+           "setup_device", "seed_everything", "autocast", "to_device", "predict", "predict_logits", "predict_probs", "accuracy", "EvalSet",
            "plot", "write_json", "save_checkpoint", "int_at_least", "positive_int", "nonneg_int", "int_list"]
 
 
@@ -247,32 +247,9 @@ def to_device(batch: Dict, device) -> Dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def predict(model, tokenized, batch_size: int, device, bf16: bool = False) -> List[int]:
-    """Argmax predictions for every example of a TokenizedData (length-sorted batches, deterministic)."""
-    import torch
-
-    from ..data import Collator
-
-    collate = Collator(tokenized.tokenizer)
-    order = sorted(range(len(tokenized)), key=lambda i: (len(tokenized.features[i]["input_ids"]), i))
-    preds = [0] * len(tokenized)
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for s in range(0, len(order), batch_size):
-            idx = order[s:s + batch_size]
-            batch = collate([tokenized[i] for i in idx])
-            batch.pop("labels")
-            with autocast(device, bf16):
-                logits = model(**to_device(batch, device)).logits
-            for i, p in zip(idx, logits.argmax(-1).tolist()):
-                preds[i] = p
-    model.train(was_training)
-    return preds
-
-
-def predict_probs(model, tokenized, batch_size: int, device, bf16: bool = False):
-    """Class probabilities [N, C] (float32, CPU) for every example of a TokenizedData, in its order."""
+def predict_logits(model, tokenized, batch_size: int, device, bf16: bool = False):
+    """Logits [N, C] (float32, CPU) for every example of a TokenizedData, in its order (length-sorted batches,
+    deterministic)."""
     import torch
 
     from ..data import Collator
@@ -289,9 +266,19 @@ def predict_probs(model, tokenized, batch_size: int, device, bf16: bool = False)
             batch.pop("labels")
             with autocast(device, bf16):
                 logits = model(**to_device(batch, device)).logits
-            out[torch.tensor(idx)] = logits.float().softmax(-1).cpu()
+            out[torch.tensor(idx)] = logits.float().cpu()
     model.train(was_training)
     return out
+
+
+def predict(model, tokenized, batch_size: int, device, bf16: bool = False) -> List[int]:
+    """Argmax predictions for every example of a TokenizedData."""
+    return predict_logits(model, tokenized, batch_size, device, bf16).argmax(-1).tolist()
+
+
+def predict_probs(model, tokenized, batch_size: int, device, bf16: bool = False):
+    """Class probabilities [N, C] (float32, CPU) for every example of a TokenizedData, in its order."""
+    return predict_logits(model, tokenized, batch_size, device, bf16).softmax(-1)
 
 
 def accuracy(preds: Sequence[int], labels: Sequence[int], mask: Optional[Sequence[bool]] = None) -> Dict:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from .core import CadData, DataError, TaskSpec
-from .tables import _read, load_table
+from .tables import load_table, read_rows
 
 __all__ = ["HANS_PATH", "HANS_LABELS", "HANS_HEURISTICS", "HansData", "load_hans", "score_hans"]
 
@@ -72,7 +72,7 @@ def load_hans(path: Optional[str] = None) -> HansData:
     path = HANS_PATH if path is None else os.fspath(path)
     base = load_table(path, text_column="sentence1", text_pair_column="sentence2", label_column="gold_label",
                       labels=HANS_LABELS)
-    table = _read(path, ["heuristic", "subcase"], None)
+    table = read_rows(path, ["heuristic", "subcase"], None)
     row_at = {str(w): r for r, w in enumerate(table.where)}
     heuristic, subcase = [], []
     for src in base.sources:  # "file:line" (a dataset: "name:row") of each kept example

@@ -232,7 +232,8 @@ def _read_folder(path: str, needed: Sequence[str], split: Optional[str]) -> _Tab
     return _read_dataset(ds, name, needed)
 
 
-def _read(path: str, needed: Sequence[str], split: Optional[str]) -> _Table:
+def read_rows(path: str, needed: Sequence[str], split: Optional[str]) -> _Table:
+    """The raw rows of any file or folder `load_table` reads (every cell text), with the columns `needed` checked."""
     if not os.path.exists(path):
         raise DataError(f"{path}: file or folder not found; expected {_EXPECTED}")
     if os.path.isdir(path):
@@ -357,7 +358,7 @@ def load_table(
     needed = list(dict.fromkeys(c for _, c in roles if c is not None))
     allowed = None if labels is None else _given_labels(labels)
 
-    t = _read(path, needed, split)
+    t = read_rows(path, needed, split)
     class_names = t.class_names.get(label_column)
     n_rows = len(t.where)
     text: List[str] = []
