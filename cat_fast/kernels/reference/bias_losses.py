@@ -45,7 +45,7 @@ def reweight_loss(logits, bias, labels, normalize="weights", weight="one_minus",
     return (w * ce).sum() / keep.sum().to(ce.dtype)
 
 
-def learned_mixin_loss(logits, bias, labels, gate, entropy_weight=0.03, ignore_index=-100):
+def learned_mixin_loss(logits, bias, labels, gate, entropy_weight=0.03, ignore_index=-100, reduction="mean"):
     """Learned-mixin +H: g = softplus(gate) per row (`gate` [B], a learned linear map of the pooled vector);
     CE(log_softmax(z) + g·b, y) + entropy_weight · H(softmax(g·b)), both means over the kept rows."""
     keep, y = _keep(labels, ignore_index)
@@ -54,11 +54,10 @@ def learned_mixin_loss(logits, bias, labels, gate, entropy_weight=0.03, ignore_i
     ce = F.cross_entropy(F.log_softmax(upcast(logits), -1) + scaled, y, reduction="none")
     lp = F.log_softmax(scaled, -1)
     entropy = -(lp.exp() * lp).sum(-1)
-    n = keep.sum().to(ce.dtype)
-    return _reduce(ce, keep, "mean", n) + entropy_weight * _reduce(entropy, keep, "mean", n)
+    return _reduce(ce + entropy_weight * entropy, keep, reduction)
 
 
-def confidence_regularization_loss(logits, teacher_probs, bias, labels, ignore_index=-100):
+def confidence_regularization_loss(logits, teacher_probs, bias, labels, ignore_index=-100, reduction="mean"):
     """Confidence regularisation: the teacher's probabilities scaled t̃ ∝ t^(1 − p_b(y)), loss −Σ t̃ log softmax(z),
     mean over the kept rows."""
     keep, y = _keep(labels, ignore_index)
@@ -66,4 +65,4 @@ def confidence_regularization_loss(logits, teacher_probs, bias, labels, ignore_i
     scaled = upcast(teacher_probs).detach() ** exponent
     scaled = scaled / scaled.sum(-1, keepdim=True)
     losses = -(scaled * F.log_softmax(upcast(logits), -1)).sum(-1)
-    return _reduce(losses, keep, "mean")
+    return _reduce(losses, keep, reduction)
