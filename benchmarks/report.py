@@ -26,10 +26,12 @@ import sys
 BEGIN, END = "<!-- tables:begin -->", "<!-- tables:end -->"
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-OP_ORDER = ("cmix", "cal_objective", "cal_step_", "crm_loss", "gs_cosine_loss")
+OP_ORDER = ("cmix", "cal_objective", "cal_step_", "crm_loss", "gs_cosine_loss", "poe_loss", "reweight_loss",
+            "learned_mixin_loss", "confidence_regularization_loss")
 BACKEND_ORDER = ("triton", "cuda", "cpp", "reference", "compile")
 METHOD_ORDER = ("plain", "plain_first_token", "plain_training_layers", "naive_cat", "cat", "cat_eager", "cat_full_last",
-                "cat_hf_layers", "cat_hf_clean", "gs_exact", "gs_first_order", "gs_first_order_fwd", "gs_pooled", "gs_pooled_hf_layers")
+                "cat_hf_layers", "cat_hf_clean", "gs_exact", "gs_first_order", "gs_first_order_fwd", "gs_pooled", "gs_pooled_hf_layers",
+                "poe", "reweight", "learned_mixin", "conf_reg")
 METHOD_LABEL = {
     "plain": "(1) plain fine-tuning",
     "plain_first_token": "(1f) plain, first-token last layer",
@@ -45,6 +47,10 @@ METHOD_LABEL = {
     "gs_first_order_fwd": "(5f) GS first-order forward, token level (h_0)",
     "gs_pooled": "(6) GS exact, pooled",
     "gs_pooled_hf_layers": "(6h) GS exact, pooled, training_layers=False",
+    "poe": "(7p) PoE (bias model)",
+    "reweight": "(7r) reweighting (bias model)",
+    "learned_mixin": "(7l) learned-mixin +H (bias model)",
+    "conf_reg": "(7c) confidence regularisation (bias model)",
 }
 
 

@@ -30,6 +30,11 @@ bf16 autocast, AdamW (fused on CUDA), B x T = 8x128, 32x128, 64x256; each sample
                  forward runs `cat_fast.layers.training` (GS's default `training_layers=True`).
 6h. `gs_pooled_hf_layers` the same with `training_layers=False`: the model's own layers, for the training
                  layer's effect side by side.
+7. `poe`, `reweight`, `learned_mixin`, `conf_reg`: the bias-model objectives of `cat_fast.objectives.debias`
+                 (`PoE`, `Reweight`, `LearnedMixin` with its gate in the optimizer, `ConfidenceRegularization`) with
+                 a fixed bias [B, C] (log-probabilities) and teacher probabilities in the batch, as the CLI's
+                 batches carry them; their forward is `plain_first_token`'s (learned-mixin also captures the
+                 pooled vector for its gate), so `plain_first_token` is their ERM step.
 
 Timing: >= 5 warm-up steps, then CUDA events around each of <= 25 timed steps (CAT_FAST_BENCH_STEP_WARMUP,
 CAT_FAST_BENCH_STEP_STEPS; defaults 5 and 20), median reported. Then, for every method but plain, a paired
@@ -65,11 +70,13 @@ pytestmark = [pytest.mark.benchmark(timer=H.virtual_clock), pytest.mark.bench_st
 
 METHODS = ("plain", "plain_first_token", "plain_training_layers", "naive_cat", "cat", "cat_eager", "cat_full_last",
            "cat_hf_layers", "cat_hf_clean", "gs_exact", "gs_first_order", "gs_first_order_fwd", "gs_pooled",
-           "gs_pooled_hf_layers")
+           "gs_pooled_hf_layers", "poe", "reweight", "learned_mixin", "conf_reg")
+DEBIAS_METHODS = ("poe", "reweight", "learned_mixin", "conf_reg")
 CAT_METHODS = ("cat", "cat_eager", "cat_full_last", "cat_hf_layers", "cat_hf_clean")
 # Methods whose passes run the last layer for the first token only (`prune_last_layer=True`, the default).
 FIRST_TOKEN_METHODS = ("plain_first_token", "plain_training_layers", "cat", "cat_eager", "cat_hf_layers",
                        "cat_hf_clean", "gs_first_order", "gs_first_order_fwd", "gs_pooled", "gs_pooled_hf_layers")
+FIRST_TOKEN_METHODS += DEBIAS_METHODS
 GS_LONG_METHODS = ("plain", "gs_exact", "gs_first_order", "gs_first_order_fwd")  # the T = 512 size
 CAT_LAYERS = [8, 9, 10]
 NAIVE_LAYER = 9
@@ -205,6 +212,24 @@ def make_step(method, model, optimizer, batch, pairs):
 
     if method == "naive_cat":
         return naive_cat_step(model, batch, finish_step)
+
+    if method in DEBIAS_METHODS:
+        from cat_fast.objectives import debias
+
+        objective = {"poe": debias.PoE, "reweight": debias.Reweight, "learned_mixin": debias.LearnedMixin,
+                     "conf_reg": debias.ConfidenceRegularization}[method](model)
+        if objective.parameters():
+            optimizer.add_param_group({"params": objective.parameters()})
+        gen = torch.Generator().manual_seed(7)
+        shape = (batch["labels"].shape[0], model.config.num_labels)
+        batch = dict(batch, bias=torch.log_softmax(2 * torch.randn(shape, generator=gen), -1).to(DEVICE),
+                     teacher_probs=torch.softmax(2 * torch.randn(shape, generator=gen), -1).to(DEVICE))
+
+        def step():
+            with autocast():
+                loss, _ = objective(batch)
+            finish_step(loss)
+        return step
 
     if method in CAT_METHODS:
         cat = cat_fast.CAT(model, layers=LAYERS, adv_steps=ADV_STEPS, alpha=ALPHA, beta=BETA, gamma=GAMMA, eta=ETA,

@@ -360,8 +360,9 @@ def train(args) -> Dict:
         atomic.commit()
     if saving:
         shutil.rmtree(checkpoints, ignore_errors=True)  # the run is complete: its checkpoints are not needed
-    dev_acc = results.get("dev", {}).get("accuracy", float("nan"))
-    sys.stderr.write(f"cat-fast: wrote {out} (dev accuracy {dev_acc:.4f})\n")
+    scores = ", ".join(f"{name} accuracy {r['accuracy']:.4f}" for name, r in results.items()
+                       if "/" not in name and isinstance(r, dict) and "accuracy" in r)
+    sys.stderr.write(f"cat-fast: wrote {out} ({scores or 'no dev or --eval set scored'})\n")
     return metrics
 
 

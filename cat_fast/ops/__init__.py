@@ -2,8 +2,8 @@
 
 Each validates its arguments (`validate`), then runs on the backend `backend.select` picks (`reference`, `cpp`,
 `cuda`, `triton`; `cat_fast.backends()`, `cat_fast.use_backend()`). `modules` has their `torch.nn.Module` wrappers
-(`CMix`, `CALObjective`, `CRMLoss`, `GSCosineLoss`). The bias-model losses (`bias_losses`) run their reference
-composite on every device for now. Adding an op: CONTRIBUTING.md.
+(`CMix`, `CALObjective`, `CRMLoss`, `GSCosineLoss`). The bias-model losses (`bias_losses`) share one kernel pair
+(`bias_loss`). Adding an op: CONTRIBUTING.md.
 """
 from .backend import backends, use_backend
 from .bias_losses import confidence_regularization_loss, learned_mixin_loss, poe_loss, reweight_loss

@@ -18,11 +18,17 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/macros/Macros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #ifdef CAT_FAST_DEVICE_CHECKS
 #define CAT_FAST_DEVICE_ASSERT(cond) CUDA_KERNEL_ASSERT(cond)
@@ -205,6 +211,43 @@ __device__ __forceinline__ S group_reduce(S v, Op op, S* smem) {
   S r = smem[base];
   for (int w = 1; w < wpr; ++w) r = op(r, smem[base + w]);
   return r;
+}
+
+// Sum of v over all threads of the block, valid in thread (0,0); fixed order. Every thread of the block
+// must call it. smem: one double per warp.
+__device__ __forceinline__ double block_sum(double v, double* smem) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += shfl_xor(v, o);
+  const int t = threadIdx.y * blockDim.x + threadIdx.x;
+  const int warps = static_cast<int>(blockDim.x * blockDim.y) >> 5;
+  __syncthreads();  // smem may still be read by a previous call
+  if ((t & 31) == 0) smem[t >> 5] = v;
+  __syncthreads();
+  double r = 0.0;
+  if (t == 0) {
+    for (int w = 0; w < warps; ++w) r += smem[w];
+  }
+  return r;
+}
+
+// ---------------------------------------------------------------- multi-block reductions
+// Completion counter of the multi-block mean/sum reductions (crm_loss, bias_loss): 0 before every launch, since
+// each launch's last block sets it back to 0. One per (device, stream), shared by the ops (launches on one stream
+// run in order; launches on different streams may overlap and must not share one). Made once (at::zeros: one
+// memset, on the first call only) and never freed (the map is leaked so it outlives the caching allocator). During
+// CUDA-graph capture a fresh zeroed counter is used instead: a captured memset only runs at replay, so a persistent
+// counter made then would not be zeroed for eager calls. `inline`: one map for the whole library.
+inline at::Tensor completion_counter(const at::Tensor& like, const c10::cuda::CUDAStream& stream) {
+  const auto opts = like.options().dtype(at::kInt);
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+    return at::zeros({1}, opts);
+  }
+  static std::mutex mutex;
+  static auto* counters = new std::map<std::pair<int, int64_t>, at::Tensor>();
+  const std::lock_guard<std::mutex> lock(mutex);
+  at::Tensor& counter = (*counters)[{static_cast<int>(stream.device_index()), static_cast<int64_t>(stream.id())}];
+  if (!counter.defined()) counter = at::zeros({1}, opts);
+  return counter;
 }
 
 // ---------------------------------------------------------------- launch configuration

@@ -9,7 +9,8 @@
 // each; the block that increments the completion counter last adds the partials in a fixed order
 // (block-index strided, then block_sum), writes the loss and resets the counter to 0. The summation
 // order depends only on B and C (not on timing or the GPU model): deterministic, no float atomics. No
-// memset per call: the counter, one per (device, stream), is zeroed once when made (completion_counter).
+// memset per call: the counter, one per (device, stream), is zeroed once when made (completion_counter,
+// common.cuh).
 // ignore_index: rows whose label equals it give loss 0 (ce 0 in stats) and zero gradients; the mean divides by the
 // number of the other rows (each slot counts them beside its running sum, each block's count is a second partial;
 // the mean backward's blocks each count the labels first). Phi's subgradient goes to the first index of the row
@@ -20,12 +21,6 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
-
-#include <map>
-#include <mutex>
-#include <utility>
 
 #include "common.cuh"
 
@@ -38,23 +33,6 @@ constexpr int kReduceBlock = 1024;       // the blocks of a mean/sum forward
 constexpr int64_t kSingleMaxGroups = 4;  // mean/sum over at most this many row groups: one block, no counter
 constexpr int64_t kSingleMaxRows = 1024; // ... and at most this many rows (one-thread rows: 1024 to a group)
 constexpr int64_t kMaxPartials = 1024;   // most blocks (partial sums) of a multi-block mean/sum
-
-// Sum of v over all threads of the block, valid in thread (0,0); fixed order. Every thread of the block
-// must call it. smem: one double per warp.
-__device__ __forceinline__ double block_sum(double v, double* smem) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += shfl_xor(v, o);
-  const int t = threadIdx.y * blockDim.x + threadIdx.x;
-  const int warps = static_cast<int>(blockDim.x * blockDim.y) >> 5;
-  __syncthreads();  // smem may still be read by a previous call
-  if ((t & 31) == 0) smem[t >> 5] = v;
-  __syncthreads();
-  double r = 0.0;
-  if (t == 0) {
-    for (int w = 0; w < warps; ++w) r += smem[w];
-  }
-  return r;
-}
 
 template <typename scalar_t>
 __global__ void __launch_bounds__(kReduceBlock) crm_loss_forward_kernel(
@@ -234,25 +212,6 @@ void check_crm(const char* op, const at::Tensor& logits, const at::Tensor& cf_lo
   TORCH_CHECK(reduction >= 0 && reduction <= 2, op, ": reduction must be 0 (none), 1 (mean) or 2 (sum)");
   TORCH_CHECK(logits.is_contiguous() && cf_logits.is_contiguous() && labels.is_contiguous(), op,
               ": inputs must be contiguous");
-}
-
-// Completion counter of the multi-block mean/sum: 0 before every launch, since each launch's last
-// block sets it back to 0. One per (device, stream): launches on one stream run in order, launches on
-// different streams may overlap and must not share one. Made once (at::zeros: one memset, on the first
-// call only) and never freed (the map is leaked so it outlives the caching allocator). During CUDA-graph
-// capture a fresh zeroed counter is used instead: a captured memset only runs at replay, so a persistent
-// counter made then would not be zeroed for eager calls.
-at::Tensor completion_counter(const at::Tensor& like, const c10::cuda::CUDAStream& stream) {
-  const auto opts = like.options().dtype(at::kInt);
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
-    return at::zeros({1}, opts);
-  }
-  static std::mutex mutex;
-  static auto* counters = new std::map<std::pair<int, int64_t>, at::Tensor>();
-  const std::lock_guard<std::mutex> lock(mutex);
-  at::Tensor& counter = (*counters)[{static_cast<int>(stream.device_index()), static_cast<int64_t>(stream.id())}];
-  if (!counter.defined()) counter = at::zeros({1}, opts);
-  return counter;
 }
 
 template <typename scalar_t>

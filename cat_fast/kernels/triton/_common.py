@@ -69,3 +69,28 @@ def row_softmax_stats(base_ptr, rows, rmask, C, BLOCK_R: tl.constexpr, BLOCK_C: 
         s = s * tl.exp(m - nm) + tl.sum(tl.exp(x - nm[:, None]), axis=1)
         m = nm
     return m, s, am
+
+
+# (device, stream) -> int32 completion counter of the one-launch reductions, see completion_counter
+_counters = {}
+
+
+def completion_counter(device: torch.device) -> torch.Tensor:
+    """The int32 completion counter of a one-launch reduction (crm_loss, bias_loss): 0 before every launch (the
+    launch's last program resets it), so one counter serves every such kernel launched on a stream.
+
+    One per (device, stream): launches on one stream run in order, launches on different streams may
+    overlap and must not share one. Made (zeroed) once, by a host copy rather than a fill, so that only its
+    first use shows an extra op. During CUDA-graph capture a fresh zeroed counter is used instead: a
+    captured fill only runs at replay, so a persistent counter made then would not be zeroed for eager calls.
+    """
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(1, dtype=torch.int32, device=device)
+        key = (device.type, device.index, torch.cuda.current_stream(device).stream_id)
+    else:
+        key = (device.type, device.index, None)
+    counter = _counters.get(key)
+    if counter is None:
+        counter = _counters.setdefault(key, torch.tensor([0], dtype=torch.int32, device=device))
+    return counter

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ..dtypes import acc_dtype
-from ._common import acc_tl_dtype, row_softmax_stats, row_tiles, scalar_acc, split_scalar
+from ._common import acc_tl_dtype, completion_counter, row_softmax_stats, row_tiles, scalar_acc, split_scalar
 
 _MAX_BLOCK_C = 2048
 # mean/sum forward: big tiles and many warps (a program may loop over several tiles)
@@ -18,10 +18,6 @@ _MAX_PROGRAMS = 1024
 
 # labels read per step when a mean backward counts the non-ignored rows
 _BLOCK_LABELS = 1024
-
-# (device, stream) -> int32 completion counter of the mean/sum forward, see _counter
-_counters = {}
-
 
 @triton.jit
 def _crm_fwd_kernel(logits_ptr, cf_ptr, labels_ptr, loss_ptr, stats_ptr, part_ptr, count_ptr, B, C, TILES,
@@ -143,26 +139,6 @@ def _crm_bwd_kernel(grad_ptr, logits_ptr, cf_ptr, labels_ptr, stats_ptr, gl_ptr,
         tl.store(gcf_ptr + offs, gc.to(gcf_ptr.dtype.element_ty), mask=m2)
 
 
-def _counter(device: torch.device) -> torch.Tensor:
-    """The completion counter of the mean/sum forward: 0 before every launch (its last program resets it).
-
-    One per (device, stream): launches on one stream run in order, launches on different streams may
-    overlap and must not share one. Made (zeroed) once. During CUDA-graph capture a fresh zeroed counter
-    is used instead: a captured fill only runs at replay, so a persistent counter made then would not be
-    zeroed for eager calls.
-    """
-    if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            return torch.zeros(1, dtype=torch.int32, device=device)
-        key = (device.type, device.index, torch.cuda.current_stream(device).stream_id)
-    else:
-        key = (device.type, device.index, None)
-    counter = _counters.get(key)
-    if counter is None:
-        counter = _counters.setdefault(key, torch.zeros(1, dtype=torch.int32, device=device))
-    return counter
-
-
 def crm_loss_forward(logits: torch.Tensor, cf_logits: torch.Tensor, labels: torch.Tensor,
                      a1: float, a2: float, reduction: int, detach_weight: bool = False, ignore_index: int = -100):
     # detach_weight does not change the forward (it only selects the backward; see docs/KERNELS.md)
@@ -189,7 +165,7 @@ def crm_loss_forward(logits: torch.Tensor, cf_logits: torch.Tensor, labels: torc
         tiles = triton.cdiv(n_tiles, _MAX_PROGRAMS)
         grid = (triton.cdiv(n_tiles, tiles),)
         parts = torch.empty(2 * grid[0], dtype=torch.float64, device=logits.device)  # sums, then row counts
-        counter = _counter(logits.device)
+        counter = completion_counter(logits.device)
     nw = 8 if BLOCK_R * BLOCK_C >= 2048 else 4
     if reduction != 0 and BLOCK_R * BLOCK_C >= 8192:
         nw = _SINGLE_WARPS
