@@ -145,7 +145,7 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
 
 def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, same_dropout: bool = True,
            first_token: bool = False, first_token_fill: float | None = None, input_grad_only: bool = False,
-           training_layers: bool = False):
+           training_layers: bool = False, repeat: int = 1):
     """Run layers ``m+1..L`` and the model's own head on `h_tilde` in place of ``h_m``; return the model output.
 
     The lower layers are not recomputed (see the module docstring). `attention_mask` (2-D, optional)
@@ -156,12 +156,20 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
     its detached final pass): layers ``m+1..L`` with the Bert layout then run `layers.resumed` (same values and
     dropout draws; the input gradient summed in fp32 under autocast). ``training_layers=True`` (without
     ``input_grad_only``): layers ``m+1..L`` run `layers.training` where it supports them (the same values, dropout
-    draws and gradients, parameters included; no double backward through them).
+    draws and gradients, parameters included; no double backward through them). ``repeat=K``: `h_tilde` stacks K
+    variants of ``h_m`` along the batch (``[K·B, ...]``, variant k in rows ``k·B .. k·B+B−1``); the batch's inputs
+    are tiled to match, so one pass runs K edited copies of the batch (`cat_fast.analysis.mediation`). Eval mode only.
     """
     st = structure(model)
     check_trainable_forward(model, st)
-    if tuple(h_tilde.shape) != tuple(cap.hidden.shape):
-        raise ValueError(f"h_tilde must have the shape of h_m {tuple(cap.hidden.shape)}, got {tuple(h_tilde.shape)}")
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"repeat: expected an integer >= 1, got {repeat!r}")
+    if repeat > 1 and model.training:
+        raise ValueError("resume(repeat > 1) runs in eval mode only (no dropout masks to replay for the copies)")
+    want = (repeat * cap.hidden.shape[0],) + tuple(cap.hidden.shape[1:])
+    if tuple(h_tilde.shape) != want:
+        what = "of h_m" if repeat == 1 else f"of h_m stacked {repeat} times along the batch"
+        raise ValueError(f"h_tilde must have the shape {what} {want}, got {tuple(h_tilde.shape)}")
     m, L = cap.layer, st.num_layers
     restore_rng = same_dropout and cap.rng_state is not None and model.training
     device = h_tilde.device
@@ -214,11 +222,13 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
     inputs = dict(cap.inputs)
     if attention_mask is not None:
         inputs = sync_free_inputs(model, dict(inputs, attention_mask=attention_mask))
+    if repeat > 1:
+        inputs = {k: _tile(v, repeat) for k, v in inputs.items()}
     try:
         for mod in st.layer_modules:
             patched.append(patch_forward(mod, layer_forward(mod)))
         if st.embeddings is not None and cap.embedding_output is not None:
-            cached = cap.embedding_output
+            cached = _tile(cap.embedding_output, repeat) if repeat > 1 else cap.embedding_output
             patched.append(patch_forward(st.embeddings, lambda *a, **k: cached))
         out = model(**inputs)
     finally:
@@ -230,6 +240,14 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
         unsupported(model, f"its layer list '{st.layer_list_name}' was called {calls['n']} times when resuming, "
                      f"expected {L}")
     return out
+
+
+def _tile(value, k):
+    if isinstance(value, torch.Tensor) and value.dim() >= 1:
+        return value.repeat(k, *([1] * (value.dim() - 1)))
+    if isinstance(value, tuple):
+        return tuple(_tile(v, k) for v in value)
+    return value
 
 
 def head_logits(model, cap: Capture, x: torch.Tensor, *, same_dropout: bool = True):
