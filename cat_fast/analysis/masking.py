@@ -1,0 +1,137 @@
+"""Causal-grounded masking (docs/METHODS.md §3): scale the first-token activation of selected neurons.
+
+    from cat_fast.analysis import masking, mediation
+    top = nie.top(k)                                       # [(layer, component, neuron, NIE), ...]
+    masking.mask_neurons(model, top, factor=0.0)           # every forward of `model` now masks them
+    model.save_pretrained(DIR); tokenizer.save_pretrained(DIR)
+    model, tokenizer = masking.load_masked(DIR)            # the one-line load: the mask comes back with the model
+
+The mask is an intervention (`cat_fast.models.intervene`), so the model's own layers and cat_fast's fast layers all
+apply it, in training too (it is differentiable). It acts on position 0 only, as the NIE was measured. The mask is
+recorded in ``model.config.cat_fast_neuron_mask`` (saved in config.json by ``save_pretrained``); a model loaded
+without `load_masked` / `apply_saved_mask` runs unmasked. Folding the factor into the weights instead (scaling the
+weight row and bias that produce the neuron, or the LayerNorm element of attention_output / output) would scale the
+neuron at EVERY position, and for query / key / value change the attention of every token: a different
+intervention from the one the NIE measured; it is not offered.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, List, Sequence, Tuple
+
+import torch
+
+from .. import models
+
+__all__ = ["mask_neurons", "unmask_neurons", "masked_neurons", "apply_saved_mask", "load_masked", "CONFIG_KEY"]
+
+CONFIG_KEY = "cat_fast_neuron_mask"
+_ATTR = "_cat_fast_neuron_masks"  # the open intervention blocks of a masked model
+
+
+def _normalise(model, neurons) -> List[Tuple[int, str, int]]:
+    st = models.structure(model)
+    widths = {}
+    out = []
+    for item in neurons:
+        if not isinstance(item, (tuple, list)) or len(item) < 3:
+            raise ValueError(f"neurons: expected (layer, component, index) items (e.g. NeuronEffects.top(k)), got "
+                             f"{item!r}")
+        layer, comp, index = item[0], item[1], item[2]
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 1 <= layer <= st.num_layers:
+            raise ValueError(f"neurons: layer {layer!r} is not in [1, {st.num_layers}]")
+        if comp not in models.COMPONENTS:
+            raise ValueError(f"neurons: component {comp!r} is not one of {models.COMPONENTS}")
+        key = (layer, comp)
+        if key not in widths:
+            widths[key] = _width(model, layer, comp)
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < widths[key]:
+            raise ValueError(f"neurons: index {index!r} of layer {layer} {comp} is not in [0, {widths[key]})")
+        out.append((layer, comp, index))
+    return sorted(set(out))
+
+
+def _width(model, layer, comp):
+    from ..layers import layout
+
+    module = layout.component(models.structure(model).layer_modules[layer - 1], comp)
+    norms = [m for m in module.modules() if isinstance(m, torch.nn.LayerNorm)]
+    linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
+    if norms:  # attention_output / output: the width of the LayerNorm that ends the block
+        return int(norms[-1].normalized_shape[0])
+    if linears:
+        return int(linears[-1].out_features)
+    config = model.config  # a parameter-free module (DistilBERT's activation): the config's widths
+    names = ("intermediate_size", "hidden_dim") if comp == "intermediate" else ("hidden_size", "dim")
+    for name in names:
+        if isinstance(getattr(config, name, None), int):
+            return int(getattr(config, name))
+    raise ValueError(f"neurons: cannot tell the width of layer {layer} {comp} ({type(module).__name__})")
+
+
+def _scaler(index: torch.Tensor, factor: float):
+    def fn(x):
+        x = x.clone()
+        idx = index.to(x.device)
+        x[:, 0, idx] = x[:, 0, idx] * factor
+        return x
+
+    return fn
+
+
+def mask_neurons(model, neurons: Iterable[Sequence], factor: float = 0.0):
+    """Multiply the first-token activation of each of `neurons` ((layer, component, index), 1-indexed layers) by
+    `factor` in every later forward of `model` (0: the paper's hard mask; 0 < factor < 1 weakens). Replaces a mask
+    set before. Returns `model`."""
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor):
+        raise ValueError(f"factor: expected a finite number, got {factor!r}")
+    chosen = _normalise(model, neurons)
+    unmask_neurons(model)
+    blocks = []
+    by_key = {}
+    for layer, comp, index in chosen:
+        by_key.setdefault((layer, comp), []).append(index)
+    for (layer, comp), idx in by_key.items():
+        block = models.intervene(model, layer, comp, _scaler(torch.tensor(idx), float(factor)))
+        block.__enter__()
+        blocks.append(block)
+    setattr(model, _ATTR, blocks)
+    setattr(model.config, CONFIG_KEY, {"factor": float(factor), "neurons": [list(n) for n in chosen],
+                                       "positions": "first token"})
+    return model
+
+
+def unmask_neurons(model):
+    """Remove the mask `mask_neurons` set (no-op if none). Returns `model`."""
+    for block in reversed(getattr(model, _ATTR, [])):
+        block.__exit__(None, None, None)
+    if hasattr(model, _ATTR):
+        delattr(model, _ATTR)
+    if hasattr(model.config, CONFIG_KEY):
+        delattr(model.config, CONFIG_KEY)
+    return model
+
+
+def masked_neurons(model):
+    """The mask recorded on `model` ({"factor", "neurons"}), or None."""
+    return getattr(model.config, CONFIG_KEY, None)
+
+
+def apply_saved_mask(model):
+    """Re-apply the mask recorded in ``model.config`` (a model loaded with ``from_pretrained``). Returns `model`."""
+    spec = masked_neurons(model)
+    if spec is None:
+        return model
+    if not isinstance(spec, dict) or "neurons" not in spec or "factor" not in spec:
+        raise ValueError(f"config.{CONFIG_KEY}: expected {{'factor': f, 'neurons': [[layer, component, index], ...]}}, "
+                         f"got {spec!r}")
+    return mask_neurons(model, [tuple(n) for n in spec["neurons"]], spec["factor"])
+
+
+def load_masked(model_dir: str, **kwargs):
+    """``(model, tokenizer)`` from a directory a masked model was saved to, with its mask applied
+    (`cat_fast.models.pretrained.load_classifier` arguments in `kwargs`)."""
+    from ..models.pretrained import load_classifier
+
+    model, tokenizer = load_classifier(model_dir, **kwargs)
+    return apply_saved_mask(model), tokenizer
