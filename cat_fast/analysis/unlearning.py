@@ -1,0 +1,141 @@
+"""Gradient unlearning of selected neurons (docs/METHODS.md §3; Sae Lim et al. 2024 and their released code).
+
+    from cat_fast.analysis import unlearning
+    stats = unlearning.unlearn(model, nie.top(175), batches, lr=1e-5, epochs=15)
+
+Only the parameters that produce the selected neurons train: for query / key / value / intermediate the row of the
+Linear that outputs the neuron (weight row and bias entry); for attention_output / output (after a LayerNorm) the
+row of the block's Linear before the norm and the norm's weight and bias entries of that neuron. Their gradient is
+reversed (an ascent step on the cross-entropy). Each step is AdamW on those tensors, after which every other entry is
+copied back, so every other parameter of the model stays bit-identical (weight decay included), as the released code
+does. ``advantaged=True`` (the paper's setting) keeps only the rows of a batch that the bias model gets right and the
+model gets wrong: the batch needs ``bias`` [B, C] (the bias model's log-probabilities) beside ``labels``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, List, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .. import models
+from ..layers import layout
+from .masking import _normalise
+
+__all__ = ["unlearn", "producing_parameters"]
+
+_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+# family -> component -> (the Linear whose output row makes the neuron, the LayerNorm after it or None)
+_PRODUCERS = {
+    "bert": {"query": ("attention.self.query", None), "key": ("attention.self.key", None),
+             "value": ("attention.self.value", None),
+             "attention_output": ("attention.output.dense", "attention.output.LayerNorm"),
+             "intermediate": ("intermediate.dense", None), "output": ("output.dense", "output.LayerNorm")},
+    "distilbert": {"query": ("attention.q_lin", None), "key": ("attention.k_lin", None),
+                   "value": ("attention.v_lin", None), "attention_output": ("attention.out_lin", "sa_layer_norm"),
+                   "intermediate": ("ffn.lin1", None), "output": ("ffn.lin2", "output_layer_norm")},
+}
+
+
+def _get(module, path):
+    for name in path.split("."):
+        module = getattr(module, name)
+    return module
+
+
+def producing_parameters(model, neurons: Iterable[Sequence]) -> List[Tuple[torch.nn.Parameter, torch.Tensor]]:
+    """(parameter, index of its first dimension) pairs whose entries produce `neurons` (module docstring)."""
+    chosen = _normalise(model, neurons)
+    st = models.structure(model)
+    rows: Dict[int, Tuple[torch.nn.Parameter, set]] = {}
+
+    def add(param, index):
+        if param is None:
+            return
+        rows.setdefault(id(param), (param, set()))[1].add(index)
+
+    for layer, comp, index in chosen:
+        module = st.layer_modules[layer - 1]
+        kind = layout.family(module)
+        if kind not in _PRODUCERS:
+            raise ValueError(f"neurons: unlearning knows the layouts {sorted(_PRODUCERS)}, not {type(module).__name__}")
+        linear_path, norm_path = _PRODUCERS[kind][comp]
+        linear = _get(module, linear_path)
+        add(linear.weight, index)
+        add(linear.bias, index)
+        if norm_path is not None:
+            norm = _get(module, norm_path)
+            add(norm.weight, index)
+            add(norm.bias, index)
+    return [(param, torch.tensor(sorted(idx))) for param, idx in rows.values()]
+
+
+def _advantaged(logits, labels, bias):
+    return (bias.argmax(-1) == labels) & (logits.argmax(-1) != labels)
+
+
+def unlearn(model, neurons, batches: Iterable[dict], lr: float = 1e-5, epochs: int = 1, weight_decay: float = 0.1,
+            advantaged: bool = True) -> Dict[str, float]:
+    """Gradient unlearning (module docstring) over `batches` (dicts of model inputs, ``labels`` and, with
+    `advantaged`, ``bias``) for `epochs` passes. Returns {"steps", "rows_used", "mean_loss"}; the model is left in
+    the train/eval mode it had."""
+    for name, value, low in (("lr", lr, 0.0), ("weight_decay", weight_decay, 0.0)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low:
+            raise ValueError(f"{name}: expected a finite number >= {low}, got {value!r}")
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"epochs: expected an integer >= 1, got {epochs!r}")
+    batches = list(batches)
+    targets = producing_parameters(model, neurons)
+    params = [p for p, _ in targets]
+    masks = []
+    for p, idx in targets:
+        m = torch.zeros(p.shape[0], dtype=torch.bool, device=p.device)
+        m[idx.to(p.device)] = True
+        masks.append(m.view(-1, *([1] * (p.dim() - 1))))
+    frozen = {p: p.requires_grad for p in model.parameters()}
+    was = model.training
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    steps, used, total = 0, 0, 0.0
+    try:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for p in params:
+            p.requires_grad_(True)
+        model.train()
+        for _ in range(epochs):
+            for batch in batches:
+                if "labels" not in batch:
+                    raise ValueError("batches: each batch needs 'labels'")
+                inputs = {k: v for k, v in batch.items() if k in _INPUTS}
+                labels = batch["labels"]
+                logits = models.logits_of(model(**inputs))
+                keep = torch.ones_like(labels, dtype=torch.bool)
+                if advantaged:
+                    if "bias" not in batch:
+                        raise ValueError("batches: advantaged=True needs batch['bias'] (the bias model's "
+                                         "log-probabilities [B, C])")
+                    keep = _advantaged(logits.detach(), labels, batch["bias"].to(logits.device))
+                n = int(keep.sum())
+                if n == 0:
+                    continue
+                loss = F.cross_entropy(logits.float()[keep], labels[keep])
+                saved = [p.detach().clone() for p in params]
+                optimizer.zero_grad(set_to_none=True)
+                (-loss).backward()  # the reversed gradient: an ascent step on the cross-entropy
+                for p, m in zip(params, masks):
+                    if p.grad is not None:
+                        p.grad.mul_(m)
+                optimizer.step()
+                with torch.no_grad():
+                    for p, m, old in zip(params, masks, saved):
+                        p.copy_(torch.where(m, p, old))  # every other entry back to its value, decay included
+                steps += 1
+                used += n
+                total += float(loss.detach())
+    finally:
+        for p, flag in frozen.items():
+            p.requires_grad_(flag)
+        model.train(was)
+    return {"steps": steps, "rows_used": used, "mean_loss": total / steps if steps else float("nan")}
