@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                description="Train and evaluate text classifiers with counterfactual and debiasing objectives (CAT, "
                            "gradient supervision) on the built-in CAD data or your own files.")
     p.add_argument("--version", action="version", version=f"cat-fast {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="{train,eval,bias}", parser_class=Parser)
+    sub = p.add_subparsers(dest="command", metavar="{train,eval,bias,mediation,mask}", parser_class=Parser)
     sub.required = True
 
     t = sub.add_parser("train", help="train a classifier", formatter_class=fmt,
@@ -204,6 +204,39 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
     e.add_argument("--out", metavar="DIR", help="write DIR/metrics.json (default: print JSON)")
     e.add_argument("--overwrite", action="store_true", help="replace an existing --out that cat-fast wrote")
+    md = sub.add_parser("mediation", help="the NIE of every neuron (causal mediation analysis)", formatter_class=fmt,
+                        description="Causal mediation analysis of a trained NLI classifier's neurons (see `python -m "
+                                    "pydoc cat_fast.cli.mediation`).")
+    md.add_argument("--model", required=True, metavar="DIR", help="a trained classifier (cat-fast train --out DIR)")
+    md.add_argument("--task", choices=("nli",), help="the built-in CAD NLI dev set as samples")
+    md.add_argument("--samples", metavar="FILE", help="samples from your own file (with the column options)")
+    _columns(md)
+    md.add_argument("--per-class", type=positive_int, default=100, help="samples per class (class-balanced)")
+    md.add_argument("--treatment-quantile", type=float, default=0.95, help="treatment: pairs at or above this "
+                    "quantile of hypothesis-word overlap")
+    md.add_argument("--target-class", default="entailment", help="label name or index whose probability is mediated")
+    md.add_argument("--method", choices=("exact", "first-order"), default="exact",
+                    help="exact batched sweep, or the first-order estimate (one backward)")
+    md.add_argument("--layers", type=positive_int, nargs="+", help="layers to sweep (default: all)")
+    md.add_argument("--components", nargs="+", help="components to sweep (default: all six)")
+    md.add_argument("--top-k", type=positive_int, help="top neurons listed (default: 700 of 82,944, scaled)")
+    md.add_argument("--max-length", type=positive_int, default=128, help="tokens per pair (truncation)")
+    md.add_argument("--seed", type=int, default=0, help="seed of the class-balanced draws")
+    md.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when available")
+    md.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
+    md.add_argument("--out", required=True, metavar="DIR", help="output directory (nie.pt, nie_summary.tsv, "
+                    "top_neurons.tsv, top_neurons.png, mediation.json)")
+    md.add_argument("--overwrite", action="store_true", help="replace an existing --out that cat-fast wrote")
+
+    mk = sub.add_parser("mask", help="mask the top neurons of a mediation analysis", formatter_class=fmt,
+                        description="Write a copy of --model with the top neurons of --nie masked at the first token "
+                                    "(load it with cat_fast.analysis.masking.load_masked; cat-fast eval applies it).")
+    mk.add_argument("--model", required=True, metavar="DIR", help="the classifier the analysis was run on")
+    mk.add_argument("--nie", required=True, metavar="DIR", help="a cat-fast mediation output (or its nie.pt)")
+    mk.add_argument("--top-k", type=positive_int, help="neurons to mask (default: the analysis' top-k)")
+    mk.add_argument("--factor", type=float, default=0.0, help="activation scale (0: hard mask)")
+    mk.add_argument("--out", required=True, metavar="DIR", help="output model directory")
+    mk.add_argument("--overwrite", action="store_true", help="replace an existing --out that cat-fast wrote")
     return p
 
 
@@ -223,6 +256,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from .bias import fit
 
             fit(args)
+        elif args.command in ("mediation", "mask"):
+            from . import mediation
+
+            getattr(mediation, args.command)(args)
         else:
             evaluate(args)
     except (DataError, ModelLoadError, CliError) as e:

@@ -42,6 +42,9 @@ def evaluate(args) -> Dict:
     if source.custom and not evals:
         raise CliError("--eval NAME=FILE is required for your own data (there is no built-in dev set)")
     model, tokenizer = load_classifier(directory, None)
+    from ..analysis.masking import apply_saved_mask
+
+    apply_saved_mask(model)  # a directory written by `cat-fast mask` runs masked
     label_names = tuple(source.labels or [model.config.id2label[i] for i in range(model.config.num_labels)])
     if model.config.num_labels != len(label_names):
         raise CliError(f"{directory}: the model has {model.config.num_labels} labels, the data has "

@@ -1,0 +1,202 @@
+"""``cat-fast mediation`` and ``cat-fast mask``: the NIE of every neuron of a trained classifier, and a model
+directory with the top neurons masked (`cat_fast.analysis`, docs/METHODS.md §3).
+
+    cat-fast mediation --model runs/erm --task nli --out runs/erm-nie          # NIE tables, top neurons, figure
+    cat-fast mask --model runs/erm --nie runs/erm-nie --top-k 175 --out runs/erm-masked
+
+Samples: ``--per-class`` pairs of each class from the built-in dev set (``--task nli``) or from ``--samples FILE``
+(with the column options); treatment: the samples' pool at or above the ``--treatment-quantile`` of the share of
+hypothesis words found in the premise, class-balanced. ``--method first-order`` is the one-backward screen.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Dict
+
+from .common import CHECKPOINT_META, AtomicDir, CliError, TrainingFailed, get_device, setup_device, write_json
+from .sources import Source
+
+__all__ = ["mediation", "mask", "NIE_FILE"]
+
+NIE_FILE = "nie.pt"
+
+
+def _balanced(labels, per_class, generator, pool=None):
+    import torch
+
+    labels = torch.as_tensor(labels)
+    keep = torch.ones_like(labels, dtype=torch.bool) if pool is None else pool
+    classes = sorted(set(labels[keep].tolist()))
+    n = min(per_class, min(int(((labels == c) & keep).sum()) for c in classes)) if classes else 0
+    picks = []
+    for c in classes:
+        idx = torch.nonzero((labels == c) & keep).flatten()
+        picks.append(idx[torch.randperm(idx.numel(), generator=generator)[:n]])
+    return torch.cat(picks) if picks else torch.empty(0, dtype=torch.long)
+
+
+def mediation(args) -> Dict:
+    import torch
+
+    from ..analysis import mediation as M
+    from ..bias.features import FEATURE_NAMES, overlap_features
+    from ..models.pretrained import load_classifier, resolve_model_dir
+
+    directory = resolve_model_dir(args.model)
+    AtomicDir.check(args.out, args.overwrite, inputs=[directory] + ([args.samples] if args.samples else []))
+    if not 0 < args.treatment_quantile < 1:
+        raise CliError(f"--treatment-quantile: expected a number in (0, 1), got {args.treatment_quantile}")
+    source = Source.from_args(args, _meta(directory))
+    model, tokenizer = load_classifier(directory, None)
+    if args.samples:
+        data = source.read(args.samples, labels=source.labels)
+    elif source.task:
+        data = source.builtin_dev()
+    else:
+        raise CliError("--samples FILE (with --text-column/--text-pair-column/--label-column) or --task nli is needed")
+    if data.text_pair is None:
+        raise CliError("mediation needs text pairs (premise, hypothesis): the treatment set is chosen by word overlap")
+    target = args.target_class
+    if target.isdigit():
+        target = int(target)
+    g = torch.Generator().manual_seed(args.seed)
+    chosen = _balanced(data.labels, args.per_class, g)
+    overlap = overlap_features(data.text, data.text_pair)[:, FEATURE_NAMES.index("h_fraction_in_p")]
+    high = overlap >= torch.quantile(overlap, args.treatment_quantile)
+    treat = _balanced(data.labels, len(data), g, pool=high)
+    if chosen.numel() == 0 or treat.numel() == 0:
+        raise CliError(f"no class-balanced samples or treatment pairs in {args.samples or 'the dev set'}")
+
+    def tok(idx):
+        enc = tokenizer([data.text[i] for i in idx.tolist()], [data.text_pair[i] for i in idx.tolist()],
+                        padding=True, truncation=True, max_length=args.max_length, return_tensors="pt")
+        return {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+
+    device = get_device(args.device)
+    setup_device(device)
+    model.to(device).eval()
+    layers = args.layers or None
+    components = args.components or None
+    start = time.time()
+    try:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            zbar = M.treatment_means(model, tok(treat), components=components or M.models.COMPONENTS, layers=layers)
+            if args.method == "exact":
+                effects = M.neuron_effects(model, tok(chosen), zbar, target_class=target, progress=True)
+            else:
+                effects = M.attribution_effects(model, tok(chosen), zbar, target_class=target)
+    except ValueError as error:
+        raise CliError(str(error)) from error
+    seconds = time.time() - start
+    values, _ = effects.flat()
+    if not torch.isfinite(values).all():
+        raise TrainingFailed("the effects contain NaN or inf (a probability of the target class underflowed?); "
+                             "nothing written")
+    k = args.top_k or max(1, round(values.numel() * 700 / 82944))
+    top = effects.top(k)
+    meta = {"model": args.model, "method": args.method, "target_class": effects.target_class,
+            "samples": int(chosen.numel()), "treatment": int(treat.numel()), "treatment_quantile":
+            args.treatment_quantile, "neurons": int(values.numel()), "top_k": k, "bf16": args.bf16,
+            "seconds": round(seconds, 3), "device": str(device)}
+    atomic = AtomicDir(args.out, args.overwrite)
+    with atomic as tmp:
+        torch.save({"effects": {f"{layer}.{comp}": v for (layer, comp), v in effects.effects.items()}, **meta},
+                   os.path.join(tmp, NIE_FILE))
+        with open(os.path.join(tmp, "nie_summary.tsv"), "w") as f:
+            f.write("layer\tcomponent\twidth\tmax\tmean\targmax\n")
+            for (layer, comp), v in sorted(effects.effects.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+                f.write(f"{layer}\t{comp}\t{v.numel()}\t{float(v.max()):.6g}\t{float(v.mean()):.6g}\t"
+                        f"{int(v.argmax())}\n")
+        with open(os.path.join(tmp, "top_neurons.tsv"), "w") as f:
+            f.write("rank\tlayer\tcomponent\tneuron\tnie\n")
+            for rank, (layer, comp, index, value) in enumerate(top, 1):
+                f.write(f"{rank}\t{layer}\t{comp}\t{index}\t{value:.6g}\n")
+        _figure(os.path.join(tmp, "top_neurons.png"), effects.counts(k), model, k)
+        write_json(os.path.join(tmp, "mediation.json"), meta)
+        atomic.commit()
+    sys.stderr.write(f"cat-fast: wrote {args.out} ({values.numel()} neurons, {seconds:.1f} s; top {k} in "
+                     f"top_neurons.tsv)\n")
+    return meta
+
+
+def _meta(directory):
+    path = os.path.join(directory, CHECKPOINT_META)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _figure(path, counts, model, k):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from .. import models
+
+    L = models.structure(model).num_layers
+    comps = models.COMPONENTS
+    grid = np.zeros((len(comps), L))
+    for (layer, comp), n in counts.items():
+        grid[comps.index(comp), layer - 1] = n
+    fig, ax = plt.subplots(figsize=(max(4, 0.6 * L + 2), 3))
+    im = ax.imshow(grid, aspect="auto", cmap="viridis")
+    ax.set_xticks(range(L), [str(i + 1) for i in range(L)])
+    ax.set_yticks(range(len(comps)), comps)
+    ax.set_xlabel("layer")
+    ax.set_title(f"where the top {k} neurons by NIE sit")
+    fig.colorbar(im, ax=ax, label="neurons")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def mask(args) -> Dict:
+    import shutil
+
+    import torch
+
+    from ..analysis import masking
+    from ..analysis.mediation import NeuronEffects
+    from ..models.pretrained import load_classifier, resolve_model_dir
+    from .common import MARKER
+
+    directory = resolve_model_dir(args.model)
+    AtomicDir.check(args.out, args.overwrite, inputs=[directory, args.nie])
+    path = os.path.join(args.nie, NIE_FILE) if os.path.isdir(args.nie) else args.nie
+    if not os.path.isfile(path):
+        raise CliError(f"--nie {args.nie}: no {NIE_FILE} (write it with cat-fast mediation)")
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        effects = NeuronEffects({(int(key.split(".")[0]), key.split(".", 1)[1]): v
+                                 for key, v in saved["effects"].items()})
+    except Exception as error:
+        raise CliError(f"--nie {path}: cannot read it ({type(error).__name__}: {error})") from error
+    model, tokenizer = load_classifier(directory, None)
+    k = args.top_k or int(saved.get("top_k", 1))
+    top = effects.top(k)
+    try:
+        masking.mask_neurons(model, top, args.factor)
+    except ValueError as error:
+        raise CliError(f"--nie {path} does not fit {args.model}: {error}") from error
+    meta = {"model": args.model, "nie": path, "top_k": k, "factor": args.factor}
+    atomic = AtomicDir(args.out, args.overwrite)
+    with atomic as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        src = os.path.join(directory, CHECKPOINT_META)
+        if os.path.isfile(src):
+            shutil.copy(src, os.path.join(tmp, CHECKPOINT_META))
+        write_json(os.path.join(tmp, "mask.json"), meta)
+        if not os.path.isfile(os.path.join(tmp, MARKER)):
+            open(os.path.join(tmp, MARKER), "w").close()
+        atomic.commit()
+    sys.stderr.write(f"cat-fast: wrote {args.out} (top {k} neurons masked by {args.factor}; load it with "
+                     "cat_fast.analysis.masking.load_masked)\n")
+    return meta

@@ -1,0 +1,58 @@
+"""cat-fast mediation / mask / eval on a masked directory, end to end on a tiny model trained on CAD NLI."""
+import json
+
+import torch
+
+from .conftest import run
+
+
+def _trained(tiny, tmp_path, capsys):
+    out = tmp_path / "erm"
+    code, err = run(["train", "--task", "nli", "--method", "erm", "--model", tiny, "--per-class", 4, "--epochs", 1,
+                     "--max-length", 32, "--batch-size", 8, "--out", out], capsys)
+    assert code == 0, err
+    return out
+
+
+def test_mediation_then_mask_then_eval(tiny, tmp_path, capsys):
+    model = _trained(tiny, tmp_path, capsys)
+    nie = tmp_path / "nie"
+    code, err = run(["mediation", "--model", model, "--task", "nli", "--per-class", 3, "--max-length", 32,
+                     "--layers", 2, "--top-k", 5, "--out", nie], capsys)
+    assert code == 0, err
+    meta = json.loads((nie / "mediation.json").read_text())
+    assert meta["samples"] == 9 and meta["treatment"] >= 3 and meta["method"] == "exact"
+    rows = (nie / "top_neurons.tsv").read_text().strip().splitlines()
+    assert rows[0].split("\t") == ["rank", "layer", "component", "neuron", "nie"] and len(rows) == 6
+    assert all(r.split("\t")[1] == "2" for r in rows[1:])
+    saved = torch.load(nie / "nie.pt", weights_only=True)
+    assert set(saved["effects"]) == {f"2.{c}" for c in ("query", "key", "value", "attention_output", "intermediate",
+                                                         "output")}
+    assert (nie / "top_neurons.png").stat().st_size > 0
+    code, err = run(["mediation", "--model", model, "--task", "nli", "--per-class", 3, "--max-length", 32,
+                     "--method", "first-order", "--out", tmp_path / "fo"], capsys)
+    assert code == 0, err
+
+    masked = tmp_path / "masked"
+    code, err = run(["mask", "--model", model, "--nie", nie, "--out", masked], capsys)
+    assert code == 0, err
+    config = json.loads((masked / "config.json").read_text())
+    assert len(config["cat_fast_neuron_mask"]["neurons"]) == 5
+    scores = {}
+    for name, directory in (("plain", model), ("masked", masked)):
+        code, err = run(["eval", "--model", directory, "--task", "nli", "--out", tmp_path / f"eval-{name}"], capsys)
+        assert code == 0, err
+        scores[name] = json.loads((tmp_path / f"eval-{name}" / "metrics.json").read_text())["eval"]["dev"]["n"]
+    assert scores["plain"] == scores["masked"] == 1000
+
+
+def test_mediation_errors(tiny, tmp_path, capsys):
+    model = _trained(tiny, tmp_path, capsys)
+    code, err = run(["mediation", "--model", model, "--task", "nli", "--layers", 9, "--out", tmp_path / "x"], capsys)
+    assert code == 2 and "layers: expected integers in [1, 2]" in err
+    code, err = run(["mediation", "--model", model, "--task", "nli", "--target-class", "maybe", "--out",
+                     tmp_path / "y"], capsys)
+    assert code == 2 and "target_class: 'maybe' is not a label of the model" in err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    code, err = run(["mask", "--model", model, "--nie", tmp_path, "--out", tmp_path / "z"], capsys)
+    assert code == 2 and "no nie.pt" in err
