@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                description="Train and evaluate text classifiers with counterfactual and debiasing objectives (CAT, "
                            "gradient supervision) on the built-in CAD data or your own files.")
     p.add_argument("--version", action="version", version=f"cat-fast {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="{train,eval,bias,mediation,mask}", parser_class=Parser)
+    sub = p.add_subparsers(dest="command", metavar="{train,eval,bias,mediation,mask,unlearn}", parser_class=Parser)
     sub.required = True
 
     t = sub.add_parser("train", help="train a classifier", formatter_class=fmt,
@@ -237,6 +237,29 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--factor", type=float, default=0.0, help="activation scale (0: hard mask)")
     mk.add_argument("--out", required=True, metavar="DIR", help="output model directory")
     mk.add_argument("--overwrite", action="store_true", help="replace an existing --out that cat-fast wrote")
+
+    ul = sub.add_parser("unlearn", help="gradient unlearning of the top neurons of a mediation analysis",
+                        formatter_class=fmt, description="Train only the weight rows producing the top neurons of "
+                        "--nie, with the gradient reversed, on the advantaged training examples (--bias right, the "
+                        "model wrong); every other parameter stays bit-identical. Writes a model directory.")
+    ul.add_argument("--model", required=True, metavar="DIR", help="the classifier the analysis was run on")
+    ul.add_argument("--nie", required=True, metavar="DIR", help="a cat-fast mediation output (or its nie.pt)")
+    ul.add_argument("--task", choices=("sentiment", "nli"), help="built-in CAD training data")
+    ul.add_argument("--train", nargs="+", metavar="FILE", help="training data (default with --task: built-in)")
+    _columns(ul)
+    ul.add_argument("--bias", required=True, metavar="FILE", help="the bias model's predictions (cat-fast bias fit)")
+    ul.add_argument("--top-k", type=positive_int, help="neurons to unlearn (default: the analysis' top-k)")
+    ul.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate of the ascent steps")
+    ul.add_argument("--epochs", type=positive_int, default=15, help="passes over the training data (released code: 15)")
+    ul.add_argument("--batch-size", type=positive_int, default=32, help="examples per batch (released code: 32)")
+    ul.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (released code: 0.1)")
+    ul.add_argument("--all-examples", action="store_true", help="the paper's control: every example, not only the "
+                    "advantaged ones")
+    ul.add_argument("--max-length", type=positive_int, default=128, help="tokens per example (truncation)")
+    ul.add_argument("--seed", type=int, default=0, help="seed of the batch order")
+    ul.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when available")
+    ul.add_argument("--out", required=True, metavar="DIR", help="output model directory")
+    ul.add_argument("--overwrite", action="store_true", help="replace an existing --out that cat-fast wrote")
     return p
 
 
@@ -256,7 +279,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from .bias import fit
 
             fit(args)
-        elif args.command in ("mediation", "mask"):
+        elif args.command in ("mediation", "mask", "unlearn"):
             from . import mediation
 
             getattr(mediation, args.command)(args)

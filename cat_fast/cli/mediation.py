@@ -3,6 +3,7 @@ directory with the top neurons masked (`cat_fast.analysis`, docs/METHODS.md §3)
 
     cat-fast mediation --model runs/erm --task nli --out runs/erm-nie          # NIE tables, top neurons, figure
     cat-fast mask --model runs/erm --nie runs/erm-nie --top-k 175 --out runs/erm-masked
+    cat-fast unlearn --model runs/erm --nie runs/erm-nie --task nli --bias runs/overlap-bias --out runs/erm-unlearned
 
 Samples: ``--per-class`` pairs of each class from the built-in dev set (``--task nli``) or from ``--samples FILE``
 (with the column options); treatment: the samples' pool at or above the ``--treatment-quantile`` of the share of
@@ -19,7 +20,7 @@ from typing import Dict
 from .common import CHECKPOINT_META, AtomicDir, CliError, TrainingFailed, get_device, setup_device, write_json
 from .sources import Source
 
-__all__ = ["mediation", "mask", "NIE_FILE"]
+__all__ = ["mediation", "mask", "unlearn", "NIE_FILE"]
 
 NIE_FILE = "nie.pt"
 
@@ -160,24 +161,13 @@ def _figure(path, counts, model, k):
 def mask(args) -> Dict:
     import shutil
 
-    import torch
-
     from ..analysis import masking
-    from ..analysis.mediation import NeuronEffects
     from ..models.pretrained import load_classifier, resolve_model_dir
     from .common import MARKER
 
     directory = resolve_model_dir(args.model)
     AtomicDir.check(args.out, args.overwrite, inputs=[directory, args.nie])
-    path = os.path.join(args.nie, NIE_FILE) if os.path.isdir(args.nie) else args.nie
-    if not os.path.isfile(path):
-        raise CliError(f"--nie {args.nie}: no {NIE_FILE} (write it with cat-fast mediation)")
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        effects = NeuronEffects({(int(key.split(".")[0]), key.split(".", 1)[1]): v
-                                 for key, v in saved["effects"].items()})
-    except Exception as error:
-        raise CliError(f"--nie {path}: cannot read it ({type(error).__name__}: {error})") from error
+    effects, saved, path = _read_nie(args.nie)
     model, tokenizer = load_classifier(directory, None)
     k = args.top_k or int(saved.get("top_k", 1))
     top = effects.top(k)
@@ -200,3 +190,84 @@ def mask(args) -> Dict:
     sys.stderr.write(f"cat-fast: wrote {args.out} (top {k} neurons masked by {args.factor}; load it with "
                      "cat_fast.analysis.masking.load_masked)\n")
     return meta
+
+
+def unlearn(args) -> Dict:
+    """``cat-fast unlearn``: gradient unlearning of the top neurons of ``--nie`` on the training data's advantaged
+    examples (the ``--bias`` model right, the model wrong); writes a model directory."""
+    import shutil
+
+    import torch
+
+    from ..analysis import unlearning
+    from ..bias import load_bias
+    from ..models.pretrained import load_classifier, resolve_model_dir
+    from .bias import resolve
+
+    directory = resolve_model_dir(args.model)
+    AtomicDir.check(args.out, args.overwrite, inputs=[directory, args.nie, args.bias] + list(args.train or []))
+    effects, saved, path = _read_nie(args.nie)
+    source = Source.from_args(args, _meta(directory))
+    train = source.read_train(args.train)
+    model, tokenizer = load_classifier(directory, None)
+    labels = tuple(model.config.id2label[i] for i in range(model.config.num_labels))
+    try:
+        bias = load_bias(resolve(args.bias), ids=train.ids, label_names=list(labels), extra="ignore")
+    except (ValueError, OSError) as error:
+        raise CliError(f"--bias {args.bias}: {error}") from error
+    device = get_device(args.device)
+    setup_device(device)
+    model.to(device)
+    k = args.top_k or int(saved.get("top_k", 1))
+    g = torch.Generator().manual_seed(args.seed)
+    order = torch.randperm(len(train), generator=g).tolist()
+    batches = []
+    for start in range(0, len(order), args.batch_size):
+        idx = order[start:start + args.batch_size]
+        pair = [train.text_pair[i] for i in idx] if train.text_pair is not None else None
+        enc = tokenizer([train.text[i] for i in idx], pair, padding=True, truncation=True, max_length=args.max_length,
+                        return_tensors="pt")
+        batch = {key: v.to(device) for key, v in enc.items() if key in ("input_ids", "attention_mask", "token_type_ids")}
+        batch["labels"] = torch.tensor([train.labels[i] for i in idx], device=device)
+        batch["bias"] = bias[idx].to(device)
+        batches.append(batch)
+    try:
+        stats = unlearning.unlearn(model, effects.top(k), batches, lr=args.lr, epochs=args.epochs,
+                                   weight_decay=args.weight_decay, advantaged=not args.all_examples)
+    except ValueError as error:
+        raise CliError(str(error)) from error
+    if stats["steps"] == 0:
+        raise CliError("no advantaged examples (the bias model right and the model wrong) in the training data: "
+                       "nothing to unlearn; nothing written")
+    if not all(torch.isfinite(p).all() for p in model.parameters()):
+        raise TrainingFailed("unlearning made a parameter non-finite (lower --lr); nothing written")
+    meta = {"model": args.model, "nie": path, "top_k": k, "lr": args.lr, "epochs": args.epochs,
+            "advantaged": not args.all_examples, **stats}
+    atomic = AtomicDir(args.out, args.overwrite)
+    with atomic as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        src = os.path.join(directory, CHECKPOINT_META)
+        if os.path.isfile(src):
+            shutil.copy(src, os.path.join(tmp, CHECKPOINT_META))
+        write_json(os.path.join(tmp, "unlearn.json"), meta)
+        atomic.commit()
+    sys.stderr.write(f"cat-fast: wrote {args.out} ({stats['steps']} steps on {stats['rows_used']} advantaged rows)\n")
+    return meta
+
+
+def _read_nie(nie):
+    import torch
+
+    from ..analysis.mediation import NeuronEffects
+
+    path = os.path.join(nie, NIE_FILE) if os.path.isdir(nie) else nie
+    if not os.path.isfile(path):
+        raise CliError(f"--nie {nie}: no {NIE_FILE} (write it with cat-fast mediation)")
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        effects = NeuronEffects({(int(key.split(".")[0]), key.split(".", 1)[1]): v
+                                 for key, v in saved["effects"].items()})
+    except Exception as error:
+        raise CliError(f"--nie {path}: cannot read it ({type(error).__name__}: {error})") from error
+    return effects, saved, path

@@ -56,3 +56,44 @@ def test_mediation_errors(tiny, tmp_path, capsys):
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
     code, err = run(["mask", "--model", model, "--nie", tmp_path, "--out", tmp_path / "z"], capsys)
     assert code == 2 and "no nie.pt" in err
+
+
+def test_unlearn_writes_a_model_that_differs_only_in_the_rows(tiny, tmp_path, capsys):
+    import transformers
+
+    from cat_fast.analysis import unlearning
+
+    model = _trained(tiny, tmp_path, capsys)
+    nie = tmp_path / "nie"
+    code, err = run(["mediation", "--model", model, "--task", "nli", "--per-class", 2, "--max-length", 32,
+                     "--method", "first-order", "--top-k", 4, "--out", nie], capsys)
+    assert code == 0, err
+    orig = "cat_fast/data/cad/NLI/original/train.tsv"
+    bias = tmp_path / "bias"
+    code, err = run(["bias", "fit", "--kind", "overlap", "--task", "nli", "--train", orig, "--out", bias], capsys)
+    assert code == 0, err
+    out = tmp_path / "unlearned"
+    code, err = run(["unlearn", "--model", model, "--nie", nie, "--task", "nli", "--train", orig, "--bias", bias,
+                     "--epochs", 1, "--lr", 1e-3, "--max-length", 32, "--out", out], capsys)
+    assert code == 0, err
+    meta = json.loads((out / "unlearn.json").read_text())
+    assert meta["steps"] > 0 and 0 < meta["rows_used"] < 1666 and meta["advantaged"]
+    before = transformers.AutoModelForSequenceClassification.from_pretrained(model)
+    after = transformers.AutoModelForSequenceClassification.from_pretrained(out)
+    top = [tuple(r.split("\t")[1:4]) for r in (nie / "top_neurons.tsv").read_text().splitlines()[1:]]
+    neurons = [(int(a), b, int(c)) for a, b, c in top]
+    rows = {name: idx for name, p in before.named_parameters()
+            for q, idx in unlearning.producing_parameters(before, neurons) if q is p}
+    changed = False
+    for (name, p), (_, q) in zip(before.named_parameters(), after.named_parameters()):
+        if name in rows:
+            rest = torch.ones(p.shape[0], dtype=torch.bool)
+            rest[rows[name]] = False
+            assert torch.equal(p[rest], q[rest]), name
+            changed |= not torch.equal(p, q)
+        else:
+            assert torch.equal(p, q), name
+    assert changed
+    code, err = run(["unlearn", "--model", model, "--nie", nie, "--task", "nli", "--train", orig, "--out",
+                     tmp_path / "u2"], capsys)
+    assert code == 2 and "--bias" in err
