@@ -156,3 +156,21 @@ def test_resume_repeat_checks_its_arguments():
     model.train()
     with pytest.raises(ValueError, match="eval mode only"):
         models.resume(model, models.capture(model, batch, 1), cap.hidden.repeat(2, 1, 1), repeat=2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gpu_sweep_matches_the_looped_reference(precision):
+    """On the GPU, in fp32 and under bf16 autocast: the batched sweep against the looped reference on the same
+    samples (each computed in that precision), and the first-order estimate runs."""
+    model = tiny_model("bert", num_layers=4).cuda().eval()
+    samples = {k: v.cuda() for k, v in _samples("bert", batch=12, length=20).items()}
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        zbar = M.treatment_means(model, {k: v[:4] for k, v in samples.items()})
+        fast = M.neuron_effects(model, samples, zbar, max_tokens=2000, batch_tokens=120)
+        chosen = {k: [0, 7, v.numel() - 1] for k, v in zbar.items()}
+        ref = M.neuron_effects_looped(model, samples, zbar, neurons=chosen)
+        M.attribution_effects(model, samples, zbar)
+    tol = dict(rtol=1e-4, atol=1e-7) if precision == "fp32" else dict(rtol=5e-2, atol=2e-3)
+    for key, idx in chosen.items():
+        torch.testing.assert_close(fast.effects[key][idx], ref.effects[key][idx], **tol, msg=lambda m: f"{key}: {m}")
