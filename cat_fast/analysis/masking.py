@@ -69,22 +69,28 @@ def _width(model, layer, comp):
     raise ValueError(f"neurons: cannot tell the width of layer {layer} {comp} ({type(module).__name__})")
 
 
-def _scaler(index: torch.Tensor, factor: float):
+def _scaler(index: torch.Tensor, factor: float, rest: float = 1.0):
     def fn(x):
         x = x.clone()
         idx = index.to(x.device)
-        x[:, 0, idx] = x[:, 0, idx] * factor
+        chosen = x[:, 0, idx] * factor
+        if rest != 1.0:  # inverted-dropout rescale of the component's other first-token activations
+            x[:, 0] = x[:, 0] * rest
+        x[:, 0, idx] = chosen
         return x
 
     return fn
 
 
-def mask_neurons(model, neurons: Iterable[Sequence], factor: float = 0.0):
+def mask_neurons(model, neurons: Iterable[Sequence], factor: float = 0.0, rescale: bool = False):
     """Multiply the first-token activation of each of `neurons` ((layer, component, index), 1-indexed layers) by
-    `factor` in every later forward of `model` (0: the paper's hard mask; 0 < factor < 1 weakens). Replaces a mask
-    set before. Returns `model`."""
+    `factor` in every later forward of `model` (0: the paper's hard mask; 0 < factor < 1 weakens). ``rescale=True``
+    (the paper's inverted-dropout form) also multiplies the component's OTHER first-token activations by 1/p, p the
+    fraction of its width left unmasked. Replaces a mask set before. Returns `model`."""
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor):
         raise ValueError(f"factor: expected a finite number, got {factor!r}")
+    if not isinstance(rescale, bool):
+        raise ValueError(f"rescale: expected a bool, got {rescale!r}")
     chosen = _normalise(model, neurons)
     unmask_neurons(model)
     blocks = []
@@ -92,12 +98,16 @@ def mask_neurons(model, neurons: Iterable[Sequence], factor: float = 0.0):
     for layer, comp, index in chosen:
         by_key.setdefault((layer, comp), []).append(index)
     for (layer, comp), idx in by_key.items():
-        block = models.intervene(model, layer, comp, _scaler(torch.tensor(idx), float(factor)))
+        width = _width(model, layer, comp)
+        if rescale and len(idx) == width:
+            raise ValueError(f"rescale: every neuron of layer {layer} {comp} is masked (p = 0)")
+        rest = width / (width - len(idx)) if rescale else 1.0
+        block = models.intervene(model, layer, comp, _scaler(torch.tensor(idx), float(factor), rest))
         block.__enter__()
         blocks.append(block)
     setattr(model, _ATTR, blocks)
     setattr(model.config, CONFIG_KEY, {"factor": float(factor), "neurons": [list(n) for n in chosen],
-                                       "positions": "first token"})
+                                       "positions": "first token", "rescale": rescale})
     return model
 
 
@@ -125,7 +135,7 @@ def apply_saved_mask(model):
     if not isinstance(spec, dict) or "neurons" not in spec or "factor" not in spec:
         raise ValueError(f"config.{CONFIG_KEY}: expected {{'factor': f, 'neurons': [[layer, component, index], ...]}}, "
                          f"got {spec!r}")
-    return mask_neurons(model, [tuple(n) for n in spec["neurons"]], spec["factor"])
+    return mask_neurons(model, [tuple(n) for n in spec["neurons"]], spec["factor"], bool(spec.get("rescale", False)))
 
 
 def load_masked(model_dir: str, **kwargs):

@@ -235,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--nie", required=True, metavar="DIR", help="a cat-fast mediation output (or its nie.pt)")
     mk.add_argument("--top-k", type=positive_int, help="neurons to mask (default: the analysis' top-k)")
     mk.add_argument("--factor", type=float, default=0.0, help="activation scale (0: hard mask)")
+    mk.add_argument("--rescale", action="store_true", help="the paper's inverted-dropout form: the component's other "
+                    "first-token activations times 1/p (p: the fraction left unmasked)")
     mk.add_argument("--out", required=True, metavar="DIR", help="output model directory")
     mk.add_argument("--overwrite", action="store_true", help="replace an existing --out that cat-fast wrote")
 

@@ -172,10 +172,10 @@ def mask(args) -> Dict:
     k = args.top_k or int(saved.get("top_k", 1))
     top = effects.top(k)
     try:
-        masking.mask_neurons(model, top, args.factor)
+        masking.mask_neurons(model, top, args.factor, rescale=args.rescale)
     except ValueError as error:
         raise CliError(f"--nie {path} does not fit {args.model}: {error}") from error
-    meta = {"model": args.model, "nie": path, "top_k": k, "factor": args.factor}
+    meta = {"model": args.model, "nie": path, "top_k": k, "factor": args.factor, "rescale": args.rescale}
     atomic = AtomicDir(args.out, args.overwrite)
     with atomic as tmp:
         model.save_pretrained(tmp)

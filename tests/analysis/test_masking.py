@@ -102,3 +102,33 @@ def test_bad_neurons_name_the_problem(neurons, words):
     assert words in str(caught.value)
     with pytest.raises(ValueError, match="factor: expected a finite number"):
         masking.mask_neurons(model, NEURONS, float("nan"))
+
+
+def test_rescale_is_inverted_dropout_on_the_component():
+    """rescale=True: the masked neurons get factor, the component's other first-token activations width / (width − k)
+    (k masked neurons of that component); saved and restored with the mask."""
+    model = tiny_model("bert", dtype=torch.float64).eval()
+    batch = _batch()
+    from cat_fast.layers import layout
+
+    module = layout.component(models.structure(model).layer_modules[0], "intermediate")
+
+    def hook(m, a, out):
+        out = out.clone()
+        first = out[:, 0] * (64 / 62)
+        first[:, [5, 40]] = 0.0
+        out[:, 0] = first
+        return out
+
+    handle = module.register_forward_hook(hook)
+    try:
+        want = model(**batch).logits
+    finally:
+        handle.remove()
+    masking.mask_neurons(model, NEURONS[:2], 0.0, rescale=True)
+    torch.testing.assert_close(model(**batch).logits, want, rtol=0, atol=1e-12)
+    assert masking.masked_neurons(model)["rescale"] is True
+    with pytest.raises(ValueError, match="every neuron of layer 1 intermediate is masked"):
+        masking.mask_neurons(model, [(1, "intermediate", i) for i in range(64)], rescale=True)
+    with pytest.raises(ValueError, match="rescale: expected a bool"):
+        masking.mask_neurons(model, NEURONS, rescale=1)

@@ -34,10 +34,10 @@ def test_mediation_then_mask_then_eval(tiny, tmp_path, capsys):
     assert code == 0, err
 
     masked = tmp_path / "masked"
-    code, err = run(["mask", "--model", model, "--nie", nie, "--out", masked], capsys)
+    code, err = run(["mask", "--model", model, "--nie", nie, "--rescale", "--out", masked], capsys)
     assert code == 0, err
     config = json.loads((masked / "config.json").read_text())
-    assert len(config["cat_fast_neuron_mask"]["neurons"]) == 5
+    assert len(config["cat_fast_neuron_mask"]["neurons"]) == 5 and config["cat_fast_neuron_mask"]["rescale"]
     scores = {}
     for name, directory in (("plain", model), ("masked", masked)):
         code, err = run(["eval", "--model", directory, "--task", "nli", "--out", tmp_path / f"eval-{name}"], capsys)
