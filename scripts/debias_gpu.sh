@@ -43,20 +43,7 @@ else
     hyp-orig/bias.jsonl hyp-orig/bias_meta.json hyp-model-full/metrics.json hyp-model-orig/metrics.json
 fi
 run_jobs runs
-python3 - "$root" "$OUT/debias-$name.jsonl" <<'PY'
-import json, pathlib, sys
-root, out = pathlib.Path(sys.argv[1]), sys.argv[2]
-rows = []
-for path in sorted(root.rglob("metrics.json")):
-    m = json.loads(path.read_text())
-    m["run"] = str(path.parent.relative_to(root))
-    m.pop("history", None)
-    rows.append(m)
-with open(out, "w") as f:
-    for m in rows:
-        f.write(json.dumps(m) + "\n")
-print(len(rows), "runs finished")
-PY
+python3 scripts/gather_metrics.py "$root" "$OUT/debias-$name.jsonl"
 grep -l "EXIT\|SKIPPED" $root/logs/*.log | wc -l | xargs echo "runs not finished:"
 grep -h -B3 "EXIT" $root/logs/*.log | tail -20
 tar czf "$OUT/debias-$name-logs.tar.gz" -C $root logs

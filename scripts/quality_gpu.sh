@@ -21,20 +21,7 @@ run_one() {
 }
 export -f run_one
 tr '\n' '\0' < $root/jobs.txt | xargs -0 -P "${PARALLEL:-12}" -I{} bash -c 'run_one "$1" "$2"' _ {} "$end"
-python3 - "$root" "$OUT/quality-$name.jsonl" <<'PY'
-import json, pathlib, sys
-root, out = pathlib.Path(sys.argv[1]), sys.argv[2]
-rows = []
-for path in sorted(root.rglob("metrics.json")):
-    m = json.loads(path.read_text())
-    m["run"] = str(path.parent.relative_to(root))
-    m.pop("history", None)
-    rows.append(m)
-with open(out, "w") as f:
-    for m in rows:
-        f.write(json.dumps(m) + "\n")
-print(len(rows), "runs finished")
-PY
+python3 scripts/gather_metrics.py "$root" "$OUT/quality-$name.jsonl"
 grep -l "EXIT\|SKIPPED" $root/logs/*.log | wc -l | xargs echo "runs not finished:"
 grep -h "EXIT" $root/logs/*.log | head -5
 tar czf "$OUT/quality-$name-logs.tar.gz" -C $root logs

@@ -23,13 +23,16 @@ import torch
 
 from .. import models
 
-__all__ = ["mask_neurons", "unmask_neurons", "masked_neurons", "apply_saved_mask", "load_masked", "CONFIG_KEY"]
+__all__ = ["mask_neurons", "unmask_neurons", "masked_neurons", "apply_saved_mask", "load_masked", "normalise_neurons",
+           "CONFIG_KEY"]
 
 CONFIG_KEY = "cat_fast_neuron_mask"
 _ATTR = "_cat_fast_neuron_masks"  # the open intervention blocks of a masked model
 
 
-def _normalise(model, neurons) -> List[Tuple[int, str, int]]:
+def normalise_neurons(model, neurons) -> List[Tuple[int, str, int]]:
+    """`neurons` checked against `model` ((layer, component, index) items, extra fields ignored): sorted, deduplicated
+    (layer, component, index) tuples; errors name the bad item."""
     st = models.structure(model)
     widths = {}
     out = []
@@ -91,7 +94,7 @@ def mask_neurons(model, neurons: Iterable[Sequence], factor: float = 0.0, rescal
         raise ValueError(f"factor: expected a finite number, got {factor!r}")
     if not isinstance(rescale, bool):
         raise ValueError(f"rescale: expected a bool, got {rescale!r}")
-    chosen = _normalise(model, neurons)
+    chosen = normalise_neurons(model, neurons)
     unmask_neurons(model)
     blocks = []
     by_key = {}

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from .. import models
 from ..layers import layout
-from .masking import _normalise
+from .masking import normalise_neurons
 
 __all__ = ["unlearn", "producing_parameters"]
 
@@ -47,7 +47,7 @@ def _get(module, path):
 
 def producing_parameters(model, neurons: Iterable[Sequence]) -> List[Tuple[torch.nn.Parameter, torch.Tensor]]:
     """(parameter, index of its first dimension) pairs whose entries produce `neurons` (module docstring)."""
-    chosen = _normalise(model, neurons)
+    chosen = normalise_neurons(model, neurons)
     st = models.structure(model)
     rows: Dict[int, Tuple[torch.nn.Parameter, set]] = {}
 

@@ -44,6 +44,7 @@ def mediation(args) -> Dict:
 
     from ..analysis import mediation as M
     from ..bias.features import FEATURE_NAMES, overlap_features
+    from ..models import COMPONENTS
     from ..models.pretrained import load_classifier, resolve_model_dir
 
     directory = resolve_model_dir(args.model)
@@ -84,7 +85,7 @@ def mediation(args) -> Dict:
     start = time.time()
     try:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            zbar = M.treatment_means(model, tok(treat), components=components or M.models.COMPONENTS, layers=layers)
+            zbar = M.treatment_means(model, tok(treat), components=components or COMPONENTS, layers=layers)
             if args.method == "exact":
                 effects = M.neuron_effects(model, tok(chosen), zbar, target_class=target, progress=True)
             else:
@@ -159,11 +160,9 @@ def _figure(path, counts, model, k):
 
 
 def mask(args) -> Dict:
-    import shutil
 
     from ..analysis import masking
     from ..models.pretrained import load_classifier, resolve_model_dir
-    from .common import MARKER
 
     directory = resolve_model_dir(args.model)
     AtomicDir.check(args.out, args.overwrite, inputs=[directory, args.nie])
@@ -176,17 +175,7 @@ def mask(args) -> Dict:
     except ValueError as error:
         raise CliError(f"--nie {path} does not fit {args.model}: {error}") from error
     meta = {"model": args.model, "nie": path, "top_k": k, "factor": args.factor, "rescale": args.rescale}
-    atomic = AtomicDir(args.out, args.overwrite)
-    with atomic as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        src = os.path.join(directory, CHECKPOINT_META)
-        if os.path.isfile(src):
-            shutil.copy(src, os.path.join(tmp, CHECKPOINT_META))
-        write_json(os.path.join(tmp, "mask.json"), meta)
-        if not os.path.isfile(os.path.join(tmp, MARKER)):
-            open(os.path.join(tmp, MARKER), "w").close()
-        atomic.commit()
+    _write_model_dir(args, model, tokenizer, directory, "mask.json", meta)
     sys.stderr.write(f"cat-fast: wrote {args.out} (top {k} neurons masked by {args.factor}; load it with "
                      "cat_fast.analysis.masking.load_masked)\n")
     return meta
@@ -195,7 +184,6 @@ def mask(args) -> Dict:
 def unlearn(args) -> Dict:
     """``cat-fast unlearn``: gradient unlearning of the top neurons of ``--nie`` on the training data's advantaged
     examples (the ``--bias`` model right, the model wrong); writes a model directory."""
-    import shutil
 
     import torch
 
@@ -243,17 +231,24 @@ def unlearn(args) -> Dict:
         raise TrainingFailed("unlearning made a parameter non-finite (lower --lr); nothing written")
     meta = {"model": args.model, "nie": path, "top_k": k, "lr": args.lr, "epochs": args.epochs,
             "advantaged": not args.all_examples, **stats}
+    _write_model_dir(args, model, tokenizer, directory, "unlearn.json", meta)
+    sys.stderr.write(f"cat-fast: wrote {args.out} ({stats['steps']} steps on {stats['rows_used']} advantaged rows)\n")
+    return meta
+
+
+def _write_model_dir(args, model, tokenizer, source_dir, meta_name, meta):
+    """--out: the model and tokenizer, the source checkpoint's cat-fast metadata and `meta`, atomically."""
+    import shutil
+
     atomic = AtomicDir(args.out, args.overwrite)
     with atomic as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        src = os.path.join(directory, CHECKPOINT_META)
+        src = os.path.join(source_dir, CHECKPOINT_META)
         if os.path.isfile(src):
             shutil.copy(src, os.path.join(tmp, CHECKPOINT_META))
-        write_json(os.path.join(tmp, "unlearn.json"), meta)
+        write_json(os.path.join(tmp, meta_name), meta)
         atomic.commit()
-    sys.stderr.write(f"cat-fast: wrote {args.out} ({stats['steps']} steps on {stats['rows_used']} advantaged rows)\n")
-    return meta
 
 
 def _read_nie(nie):
