@@ -57,6 +57,14 @@ class NeuronEffects:
         idx = torch.topk(score, k).indices.tolist()
         return [(*names[i], float(values[i])) for i in idx]
 
+    def random(self, k: int, seed: int = 0) -> List[Tuple[int, str, int, float]]:
+        """k neurons drawn uniformly without replacement (a seeded CPU generator): the paper's "without CMA"
+        control, in the format of `top`."""
+        values, names = self.flat()
+        k = min(int(k), values.numel())
+        idx = torch.randperm(values.numel(), generator=torch.Generator().manual_seed(int(seed)))[:k].tolist()
+        return [(*names[i], float(values[i])) for i in idx]
+
     def counts(self, k: int) -> Dict[Key, int]:
         """How many of the top-k neurons sit in each (layer, component): the paper's figure."""
         out: Dict[Key, int] = {}

@@ -8,8 +8,11 @@ Linear that outputs the neuron (weight row and bias entry); for attention_output
 row of the block's Linear before the norm and the norm's weight and bias entries of that neuron. Their gradient is
 reversed (an ascent step on the cross-entropy). Each step is AdamW on those tensors, after which every other entry is
 copied back, so every other parameter of the model stays bit-identical (weight decay included), as the released code
-does. ``advantaged=True`` (the paper's setting) keeps only the rows of a batch that the bias model gets right and the
-model gets wrong: the batch needs ``bias`` [B, C] (the bias model's log-probabilities) beside ``labels``.
+does. ``advantaged=True`` (the paper's setting) keeps only the rows that the bias model gets right and the model gets
+wrong: the batch needs ``bias`` [B, C] (the bias model's log-probabilities) beside ``labels``. Those rows are chosen
+once, before the first step, with the model in eval mode (`advantaged_rows`): a fixed set, the one whose size the
+paper scales its learning rate by. Re-choosing them at every step would let the ascent grow its own training set
+(each step makes the model wrong on more examples).
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from .. import models
 from ..layers import layout
 from .masking import normalise_neurons
 
-__all__ = ["unlearn", "producing_parameters"]
+__all__ = ["unlearn", "producing_parameters", "advantaged_rows"]
 
 _INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
@@ -72,8 +75,27 @@ def producing_parameters(model, neurons: Iterable[Sequence]) -> List[Tuple[torch
     return [(param, torch.tensor(sorted(idx))) for param, idx in rows.values()]
 
 
-def _advantaged(logits, labels, bias):
-    return (bias.argmax(-1) == labels) & (logits.argmax(-1) != labels)
+def advantaged_rows(model, batches: Iterable[dict]) -> List[torch.Tensor]:
+    """Per batch, a bool [B] of its advantaged rows: ``bias`` (the bias model's log-probabilities [B, C]) right and
+    the model (in eval mode, no gradient) wrong. The model is left in the train/eval mode it had."""
+    was = model.training
+    out = []
+    try:
+        model.eval()
+        with torch.no_grad():
+            for batch in batches:
+                if "labels" not in batch:
+                    raise ValueError("batches: each batch needs 'labels'")
+                if "bias" not in batch:
+                    raise ValueError("batches: advantaged=True needs batch['bias'] (the bias model's "
+                                     "log-probabilities [B, C])")
+                logits = models.logits_of(model(**{k: v for k, v in batch.items() if k in _INPUTS}))
+                labels = batch["labels"]
+                bias = batch["bias"].to(logits.device)
+                out.append((bias.argmax(-1) == labels) & (logits.argmax(-1) != labels))
+    finally:
+        model.train(was)
+    return out
 
 
 def unlearn(model, neurons, batches: Iterable[dict], lr: float = 1e-5, epochs: int = 1, weight_decay: float = 0.1,
@@ -88,6 +110,7 @@ def unlearn(model, neurons, batches: Iterable[dict], lr: float = 1e-5, epochs: i
         raise ValueError(f"epochs: expected an integer >= 1, got {epochs!r}")
     batches = list(batches)
     targets = producing_parameters(model, neurons)
+    keeps = advantaged_rows(model, batches) if advantaged else [None] * len(batches)
     params = [p for p, _ in targets]
     masks = []
     for p, idx in targets:
@@ -105,21 +128,17 @@ def unlearn(model, neurons, batches: Iterable[dict], lr: float = 1e-5, epochs: i
             p.requires_grad_(True)
         model.train()
         for _ in range(epochs):
-            for batch in batches:
+            for batch, keep in zip(batches, keeps):
                 if "labels" not in batch:
                     raise ValueError("batches: each batch needs 'labels'")
-                inputs = {k: v for k, v in batch.items() if k in _INPUTS}
                 labels = batch["labels"]
-                logits = models.logits_of(model(**inputs))
-                keep = torch.ones_like(labels, dtype=torch.bool)
-                if advantaged:
-                    if "bias" not in batch:
-                        raise ValueError("batches: advantaged=True needs batch['bias'] (the bias model's "
-                                         "log-probabilities [B, C])")
-                    keep = _advantaged(logits.detach(), labels, batch["bias"].to(logits.device))
+                if keep is None:
+                    keep = torch.ones_like(labels, dtype=torch.bool)
                 n = int(keep.sum())
                 if n == 0:
                     continue
+                inputs = {k: v for k, v in batch.items() if k in _INPUTS}
+                logits = models.logits_of(model(**inputs))
                 loss = F.cross_entropy(logits.float()[keep], labels[keep])
                 saved = [p.detach().clone() for p in params]
                 optimizer.zero_grad(set_to_none=True)

@@ -196,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", required=True, metavar="DIR", help="a checkpoint directory")
     e.add_argument("--task", choices=("sentiment", "nli"), help="default: the data the checkpoint was trained on")
     e.add_argument("--eval", nargs="+", action="extend", metavar="NAME=FILE", default=[],
-                   help="evaluation sets (default with a CAD task: the built-in dev set as dev, dev_orig, dev_edit)")
+                   help="evaluation sets (with a CAD task the built-in dev set is always scored too, as dev, dev_orig, "
+                   "dev_edit; `hans`: the shipped HANS-style set)")
     _columns(e)
     e.add_argument("--max-length", type=positive_int, help="default: the checkpoint's training max length, else 128")
     e.add_argument("--eval-batch-size", type=positive_int, default=64, help="examples per batch")
@@ -235,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--nie", required=True, metavar="DIR", help="a cat-fast mediation output (or its nie.pt)")
     mk.add_argument("--top-k", type=positive_int, help="neurons to mask (default: the analysis' top-k)")
     mk.add_argument("--factor", type=float, default=0.0, help="activation scale (0: hard mask)")
+    mk.add_argument("--random-neurons", action="store_true", help="the paper's control: --top-k neurons drawn at "
+                    "random (with --seed) instead of the top ones")
+    mk.add_argument("--seed", type=int, default=0, help="seed of --random-neurons")
     mk.add_argument("--rescale", action="store_true", help="the paper's inverted-dropout form: the component's other "
                     "first-token activations times 1/p (p: the fraction left unmasked)")
     mk.add_argument("--out", required=True, metavar="DIR", help="output model directory")
@@ -255,10 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
     ul.add_argument("--epochs", type=positive_int, default=15, help="passes over the training data (released code: 15)")
     ul.add_argument("--batch-size", type=positive_int, default=32, help="examples per batch (released code: 32)")
     ul.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (released code: 0.1)")
-    ul.add_argument("--all-examples", action="store_true", help="the paper's control: every example, not only the "
-                    "advantaged ones")
+    ul.add_argument("--examples", choices=("advantaged", "random", "all"), default="advantaged",
+                    help="advantaged: the bias model right and the model wrong (chosen once, before the first step); "
+                    "random: as many examples drawn at random (the paper's control); all: every example")
+    ul.add_argument("--random-neurons", action="store_true", help="the paper's control: --top-k neurons drawn at "
+                    "random (with --seed) instead of the top ones")
     ul.add_argument("--max-length", type=positive_int, default=128, help="tokens per example (truncation)")
-    ul.add_argument("--seed", type=int, default=0, help="seed of the batch order")
+    ul.add_argument("--seed", type=int, default=0, help="seed of the batch order and of the random draws")
     ul.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when available")
     ul.add_argument("--out", required=True, metavar="DIR", help="output model directory")
     ul.add_argument("--overwrite", action="store_true", help="replace an existing --out that cat-fast wrote")

@@ -55,8 +55,8 @@ def evaluate(args) -> Dict:
                      f"the checkpoint's max_length ({max_length})")
     model.to(device)
     sets = [EvalSet(name, d, tokenizer, max_length) for name, d in data]
-    if not evals:
-        sets = [EvalSet("dev", source.builtin_dev(), tokenizer, max_length, split_orig_edit=True)]
+    if not source.custom:  # a built-in task: its dev set always, as `cat-fast train` scores it
+        sets.insert(0, EvalSet("dev", source.builtin_dev(), tokenizer, max_length, split_orig_edit=True))
     results = {}
     for s in sets:
         results.update(s.evaluate(model, args.eval_batch_size, device, args.bf16))

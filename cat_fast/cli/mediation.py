@@ -169,21 +169,24 @@ def mask(args) -> Dict:
     effects, saved, path = _read_nie(args.nie)
     model, tokenizer = load_classifier(directory, None)
     k = args.top_k or int(saved.get("top_k", 1))
-    top = effects.top(k)
+    chosen = _neurons(effects, k, args)
     try:
-        masking.mask_neurons(model, top, args.factor, rescale=args.rescale)
+        masking.mask_neurons(model, chosen, args.factor, rescale=args.rescale)
     except ValueError as error:
         raise CliError(f"--nie {path} does not fit {args.model}: {error}") from error
-    meta = {"model": args.model, "nie": path, "top_k": k, "factor": args.factor, "rescale": args.rescale}
+    meta = {"model": args.model, "nie": path, "top_k": k, "neurons": "random" if args.random_neurons else "top",
+            "seed": args.seed, "factor": args.factor, "rescale": args.rescale}
     _write_model_dir(args, model, tokenizer, directory, "mask.json", meta)
-    sys.stderr.write(f"cat-fast: wrote {args.out} (top {k} neurons masked by {args.factor}; load it with "
+    which = f"{k} random" if args.random_neurons else f"top {k}"
+    sys.stderr.write(f"cat-fast: wrote {args.out} ({which} neurons masked by {args.factor}; load it with "
                      "cat_fast.analysis.masking.load_masked)\n")
     return meta
 
 
 def unlearn(args) -> Dict:
     """``cat-fast unlearn``: gradient unlearning of the top neurons of ``--nie`` on the training data's advantaged
-    examples (the ``--bias`` model right, the model wrong); writes a model directory."""
+    examples (the ``--bias`` model right, the model wrong; ``--examples random``: as many random examples, the
+    paper's control); writes a model directory."""
 
     import torch
 
@@ -207,33 +210,57 @@ def unlearn(args) -> Dict:
     setup_device(device)
     model.to(device)
     k = args.top_k or int(saved.get("top_k", 1))
+    chosen = _neurons(effects, k, args)
     g = torch.Generator().manual_seed(args.seed)
-    order = torch.randperm(len(train), generator=g).tolist()
-    batches = []
-    for start in range(0, len(order), args.batch_size):
-        idx = order[start:start + args.batch_size]
-        pair = [train.text_pair[i] for i in idx] if train.text_pair is not None else None
-        enc = tokenizer([train.text[i] for i in idx], pair, padding=True, truncation=True, max_length=args.max_length,
-                        return_tensors="pt")
-        batch = {key: v.to(device) for key, v in enc.items() if key in ("input_ids", "attention_mask", "token_type_ids")}
-        batch["labels"] = torch.tensor([train.labels[i] for i in idx], device=device)
-        batch["bias"] = bias[idx].to(device)
-        batches.append(batch)
-    try:
-        stats = unlearning.unlearn(model, effects.top(k), batches, lr=args.lr, epochs=args.epochs,
-                                   weight_decay=args.weight_decay, advantaged=not args.all_examples)
-    except ValueError as error:
-        raise CliError(str(error)) from error
-    if stats["steps"] == 0:
+
+    def batches_of(rows):
+        out = []
+        for start in range(0, len(rows), args.batch_size):
+            idx = rows[start:start + args.batch_size]
+            pair = [train.text_pair[i] for i in idx] if train.text_pair is not None else None
+            enc = tokenizer([train.text[i] for i in idx], pair, padding=True, truncation=True,
+                            max_length=args.max_length, return_tensors="pt")
+            batch = {key: v.to(device) for key, v in enc.items()
+                     if key in ("input_ids", "attention_mask", "token_type_ids")}
+            batch["labels"] = torch.tensor([train.labels[i] for i in idx], device=device)
+            batch["bias"] = bias[idx].to(device)
+            out.append(batch)
+        return out
+
+    # the advantaged set, chosen once with the model in eval mode (unlearning.advantaged_rows)
+    everything = list(range(len(train)))
+    masks = unlearning.advantaged_rows(model, batches_of(everything))
+    advantaged = torch.nonzero(torch.cat([m.cpu() for m in masks])).flatten()
+    n_adv = int(advantaged.numel())
+    if n_adv == 0 and args.examples != "all":
         raise CliError("no advantaged examples (the bias model right and the model wrong) in the training data: "
                        "nothing to unlearn; nothing written")
+    if args.examples == "advantaged":
+        rows = advantaged
+    elif args.examples == "random":  # the paper's control: as many examples, drawn at random
+        rows = torch.randperm(len(train), generator=g)[:n_adv]
+    else:
+        rows = torch.arange(len(train))
+    rows = rows[torch.randperm(rows.numel(), generator=g)].tolist()
+    try:
+        stats = unlearning.unlearn(model, chosen, batches_of(rows), lr=args.lr, epochs=args.epochs,
+                                   weight_decay=args.weight_decay, advantaged=False)
+    except ValueError as error:
+        raise CliError(str(error)) from error
     if not all(torch.isfinite(p).all() for p in model.parameters()):
         raise TrainingFailed("unlearning made a parameter non-finite (lower --lr); nothing written")
-    meta = {"model": args.model, "nie": path, "top_k": k, "lr": args.lr, "epochs": args.epochs,
-            "advantaged": not args.all_examples, **stats}
+    meta = {"model": args.model, "nie": path, "top_k": k, "neurons": "random" if args.random_neurons else "top",
+            "examples": args.examples, "advantaged_examples": n_adv, "examples_used": len(rows), "seed": args.seed,
+            "lr": args.lr, "epochs": args.epochs, "batch_size": args.batch_size, **stats}
     _write_model_dir(args, model, tokenizer, directory, "unlearn.json", meta)
-    sys.stderr.write(f"cat-fast: wrote {args.out} ({stats['steps']} steps on {stats['rows_used']} advantaged rows)\n")
+    sys.stderr.write(f"cat-fast: wrote {args.out} ({stats['steps']} steps on {len(rows)} {args.examples} examples; "
+                     f"{n_adv} advantaged)\n")
     return meta
+
+
+def _neurons(effects, k, args):
+    """--top-k neurons of the analysis, or (--random-neurons) as many drawn uniformly with --seed."""
+    return effects.random(k, args.seed) if args.random_neurons else effects.top(k)
 
 
 def _write_model_dir(args, model, tokenizer, source_dir, meta_name, meta):

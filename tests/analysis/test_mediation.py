@@ -112,6 +112,10 @@ def test_top_and_counts():
     assert effects.top(2) == [(1, "query", 2, pytest.approx(0.3)), (2, "output", 0, pytest.approx(0.2))]
     assert effects.top(1, by="abs")[0][:3] == (1, "query", 1)
     assert effects.counts(3) == {(1, "query"): 2, (2, "output"): 1}
+    drawn = effects.random(3, seed=1)
+    assert len(drawn) == 3 and len({d[:3] for d in drawn}) == 3 and drawn == effects.random(3, seed=1)
+    assert sorted(d[:3] for d in effects.random(9, seed=0)) == sorted(t[:3] for t in effects.top(5))  # all 5
+    assert {tuple(effects.random(2, seed=s)) for s in range(20)} != {tuple(drawn[:2])}
 
 
 @pytest.mark.parametrize("kwargs, words", [

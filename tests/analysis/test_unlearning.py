@@ -75,6 +75,23 @@ def test_advantaged_rows_only():
     assert 0 < stats["rows_used"] < 18
 
 
+def test_advantaged_set_is_fixed_before_the_first_step():
+    """The advantaged rows are chosen once (eval mode): a large ascent step that makes the model wrong everywhere
+    does not add rows in later epochs, so every epoch trains on the same count."""
+    model = tiny_model("bert").eval()
+    batches = _batches()
+    first = unlearning.advantaged_rows(model, batches)
+    assert [m.dtype for m in first] == [torch.bool] * 3 and not model.training
+    model.train()
+    again = unlearning.advantaged_rows(model, batches)  # eval mode inside: dropout does not change the choice
+    assert all(torch.equal(a, b) for a, b in zip(first, again)) and model.training
+    n = int(sum(m.sum() for m in first))
+    assert 0 < n < 18
+    stats = unlearning.unlearn(model, NEURONS, batches, lr=1.0, epochs=3, weight_decay=0.0)
+    assert stats["rows_used"] == 3 * n
+    assert int(sum(m.sum() for m in unlearning.advantaged_rows(model, batches))) > n  # the ascent did its work
+
+
 @pytest.mark.parametrize("kwargs, words", [
     (dict(lr=-1.0), "lr: expected a finite number >= 0"),
     (dict(epochs=0), "epochs: expected an integer >= 1"),

@@ -38,12 +38,20 @@ def test_mediation_then_mask_then_eval(tiny, tmp_path, capsys):
     assert code == 0, err
     config = json.loads((masked / "config.json").read_text())
     assert len(config["cat_fast_neuron_mask"]["neurons"]) == 5 and config["cat_fast_neuron_mask"]["rescale"]
+    top = {tuple(n) for n in config["cat_fast_neuron_mask"]["neurons"]}
+    code, err = run(["mask", "--model", model, "--nie", nie, "--random-neurons", "--seed", 3, "--out",
+                     tmp_path / "random"], capsys)
+    assert code == 0, err
+    drawn = json.loads((tmp_path / "random" / "config.json").read_text())["cat_fast_neuron_mask"]["neurons"]
+    assert len(drawn) == 5 and {tuple(n) for n in drawn} != top
+    assert json.loads((tmp_path / "random" / "mask.json").read_text())["neurons"] == "random"
     scores = {}
     for name, directory in (("plain", model), ("masked", masked)):
-        code, err = run(["eval", "--model", directory, "--task", "nli", "--out", tmp_path / f"eval-{name}"], capsys)
+        code, err = run(["eval", "--model", directory, "--eval", "hans", "--out", tmp_path / f"eval-{name}"], capsys)
         assert code == 0, err
-        scores[name] = json.loads((tmp_path / f"eval-{name}" / "metrics.json").read_text())["eval"]["dev"]["n"]
-    assert scores["plain"] == scores["masked"] == 1000
+        scores[name] = json.loads((tmp_path / f"eval-{name}" / "metrics.json").read_text())["eval"]
+    assert scores["plain"]["dev"]["n"] == scores["masked"]["dev"]["n"] == 1000  # built-in dev with --eval hans
+    assert scores["plain"]["hans"]["n"] == scores["masked"]["hans"]["n"] == 3000
 
 
 def test_mediation_errors(tiny, tmp_path, capsys):
@@ -77,7 +85,8 @@ def test_unlearn_writes_a_model_that_differs_only_in_the_rows(tiny, tmp_path, ca
                      "--epochs", 1, "--lr", 1e-3, "--max-length", 32, "--out", out], capsys)
     assert code == 0, err
     meta = json.loads((out / "unlearn.json").read_text())
-    assert meta["steps"] > 0 and 0 < meta["rows_used"] < 1666 and meta["advantaged"]
+    assert meta["steps"] > 0 and 0 < meta["advantaged_examples"] < 1666 and meta["examples"] == "advantaged"
+    assert meta["rows_used"] == meta["examples_used"] == meta["advantaged_examples"]  # one epoch, the fixed set
     before = transformers.AutoModelForSequenceClassification.from_pretrained(model)
     after = transformers.AutoModelForSequenceClassification.from_pretrained(out)
     top = [tuple(r.split("\t")[1:4]) for r in (nie / "top_neurons.tsv").read_text().splitlines()[1:]]
@@ -97,3 +106,11 @@ def test_unlearn_writes_a_model_that_differs_only_in_the_rows(tiny, tmp_path, ca
     code, err = run(["unlearn", "--model", model, "--nie", nie, "--task", "nli", "--train", orig, "--out",
                      tmp_path / "u2"], capsys)
     assert code == 2 and "--bias" in err
+    # the paper's controls: as many random examples; random neurons
+    code, err = run(["unlearn", "--model", model, "--nie", nie, "--task", "nli", "--train", orig, "--bias", bias,
+                     "--epochs", 1, "--lr", 1e-3, "--max-length", 32, "--examples", "random", "--random-neurons",
+                     "--seed", 5, "--out", tmp_path / "u3"], capsys)
+    assert code == 0, err
+    control = json.loads((tmp_path / "u3" / "unlearn.json").read_text())
+    assert control["examples_used"] == control["advantaged_examples"] == meta["advantaged_examples"]
+    assert control["examples"] == "random" and control["neurons"] == "random"
