@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device run of the mediation quality study (docs/RESULTS-debias.md, pipelines: scripts/mediation_jobs.py):
-#   bash scripts/mediation_gpu.sh NAME SEED [SEED ...]      (env: PARALLEL=16 DEADLINE=540; every GPU is used)
+#   bash scripts/mediation_gpu.sh NAME SEED [SEED ...]      (env: PARALLEL=16 DEADLINE=540 VARIANTS="a b"; every GPU is used)
 # Needs carry: runs/debias-bias (the overlap bias file of the bias-model study). Runs one pipeline per base model and
 # seed, PARALLEL at once until DEADLINE seconds (a step still running then is killed; the pipeline stops). Every
 # finished run's metrics.json goes to $OUT/mediation-NAME.jsonl, the NIE outputs and the mask / unlearn records to
@@ -19,7 +19,8 @@ cat-fast() {  # each step gets the time left to the deadline
   timeout "$left" python3 -m cat_fast.cli "$@" || { local rc=$?; echo "EXIT $rc cat-fast $*"; return $rc; }
 }
 export -f cat-fast
-python3 scripts/mediation_jobs.py --seeds "$@" --root $root --bias "$PWD/runs/debias-bias/overlap-full" > $root/jobs.txt
+python3 scripts/mediation_jobs.py --seeds "$@" --root $root --bias "$PWD/runs/debias-bias/overlap-full" \
+  ${VARIANTS:+--variants $VARIANTS} > $root/jobs.txt
 t0=$(date +%s)
 export NGPU=$(nvidia-smi -L | wc -l)  # pipeline i runs on GPU i mod NGPU
 nl -ba -w1 -s' ' $root/jobs.txt | tr '\n' '\0' | xargs -0 -P "${PARALLEL:-16}" -I{} bash -c \

@@ -9,13 +9,15 @@ MiniLM-L6 on full CAD NLI (originals + edits) with the word-overlap bias of the 
              700 of 82,944 scaled to the model (175 of 20,736 for MiniLM-L6);
   mask                 the top-k neurons masked at the first token, the paper's 1/p rescale;
   mask-random          as many random neurons (the paper's "without CMA" control);
-  unlearn              gradient unlearning of the top-k on the advantaged examples (bias right, model wrong),
-                       15 epochs, batch 32, weight decay 0.1, lr 1e-5 (cat-fast's default);
+  unlearn              gradient unlearning of the top-k on the advantaged examples of the released code (gold
+                       entailment, the bias predicts it, the model misses it), 15 epochs, batch 32, weight decay 0.1,
+                       lr 1e-5 (cat-fast's default);
   unlearn-lr1e-4       the same at lr 1e-4;
+  unlearn-lr1e-4-random-examples   control: as many random training examples instead of the advantaged ones;
   unlearn-lr1e-4-random-neurons    control: random neurons;
-  unlearn-lr1e-4-random-examples   control: as many random training examples instead of the advantaged ones.
+  unlearn-anyclass[-lr1e-4]        the paper's text: advantaged examples of every class.
 Usage: python scripts/mediation_jobs.py --seeds 0 1 ... --root DIR --bias DIR   (each line: a bash command list
-using the `cat-fast` command; scripts/mediation_gpu.sh runs them in parallel)
+using the `cat-fast` command; scripts/mediation_gpu.sh runs them in parallel; --variants: a subset)
 """
 import argparse
 
@@ -25,14 +27,16 @@ BASES = ("erm", "poe", "reweight", "learned-mixin", "conf-reg")
 VARIANTS = {  # name -> (command, extra arguments)
     "mask": ("mask", "--rescale"),
     "mask-random": ("mask", "--rescale --random-neurons"),
-    "unlearn": ("unlearn", "--lr 1e-5"),
-    "unlearn-lr1e-4": ("unlearn", "--lr 1e-4"),
-    "unlearn-lr1e-4-random-neurons": ("unlearn", "--lr 1e-4 --random-neurons"),
-    "unlearn-lr1e-4-random-examples": ("unlearn", "--lr 1e-4 --examples random"),
+    "unlearn-anyclass": ("unlearn", "--lr 1e-5"),
+    "unlearn-anyclass-lr1e-4": ("unlearn", "--lr 1e-4"),
+    "unlearn": ("unlearn", "--lr 1e-5 --candidate-class entailment"),
+    "unlearn-lr1e-4": ("unlearn", "--lr 1e-4 --candidate-class entailment"),
+    "unlearn-lr1e-4-random-examples": ("unlearn", "--lr 1e-4 --candidate-class entailment --examples random"),
+    "unlearn-lr1e-4-random-neurons": ("unlearn", "--lr 1e-4 --candidate-class entailment --random-neurons"),
 }
 
 
-def pipeline(root, bias, base, seed):
+def pipeline(root, bias, base, seed, variants=tuple(VARIANTS)):
     model = f"{root}/models/{base}/seed{seed}"
     nie = f"{root}/nie/{base}/seed{seed}"
     steps = []
@@ -47,7 +51,8 @@ def pipeline(root, bias, base, seed):
     steps.append(f"cat-fast mediation --model {model} --task nli --per-class 100 --bf16 --seed {seed} --device cuda "
                  f"--overwrite --out {nie}")
     variants = []
-    for name, (command, args) in VARIANTS.items():
+    for name in variants:
+        command, args = VARIANTS[name]
         out = f"{root}/models/{base}+{name}/seed{seed}"
         data = f"--task nli --bias {bias} --device cuda" if command == "unlearn" else ""
         variants.append(f"{{ cat-fast {command} --model {model} --nie {nie} {data} {args} --seed {seed} --overwrite "
@@ -61,10 +66,11 @@ def main():
     parser.add_argument("--seeds", type=int, nargs="+", default=list(range(5)))
     parser.add_argument("--root", default="runs/mediation")
     parser.add_argument("--bias", default="runs/debias-bias/overlap-full")
+    parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(VARIANTS))
     args = parser.parse_args()
     for seed in args.seeds:
         for base in BASES:
-            print(" ".join(pipeline(args.root, args.bias, base, seed).split()))
+            print(" ".join(pipeline(args.root, args.bias, base, seed, args.variants).split()))
 
 
 if __name__ == "__main__":

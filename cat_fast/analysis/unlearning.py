@@ -17,7 +17,7 @@ paper scales its learning rate by. Re-choosing them at every step would let the 
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -75,9 +75,14 @@ def producing_parameters(model, neurons: Iterable[Sequence]) -> List[Tuple[torch
     return [(param, torch.tensor(sorted(idx))) for param, idx in rows.values()]
 
 
-def advantaged_rows(model, batches: Iterable[dict]) -> List[torch.Tensor]:
+def advantaged_rows(model, batches: Iterable[dict], candidate_class: Optional[int] = None) -> List[torch.Tensor]:
     """Per batch, a bool [B] of its advantaged rows: ``bias`` (the bias model's log-probabilities [B, C]) right and
-    the model (in eval mode, no gradient) wrong. The model is left in the train/eval mode it had."""
+    the model (in eval mode, no gradient) wrong; with `candidate_class` only rows of that gold class (the released
+    code's ``candidated_class``, "entailment" for NLI: the bias predicts it, it is the label, the model misses it).
+    The model is left in the train/eval mode it had."""
+    if candidate_class is not None and (isinstance(candidate_class, bool) or not isinstance(candidate_class, int)
+                                        or candidate_class < 0):
+        raise ValueError(f"candidate_class: expected a class index >= 0 or None, got {candidate_class!r}")
     was = model.training
     out = []
     try:
@@ -92,14 +97,20 @@ def advantaged_rows(model, batches: Iterable[dict]) -> List[torch.Tensor]:
                 logits = models.logits_of(model(**{k: v for k, v in batch.items() if k in _INPUTS}))
                 labels = batch["labels"]
                 bias = batch["bias"].to(logits.device)
-                out.append((bias.argmax(-1) == labels) & (logits.argmax(-1) != labels))
+                if candidate_class is not None and candidate_class >= logits.shape[-1]:
+                    raise ValueError(f"candidate_class: expected an index in [0, {logits.shape[-1]}), got "
+                                     f"{candidate_class}")
+                keep = (bias.argmax(-1) == labels) & (logits.argmax(-1) != labels)
+                if candidate_class is not None:
+                    keep &= labels == candidate_class
+                out.append(keep)
     finally:
         model.train(was)
     return out
 
 
 def unlearn(model, neurons, batches: Iterable[dict], lr: float = 1e-5, epochs: int = 1, weight_decay: float = 0.1,
-            advantaged: bool = True) -> Dict[str, float]:
+            advantaged: bool = True, candidate_class: Optional[int] = None) -> Dict[str, float]:
     """Gradient unlearning (module docstring) over `batches` (dicts of model inputs, ``labels`` and, with
     `advantaged`, ``bias``) for `epochs` passes. Returns {"steps", "rows_used", "mean_loss"}; the model is left in
     the train/eval mode it had."""
@@ -110,7 +121,7 @@ def unlearn(model, neurons, batches: Iterable[dict], lr: float = 1e-5, epochs: i
         raise ValueError(f"epochs: expected an integer >= 1, got {epochs!r}")
     batches = list(batches)
     targets = producing_parameters(model, neurons)
-    keeps = advantaged_rows(model, batches) if advantaged else [None] * len(batches)
+    keeps = advantaged_rows(model, batches, candidate_class) if advantaged else [None] * len(batches)
     params = [p for p, _ in targets]
     masks = []
     for p, idx in targets:

@@ -264,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "random: as many examples drawn at random (the paper's control); all: every example")
     ul.add_argument("--random-neurons", action="store_true", help="the paper's control: --top-k neurons drawn at "
                     "random (with --seed) instead of the top ones")
+    ul.add_argument("--candidate-class", metavar="LABEL", help="advantaged examples of this gold class only (the "
+                    "released code: entailment for NLI); default: every class (the paper's text)")
     ul.add_argument("--max-length", type=positive_int, default=128, help="tokens per example (truncation)")
     ul.add_argument("--seed", type=int, default=0, help="seed of the batch order and of the random draws")
     ul.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when available")

@@ -229,12 +229,22 @@ def unlearn(args) -> Dict:
 
     # the advantaged set, chosen once with the model in eval mode (unlearning.advantaged_rows)
     everything = list(range(len(train)))
-    masks = unlearning.advantaged_rows(model, batches_of(everything))
+    candidate = None
+    if args.candidate_class is not None:
+        if args.candidate_class in labels:
+            candidate = labels.index(args.candidate_class)
+        elif args.candidate_class.isdigit() and int(args.candidate_class) < len(labels):
+            candidate = int(args.candidate_class)
+        else:
+            raise CliError(f"--candidate-class: expected one of the model's labels {', '.join(labels)} (or an index), "
+                           f"got {args.candidate_class!r}")
+    masks = unlearning.advantaged_rows(model, batches_of(everything), candidate)
     advantaged = torch.nonzero(torch.cat([m.cpu() for m in masks])).flatten()
     n_adv = int(advantaged.numel())
     if n_adv == 0 and args.examples != "all":
-        raise CliError("no advantaged examples (the bias model right and the model wrong) in the training data: "
-                       "nothing to unlearn; nothing written")
+        raise CliError("no advantaged examples (the bias model right and the model wrong"
+                       + (f", gold label {args.candidate_class}" if candidate is not None else "")
+                       + ") in the training data: nothing to unlearn; nothing written")
     if args.examples == "advantaged":
         rows = advantaged
     elif args.examples == "random":  # the paper's control: as many examples, drawn at random
@@ -250,7 +260,7 @@ def unlearn(args) -> Dict:
     if not all(torch.isfinite(p).all() for p in model.parameters()):
         raise TrainingFailed("unlearning made a parameter non-finite (lower --lr); nothing written")
     meta = {"model": args.model, "nie": path, "top_k": k, "neurons": "random" if args.random_neurons else "top",
-            "examples": args.examples, "advantaged_examples": n_adv, "examples_used": len(rows), "seed": args.seed,
+            "examples": args.examples, "candidate_class": args.candidate_class, "advantaged_examples": n_adv, "examples_used": len(rows), "seed": args.seed,
             "lr": args.lr, "epochs": args.epochs, "batch_size": args.batch_size, **stats}
     _write_model_dir(args, model, tokenizer, directory, "unlearn.json", meta)
     sys.stderr.write(f"cat-fast: wrote {args.out} ({stats['steps']} steps on {len(rows)} {args.examples} examples; "

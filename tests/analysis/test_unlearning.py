@@ -92,6 +92,22 @@ def test_advantaged_set_is_fixed_before_the_first_step():
     assert int(sum(m.sum() for m in unlearning.advantaged_rows(model, batches))) > n  # the ascent did its work
 
 
+def test_candidate_class_keeps_that_gold_class_only():
+    model = tiny_model("bert").eval()
+    batches = _batches()
+    every = unlearning.advantaged_rows(model, batches)
+    for c in range(3):
+        only = unlearning.advantaged_rows(model, batches, candidate_class=c)
+        for b, a, o in zip(batches, every, only):
+            assert torch.equal(o, a & (b["labels"] == c))
+    assert sum(int(m.sum()) for c in range(3) for m in unlearning.advantaged_rows(model, batches, c)) == \
+        sum(int(m.sum()) for m in every)
+    with pytest.raises(ValueError, match="candidate_class: expected an index in \\[0, 3\\)"):
+        unlearning.advantaged_rows(model, batches, candidate_class=3)
+    with pytest.raises(ValueError, match="candidate_class: expected a class index"):
+        unlearning.unlearn(model, NEURONS, batches, candidate_class="entailment")
+
+
 @pytest.mark.parametrize("kwargs, words", [
     (dict(lr=-1.0), "lr: expected a finite number >= 0"),
     (dict(epochs=0), "epochs: expected an integer >= 1"),

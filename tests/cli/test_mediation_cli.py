@@ -114,3 +114,15 @@ def test_unlearn_writes_a_model_that_differs_only_in_the_rows(tiny, tmp_path, ca
     control = json.loads((tmp_path / "u3" / "unlearn.json").read_text())
     assert control["examples_used"] == control["advantaged_examples"] == meta["advantaged_examples"]
     assert control["examples"] == "random" and control["neurons"] == "random"
+    code, err = run(["unlearn", "--model", model, "--nie", nie, "--task", "nli", "--train", orig, "--bias", bias,
+                     "--epochs", 1, "--lr", 1e-3, "--max-length", 32, "--candidate-class", "entailment", "--out",
+                     tmp_path / "u4"], capsys)
+    if code == 0:  # the released code's rule: gold entailment only, a subset of the advantaged examples
+        assert 0 < json.loads((tmp_path / "u4" / "unlearn.json").read_text())["advantaged_examples"] < \
+            meta["advantaged_examples"]
+    else:
+        assert code == 2 and "gold label entailment" in err
+    code, err = run(["unlearn", "--model", model, "--nie", nie, "--task", "nli", "--train", orig, "--bias", bias,
+                     "--candidate-class", "maybe", "--out", tmp_path / "u5"], capsys)
+    assert code == 2 and "--candidate-class: expected one of the model's labels" in err
+    assert not (tmp_path / "u5").exists()
