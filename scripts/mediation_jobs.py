@@ -50,15 +50,15 @@ def pipeline(root, bias, base, seed, variants=tuple(VARIANTS)):
     steps.append(f"cat-fast train {COMMON} --method {base} {extra} --seed {seed} --out {model}")
     steps.append(f"cat-fast mediation --model {model} --task nli --per-class 100 --bf16 --seed {seed} --device cuda "
                  f"--overwrite --out {nie}")
-    variants = []
+    commands = []
     for name in variants:
         command, args = VARIANTS[name]
         out = f"{root}/models/{base}+{name}/seed{seed}"
         data = f"--task nli --bias {bias} --device cuda" if command == "unlearn" else ""
-        variants.append(f"{{ cat-fast {command} --model {model} --nie {nie} {data} {args} --seed {seed} --overwrite "
+        commands.append(f"{{ cat-fast {command} --model {model} --nie {nie} {data} {args} --seed {seed} --overwrite "
                         f"--out {out} && cat-fast eval --model {out} --eval hans --device cuda --overwrite "
                         f"--out {root}/evals/{base}+{name}/seed{seed}; }}")
-    return " && ".join(steps) + " && { " + "; ".join(variants) + "; }"
+    return " && ".join(steps) + " && { " + "; ".join(commands) + "; }"
 
 
 def main():
