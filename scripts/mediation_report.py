@@ -13,18 +13,20 @@ from collections import defaultdict
 from debias_report import COLUMNS, fmt
 
 BASES = ("erm", "poe", "reweight", "learned-mixin", "conf-reg")
-VARIANTS = ("mask", "mask-random", "unlearn", "unlearn-lr1e-4", "unlearn-lr1e-4-random-neurons",
-            "unlearn-lr1e-4-random-examples")
+VARIANTS = ("mask", "mask-random", "unlearn", "unlearn-lr1e-4", "unlearn-lr1e-4-random-examples",
+            "unlearn-lr1e-4-random-neurons", "unlearn-anyclass", "unlearn-anyclass-lr1e-4")
 
 
 def load(files):
-    cells = defaultdict(dict)  # (base, variant or "") -> seed -> eval
-    for path in files:
+    """(run index, base, variant or "") -> seed -> eval; run index = the file's position (each device run trained its
+    own base models, so a variant is paired with the base of its own run)."""
+    cells = defaultdict(dict)
+    for run, path in enumerate(files, 1):
         for line in open(path):
             m = json.loads(line)
-            kind, cell, seed = m["run"].split("/")
+            _, cell, seed = m["run"].split("/")
             base, _, variant = cell.partition("+")
-            cells[(base, variant)][int(seed.removeprefix("seed"))] = m["eval"]
+            cells[(run, base, variant)][int(seed.removeprefix("seed"))] = m["eval"]
     return cells
 
 
@@ -33,26 +35,27 @@ def main():
     parser.add_argument("files", nargs="+")
     args = parser.parse_args()
     cells = load(args.files)
-    header = "| model | seeds | " + " | ".join(name for _, name in COLUMNS) + " |"
-    rule = "| --- | --- | " + " | ".join("---" for _ in COLUMNS) + " |"
-    for title, paired in (("accuracy (%)", False), ("difference from the model before masking / unlearning, same "
-                                                    "seed (points)", True)):
+    runs = range(1, len(args.files) + 1)
+    header = "| model | run | seeds | " + " | ".join(name for _, name in COLUMNS) + " |"
+    rule = "| --- | --- | --- | " + " | ".join("---" for _ in COLUMNS) + " |"
+    for title, paired in (("accuracy (%)", False), ("difference from the same model before masking / unlearning, "
+                                                    "same run and seed (points)", True)):
         print(f"\n#### {title}\n\n{header}\n{rule}")
         for base in BASES:
-            before = cells.get((base, ""), {})
             for variant in ("",) + VARIANTS:
-                runs = cells.get((base, variant))
-                if not runs or (paired and not variant):
-                    continue
-                name = base + (f" + {variant}" if variant else "")
-                row = [name, str(len(runs))]
-                for key, _ in COLUMNS:
-                    if paired:
-                        row.append(fmt([runs[s][key]["accuracy"] - before[s][key]["accuracy"] for s in runs
-                                        if s in before], signed=True))
-                    else:
-                        row.append(fmt([r[key]["accuracy"] for r in runs.values()]))
-                print("| " + " | ".join(row) + " |")
+                for run in runs:
+                    got = cells.get((run, base, variant))
+                    if not got or (paired and not variant):
+                        continue
+                    before = cells.get((run, base, ""), {})
+                    row = [base + (f" + {variant}" if variant else ""), str(run), str(len(got))]
+                    for key, _ in COLUMNS:
+                        if paired:
+                            row.append(fmt([got[s][key]["accuracy"] - before[s][key]["accuracy"] for s in got
+                                            if s in before], signed=True))
+                        else:
+                            row.append(fmt([r[key]["accuracy"] for r in got.values()]))
+                    print("| " + " | ".join(row) + " |")
 
 
 if __name__ == "__main__":
