@@ -13,19 +13,10 @@ root=/tmp/mediation
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export END=$(( $(date +%s) + ${DEADLINE:-540} ))
 mkdir -p $root/logs
-cat-fast() {  # each step gets the time left to the deadline
-  local left=$(( END - $(date +%s) ))
-  [ "$left" -gt 0 ] || { echo "SKIPPED (deadline) cat-fast $*"; return 124; }
-  timeout "$left" python3 -m cat_fast.cli "$@" || { local rc=$?; echo "EXIT $rc cat-fast $*"; return $rc; }
-}
-export -f cat-fast
 python3 scripts/mediation_jobs.py --seeds "$@" --root $root --bias "$PWD/runs/debias-bias/overlap-full" \
   ${VARIANTS:+--variants $VARIANTS} > $root/jobs.txt
 t0=$(date +%s)
-export NGPU=$(nvidia-smi -L | wc -l)  # pipeline i runs on GPU i mod NGPU
-nl -ba -w1 -s' ' $root/jobs.txt | tr '\n' '\0' | xargs -0 -P "${PARALLEL:-16}" -I{} bash -c \
-  'line="$1"; id=${line%% *}; cmd=${line#* }; CUDA_VISIBLE_DEVICES=$(( id % NGPU )) bash -c "$cmd" \
-     > "'$root'/logs/job$id.log" 2>&1' _ {}
+bash scripts/parallel_gpu.sh $root/jobs.txt $root/logs
 echo "pipelines: $(wc -l < $root/jobs.txt), $(( $(date +%s) - t0 ))s" | tee -a "$OUT/gpu.txt"
 python3 scripts/gather_metrics.py "$root" "$OUT/mediation-$name.jsonl"
 grep -h "EXIT\|SKIPPED" $root/logs/*.log | head -20

@@ -35,6 +35,10 @@ bf16 autocast, AdamW (fused on CUDA), B x T = 8x128, 32x128, 64x256; each sample
                  a fixed bias [B, C] (log-probabilities) and teacher probabilities in the batch, as the CLI's
                  batches carry them; their forward is `plain_first_token`'s (learned-mixin also captures the
                  pooled vector for its gate), so `plain_first_token` is their ERM step.
+8. `clp`, `clp_all`: `cat_fast.CLP` (causal logit perturbation) with `virtual="head"` / `"all"`: the model's own
+                 forward (so `plain` is their ERM step), the characteristics op, Ω's meta step on a metadata batch
+                 of the same shape (another draw of ids), the perturbed loss; `clp_all` runs eager attention (its
+                 virtual step back-propagates twice through every layer).
 
 Timing: >= 5 warm-up steps, then CUDA events around each of <= 25 timed steps (CAT_FAST_BENCH_STEP_WARMUP,
 CAT_FAST_BENCH_STEP_STEPS; defaults 5 and 20), median reported. Then, for every method but plain, a paired
@@ -70,7 +74,7 @@ pytestmark = [pytest.mark.benchmark(timer=H.virtual_clock), pytest.mark.bench_st
 
 METHODS = ("plain", "plain_first_token", "plain_training_layers", "naive_cat", "cat", "cat_eager", "cat_full_last",
            "cat_hf_layers", "cat_hf_clean", "gs_exact", "gs_first_order", "gs_first_order_fwd", "gs_pooled",
-           "gs_pooled_hf_layers", "poe", "reweight", "learned_mixin", "conf_reg")
+           "gs_pooled_hf_layers", "poe", "reweight", "learned_mixin", "conf_reg", "clp", "clp_all")
 DEBIAS_METHODS = ("poe", "reweight", "learned_mixin", "conf_reg")
 CAT_METHODS = ("cat", "cat_eager", "cat_full_last", "cat_hf_layers", "cat_hf_clean")
 # Methods whose passes run the last layer for the first token only (`prune_last_layer=True`, the default).
@@ -172,6 +176,10 @@ def model_flops(config, batch, tokens, method, m=None, adv_steps=ADV_STEPS, fina
     if method.startswith("gs_first_order"):  # representation h_0: every pass covers all L layers
         passes = 1 if method.endswith("_fwd") else 2
         total += forward + passes * 3 * forward  # g (input-only backward) + each pass's forward and backward
+    if method == "clp":  # + the metadata batch's forward (the virtual step is the head's only)
+        total += forward
+    if method == "clp_all":  # + the virtual step's backward with create_graph (~2), the metadata forward through the
+        total += 7 * forward  # updated parameters (1) and its backward to Ω through the virtual step (~4): approximate
     return total
 
 
@@ -224,6 +232,23 @@ def make_step(method, model, optimizer, batch, pairs):
         shape = (batch["labels"].shape[0], model.config.num_labels)
         batch = dict(batch, bias=torch.log_softmax(2 * torch.randn(shape, generator=gen), -1).to(DEVICE),
                      teacher_probs=torch.softmax(2 * torch.randn(shape, generator=gen), -1).to(DEVICE))
+
+        def step():
+            with autocast():
+                loss, _ = objective(batch)
+            finish_step(loss)
+        return step
+
+    if method in ("clp", "clp_all"):
+        from cat_fast.objectives.clp import CLP
+
+        gen = torch.Generator().manual_seed(11)
+        ids = batch["input_ids"]
+        meta = dict(batch, input_ids=torch.randint(1000, 20000, tuple(ids.shape), generator=gen).to(ids.device),
+                    labels=torch.randint(0, model.config.num_labels, tuple(batch["labels"].shape),
+                                         generator=gen).to(ids.device))
+        objective = CLP(model, [meta], virtual="all" if method == "clp_all" else "head")
+        objective.set_optimizer(optimizer)
 
         def step():
             with autocast():
@@ -431,7 +456,7 @@ def time_paired(step, plain_step, warmup, steps, rounds=20):
 
 
 def _attn_for(method):
-    return "eager" if method == "gs_exact" else "sdpa"
+    return "eager" if method in ("gs_exact", "clp_all") else "sdpa"
 
 
 def measure_step(method, size):

@@ -121,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr-warmup-ratio", type=float, default=0.0, help="fraction of the steps with a linear lr warm-up")
     t.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0 = off)")
     t.add_argument("--max-length", type=positive_int, default=128, help="tokens per example (truncation)")
+    t.add_argument("--label-noise", type=float, metavar="P", help="replace a fraction P of the training labels by "
+                   "another class drawn at random (seeded by --seed; the noisy-label scenario)")
+    t.add_argument("--long-tail", metavar="LABEL=FRACTION", help="keep only FRACTION of the training examples of "
+                   "class LABEL (seeded by --seed; the long-tail scenario)")
     t.add_argument("--per-class", type=positive_int, metavar="K", help="few-shot: K original examples per class (+ "
                    "their edits)")
     t.add_argument("--seed", type=int, default=0, help="seed of the head's initialisation, the batches and the draws")
@@ -167,6 +171,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--teacher", metavar="DIR", help="conf-reg: a trained classifier whose probabilities are the "
                    "targets")
     b.add_argument("--entropy-weight", type=float, default=0.03, help="learned-mixin: weight of the entropy penalty")
+
+    m = t.add_argument_group("causal logit perturbation (clp, clp-all)")
+    m.add_argument("--meta-data", metavar="FILE", help="the metadata set (your own file, read with the column "
+                   "options; default with a CAD task: a balanced draw from the built-in dev set with its edits, "
+                   "which the dev score then leaves out)")
+    m.add_argument("--meta-per-class", type=positive_int, default=10, help="originals per class drawn (with their "
+                   "edits) for the built-in metadata")
+    m.add_argument("--meta-holdout", action="store_true", help="any method: score dev without the groups of the "
+                   "built-in metadata draw (--meta-per-class, --seed), as clp does, so the two compare on one set")
+    m.add_argument("--meta-batch-size", type=positive_int, default=32, help="metadata examples per meta step")
+    m.add_argument("--meta-lr", type=float, default=1e-3, help="Adam learning rate of the perturbation network")
+    m.add_argument("--clp-scale", type=float, default=1.0, help="the perturbation's bound (tanh times this)")
 
     bias = sub.add_parser("bias", help="bias models for the bias-model methods", formatter_class=fmt,
                           description="Bias models (see `python -m pydoc cat_fast.cli.bias`).")

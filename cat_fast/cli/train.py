@@ -41,6 +41,7 @@ FLOAT_OPTIONS = {  # option dest -> (flag, lowest allowed, open at the low end)
     "alpha": ("--alpha", 0.0, True), "beta": ("--beta", 0.0, True), "gamma": ("--gamma", None, False),
     "eta": ("--eta", None, False), "adv_lr": ("--adv-lr", 0.0, False), "crm_lr": ("--crm-lr", 0.0, False),
     "gs_weight": ("--gs-weight", 0.0, False), "entropy_weight": ("--entropy-weight", 0.0, False),
+    "meta_lr": ("--meta-lr", 0.0, True), "clp_scale": ("--clp-scale", 0.0, True),
 }
 
 
@@ -152,6 +153,22 @@ def train(args) -> Dict:
         train_data = D.few_shot(train_data, args.per_class, seed=args.seed, with_edits=(data_mode == "orig+edits"))
     elif data_mode == "orig":
         train_data = train_data.originals()
+    shift = {}
+    try:
+        if args.long_tail:
+            label, _, fraction = args.long_tail.partition("=")
+            try:
+                fraction = float(fraction)
+            except ValueError:
+                raise CliError(f"--long-tail: expected LABEL=FRACTION, got {args.long_tail!r}") from None
+            before = len(train_data)
+            train_data = D.long_tail(train_data, label, fraction, seed=args.seed)
+            shift["long_tail"] = {"label": label, "fraction": fraction, "removed": before - len(train_data)}
+        if args.label_noise:
+            train_data, flipped = D.with_label_noise(train_data, args.label_noise, seed=args.seed)
+            shift["label_noise"] = {"rate": args.label_noise, "flipped": len(flipped)}
+    except D.DataError as error:
+        raise CliError(str(error)) from error
     use_pairs = entry.cls.needs_pairs
     if use_pairs and not train_data.has_pairs:
         why = ("--data orig drops the edits" if data_mode == "orig" else
@@ -175,6 +192,31 @@ def train(args) -> Dict:
     elif args.bias:
         raise CliError(f"--bias is for the bias-model methods (poe, reweight, learned-mixin, conf-reg), not {method}")
     dev_data = source.read(args.dev, labels=label_names) if args.dev else source.builtin_dev()
+    meta_data = None
+    if getattr(entry.cls, "needs_meta", False):
+        if args.meta_data:
+            meta_data = source.read(args.meta_data, labels=label_names)
+        elif dev_data is not None and dev_data.has_pairs:
+            from ..objectives.clp import metadata_from_cad
+
+            try:
+                meta_data, dev_data = metadata_from_cad(dev_data, args.meta_per_class, seed=args.seed)
+            except D.DataError as error:
+                raise CliError(f"--meta-per-class {args.meta_per_class}: {error}") from error
+        else:
+            raise CliError(f"--method {method} needs --meta-data FILE (a small balanced set; the built-in draw needs "
+                           "a CAD dev set with edits)")
+    elif args.meta_data:
+        raise CliError(f"--meta-data is for --method clp / clp-all, not {method}")
+    elif args.meta_holdout:
+        if dev_data is None or not dev_data.has_pairs:
+            raise CliError("--meta-holdout needs the built-in CAD dev set (with edits)")
+        from ..objectives.clp import metadata_from_cad
+
+        try:
+            held, dev_data = metadata_from_cad(dev_data, args.meta_per_class, seed=args.seed)
+        except D.DataError as error:
+            raise CliError(f"--meta-per-class {args.meta_per_class}: {error}") from error
     eval_data = [(name, source.read(path, labels=label_names)) for name, path in evals]
     for name, d in ([("dev", dev_data)] if dev_data is not None else []) + eval_data:
         _report_skipped(name, d)
@@ -224,9 +266,23 @@ def train(args) -> Dict:
 
     # the registry's preset, then the command line (a CPU generator seeded by --seed: λ, partners and layers are
     # reproducible on any device)
+    extra = {"warmup_steps": warmup_steps} if entry.warmup else {}
+    if meta_data is not None:
+        g = torch.Generator().manual_seed(args.seed)
+        order = torch.randperm(len(meta_data), generator=g).tolist()
+        meta_batches = []
+        for start in range(0, len(order), args.meta_batch_size):
+            idx = order[start:start + args.meta_batch_size]
+            pair = [meta_data.text_pair[i] for i in idx] if meta_data.text_pair is not None else None
+            enc = tokenizer([meta_data.text[i] for i in idx], pair, padding=True, truncation=True,
+                            max_length=args.max_length, return_tensors="pt")
+            batch = {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+            batch["labels"] = torch.tensor([meta_data.labels[i] for i in idx], device=device)
+            meta_batches.append(batch)
+        counts = torch.bincount(torch.tensor(train_data.labels), minlength=len(label_names))
+        extra.update(meta_batches=meta_batches, class_prior=counts.tolist(), epoch_size=len(train_data))
     try:
-        objective = objectives.build(method, model, options=vars(args),
-                                     **({"warmup_steps": warmup_steps} if entry.warmup else {}))
+        objective = objectives.build(method, model, options=vars(args), **extra)
     except (ValueError, TypeError) as error:
         raise CliError(f"--method {method}: {error}") from error
 
@@ -249,6 +305,9 @@ def train(args) -> Dict:
 
     config = {k: v for k, v in vars(args).items() if k not in ("command",)}
     config.update(data=data_mode, out=out, attn=attn or "default", device=str(device), task=source.name)
+    if meta_data is not None or args.meta_holdout:  # the built-in draw leaves its groups out of the dev score
+        config.update(meta_examples=None if meta_data is None else len(meta_data),
+                      dev_examples=None if dev_data is None else len(dev_data))
     ckpt_meta = dict(source.meta(train_data), method=method, max_length=args.max_length, base_model=args.model,
                      seed=args.seed)
 
@@ -349,7 +408,7 @@ def train(args) -> Dict:
             "labels": list(label_names),
             "data": {"mode": data_mode, "n_train": len(train_data), "n_orig": train_data.n_orig,
                      "n_edits": len(train_data) - train_data.n_orig, "classes": train_data.class_counts(),
-                     "groups": len(train_data.groups), "skipped": getattr(train_data, "skipped", 0)},
+                     "groups": len(train_data.groups), "skipped": getattr(train_data, "skipped", 0), **shift},
             "history": history,
             "config": config,
         }

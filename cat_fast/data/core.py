@@ -33,16 +33,19 @@ from __future__ import annotations
 
 import atexit
 import csv
+import math
 import os
 import random
 import re
 import shutil
 import tempfile
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 __all__ = [
+    "with_label_noise",
+    "long_tail",
     "DataError",
     "TaskSpec",
     "TASKS",
@@ -612,3 +615,31 @@ def few_shot(data: CadData, per_class: int, seed: int = 0, with_edits: bool = Tr
             keep += ix if with_edits else origs
     keep.sort()
     return data.subset(keep)
+
+
+def with_label_noise(data: CadData, rate: float, seed: int = 0) -> Tuple[CadData, List[int]]:
+    """A copy of `data` with ``round(rate * len(data))`` labels, drawn with ``random.Random(seed)``, each replaced by
+    another class drawn uniformly (the noisy-label scenario). Returns (the noisy data, the indices flipped)."""
+    if not 0 <= rate < 1:
+        raise DataError(f"--label-noise must be in [0, 1), got {rate}")
+    if data.num_labels < 2:
+        raise DataError("--label-noise needs at least two classes")
+    rng = random.Random(seed)
+    flipped = sorted(rng.sample(range(len(data)), round(rate * len(data))))
+    labels = list(data.labels)
+    for i in flipped:
+        labels[i] = rng.choice([c for c in range(data.num_labels) if c != labels[i]])
+    return replace(data, labels=labels, ids=list(data.ids)), flipped
+
+
+def long_tail(data: CadData, label: str, fraction: float, seed: int = 0) -> CadData:
+    """`data` with only ``ceil(fraction * n)`` of the n examples of class `label` kept (drawn with
+    ``random.Random(seed)``; order kept): the long-tail scenario."""
+    if label not in data.label_names:
+        raise DataError(f"--long-tail: {label!r} is not a label of the data ({', '.join(data.label_names)})")
+    if not 0 < fraction <= 1:
+        raise DataError(f"--long-tail: the fraction must be in (0, 1], got {fraction}")
+    c = data.label_names.index(label)
+    members = [i for i in range(len(data)) if data.labels[i] == c]
+    keep = set(random.Random(seed).sample(members, math.ceil(fraction * len(members))))
+    return data.subset([i for i in range(len(data)) if data.labels[i] != c or i in keep])

@@ -3,6 +3,8 @@
 - `CAT` (`cat`, with its CUDA-graph CAL loop in `cat_graphs`): counterfactual adversarial training, docs/METHODS.md §1;
 - `GradientSupervision` (`gs`): gradient supervision, docs/METHODS.md §2;
 - `PoE`, `Reweight`, `LearnedMixin`, `ConfidenceRegularization` (`debias`): bias-model losses, docs/METHODS.md §4;
+- `CLP` (`clp`): causal logit perturbation, meta-learned per-example perturbations of the true-class logit,
+  docs/METHODS.md §5;
 - `ERM` (`erm`): the model's own loss.
 
 ``build("cat-star", model)`` makes a registered objective; ``names()`` lists them; the CLI and the Trainer
@@ -10,13 +12,14 @@ classes use the same registry. Adding a method: subclass `Objective` (`base`), t
 """
 from .base import Entry, Objective, build, get, names, register
 from .cat import CAT, default_layers
+from .clp import CLP
 from .debias import BiasObjective, ConfidenceRegularization, LearnedMixin, PoE, Reweight
 from .erm import ERM
 from .gs import DOUBLE_BACKWARD_HINT, GradientSupervision, double_backward_error, pair_by_group
 
 __all__ = ["Objective", "Entry", "register", "get", "names", "build", "CAT", "default_layers", "ERM",
            "GradientSupervision", "pair_by_group", "double_backward_error", "DOUBLE_BACKWARD_HINT", "BiasObjective",
-           "PoE", "Reweight", "LearnedMixin", "ConfidenceRegularization"]
+           "PoE", "Reweight", "LearnedMixin", "ConfidenceRegularization", "CLP"]
 
 register("erm", ERM, "the model's own cross-entropy")
 register("erm-orig", ERM, "the model's own cross-entropy, trained on originals only", data="orig")
@@ -33,3 +36,7 @@ register("reweight-inverse", Reweight, "examples reweighted by 1 / p_bias(y), th
          weight="inverse")
 register("learned-mixin", LearnedMixin, "learned-mixin +H with a bias model (--bias)")
 register("conf-reg", ConfidenceRegularization, "confidence regularisation (--bias, --teacher)")
+register("clp", CLP, "causal logit perturbation, head-only virtual step (--meta-data or a balanced CAD dev draw)",
+         data="orig")
+register("clp-all", CLP, "causal logit perturbation, virtual step of every parameter (double backward)",
+         data="orig", eager_attention=True, virtual="all")

@@ -3,7 +3,7 @@
 Each validates its arguments (`validate`), then runs on the backend `backend.select` picks (`reference`, `cpp`,
 `cuda`, `triton`; `cat_fast.backends()`, `cat_fast.use_backend()`). `modules` has their `torch.nn.Module` wrappers
 (`CMix`, `CALObjective`, `CRMLoss`, `GSCosineLoss`). The bias-model losses (`bias_losses`) share one kernel pair
-(`bias_loss`). Adding an op: CONTRIBUTING.md.
+(`bias_loss`). `sample_characteristics` gives CLP's per-sample inputs. Adding an op: CONTRIBUTING.md.
 """
 from .backend import backends, use_backend
 from .bias_losses import confidence_regularization_loss, learned_mixin_loss, poe_loss, reweight_loss
@@ -13,7 +13,9 @@ from .cmix import MASK_MODES, cmix
 from .crm_loss import crm_loss, crm_weights
 from .gs_cosine_loss import gs_cosine_loss
 from .modules import CALObjective, CMix, CRMLoss, GSCosineLoss
+from .sample_characteristics import CHARACTERISTICS, CLASS_STATS, sample_characteristics
 
 __all__ = ["cmix", "cal_objective", "cal_step_", "crm_loss", "crm_weights", "gs_cosine_loss", "MASK_MODES",
            "CMix", "CALObjective", "CRMLoss", "GSCosineLoss", "backends", "use_backend", "poe_loss", "reweight_loss",
-           "learned_mixin_loss", "confidence_regularization_loss"]
+           "learned_mixin_loss", "confidence_regularization_loss", "sample_characteristics", "CHARACTERISTICS",
+           "CLASS_STATS"]

@@ -54,6 +54,12 @@ def shape(name, value, expected, what):
         raise ValueError(f"{name}: expected shape {tuple(expected)} ({what}), got {tuple(value.shape)}")
 
 
+def dtype_like(name, value, like_name, like):
+    if value.dtype != like.dtype:
+        raise TypeError(f"{name}: expected dtype {str(like.dtype).replace('torch.', '')} (the dtype of {like_name}), "
+                        f"got {str(value.dtype).replace('torch.', '')}")
+
+
 def index_range(name, value, upper, what, ignore_index=None):
     """Values of `value` in [0, upper); with `ignore_index`, that value is allowed too (rows to skip)."""
     if value.numel() == 0 or not _can_read_values(value):

@@ -9,11 +9,13 @@ from tests.conftest import tiny_batch, tiny_model
 
 def test_the_registry_names_every_method_of_the_cli():
     assert objectives.names() == ("erm", "erm-orig", "cat", "cat-star", "cat-gs", "gs", "gs-random", "poe",
-                                  "reweight", "reweight-inverse", "learned-mixin", "conf-reg")
+                                  "reweight", "reweight-inverse", "learned-mixin", "conf-reg", "clp", "clp-all")
     assert objectives.get("erm-orig").data == "orig" and objectives.get("erm").data == "orig+edits"
+    assert objectives.get("clp").data == objectives.get("clp-all").data == "orig"  # the edits go to the metadata
     assert [n for n in objectives.names() if objectives.get(n).warmup] == ["cat", "cat-star", "cat-gs"]
     assert [n for n in objectives.names() if objectives.get(n).cls.needs_pairs] == ["gs", "gs-random"]
-    assert [n for n in objectives.names() if objectives.get(n).eager_attention] == ["cat-gs", "gs", "gs-random"]
+    assert [n for n in objectives.names() if objectives.get(n).eager_attention] == ["cat-gs", "gs", "gs-random",
+                                                                                   "clp-all"]
 
 
 def test_build_applies_the_preset_then_the_options_then_the_arguments():

@@ -8,6 +8,7 @@ the kernel-op schemas (``csrc/cpu/<op>.cpp``; contracts: ``docs/KERNELS.md``):
 - ``cal_step``: ``cal_step_``
 - ``crm_loss``: ``crm_loss_forward``, ``crm_loss_backward``
 - ``gs_cosine_loss``: ``gs_row_dots``, ``gs_row_combine``
+- ``sample_characteristics``: ``sample_characteristics_forward``, ``sample_characteristics_backward``
 
 and kernels that are not op backends: ``residual_layer_norm`` (residual add + LayerNorm forward and input-only
 backward, for `cat_fast.layers.resumed`) and ``pooled_gs_loss`` (gradient supervision on the pooled representation

@@ -1,0 +1,305 @@
+"""Causal logit perturbation (CLP, Zhou et al. 2025; docs/METHODS.md §5): a perturbation network Ω maps ten
+training characteristics of each example to a perturbation δ of its TRUE-class logit, and is meta-learned so that a
+virtual step of the classifier on the perturbed loss lowers the loss on a small balanced metadata set.
+
+    objective = CLP(model, meta_batches)              # meta_batches: model inputs + labels, cycled
+    loss, info = objective(batch)                      # one step: Ω's meta update inside, the classifier's loss out
+
+Each call:
+1. the forward of the training batch, the head's input captured (``features``), and the characteristics
+   ``ops.sample_characteristics(logits, labels, features, W_head, class_stats)`` (detached: Ω reads them, nothing
+   flows back through them);
+2. the meta step: δ = Ω(characteristics), a virtual SGD step of the classifier on ``CE(z + δ·e_y, y)`` with
+   ``create_graph`` — of the head only (``virtual="head"``, the default) or of every trainable parameter
+   (``virtual="all"``, with `torch.func.functional_call`) — then the cross-entropy of the virtually-updated
+   classifier on the next metadata batch, whose gradient w.r.t. Ω is one Adam step (lr 1e-3, weight decay 1e-4);
+3. the real loss ``CE(z + δ'·e_y, y)`` with δ' = Ω(characteristics) from the updated Ω, detached: the trainer
+   back-propagates it into the classifier and steps its own optimizer.
+
+Why the head by default: with the backbone frozen for the virtual step, the step needs no second pass through the
+encoder (the features of both batches are reused, the metadata batch runs forward only, without a graph) and no
+double backward through attention, so a CLP step costs about one ERM step plus one forward; the head is also where a
+logit perturbation acts first. ``virtual="all"`` is the paper's full bi-level step: a double backward through the
+whole model (it needs a model whose attention supports it: eager attention for BERT-style models).
+
+δ goes to the true-class logit only. A perturbation added to every logit would not change the softmax, so the
+classifier would train on plain cross-entropy and Ω would get a zero gradient (the authors' released code does that).
+
+Class statistics (prior, mean loss, mean margin per class) live on the device; the loss and margin of each batch are
+accumulated without a host synchronisation and become "the last epoch's" when ``epoch_size`` examples have been
+seen (before the first epoch ends, the running means of the epoch so far stand in). ``class_prior`` fixes the prior
+(e.g. the training set's class frequencies); otherwise the running class counts give it.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import models, ops
+from .base import Objective, check_number
+
+__all__ = ["CLP", "PerturbationNet", "find_head", "metadata_from_cad"]
+
+_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def _acc(x):
+    """`x` in its accumulation dtype: float32 for 16-bit floats, unchanged otherwise."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+class PerturbationNet(nn.Module):
+    """Ω: BatchNorm(10) → Linear(10, hidden) → ReLU → Linear(hidden, 1) → tanh, times `scale`; [B, 10] → [B]."""
+
+    def __init__(self, hidden: int = 100, scale: float = 1.0):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(10)
+        self.fc1 = nn.Linear(10, hidden)
+        self.fc2 = nn.Linear(hidden, 1)
+        self.scale = float(scale)
+
+    def forward(self, x):
+        return self.scale * torch.tanh(self.fc2(F.relu(self.fc1(self.norm(x))))).squeeze(-1)
+
+
+def find_head(model, num_labels: Optional[int] = None) -> nn.Linear:
+    """The classification head's last Linear: the last ``nn.Linear`` (in module order) whose output width is the
+    number of labels."""
+    n = num_labels or getattr(getattr(model, "config", None), "num_labels", None)
+    found = None
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and (n is None or module.out_features == n):
+            found = module
+    if found is None:
+        raise ValueError(f"head: no nn.Linear with {n} outputs in {type(model).__name__}; pass head=")
+    return found
+
+
+def metadata_from_cad(dev, per_class: int, seed: int = 0):
+    """CLP's metadata from a CAD split: `per_class` originals of each class drawn with their edits (the edits are
+    the counterfactual augmentation: each changes the label by construction), then every class cut to the smallest
+    class's count (a balanced set). CAD has no label-preserving (factual) edits: the original pairs stand in for
+    them. Returns (metadata, the rest of `dev`: the groups not drawn, for an uncontaminated dev score)."""
+    import random
+
+    from ..data import few_shot
+
+    drawn = few_shot(dev, per_class, seed=seed, with_edits=True)
+    by_class = {}
+    for i, y in enumerate(drawn.labels):
+        by_class.setdefault(y, []).append(i)
+    n = min(len(v) for v in by_class.values())
+    rng = random.Random(seed)
+    keep = sorted(i for v in by_class.values() for i in rng.sample(v, n))
+    used = set(drawn.ids)
+    rest = [i for i in range(len(dev)) if dev.ids[i] not in used]
+    return drawn.subset(keep), dev.subset(rest)
+
+
+class CLP(Objective):
+    """Causal logit perturbation (module docstring). `model`: a Hugging Face sequence classifier (batches of
+    tokenised inputs) or any ``nn.Module`` called as ``model(batch["inputs"])`` that ends in a Linear head."""
+
+    needs_meta = True  # the CLI builds `meta_batches` (--meta-data, or a balanced draw from CAD dev)
+
+    @classmethod
+    def from_options(cls, model, options, **preset):
+        """From the CLI: ``clp_scale``, ``meta_lr``."""
+        for key, name in (("clp_scale", "scale"), ("meta_lr", "meta_lr")):
+            if options.get(key) is not None:
+                preset.setdefault(name, options[key])
+        return cls(model, **preset)
+
+    def __init__(self, model, meta_batches: Iterable[dict], virtual: str = "head", scale: float = 1.0,
+                 hidden: int = 100, meta_lr: float = 1e-3, meta_weight_decay: float = 1e-4,
+                 virtual_lr: Optional[float] = None, class_prior=None, epoch_size: Optional[int] = None,
+                 head: Optional[nn.Linear] = None, num_labels: Optional[int] = None):
+        super().__init__(model)
+        if virtual not in ("head", "all"):
+            raise ValueError(f"virtual: expected 'head' or 'all', got {virtual!r}")
+        self.virtual = virtual
+        check_number("scale", scale, low=0.0, low_open=True)
+        hidden = check_number("hidden", hidden, low=1, integer=True)
+        self.meta_lr = check_number("meta_lr", meta_lr, low=0.0, low_open=True)
+        check_number("meta_weight_decay", meta_weight_decay, low=0.0)
+        self.virtual_lr = None if virtual_lr is None else check_number("virtual_lr", virtual_lr, low=0.0,
+                                                                       low_open=True)
+        self.epoch_size = None if epoch_size is None else check_number("epoch_size", epoch_size, low=1, integer=True)
+        self.head = head if head is not None else find_head(model, num_labels)
+        if not isinstance(self.head, nn.Linear):
+            raise TypeError(f"head: expected the model's final nn.Linear, got {type(self.head).__name__}")
+        self.num_classes = self.head.out_features
+        if self.num_classes < 2:
+            raise ValueError(f"head: expected at least two classes, got {self.num_classes}")
+        self._meta_source = meta_batches
+        self._meta_iter = None
+        param = self.head.weight
+        self.omega = PerturbationNet(hidden, scale).to(param.device)
+        self.omega_optimizer = torch.optim.Adam(self.omega.parameters(), lr=meta_lr, weight_decay=meta_weight_decay)
+        C = self.num_classes
+        if class_prior is not None:
+            prior = torch.as_tensor(class_prior, dtype=torch.float32).flatten()
+            if prior.numel() != C or not torch.isfinite(prior).all() or (prior < 0).any() or prior.sum() <= 0:
+                raise ValueError(f"class_prior: expected {C} non-negative finite class frequencies, got {prior.tolist()}")
+            prior = prior / prior.sum()
+        self.fixed_prior = None if class_prior is None else prior.to(param.device)
+        self._sums = torch.zeros(C, 3, device=param.device)  # this epoch: count, loss sum, margin sum per class
+        self._last = None  # the last finished epoch's [C, 3] (prior, mean loss, mean margin)
+        self._seen = 0
+        self._optimizer = None
+
+    # ---- plumbing
+    def set_optimizer(self, optimizer) -> None:
+        self._optimizer = optimizer
+
+    def _lr(self):
+        if self.virtual_lr is not None:
+            return self.virtual_lr
+        if self._optimizer is not None:
+            for group in self._optimizer.param_groups:
+                if any(p is self.head.weight for p in group["params"]):
+                    return float(group["lr"])
+        raise ValueError("virtual_lr: not set and no optimizer holding the head's weight was given "
+                         "(set_optimizer, which the trainers call, or virtual_lr=)")
+
+    def _next_meta(self):
+        if self._meta_iter is None:
+            self._meta_iter = itertools.cycle(list(self._meta_source))
+        try:
+            return next(self._meta_iter)
+        except StopIteration:
+            raise ValueError("meta_batches: expected at least one batch") from None
+
+    def _call(self, batch, params=None):
+        """Logits and the head's input for `batch` (with `params`: through functional_call)."""
+        seen = {}
+
+        def grab(module, args):
+            seen["features"] = args[0]
+
+        handle = self.head.register_forward_pre_hook(grab)
+        try:
+            if "input_ids" in batch or "inputs_embeds" in batch:
+                inputs = {k: v for k, v in batch.items() if k in _INPUTS or k == "inputs_embeds"}
+                if params is None:
+                    out = self.model(**inputs)
+                else:
+                    out = torch.func.functional_call(self.model, params, args=(), kwargs=inputs)
+                logits = models.logits_of(out)
+            else:
+                if "inputs" not in batch:
+                    raise ValueError("batch: expected tokenised inputs (input_ids, ...) or 'inputs' for a plain module")
+                logits = (self.model(batch["inputs"]) if params is None else
+                          torch.func.functional_call(self.model, params, (batch["inputs"],)))
+        finally:
+            handle.remove()
+        if "features" not in seen:
+            raise ValueError("head: the model's forward did not call the head module")
+        return logits, seen["features"]
+
+    def class_stats(self) -> torch.Tensor:
+        """[C, 3]: prior, mean loss and mean margin per class (the last epoch's; the current epoch's so far before
+        one has ended)."""
+        if self._last is not None:
+            return self._last
+        return self._stats_of(self._sums)
+
+    def _stats_of(self, sums):
+        count = sums[:, 0]
+        prior = self.fixed_prior if self.fixed_prior is not None else count / count.sum().clamp_min(1.0)
+        denom = count.clamp_min(1.0)
+        return torch.stack([prior, sums[:, 1] / denom, sums[:, 2] / denom], 1)
+
+    # ---- one step
+    def __call__(self, batch, pairs=None):
+        self.step += 1
+        labels = batch["labels"]
+        with torch.enable_grad():
+            logits, features = self._call(batch)
+        W = self.head.weight
+        stats = self.class_stats().to(torch.float32)
+        with torch.no_grad():
+            acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+            chars = ops.sample_characteristics(logits.detach().to(acc), labels, features.detach().to(acc),
+                                               W.detach().to(acc), stats.to(acc)).float()
+        onehot = F.one_hot(labels.clamp_min(0), self.num_classes).to(logits.dtype)
+        onehot = onehot * (labels >= 0).unsqueeze(1).to(logits.dtype)
+
+        # meta step: Ω's gradient through a virtual step of the classifier
+        self.omega.train()
+        delta = self.omega(chars)
+        meta_batch = self._next_meta()
+        lr = self._lr()
+        if self.virtual == "head":
+            meta_loss = self._meta_head(features.detach(), labels, onehot, delta, meta_batch, lr)
+        else:
+            meta_loss = self._meta_all(logits, labels, onehot, delta, meta_batch, lr)
+        grads = torch.autograd.grad(meta_loss, list(self.omega.parameters()), allow_unused=True)
+        self.omega_optimizer.zero_grad(set_to_none=True)
+        for p, g in zip(self.omega.parameters(), grads):
+            p.grad = g
+        self.omega_optimizer.step()
+
+        # the real step's loss, with Ω's new perturbation (no gradient to Ω)
+        with torch.no_grad():
+            delta_new = self.omega(chars)
+        perturbed = logits + delta_new.to(logits.dtype).unsqueeze(1) * onehot
+        loss = F.cross_entropy(_acc(perturbed), labels)
+        self._update_stats(chars, labels)
+        with torch.no_grad():
+            info = {"ce_loss": F.cross_entropy(_acc(logits.detach()), labels), "meta_loss": meta_loss.detach(),
+                    "delta_mean": delta_new.mean(), "delta_abs_mean": delta_new.abs().mean()}
+        return loss, info
+
+    def _meta_head(self, features, labels, onehot, delta, meta_batch, lr):
+        W, b = self.head.weight, self.head.bias
+        z = F.linear(features.to(W.dtype), W, b)
+        loss = F.cross_entropy(_acc(z + delta.to(z.dtype).unsqueeze(1) * onehot.to(z.dtype)), labels)
+        params = [W] + ([b] if b is not None else [])
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        W2 = W - lr * grads[0]
+        b2 = (b - lr * grads[1]) if b is not None else None
+        with torch.no_grad():
+            _, meta_features = self._call(meta_batch)
+        z_meta = F.linear(meta_features.detach().to(W.dtype), W2, b2)
+        return F.cross_entropy(_acc(z_meta), meta_batch["labels"])
+
+    def _meta_all(self, logits, labels, onehot, delta, meta_batch, lr):
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        params = [p for _, p in self.model.named_parameters() if p.requires_grad]
+        loss = F.cross_entropy(_acc(logits + delta.to(logits.dtype).unsqueeze(1) * onehot), labels)
+        grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+        updated = {n: (p - lr * g if g is not None else p) for n, p, g in zip(names, params, grads)}
+        meta_logits, _ = self._call(meta_batch, params=updated)
+        return F.cross_entropy(_acc(meta_logits), meta_batch["labels"])
+
+    def _update_stats(self, chars, labels):
+        keep = labels >= 0
+        idx = labels.clamp_min(0)
+        rows = torch.stack([keep.float(), chars[:, 0] * keep, chars[:, 1] * keep], 1).to(self._sums.dtype)
+        self._sums.index_add_(0, idx, rows)
+        self._seen += labels.shape[0]
+        if self.epoch_size is not None and self._seen >= self.epoch_size:
+            self._last = self._stats_of(self._sums)
+            self._sums = torch.zeros_like(self._sums)
+            self._seen = 0
+
+    # ---- checkpoints
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state.update(omega=self.omega.state_dict(), omega_optimizer=self.omega_optimizer.state_dict(),
+                     sums=self._sums, last=self._last, seen=self._seen)
+        return state
+
+    def load_state_dict(self, state) -> None:
+        super().load_state_dict(state)
+        if "omega" in state:
+            self.omega.load_state_dict(state["omega"])
+            self.omega_optimizer.load_state_dict(state["omega_optimizer"])
+            self._sums = state["sums"].to(self._sums.device)
+            self._last = None if state["last"] is None else state["last"].to(self._sums.device)
+            self._seen = int(state["seen"])
