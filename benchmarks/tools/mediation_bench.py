@@ -9,8 +9,9 @@ a BERT-base-config model with random weights (the timing does not depend on the 
 bf16 autocast): the exact batched sweep over every neuron of the layers timed (`--bert-layers` for BERT-base: a subset
 of layers, extrapolated by FLOPs), the looped reference (one hooked forward per neuron over batches of 128 padded to
 their longest) on `--looped-neurons` neurons spread over layers and components, extrapolated to all neurons, and the
-first-order estimate. Reports seconds, ratios, the FLOP floor of the exact sweep and its achieved TFLOP/s, the bf16 vs
-fp32 top-k overlap and the Spearman correlation / top-k overlap of the first-order estimate with the exact effects.
+first-order estimate. Reports seconds, ratios, the FLOP floor of the exact sweep (and of the previous stacked path),
+its achieved TFLOP/s, the bf16 vs fp32 top-k overlap and the Spearman correlation / top-k overlap of the first-order
+estimate with the exact effects.
 """
 import argparse
 import json
@@ -42,23 +43,20 @@ def samples_and_treatment(tokenizer, n_per_class=100, seed=0):
     return tok(chosen), tok(treat)
 
 
-def layer_flops(config, tokens, first_token=False):
-    D, I = config.hidden_size, config.intermediate_size  # noqa: E741
-    if first_token:  # K, V of every token; the rest for row 0
-        return 2 * tokens * 2 * D * D + 2 * (2 * D * D + 2 * D * I)
-    return 2 * tokens * (4 * D * D + 2 * D * I)
-
-
 def sweep_flops(config, lengths, layers):
-    """Matmul FLOPs of the exact sweep: per neuron of layer l and sample u, layers l..L-1 whole and layer L for the
-    first token (attention score FLOPs left out: ~4 T^2 D per layer, small at these lengths), per layer's neurons."""
-    L = config.num_hidden_layers
-    width = 4 * config.hidden_size + config.intermediate_size + config.hidden_size
-    total = 0
-    for layer in layers:
-        for t in lengths.tolist():
-            total += width * (sum(layer_flops(config, t) for _ in range(layer, L)) + layer_flops(config, t, True))
-    return total
+    """Matmul FLOPs (projections, feed-forward and attention) of the exact sweep, `neuron_effects`' fast path: per
+    neuron of layer l and sample, row 0 of layer l (nothing for an output neuron; attention and the rest of the layer
+    for every row, without the projections, for a key or value neuron), layer l+1 with the clean projections of rows
+    >= 1 (for a key or value neuron the whole layer), layers l+2..L-1 whole and layer L for the first token; plus the
+    clean forwards (the probabilities, one recording forward per batch and layer swept). Samples at their real
+    lengths (the floor: the sweep pads within length batches); the formula is `mediation.sweep_flops`."""
+    return M.sweep_flops(config, lengths, layers)
+
+
+def sweep_flops_stacked_path(config, lengths, layers):
+    """The same count for the previous stacked path (`neuron_effects(..., fast=False)`): per neuron of layer l and
+    sample, layers l..L-1 whole and layer L for the first token."""
+    return M.sweep_flops(config, lengths, layers, fast=False)
 
 
 def spearman(a, b):
@@ -104,6 +102,7 @@ def run(name, model, samples, treat, args):
             exact, secs = timed(lambda: M.neuron_effects(model, samples, zbar, layers=layers,
                                                          max_tokens=args.max_tokens, batch_tokens=args.batch_tokens))
             flops = sweep_flops(cfg, lengths, layers)
+            stacked_flops = sweep_flops_stacked_path(cfg, lengths, layers)
             full_flops = sweep_flops(cfg, lengths, range(1, L + 1))
             # looped reference on a spread subset of neurons
             per_key = max(1, args.looped_neurons // (len(layers) * 6))
@@ -126,6 +125,7 @@ def run(name, model, samples, treat, args):
         result[precision] = {
             "exact_vs_looped_max_abs": max(diffs), "looped_max_abs_effect": scale,
             "exact_s": secs, "exact_full_s": full_secs, "exact_tflops": flops / secs / 1e12,
+            "exact_flops": flops, "stacked_path_flops": stacked_flops,
             "looped_s_per_neuron": loop_secs / n_chosen, "looped_full_s": looped_full,
             "speedup_vs_looped": looped_full / full_secs, "attribution_s": att_secs,
             "attribution_spearman": spearman(a, e), "attribution_top_k_overlap": overlap(a, e, min(k, e.numel())),

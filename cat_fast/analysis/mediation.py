@@ -10,12 +10,20 @@ probability of a target class, with many interventions per forward.
 unit of a layer's component (`cat_fast.models.COMPONENTS`: query, key, value, attention_output, intermediate,
 output) at the FIRST token. ``NIE(n) = mean_u p_t(u | do(z_n(u, 0) = z̄_n)) / p_t(u) − 1``.
 
-`neuron_effects` is exact: for a layer ℓ it runs the layers below once per batch (`models.capture`), then resumes
-layers ℓ..L on K copies of the batch stacked along the batch dimension, copy k with neuron k replaced
-(`models.resume(..., repeat=K)` with an intervention on ℓ's component), the last layer for the first token only;
-samples are grouped by length so that little is padding. `neuron_effects_looped` is the paper's method (one whole
-hooked forward per neuron), kept as the reference. `attribution_effects` is the first-order estimate from one
-forward and one backward per batch: ``mean_u ∂ log p_t(u) / ∂z_n(u, 0) · (z̄_n − z_n(u, 0))``.
+`neuron_effects` is exact: samples are grouped by length so that little is padding, and each neuron's edit runs on
+one of K copies of a batch stacked along the batch dimension (copy k with neuron k replaced). For the Bert and
+DistilBERT layouts (`_fast_ops`) one clean forward per (batch, layer ℓ) records layers ℓ and ℓ + 1 (inputs, masks,
+components) and the copies compute only what the edit changes: an edit of ℓ's query, attention output, intermediate
+or output changes row 0 of ℓ's output only, so layer ℓ runs for row 0 (nothing for an output neuron) and layer ℓ + 1
+reuses the clean projections of rows ≥ 1; an edit of a key or value changes every row's attention, so layer ℓ reruns
+attention and the rest for every row without the projections. The layers' own modules compute the pieces (autocast,
+activation, eps and scaling are the model's); layers ℓ + 2..L resume the model (`models.resume(..., repeat=K)`), the
+last layer for the first token only where the head reads nothing else, and the model's head gives the logits.
+Elsewhere (other layouts, hooks on a layer's parts, interventions in effect) and with ``fast=False`` every copy
+resumes layers ℓ..L whole with an intervention on ℓ's component. `sweep_flops` counts the matmuls of both.
+`neuron_effects_looped` is the paper's method (one whole hooked forward per neuron), kept as the reference.
+`attribution_effects` is the first-order estimate from one forward and one backward per batch:
+``mean_u ∂ log p_t(u) / ∂z_n(u, 0) · (z̄_n − z_n(u, 0))``.
 """
 from __future__ import annotations
 
@@ -24,11 +32,13 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from .. import models
+from ..layers import first_token, interventions, layout
 
 __all__ = ["NeuronEffects", "treatment_means", "neuron_effects", "neuron_effects_looped", "attribution_effects",
-           "length_batches"]
+           "length_batches", "sweep_flops"]
 
 Key = Tuple[int, str]  # (layer 1..L, component)
 
@@ -231,12 +241,14 @@ def _setter(neurons: torch.Tensor, values: torch.Tensor, copies: int):
 
 @torch.no_grad()
 def neuron_effects(model, samples: dict, zbar: Dict[Key, torch.Tensor], target_class=0, components=None,
-                   layers=None, max_tokens: int = 65536, batch_tokens: int = 16384, progress: bool = False
-                   ) -> NeuronEffects:
+                   layers=None, max_tokens: int = 65536, batch_tokens: int = 16384, progress: bool = False,
+                   fast: bool = True) -> NeuronEffects:
     """The exact NIE of every neuron of `components` (default: those of `zbar`) in `layers` (module docstring).
 
     `max_tokens`: padded tokens per stacked pass (copies × batch × length); `batch_tokens`: per batch of samples.
-    Runs under the caller's autocast, if any; probabilities and their ratios are taken in float64."""
+    Runs under the caller's autocast, if any; probabilities and their ratios are taken in float64. ``fast=False``:
+    the stacked path for every layer (each copy recomputes layers ℓ..L whole), which the fast path falls back to
+    where it does not apply; for comparisons."""
     components, layers = _from_zbar(model, zbar, components, layers)
     target = _target(model, target_class)
     n = _check_samples("samples", samples)
@@ -251,8 +263,8 @@ def neuron_effects(model, samples: dict, zbar: Dict[Key, torch.Tensor], target_c
     sums = {key: torch.zeros(zbar[key].numel(), dtype=torch.float64, device=device) for key in keys}
     total = sum(v.numel() for v in sums.values())
     bar = _progress(progress, total * math.ceil(n), "mediation")
-    prune = True
     try:
+        ops = _fast_ops(model) if fast else None
         for batch in length_batches(samples, batch_tokens):
             batch = _to(batch, device)
             b, t = batch["input_ids"].shape
@@ -260,24 +272,313 @@ def neuron_effects(model, samples: dict, zbar: Dict[Key, torch.Tensor], target_c
             prune = models.first_token_ready(model, batch)
             copies = max(1, max_tokens // (b * t))
             for layer in layers:
-                cap = models.capture(model, batch, layer - 1, rng=False)
-                h = cap.hidden
+                clean = _record(model, batch, layer) if ops is not None else None
+                cap = None if clean is not None else models.capture(model, batch, layer - 1, rng=False)
                 for comp in components:
                     z = zbar[(layer, comp)].to(device)
                     width = z.numel()
                     for start in range(0, width, copies):
                         idx = torch.arange(start, min(start + copies, width), device=device)
                         k = idx.numel()
-                        h_k = h.repeat(k, *([1] * (h.dim() - 1)))
-                        with models.intervene(model, layer, comp, _setter(idx, z[idx], k)):
-                            out = models.resume(model, cap, h_k, first_token=prune, repeat=k)
-                        p = torch.softmax(models.logits_of(out).double(), -1)[:, target].view(k, b)
+                        if clean is not None:
+                            logits = _fast_logits(model, ops, clean, comp, idx, z[idx], prune)
+                        else:
+                            h_k = cap.hidden.repeat(k, *([1] * (cap.hidden.dim() - 1)))
+                            with models.intervene(model, layer, comp, _setter(idx, z[idx], k)):
+                                out = models.resume(model, cap, h_k, first_token=prune, repeat=k)
+                            logits = models.logits_of(out)
+                        p = torch.softmax(logits.double(), -1)[:, target].view(k, b)
                         sums[(layer, comp)][idx] += (p / base).sum(1)
                         bar.update(k * b)
+                del clean, cap
     finally:
         bar.close()
         model.train(was)
     return NeuronEffects({key: (v / n - 1).float().cpu() for key, v in sums.items()}, target, n)
+
+
+# ----------------------------------------------------------------------------- the fast path of neuron_effects
+# An edit at token 0 of layer ℓ's query, attention output, intermediate or output changes row 0 of layer ℓ's output
+# only ("row-0 form": the clean rows plus one edited row 0 per copy, [K, b, D]); an edit of its key or value changes
+# every row ("full form": [K·b, t, D]). The clean activations of layers ℓ and ℓ+1 come from one recorded forward per
+# (batch, layer); copies compute only what the edit changes, with the layer's own modules (so autocast, the
+# activation, LayerNorm eps and the attention scaling are the model's); layers ℓ+2.. and the head run the model via
+# `models.resume`. `sweep_flops` counts the matmuls.
+
+
+class _Ops:
+    """One encoder layer of the Bert or DistilBERT layout, called in pieces on chosen rows with its own modules."""
+
+    def __init__(self, layer):
+        if layout.family(layer) == "bert":
+            sa = layer.attention.self
+            self.query, self.key, self.value = sa.query, sa.key, sa.value
+            self.heads = sa.num_attention_heads
+            self.attended = layer.attention.output  # (context, residual) -> attention_output
+            self.intermediate = layer.intermediate  # attention_output -> intermediate
+            self.output = layer.output  # (intermediate, attention_output) -> output
+        else:  # distilbert
+            sa, ffn = layer.attention, layer.ffn
+            self.query, self.key, self.value = sa.q_lin, sa.k_lin, sa.v_lin
+            self.heads = sa.n_heads
+            self.attended = lambda context, x: layer.sa_layer_norm(sa.out_lin(context) + x)
+            self.intermediate = lambda a: ffn.activation(ffn.lin1(a))
+            self.output = lambda i, a: layer.output_layer_norm(ffn.dropout(ffn.lin2(i)) + a)
+        self.width, self.scaling = sa.attention_head_size, sa.scaling
+
+    def attend(self, q, k, v, mask):
+        """Attention context [N, tq, D] of queries q [N, tq, D] over keys / values [N, t, D]; `mask` a 4-D mask that
+        broadcasts to [N, 1, tq, t] (or None)."""
+        n, tq, _ = q.shape
+        t = k.shape[1]
+        q = q.reshape(n, tq, self.heads, self.width).transpose(1, 2)
+        k, v = (x.reshape(n, t, self.heads, self.width).transpose(1, 2) for x in (k, v))
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.sdpa_mask(mask, q.dtype),
+                                                 scale=self.scaling)
+        return context.transpose(1, 2).reshape(n, tq, self.heads * self.width)
+
+    def finish(self, context, x):
+        """The layer's output from the attention context and the layer's input rows (the residual)."""
+        a = self.attended(context, x)
+        return self.output(self.intermediate(a), a)
+
+
+def _fast_ops(model) -> Optional[List[_Ops]]:
+    """`_Ops` of every layer when the fast path applies to `model` now, else None: one module per layer of the
+    Bert or DistilBERT layout with absolute positions and SDPA or eager attention (`layers.first_token.supported`),
+    no forward hooks or replaced forwards on its parts (`layout.plain`: calling them in pieces computes what the
+    layer computes) and no interventions registered."""
+    st = models.structure(model)
+    if len(st.layer_modules) != st.num_layers:
+        return None
+    for layer in st.layer_modules:
+        if (not first_token.supported(layer) or interventions.active(layer) is not None
+                or not layout.plain(*layer.modules())):
+            return None
+    return [_Ops(layer) for layer in st.layer_modules]
+
+
+@dataclass
+class _Clean:
+    """The clean forward of one batch around layer ℓ (`_record`)."""
+
+    layer: int
+    cap: models.Capture  # at layer min(ℓ + 1, L): resume from h_{ℓ+1} (ℓ + 1 < L) or run the head (h_L)
+    x: torch.Tensor  # input of layer ℓ [b, t, D]
+    mask: Optional[torch.Tensor]  # layer ℓ's 4-D attention mask ([b, 1, 1 or t, t]) or None
+    z: Dict[str, torch.Tensor]  # layer ℓ's components [b, t, width]
+    x1: Optional[torch.Tensor] = None  # input of layer ℓ + 1
+    mask1: Optional[torch.Tensor] = None
+    z1: Dict[str, torch.Tensor] = field(default_factory=dict)  # layer ℓ + 1's query, key, value
+
+    @property
+    def last(self):
+        return self.cap.layer  # L when ℓ >= L − 1
+
+
+def _record(model, batch, layer) -> Optional[_Clean]:
+    """One forward of `batch` (`models.capture` at layer min(ℓ + 1, L)) recording the inputs, masks and components
+    of layers ℓ and ℓ + 1; None when a layer call passes what the fast path does not handle."""
+    st = models.structure(model)
+    L = st.num_layers
+    nxt = layer + 1 if layer < L else None
+    calls: Dict[int, object] = {}
+
+    def pre(j):
+        def hook(mod, args, kwargs):
+            calls[j] = layout.call_arguments(args, kwargs)
+
+        return hook
+
+    store: Dict[Key, torch.Tensor] = {}
+
+    def recorder(key):
+        def fn(x):
+            store[key] = x
+            return x
+
+        return fn
+
+    wanted = [(layer, c) for c in models.COMPONENTS] + ([(nxt, c) for c in ("query", "key", "value")] if nxt else [])
+    handles = [st.layer_modules[j - 1].register_forward_pre_hook(pre(j), with_kwargs=True)
+               for j in ((layer, nxt) if nxt else (layer,))]
+    try:
+        with _interventions(model, [(key, recorder(key)) for key in wanted]):
+            cap = models.capture(model, batch, min(layer + 1, L), rng=False)
+    finally:
+        for h in handles:
+            h.remove()
+    if any(calls.get(j) is None for j in ((layer, nxt) if nxt else (layer,))) or len(store) != len(wanted):
+        return None
+    x, mask = calls[layer]
+    clean = _Clean(layer, cap, x, _key_mask(mask), {c: store[(layer, c)] for c in models.COMPONENTS})
+    if nxt:
+        clean.x1, mask1 = calls[nxt]
+        clean.mask1 = _key_mask(mask1)
+        clean.z1 = {c: store[(nxt, c)] for c in ("query", "key", "value")}
+    return clean
+
+
+def _key_mask(mask):
+    """`mask` as [b, 1, 1, t] when every query row of it is the same (padding masks), else unchanged."""
+    if mask is not None and mask.shape[-2] > 1 and torch.equal(mask, mask[:, :, :1].expand_as(mask)):
+        return mask[:, :, :1]
+    return mask
+
+
+def _first_row_mask(mask):
+    return mask if mask is None or mask.shape[-2] == 1 else mask[:, :, :1]
+
+
+def _tile(x, k):
+    """[b, ...] -> [k·b, ...]: k copies along the batch (copy-major, as `models.resume(repeat=k)`)."""
+    return None if x is None else x.repeat(k, *([1] * (x.dim() - 1)))
+
+
+def _copies(x, idx, values):
+    """Row 0 of x [b, t, w] for k = len(idx) copies [k, b, w], copy j with its neuron idx[j] set to values[j]."""
+    rows = x[:, 0].unsqueeze(0).repeat(idx.numel(), 1, 1)
+    rows[torch.arange(idx.numel(), device=x.device), :, idx] = values.to(rows.dtype)[:, None]
+    return rows
+
+
+def _with_row0(x, row0):
+    """x [b, t, w] tiled for the copies of row0 [k, b, w], row 0 of copy j replaced: [k·b, t, w]."""
+    k = row0.shape[0]
+    out = x.unsqueeze(0).repeat(k, 1, 1, 1)
+    out[:, :, 0] = row0.to(out.dtype)
+    return out.view(k * x.shape[0], *x.shape[1:])
+
+
+def _fast_logits(model, ops: List[_Ops], clean: _Clean, comp, idx, values, prune):
+    """Logits [k·b, C] of the k = len(idx) copies of the batch, copy j with neuron idx[j] of layer ℓ's `comp` set to
+    values[j] at token 0 (`prune`: the head reads row 0 of the last layer only)."""
+    layer, L = clean.layer, len(ops)
+    op, z, x, mask = ops[layer - 1], clean.z, clean.x, clean.mask
+    k, (b, t, _) = idx.numel(), x.shape
+    if comp == "output":
+        return _after_row0(model, ops, clean, _copies(z["output"], idx, values), prune)
+    if comp == "intermediate":
+        rows = _copies(z["intermediate"], idx, values)
+        return _after_row0(model, ops, clean, op.output(rows, z["attention_output"][:, 0]), prune)
+    if comp == "attention_output":
+        a = _copies(z["attention_output"], idx, values)
+        return _after_row0(model, ops, clean, op.output(op.intermediate(a), a), prune)
+    if comp == "query":  # the copies' edited queries are k query rows of each sample against its clean keys
+        q = _copies(z["query"], idx, values).transpose(0, 1)  # [b, k, D]
+        context = op.attend(q, z["key"], z["value"], _first_row_mask(mask)).transpose(0, 1)  # [k, b, D]
+        return _after_row0(model, ops, clean, op.finish(context, x[:, 0]), prune)
+    # key / value: every row attends to the edited row 0
+    kv = {c: _tile(z[c], k) for c in ("key", "value") if c != comp}
+    kv[comp] = _with_row0(z[comp], _copies(z[comp], idx, values))
+    if layer == L and prune:  # only row 0 reaches the head
+        context = op.attend(_tile(z["query"][:, :1], k), kv["key"], kv["value"], _tile(_first_row_mask(mask), k))
+        row0 = op.finish(context.view(k, b, 1, -1), x[:, :1]).view(k, b, -1)
+        return _head(model, clean, _with_row0(clean.cap.hidden, row0))
+    context = op.attend(_tile(z["query"], k), kv["key"], kv["value"], _tile(mask, k))
+    h = op.finish(context.view(k, b, t, -1), x).view(k * b, t, -1)
+    return _after_full(model, ops, clean, layer, h, prune)
+
+
+def _after_row0(model, ops, clean: _Clean, row0, prune):
+    """Logits from layer ℓ's output in row-0 form (row0 [k, b, D], the other rows clean)."""
+    layer, L = clean.layer, len(ops)
+    if layer == L:
+        return _head(model, clean, _with_row0(clean.cap.hidden, row0))
+    op, z1, mask1 = ops[layer], clean.z1, clean.mask1  # layer ℓ + 1: rows >= 1 project as in the clean forward
+    k, b = row0.shape[:2]
+    keys, vals = _with_row0(z1["key"], op.key(row0)), _with_row0(z1["value"], op.value(row0))
+    if layer + 1 == L and prune:
+        q = op.query(row0).reshape(k * b, 1, -1)
+        context = op.attend(q, keys, vals, _tile(_first_row_mask(mask1), k))
+        out = op.finish(context, row0.reshape(k * b, 1, -1)).view(k, b, -1)
+        return _head(model, clean, _with_row0(clean.cap.hidden, out))
+    context = op.attend(_with_row0(z1["query"], op.query(row0)), keys, vals, _tile(mask1, k))
+    h = op.finish(context, _with_row0(clean.x1, row0))
+    return _after_full(model, ops, clean, layer + 1, h, prune)
+
+
+def _after_full(model, ops, clean: _Clean, m, h, prune):
+    """Logits from the output of layer m (ℓ or ℓ + 1) in full form, h [k·b, t, D]."""
+    L, k = len(ops), h.shape[0] // clean.x.shape[0]
+    if m < clean.last:  # m = ℓ: run layer ℓ + 1 on every row (its input differs everywhere)
+        op, mask1 = ops[m], clean.mask1
+        if m + 1 == L and prune:
+            context = op.attend(op.query(h[:, :1]), op.key(h), op.value(h), _tile(_first_row_mask(mask1), k))
+            out = op.finish(context, h[:, :1]).view(k, -1, h.shape[-1])
+            return _head(model, clean, _with_row0(clean.cap.hidden, out))
+        h = op.finish(op.attend(op.query(h), op.key(h), op.value(h), _tile(mask1, k)), h)
+        m += 1
+    if m == L:
+        return _head(model, clean, h)
+    return models.logits_of(models.resume(model, clean.cap, h, first_token=prune, repeat=k))
+
+
+def _head(model, clean: _Clean, h):
+    """The model's own head on h_L stacked for the copies ([k·b, t, D])."""
+    k = h.shape[0] // clean.x.shape[0]
+    return models.logits_of(models.resume(model, clean.cap, h, repeat=k))
+
+
+def sweep_flops(config, lengths, layers=None, components=models.COMPONENTS, *, first_token: bool = True,
+                fast: bool = True) -> int:
+    """The matmul FLOPs of `neuron_effects` in the encoder layers (the head's left out): projections, feed-forward
+    and attention (``QKᵀ`` and ``AV``: 4·t·D per query row over t keys) for samples of these lengths (each sample's
+    padded length in its batch; its real length for the floor), the `layers` and `components` swept.
+
+    Per sample of length t (D the width, I the feed-forward width, P = 2D², F = 4DI, A(r) = 4·r·t·D, a whole
+    layer W = t(4P + F) + A(t), a first-token layer W₁ = 2tP + 2P + F + A(1), the last layer Λ = W₁ with
+    `first_token` (the model's head reads row 0 only, `models.first_token_ready`), else W):
+
+    * clean forwards: L·W for the probabilities, and L·W per layer swept (the capture that records layers ℓ and
+      ℓ + 1, or the input of layer ℓ for ``fast=False``);
+    * ``fast=False`` (every copy resumes at layer ℓ): per neuron of layer ℓ, (L − ℓ)·W + Λ;
+    * ``fast=True``, per neuron of layer ℓ: in layer ℓ, output 0, intermediate F/2 (its output projection),
+      attention_output F, query P + F + A(1) (row 0 only), key / value t(P + F) + A(t) (no projections; with ℓ = L
+      and `first_token`: P + F + A(1)); in layer ℓ + 1, after a row-0 edit 3P + t(P + F) + A(t) (the projections of
+      row 0 only; with ℓ + 1 = L and `first_token`: 4P + F + A(1)), after a key / value edit W (W₁ when ℓ + 1 = L
+      and `first_token`); layers ℓ + 2 .. L as the stacked path: (L − ℓ − 2)·W + Λ when ℓ + 2 ≤ L.
+    """
+    D = int(config.hidden_size)
+    inner = getattr(config, "intermediate_size", None) or getattr(config, "hidden_dim", None)
+    if inner is None:
+        raise ValueError("config: expected intermediate_size (or DistilBERT's hidden_dim)")
+    I, L = int(inner), int(config.num_hidden_layers)  # noqa: E741
+    layers = range(1, L + 1) if layers is None else layers
+    P, Fw = 2 * D * D, 4 * D * I
+    total = 0
+    for t in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths):
+        t = int(t)
+
+        def A(rows):
+            return 4 * rows * t * D
+
+        W = t * (4 * P + Fw) + A(t)
+        W1 = 2 * t * P + 2 * P + Fw + A(1)
+        last = W1 if first_token else W
+        total += L * W
+        for layer in layers:
+            total += L * W
+            for comp in components:
+                width = I if comp == "intermediate" else D
+                if not fast:
+                    total += width * ((L - layer) * W + last)
+                    continue
+                rest = (L - layer - 2) * W + last if layer + 2 <= L else 0
+                if comp in ("key", "value"):
+                    own = P + Fw + A(1) if layer == L and first_token else t * (P + Fw) + A(t)
+                    nxt = 0 if layer == L else (W1 if layer + 1 == L and first_token else W)
+                else:
+                    own = {"output": 0, "intermediate": Fw // 2, "attention_output": Fw,
+                           "query": P + Fw + A(1)}[comp]
+                    if layer == L:
+                        nxt = 0
+                    elif layer + 1 == L and first_token:
+                        nxt = 4 * P + Fw + A(1)
+                    else:
+                        nxt = 3 * P + t * (P + Fw) + A(t)
+                total += width * (own + nxt + rest)
+    return total
 
 
 @torch.no_grad()
