@@ -12,7 +12,7 @@ import sys
 import tempfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["CliError", "TrainingFailed", "PRESETS", "MARKER", "mark_output", "Parser", "fail", "AtomicDir", "CHECKPOINT_META", "DATA_MODES", "parse_evals", "get_device",
+__all__ = ["CliError", "TrainingFailed", "PRESETS", "MARKER", "mark_output", "Parser", "fail", "AtomicDir", "CHECKPOINT_META", "DATA_MODES", "parse_evals", "get_device", "encode_batches",
            "setup_device", "seed_everything", "autocast", "to_device", "predict", "predict_logits", "predict_probs", "accuracy", "EvalSet",
            "plot", "write_json", "save_checkpoint", "int_at_least", "positive_int", "nonneg_int", "int_list"]
 
@@ -245,6 +245,23 @@ def autocast(device, bf16: bool):
 
 def to_device(batch: Dict, device) -> Dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def encode_batches(tokenizer, data, rows: Sequence[int], batch_size: int, max_length: int, device) -> List[Dict]:
+    """The examples `rows` of `data` (a CadData) as tokenised batches of `batch_size` on `device`, in that order:
+    dicts of the model's inputs and ``labels``."""
+    import torch
+
+    out = []
+    for start in range(0, len(rows), batch_size):
+        idx = list(rows[start:start + batch_size])
+        pair = [data.text_pair[i] for i in idx] if data.text_pair is not None else None
+        enc = tokenizer([data.text[i] for i in idx], pair, padding=True, truncation=True, max_length=max_length,
+                        return_tensors="pt")
+        batch = {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+        batch["labels"] = torch.tensor([data.labels[i] for i in idx], device=device)
+        out.append(batch)
+    return out
 
 
 def predict_logits(model, tokenized, batch_size: int, device, bf16: bool = False):

@@ -17,7 +17,16 @@ import sys
 import time
 from typing import Dict
 
-from .common import CHECKPOINT_META, AtomicDir, CliError, TrainingFailed, get_device, setup_device, write_json
+from .common import (
+    CHECKPOINT_META,
+    AtomicDir,
+    CliError,
+    TrainingFailed,
+    encode_batches,
+    get_device,
+    setup_device,
+    write_json,
+)
 from .sources import Source
 
 __all__ = ["mediation", "mask", "unlearn", "NIE_FILE"]
@@ -214,17 +223,9 @@ def unlearn(args) -> Dict:
     g = torch.Generator().manual_seed(args.seed)
 
     def batches_of(rows):
-        out = []
-        for start in range(0, len(rows), args.batch_size):
-            idx = rows[start:start + args.batch_size]
-            pair = [train.text_pair[i] for i in idx] if train.text_pair is not None else None
-            enc = tokenizer([train.text[i] for i in idx], pair, padding=True, truncation=True,
-                            max_length=args.max_length, return_tensors="pt")
-            batch = {key: v.to(device) for key, v in enc.items()
-                     if key in ("input_ids", "attention_mask", "token_type_ids")}
-            batch["labels"] = torch.tensor([train.labels[i] for i in idx], device=device)
-            batch["bias"] = bias[idx].to(device)
-            out.append(batch)
+        out = encode_batches(tokenizer, train, rows, args.batch_size, args.max_length, device)
+        for start, batch in zip(range(0, len(rows), args.batch_size), out):
+            batch["bias"] = bias[list(rows[start:start + args.batch_size])].to(device)
         return out
 
     # the advantaged set, chosen once with the model in eval mode (unlearning.advantaged_rows)

@@ -21,6 +21,7 @@ from .common import (
     CliError,
     EvalSet,
     TrainingFailed,
+    encode_batches,
     get_device,
     mark_output,
     parse_evals,
@@ -270,15 +271,7 @@ def train(args) -> Dict:
     if meta_data is not None:
         g = torch.Generator().manual_seed(args.seed)
         order = torch.randperm(len(meta_data), generator=g).tolist()
-        meta_batches = []
-        for start in range(0, len(order), args.meta_batch_size):
-            idx = order[start:start + args.meta_batch_size]
-            pair = [meta_data.text_pair[i] for i in idx] if meta_data.text_pair is not None else None
-            enc = tokenizer([meta_data.text[i] for i in idx], pair, padding=True, truncation=True,
-                            max_length=args.max_length, return_tensors="pt")
-            batch = {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
-            batch["labels"] = torch.tensor([meta_data.labels[i] for i in idx], device=device)
-            meta_batches.append(batch)
+        meta_batches = encode_batches(tokenizer, meta_data, order, args.meta_batch_size, args.max_length, device)
         counts = torch.bincount(torch.tensor(train_data.labels), minlength=len(label_names))
         extra.update(meta_batches=meta_batches, class_prior=counts.tolist(), epoch_size=len(train_data))
     try:

@@ -94,3 +94,12 @@ def completion_counter(device: torch.device) -> torch.Tensor:
     if counter is None:
         counter = _counters.setdefault(key, torch.tensor([0], dtype=torch.int32, device=device))
     return counter
+
+
+@triton.jit
+def online_softmax(m, s, x):
+    """Online max / sum of exp over one [R, BLOCK_C] chunk x (masked lanes -inf): (new max, rescaled sum)."""
+    nm = tl.maximum(m, tl.max(x, axis=1))
+    base = tl.where(nm == float("-inf"), 0.0, nm)  # rows all -inf so far: no (-inf) - (-inf)
+    s = s * tl.exp(m - base) + tl.sum(tl.exp(x - base[:, None]), axis=1)
+    return nm, s

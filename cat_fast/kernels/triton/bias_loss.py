@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from ..dtypes import acc_dtype
-from ._common import acc_tl_dtype, completion_counter, row_tiles, scalar_acc, split_scalar
+from ._common import acc_tl_dtype, completion_counter, online_softmax, row_tiles, scalar_acc, split_scalar
 
 KINDS = 7
 _MAX_BLOCK_C = 2048
@@ -42,15 +42,6 @@ def _pow(t, e):
     p = tl.exp(e * tl.log(t))
     p = tl.where(t == 0.0, tl.where(e > 0.0, 0.0, float("inf")), p)
     return tl.where(e == 0.0, 1.0, p)
-
-
-@triton.jit
-def _online(m, s, x):
-    """Online max / sum of exp over one [R, BLOCK_C] chunk x (masked lanes -inf): (new max, rescaled sum)."""
-    nm = tl.maximum(m, tl.max(x, axis=1))
-    base = tl.where(nm == float("-inf"), 0.0, nm)  # rows all -inf so far: no (-inf) - (-inf)
-    s = s * tl.exp(m - base) + tl.sum(tl.exp(x - base[:, None]), axis=1)
-    return nm, s
 
 
 @triton.jit
@@ -113,7 +104,7 @@ def _bias_fwd_kernel(logits_ptr, bias_ptr, labels_ptr, aux_ptr, loss_ptr, denom_
                 te = tl.where(m2, _pow(t, e[:, None]), 0.0)
                 tsum += tl.sum(te, axis=1)
                 tz += tl.sum(te * x, axis=1)
-            m, s = _online(m, s, tl.where(cmask[None, :], x, float("-inf")))
+            m, s = online_softmax(m, s, tl.where(cmask[None, :], x, float("-inf")))
         # lse(x) - x_y as (m - x_y) + log(s): exact difference first (small losses keep their digits)
         log_s = tl.log(s)
         d = tl.full([BLOCK_R], 1.0, ACC)
@@ -221,7 +212,7 @@ def _bias_bwd_kernel(grad_ptr, logits_ptr, bias_ptr, labels_ptr, aux_ptr, denom_
         if KIND == 6:
             t = tl.load(aux_ptr + offs, mask=m2, other=0.0).to(ACC)
             tsum += tl.sum(tl.where(m2, _pow(t, e[:, None]), 0.0), axis=1)
-        m, s = _online(m, s, tl.where(cmask[None, :], x, float("-inf")))
+        m, s = online_softmax(m, s, tl.where(cmask[None, :], x, float("-inf")))
     inv_s = 1.0 / s
     if KIND == 5:
         lse_a = ma + tl.log(sa)

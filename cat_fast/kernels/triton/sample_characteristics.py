@@ -12,21 +12,12 @@ import triton
 import triton.language as tl
 
 from ..dtypes import acc_dtype
-from ._common import acc_tl_dtype, pow2_at_least, scalar_acc, split_scalar
+from ._common import acc_tl_dtype, online_softmax, pow2_at_least, scalar_acc, split_scalar
 
 COLUMNS = 10
 _MAX_BLOCK_C = 1024
 _MAX_BLOCK_H = 1024
 _TILE = 4096  # elements of one [rows, columns] tile
-
-
-@triton.jit
-def _online(m, s, x):
-    """Online max / sum of exp over one [R, BLOCK_C] chunk x (masked lanes -inf): (new max, rescaled sum)."""
-    nm = tl.maximum(m, tl.max(x, axis=1))
-    base = tl.where(nm == float("-inf"), 0.0, nm)  # rows all -inf so far: no (-inf) - (-inf)
-    s = s * tl.exp(m - base) + tl.sum(tl.exp(x - base[:, None]), axis=1)
-    return nm, s
 
 
 @triton.jit
@@ -44,7 +35,7 @@ def _row_stats(logits_ptr, roff, rmask, yc, C, BLOCK_R: tl.constexpr, BLOCK_C: t
         x = tl.load(logits_ptr + roff[:, None] + cols[None, :], mask=rmask[:, None] & cmask[None, :],
                     other=0.0).to(ACC)
         x = tl.where(cmask[None, :], x, float("-inf"))
-        m, s = _online(m, s, x)
+        m, s = online_softmax(m, s, x)
         xo = tl.where(cols[None, :] == yc[:, None], float("-inf"), x)
         bm = tl.max(xo, axis=1)
         bidx = tl.min(tl.where(xo == bm[:, None], cols[None, :], C), axis=1)
