@@ -38,7 +38,7 @@ from .. import models
 from ..layers import first_token, interventions, layout
 
 __all__ = ["NeuronEffects", "treatment_means", "neuron_effects", "neuron_effects_looped", "attribution_effects",
-           "length_batches", "sweep_flops"]
+           "length_batches", "sweep_flops", "split_keys"]
 
 Key = Tuple[int, str]  # (layer 1..L, component)
 
@@ -242,13 +242,16 @@ def _setter(neurons: torch.Tensor, values: torch.Tensor, copies: int):
 @torch.no_grad()
 def neuron_effects(model, samples: dict, zbar: Dict[Key, torch.Tensor], target_class=0, components=None,
                    layers=None, max_tokens: int = 65536, batch_tokens: int = 16384, progress: bool = False,
-                   fast: bool = True) -> NeuronEffects:
+                   fast: bool = True, distributed: bool = False) -> NeuronEffects:
     """The exact NIE of every neuron of `components` (default: those of `zbar`) in `layers` (module docstring).
 
     `max_tokens`: padded tokens per stacked pass (copies × batch × length); `batch_tokens`: per batch of samples.
     Runs under the caller's autocast, if any; probabilities and their ratios are taken in float64. ``fast=False``:
     the stacked path for every layer (each copy recomputes layers ℓ..L whole), which the fast path falls back to
-    where it does not apply; for comparisons."""
+    where it does not apply; for comparisons. ``distributed=True`` (every rank of the initialised default process
+    group calls it with the same arguments, its model on its own device): the (layer, component) tables are split
+    over the ranks by their cost (`split_keys`), each rank sweeps its own, and every rank returns all of them
+    (`all_gather_object`); each table is computed by one rank exactly as one process would."""
     components, layers = _from_zbar(model, zbar, components, layers)
     target = _target(model, target_class)
     n = _check_samples("samples", samples)
@@ -257,6 +260,42 @@ def neuron_effects(model, samples: dict, zbar: Dict[Key, torch.Tensor], target_c
         if key not in zbar:
             raise ValueError(f"zbar: no treatment means for layer {key[0]} {key[1]} (treatment_means with these "
                              "layers and components)")
+    if distributed:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("distributed=True: no default process group (torch.distributed.init_process_group, or "
+                             "run under torchrun)")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mine = split_keys(model, keys, {key: zbar[key].numel() for key in keys}, world)[rank]
+        local = _neuron_effects(model, samples, zbar, target, n, mine, sorted({k[0] for k in mine}), components,
+                                max_tokens, batch_tokens, progress and rank == 0, fast) if mine else \
+            NeuronEffects({}, target, n)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, {key: v for key, v in local.effects.items()})
+        effects = {}
+        for part in gathered:
+            effects.update(part)
+        return NeuronEffects({key: effects[key] for key in keys}, target, n)
+    return _neuron_effects(model, samples, zbar, target, n, keys, layers, components, max_tokens, batch_tokens,
+                           progress, fast)
+
+
+def split_keys(model, keys, widths, world: int):
+    """The (layer, component) tables `keys` split over `world` ranks: largest cost first, each to the rank with the
+    least so far (ties: the lowest rank), the cost of a table its width times the layers above it plus one (what the
+    sweep recomputes per neuron). Deterministic: every rank computes the same split."""
+    L = models.structure(model).num_layers
+    loads, parts = [0] * world, [[] for _ in range(world)]
+    for key in sorted(keys, key=lambda k: (-widths[k] * (L - k[0] + 1), k[0], k[1])):
+        r = min(range(world), key=lambda i: (loads[i], i))
+        parts[r].append(key)
+        loads[r] += widths[key] * (L - key[0] + 1)
+    return parts
+
+
+def _neuron_effects(model, samples, zbar, target, n, keys, layers, components, max_tokens, batch_tokens, progress,
+                    fast):
     device = next(model.parameters()).device
     was = model.training
     model.eval()
@@ -275,6 +314,8 @@ def neuron_effects(model, samples: dict, zbar: Dict[Key, torch.Tensor], target_c
                 clean = _record(model, batch, layer) if ops is not None else None
                 cap = None if clean is not None else models.capture(model, batch, layer - 1, rng=False)
                 for comp in components:
+                    if (layer, comp) not in sums:
+                        continue
                     z = zbar[(layer, comp)].to(device)
                     width = z.numel()
                     for start in range(0, width, copies):

@@ -86,7 +86,7 @@ def mediation(args) -> Dict:
                         padding=True, truncation=True, max_length=args.max_length, return_tensors="pt")
         return {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
 
-    device = get_device(args.device)
+    device, rank, world = _distributed_device(args.device)
     setup_device(device)
     model.to(device).eval()
     layers = args.layers or None
@@ -96,12 +96,15 @@ def mediation(args) -> Dict:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
             zbar = M.treatment_means(model, tok(treat), components=components or COMPONENTS, layers=layers)
             if args.method == "exact":
-                effects = M.neuron_effects(model, tok(chosen), zbar, target_class=target, progress=True)
+                effects = M.neuron_effects(model, tok(chosen), zbar, target_class=target, progress=True,
+                                           distributed=world > 1)
             else:
                 effects = M.attribution_effects(model, tok(chosen), zbar, target_class=target)
     except ValueError as error:
         raise CliError(str(error)) from error
     seconds = time.time() - start
+    if rank != 0:  # under torchrun: every rank swept its share and holds all the tables; rank 0 writes them
+        return {"rank": rank, "seconds": round(seconds, 3)}
     values, _ = effects.flat()
     if not torch.isfinite(values).all():
         raise TrainingFailed("the effects contain NaN or inf (a probability of the target class underflowed?); "
@@ -111,7 +114,7 @@ def mediation(args) -> Dict:
     meta = {"model": args.model, "method": args.method, "target_class": effects.target_class,
             "samples": int(chosen.numel()), "treatment": int(treat.numel()), "treatment_quantile":
             args.treatment_quantile, "neurons": int(values.numel()), "top_k": k, "bf16": args.bf16,
-            "seconds": round(seconds, 3), "device": str(device)}
+            "seconds": round(seconds, 3), "device": str(device), "processes": world}
     atomic = AtomicDir(args.out, args.overwrite)
     with atomic as tmp:
         torch.save({"effects": {f"{layer}.{comp}": v for (layer, comp), v in effects.effects.items()}, **meta},
@@ -131,6 +134,26 @@ def mediation(args) -> Dict:
     sys.stderr.write(f"cat-fast: wrote {args.out} ({values.numel()} neurons, {seconds:.1f} s; top {k} in "
                      f"top_neurons.tsv)\n")
     return meta
+
+
+def _distributed_device(name):
+    """(device, rank, world size). Under torchrun (WORLD_SIZE > 1) the default process group is initialised here
+    (NCCL on CUDA, gloo on the CPU) and each rank takes the GPU of its LOCAL_RANK; otherwise (get_device(name), 0, 1).
+    """
+    import torch
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = get_device(name)
+    if world <= 1:
+        return device, 0, 1
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device, dist.get_rank(), dist.get_world_size()
 
 
 def _meta(directory):

@@ -126,3 +126,29 @@ def test_unlearn_writes_a_model_that_differs_only_in_the_rows(tiny, tmp_path, ca
                      "--candidate-class", "maybe", "--out", tmp_path / "u5"], capsys)
     assert code == 2 and "--candidate-class: expected one of the model's labels" in err
     assert not (tmp_path / "u5").exists()
+
+
+def test_mediation_under_torchrun_equals_one_process(tiny, tmp_path, capsys):
+    """`torchrun --nproc_per_node 2 -m cat_fast.cli mediation` (gloo on the CPU): the tables are split over the two
+    ranks, rank 0 writes them, and they equal the one-process sweep's."""
+    import os
+    import subprocess
+    import sys
+
+    model = _trained(tiny, tmp_path, capsys)
+    common = ["mediation", "--model", str(model), "--task", "nli", "--per-class", "2", "--max-length", "32",
+              "--device", "cpu", "--top-k", "5"]
+    code, err = run(common + ["--out", tmp_path / "one"], capsys)
+    assert code == 0, err
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "cat_fast.cli"] + common + ["--out", str(tmp_path / "two")],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = torch.load(tmp_path / "one" / "nie.pt", weights_only=True)
+    two = torch.load(tmp_path / "two" / "nie.pt", weights_only=True)
+    assert two["processes"] == 2 and one["processes"] == 1
+    assert set(one["effects"]) == set(two["effects"]) and len(one["effects"]) == 12
+    for key, value in one["effects"].items():
+        torch.testing.assert_close(two["effects"][key], value, rtol=0, atol=0)
+    assert (tmp_path / "two" / "top_neurons.tsv").read_text() == (tmp_path / "one" / "top_neurons.tsv").read_text()
