@@ -4,7 +4,8 @@ Seeds are interleaved (every method's seed 0 first) so that a run cut short by a
 same seeds for every method. Usage: python scripts/quality_jobs.py PROTOCOL [...] --root DIR
 Protocols: sentiment, nli (full CAD train, the GS paper's Table 3 protocol) and fewshot-sentiment,
 fewshot-nli (the CAT paper's Table 1 protocol: k originals per class, originals only for every method);
-alternate-<protocol>: the `cat` runs of that protocol with the paper's alternating CRM/ERM update.
+alternate-<protocol>: the `cat` runs of that protocol with the paper's alternating CRM/ERM update;
+control-<protocol>: its `erm` runs as `erm-two-step` (two AdamW updates per batch, the alternating update's count).
 """
 import argparse
 
@@ -23,6 +24,15 @@ FEWSHOT = {
 
 
 def jobs(protocol, root):
+    if protocol.startswith("control-"):
+        # issue 22's equal-update control of the alternating CAT: ERM with a second AdamW step per batch at the CRM
+        # step's learning rate, the same warm-up epoch (erm-two-step)
+        base = protocol.split("-", 1)[1]
+        for line in jobs(base, root):
+            if " --method erm " in line:
+                yield line.replace("--method erm ", "--method erm-two-step --crm-lr 2e-5 ").replace(
+                    "/erm/", "/erm-two-step/")
+        return
     if protocol.startswith("alternate-"):
         # CAT with the paper's alternating update (a separate CRM step, lr 2e-5) on the same protocols
         base = protocol.split("-", 1)[1]
@@ -50,7 +60,8 @@ def jobs(protocol, root):
 def main():
     parser = argparse.ArgumentParser()
     bases = ("sentiment", "nli", "fewshot-sentiment", "fewshot-nli")
-    parser.add_argument("protocols", nargs="+", choices=bases + tuple(f"alternate-{b}" for b in bases))
+    parser.add_argument("protocols", nargs="+", choices=bases + tuple(f"{kind}-{b}" for kind in ("alternate", "control")
+                                                                      for b in bases))
     parser.add_argument("--root", default="runs/quality")
     args = parser.parse_args()
     for protocol in args.protocols:

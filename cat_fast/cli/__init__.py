@@ -183,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--meta-batch-size", type=positive_int, default=32, help="metadata examples per meta step")
     m.add_argument("--meta-lr", type=float, default=1e-3, help="Adam learning rate of the perturbation network")
     m.add_argument("--clp-scale", type=float, default=1.0, help="the perturbation's bound (tanh times this)")
+    m.add_argument("--virtual-lr", type=float, help="step size of the virtual SGD step (default: the optimizer's "
+                   "current learning rate, which for AdamW is a much smaller step than the real one)")
 
     bias = sub.add_parser("bias", help="bias models for the bias-model methods", formatter_class=fmt,
                           description="Bias models (see `python -m pydoc cat_fast.cli.bias`).")

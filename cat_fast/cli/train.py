@@ -43,6 +43,7 @@ FLOAT_OPTIONS = {  # option dest -> (flag, lowest allowed, open at the low end)
     "eta": ("--eta", None, False), "adv_lr": ("--adv-lr", 0.0, False), "crm_lr": ("--crm-lr", 0.0, False),
     "gs_weight": ("--gs-weight", 0.0, False), "entropy_weight": ("--entropy-weight", 0.0, False),
     "meta_lr": ("--meta-lr", 0.0, True), "clp_scale": ("--clp-scale", 0.0, True),
+    "virtual_lr": ("--virtual-lr", 0.0, True),
 }
 
 

@@ -23,6 +23,8 @@ __all__ = ["Objective", "Entry", "register", "get", "names", "build", "CAT", "de
 
 register("erm", ERM, "the model's own cross-entropy")
 register("erm-orig", ERM, "the model's own cross-entropy, trained on originals only", data="orig")
+register("erm-two-step", ERM, "ERM with a second AdamW step per batch at --crm-lr: the equal-update control of "
+         "cat --cat-update alternate", warmup=True, two_step=True)
 register("cat", CAT, "CAT: CMIX + CAL (3 steps) + CRM", warmup=True, adv_steps=3)
 register("cat-star", CAT, "CAT*: CMIX + CRM, no CAL", warmup=True, adv_steps=0)
 register("cat-gs", CAT, "CAT + gradient supervision on the CMIX pair", warmup=True, eager_attention=True,

@@ -108,8 +108,8 @@ class CLP(Objective):
 
     @classmethod
     def from_options(cls, model, options, **preset):
-        """From the CLI: ``clp_scale``, ``meta_lr``."""
-        for key, name in (("clp_scale", "scale"), ("meta_lr", "meta_lr")):
+        """From the CLI: ``clp_scale``, ``meta_lr``, ``virtual_lr``."""
+        for key, name in (("clp_scale", "scale"), ("meta_lr", "meta_lr"), ("virtual_lr", "virtual_lr")):
             if options.get(key) is not None:
                 preset.setdefault(name, options[key])
         return cls(model, **preset)

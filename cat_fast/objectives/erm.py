@@ -1,7 +1,10 @@
-"""ERM: the model's own loss (cross-entropy for sequence classifiers), as an objective."""
+"""ERM: the model's own loss (cross-entropy for sequence classifiers), as an objective; and the equal-update
+control of CAT's alternating update (`ERM(model, extra_optimizer=...)`, ``erm-two-step``)."""
 from __future__ import annotations
 
-from .base import Objective
+import torch
+
+from .base import Objective, check_number
 
 __all__ = ["ERM"]
 
@@ -10,9 +13,46 @@ _METADATA = ("pairs", "pair_group", "context_mask")
 
 
 class ERM(Objective):
-    """``loss, info = ERM(model)(batch)``: ``model(**batch).loss`` (labels in the batch); ``info`` is empty."""
+    """``loss, info = ERM(model)(batch)``: ``model(**batch).loss`` (labels in the batch); ``info`` is empty.
+
+    ``extra_optimizer`` (the ``erm-two-step`` control): before the loss that the caller steps on, one more ERM step
+    on the same batch with this optimizer (its own gradients; the caller's ``.grad`` left as it was), then the loss
+    of the updated model is returned — two optimizer updates per batch, as `CAT`'s alternating update makes (a CRM
+    step on its own AdamW, then ERM on the updated model), with the counterfactual loss replaced by the plain one.
+    Like CAT, the extra step starts after ``warmup_steps`` calls."""
+
+    def __init__(self, model, extra_optimizer=None, warmup_steps: int = 0, two_step: bool = False,
+                 extra_lr: float = 2e-5):
+        super().__init__(model)
+        extra_lr = check_number("extra_lr", extra_lr, low=0.0, low_open=True)
+        if two_step and extra_optimizer is None:  # CAT's alternate: AdamW (its defaults) at lr 2e-5
+            extra_optimizer = torch.optim.AdamW(model.parameters(), lr=extra_lr)
+        self.extra_optimizer = extra_optimizer
+        self.warmup_steps = check_number("warmup_steps", warmup_steps, low=0, integer=True)
+
+    @classmethod
+    def from_options(cls, model, options, **preset):
+        """From the CLI: ``crm_lr`` is the extra step's learning rate (as for CAT's alternating update)."""
+        if preset.get("two_step") and options.get("crm_lr") is not None:
+            preset.setdefault("extra_lr", options["crm_lr"])
+        return cls(model, **preset)
 
     def __call__(self, batch, pairs=None):
         self.step += 1
         inputs = {k: v for k, v in batch.items() if k not in _METADATA}
+        if self.extra_optimizer is not None and self.step > self.warmup_steps:
+            with torch.enable_grad():
+                first = self.model(**inputs).loss
+                params = [q for q in self.model.parameters() if q.requires_grad]
+                stash = [q.grad for q in params]
+                for q in params:
+                    q.grad = None
+                try:
+                    first.backward()
+                    self.extra_optimizer.step()
+                finally:
+                    for q, g in zip(params, stash):
+                        q.grad = g
+            loss = self.model(**inputs).loss
+            return loss, {"extra_step_loss": first.detach()}
         return self.model(**inputs).loss, {}

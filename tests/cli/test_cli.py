@@ -254,3 +254,14 @@ def test_minilm_dir_env_and_fp16_weights(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("CAT_FAST_MINILM_DIR", str(tmp_path / "missing"))
     with pytest.raises(ModelLoadError, match="CAT_FAST_MINILM_DIR"):
         load_classifier("minilm", 2)
+
+
+def test_erm_two_step_trains(tiny, tmp_path, capsys):
+    """The equal-update control: its first (warm-up) epoch plain ERM, then a logged extra step per batch."""
+    out = tmp_path / "two"
+    code, err = run(["train", "--task", "nli", "--method", "erm-two-step", "--model", tiny, "--per-class", 2,
+                     "--epochs", 2, "--max-length", 32, "--batch-size", 10, "--crm-lr", 1e-4, "--out", out], capsys)
+    assert code == 0, err
+    m = json.loads((out / "metrics.json").read_text())
+    assert [h["objective"] for h in m["history"]] == ["erm", "erm-two-step"]
+    assert "extra_step_loss" not in m["history"][0]["info"] and "extra_step_loss" in m["history"][1]["info"]

@@ -38,6 +38,15 @@ def test_clp_with_own_metadata_and_errors(tiny, tmp_path, capsys):
     code, err = run(["train", "--task", "nli", "--method", "clp", "--model", tiny, "--per-class", 2, "--clp-scale",
                      0, "--out", tmp_path / "c"], capsys)
     assert code == 2 and "--clp-scale must be a finite number > 0" in err
+    code, err = run(["train", "--task", "nli", "--method", "clp", "--model", tiny, "--per-class", 2, "--virtual-lr",
+                     -1, "--out", tmp_path / "c"], capsys)
+    assert code == 2 and "--virtual-lr must be a finite number > 0" in err
+    from cat_fast import objectives
+    from tests.conftest import tiny_model
+
+    built = objectives.build("clp", tiny_model("bert"), options={"virtual_lr": 0.5, "clp_scale": 2.0},
+                             meta_batches=[])
+    assert built.virtual_lr == 0.5 and built.omega.scale == 2.0
     code, err = run(["train", "--task", "nli", "--method", "clp", "--model", tiny, "--per-class", 2,
                      "--meta-per-class", 1000, "--out", tmp_path / "d"], capsys)
     assert code == 2 and "--meta-per-class 1000" in err

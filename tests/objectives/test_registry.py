@@ -8,11 +8,11 @@ from tests.conftest import tiny_batch, tiny_model
 
 
 def test_the_registry_names_every_method_of_the_cli():
-    assert objectives.names() == ("erm", "erm-orig", "cat", "cat-star", "cat-gs", "gs", "gs-random", "poe",
+    assert objectives.names() == ("erm", "erm-orig", "erm-two-step", "cat", "cat-star", "cat-gs", "gs", "gs-random", "poe",
                                   "reweight", "reweight-inverse", "learned-mixin", "conf-reg", "clp", "clp-all")
     assert objectives.get("erm-orig").data == "orig" and objectives.get("erm").data == "orig+edits"
     assert objectives.get("clp").data == objectives.get("clp-all").data == "orig"  # the edits go to the metadata
-    assert [n for n in objectives.names() if objectives.get(n).warmup] == ["cat", "cat-star", "cat-gs"]
+    assert [n for n in objectives.names() if objectives.get(n).warmup] == ["erm-two-step", "cat", "cat-star", "cat-gs"]
     assert [n for n in objectives.names() if objectives.get(n).cls.needs_pairs] == ["gs", "gs-random"]
     assert [n for n in objectives.names() if objectives.get(n).eager_attention] == ["cat-gs", "gs", "gs-random",
                                                                                    "clp-all"]
@@ -80,3 +80,31 @@ def test_objective_state_and_registration_errors():
     assert Custom(model).state_dict() == {"step": 0}
     with pytest.raises(NotImplementedError):
         Objective(model)({})
+
+
+def test_erm_two_step_is_two_adamw_updates_per_batch():
+    """erm-two-step (the equal-update control of CAT's alternating update): after the warm-up, one AdamW step on the
+    batch's loss with its own optimizer, then the loss of the updated model, returned; the caller's .grad untouched.
+    Equal to that composition written out."""
+    import copy
+
+    model = tiny_model("bert", num_labels=3, dtype=torch.float64).eval()
+    twin = copy.deepcopy(model)
+    batch = {k: v for k, v in tiny_batch("bert", batch=4).items() if k != "pairs"}
+    objective = objectives.build("erm-two-step", model, options={"crm_lr": 1e-3}, warmup_steps=1)
+    assert objective.extra_optimizer.param_groups[0]["lr"] == 1e-3
+    loss, info = objective(batch)  # step 1: warm-up, plain ERM, nothing moves
+    assert info == {} and torch.equal(loss, twin(**batch).loss)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    loss, info = objective(batch)  # step 2: the extra update, then the updated model's loss
+    assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in model.parameters())  # caller's grads kept
+    manual = torch.optim.AdamW(twin.parameters(), lr=1e-3)
+    first = twin(**batch).loss
+    first.backward()
+    manual.step()
+    torch.testing.assert_close(info["extra_step_loss"], first.detach())
+    torch.testing.assert_close(loss, twin(**batch).loss)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+    assert objectives.get("erm-two-step").warmup
