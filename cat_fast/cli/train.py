@@ -195,30 +195,23 @@ def train(args) -> Dict:
         raise CliError(f"--bias is for the bias-model methods (poe, reweight, learned-mixin, conf-reg), not {method}")
     dev_data = source.read(args.dev, labels=label_names) if args.dev else source.builtin_dev()
     meta_data = None
-    if getattr(entry.cls, "needs_meta", False):
-        if args.meta_data:
-            meta_data = source.read(args.meta_data, labels=label_names)
-        elif dev_data is not None and dev_data.has_pairs:
-            from ..objectives.clp import metadata_from_cad
-
-            try:
-                meta_data, dev_data = metadata_from_cad(dev_data, args.meta_per_class, seed=args.seed)
-            except D.DataError as error:
-                raise CliError(f"--meta-per-class {args.meta_per_class}: {error}") from error
-        else:
-            raise CliError(f"--method {method} needs --meta-data FILE (a small balanced set; the built-in draw needs "
-                           "a CAD dev set with edits)")
-    elif args.meta_data:
+    needs_meta = getattr(entry.cls, "needs_meta", False)
+    if args.meta_data and not needs_meta:
         raise CliError(f"--meta-data is for --method clp / clp-all, not {method}")
-    elif args.meta_holdout:
+    if needs_meta and args.meta_data:
+        meta_data = source.read(args.meta_data, labels=label_names)
+    elif needs_meta or args.meta_holdout:  # the built-in draw: its groups leave the dev score
         if dev_data is None or not dev_data.has_pairs:
-            raise CliError("--meta-holdout needs the built-in CAD dev set (with edits)")
+            raise CliError(f"--method {method} needs --meta-data FILE (a small balanced set; the built-in draw needs "
+                           "a CAD dev set with edits)" if needs_meta else
+                           "--meta-holdout needs the built-in CAD dev set (with edits)")
         from ..objectives.clp import metadata_from_cad
 
         try:
-            held, dev_data = metadata_from_cad(dev_data, args.meta_per_class, seed=args.seed)
+            drawn, dev_data = metadata_from_cad(dev_data, args.meta_per_class, seed=args.seed)
         except D.DataError as error:
             raise CliError(f"--meta-per-class {args.meta_per_class}: {error}") from error
+        meta_data = drawn if needs_meta else None
     eval_data = [(name, source.read(path, labels=label_names)) for name, path in evals]
     for name, d in ([("dev", dev_data)] if dev_data is not None else []) + eval_data:
         _report_skipped(name, d)

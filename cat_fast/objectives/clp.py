@@ -221,11 +221,10 @@ class CLP(Objective):
         with torch.enable_grad():
             logits, features = self._call(batch)
         W = self.head.weight
-        stats = self.class_stats().to(torch.float32)
         with torch.no_grad():
             acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
             chars = ops.sample_characteristics(logits.detach().to(acc), labels, features.detach().to(acc),
-                                               W.detach().to(acc), stats.to(acc)).float()
+                                               W.detach().to(acc), self.class_stats().to(acc)).float()
         onehot = F.one_hot(labels.clamp_min(0), self.num_classes).to(logits.dtype)
         onehot = onehot * (labels >= 0).unsqueeze(1).to(logits.dtype)
 
