@@ -244,7 +244,7 @@ def make_step(method, model, optimizer, batch, pairs):
 
         gen = torch.Generator().manual_seed(11)
         ids = batch["input_ids"]
-        meta = dict(batch, input_ids=torch.randint(1000, 20000, tuple(ids.shape), generator=gen).to(ids.device),
+        meta = dict(batch, input_ids=torch.randint(0, model.config.vocab_size, tuple(ids.shape), generator=gen).to(ids.device),
                     labels=torch.randint(0, model.config.num_labels, tuple(batch["labels"].shape),
                                          generator=gen).to(ids.device))
         objective = CLP(model, [meta], virtual="all" if method == "clp_all" else "head")
