@@ -6,6 +6,7 @@ Protocols: sentiment, nli (full CAD train, the GS paper's Table 3 protocol) and 
 fewshot-nli (the CAT paper's Table 1 protocol: k originals per class, originals only for every method);
 alternate-<protocol>: the `cat` runs of that protocol with the paper's alternating CRM/ERM update;
 control-<protocol>: its `erm` runs as `erm-two-step` (two AdamW updates per batch, the alternating update's count).
+--hans: every NLI run also scored on the HANS-style set.
 """
 import argparse
 
@@ -63,9 +64,12 @@ def main():
     parser.add_argument("protocols", nargs="+", choices=bases + tuple(f"{kind}-{b}" for kind in ("alternate", "control")
                                                                       for b in bases))
     parser.add_argument("--root", default="runs/quality")
+    parser.add_argument("--hans", action="store_true", help="score every NLI run on the HANS-style set too (--eval hans)")
     args = parser.parse_args()
     for protocol in args.protocols:
         for line in jobs(protocol, args.root):
+            if args.hans and " --task nli " in line:
+                line = line.replace(" --task nli ", " --task nli --eval hans ")
             print(line)
 
 
