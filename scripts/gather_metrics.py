@@ -1,5 +1,5 @@
 """Gather every metrics.json under ROOT into one JSON-lines file (the run's path relative to ROOT as "run", the
-per-step history left out): python scripts/gather_metrics.py ROOT OUT.jsonl (used by the device run scripts)."""
+per-epoch history reduced to each epoch's objective info means): python scripts/gather_metrics.py ROOT OUT.jsonl (used by the device run scripts)."""
 import json
 import pathlib
 import sys
@@ -11,7 +11,8 @@ def main(root, out):
     for path in sorted(root.rglob("metrics.json")):
         m = json.loads(path.read_text())
         m["run"] = str(path.parent.relative_to(root))
-        m.pop("history", None)
+        history = m.pop("history", None) or []
+        m["epoch_info"] = [h.get("info", {}) for h in history]  # the objective's logged means per epoch
         rows.append(m)
     with open(out, "w") as f:
         for m in rows:

@@ -30,6 +30,10 @@ def main():
     p.add_argument("--batch-tokens", type=int, default=8192)
     p.add_argument("--layers", type=int, nargs="+", default=None, help="default: every layer")
     p.add_argument("--per-class", type=int, default=100)
+    p.add_argument("--looped-neurons", type=int, default=0,
+                   help="also time the paper's looped method (fp32, one hooked forward per neuron over batches of 128 "
+                        "padded to their longest) on this many neurons spread over every layer and component, in the "
+                        "same process, extrapolated per neuron to all (one process only)")
     p.add_argument("--save")
     p.add_argument("--compare")
     p.add_argument("--out")
@@ -77,11 +81,25 @@ def main():
     if world > 1:
         mine = [None] * world
         dist.all_gather_object(mine, seconds)
+    if args.looped_neurons and world == 1:
+        zbar32 = M.treatment_means(model, treat)
+        per_key = max(1, args.looped_neurons // len(zbar32))
+        chosen = {key: torch.linspace(0, v.numel() - 1, per_key).long().tolist() for key, v in zbar32.items()}
+        n_chosen = sum(len(v) for v in chosen.values())
+        sync()
+        t1 = time.perf_counter()
+        M.neuron_effects_looped(model, samples, zbar32, neurons=chosen)
+        sync()
+        per_neuron = (time.perf_counter() - t1) / n_chosen
     values, _ = effects.flat()
     result = {"model": args.model, "precision": args.precision, "processes": world,
               "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
               "neurons": int(values.numel()), "samples": int(samples["input_ids"].shape[0]),
               "seconds": seconds, "rank_seconds": mine, "commit": os.environ.get("CAT_FAST_BENCH_COMMIT")}
+    if args.looped_neurons and world == 1:
+        result.update(looped_fp32_neurons_timed=n_chosen, looped_fp32_s_per_neuron=per_neuron,
+                      looped_fp32_full_s=per_neuron * values.numel(),
+                      sweep_vs_looped_fp32=per_neuron * values.numel() / seconds)
     if args.compare and rank == 0:
         other = torch.load(args.compare)
         result["max_abs_diff_vs_saved"] = float((values - other).abs().max())
