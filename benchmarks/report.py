@@ -31,7 +31,7 @@ OP_ORDER = ("cmix", "cal_objective", "cal_step_", "crm_loss", "gs_cosine_loss", 
 BACKEND_ORDER = ("triton", "cuda", "cpp", "reference", "compile")
 METHOD_ORDER = ("plain", "plain_first_token", "plain_training_layers", "naive_cat", "cat", "cat_eager", "cat_full_last",
                 "cat_hf_layers", "cat_hf_clean", "gs_exact", "gs_first_order", "gs_first_order_fwd", "gs_pooled", "gs_pooled_hf_layers",
-                "poe", "reweight", "learned_mixin", "conf_reg")
+                "poe", "reweight", "learned_mixin", "conf_reg", "clp", "clp_all", "plain_compiled", "plain_compiled_ro")
 METHOD_LABEL = {
     "plain": "(1) plain fine-tuning",
     "plain_first_token": "(1f) plain, first-token last layer",
@@ -51,6 +51,10 @@ METHOD_LABEL = {
     "reweight": "(7r) reweighting (bias model)",
     "learned_mixin": "(7l) learned-mixin +H (bias model)",
     "conf_reg": "(7c) confidence regularisation (bias model)",
+    "clp": "(8) CLP, head-only virtual step",
+    "clp_all": "(8a) CLP, virtual step of every parameter",
+    "plain_compiled": "(9) plain, torch.compile(model)",
+    "plain_compiled_ro": "(9r) plain, torch.compile(model, mode=\"reduce-overhead\")",
 }
 
 

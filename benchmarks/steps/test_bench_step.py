@@ -35,6 +35,10 @@ bf16 autocast, AdamW (fused on CUDA), B x T = 8x128, 32x128, 64x256; each sample
                  a fixed bias [B, C] (log-probabilities) and teacher probabilities in the batch, as the CLI's
                  batches carry them; their forward is `plain_first_token`'s (learned-mixin also captures the
                  pooled vector for its gate), so `plain_first_token` is their ERM step.
+9. `plain_compiled`, `plain_compiled_ro`: `plain` with `torch.compile(model)` (default mode) and
+                 `torch.compile(model, mode="reduce-overhead")` (CUDA graphs; the fused AdamW step stays eager): the
+                 baseline a performance-minded user compares against (issue 23). The first step (the compilation)
+                 is timed apart as `compile_s`; GPU only (the CPU smoke run skips them).
 8. `clp`, `clp_all`: `cat_fast.CLP` (causal logit perturbation) with `virtual="head"` / `"all"`: the model's own
                  forward (so `plain` is their ERM step), the characteristics op, Ω's meta step on a metadata batch
                  of the same shape (another draw of ids), the perturbed loss; `clp_all` runs eager attention (its
@@ -74,7 +78,9 @@ pytestmark = [pytest.mark.benchmark(timer=H.virtual_clock), pytest.mark.bench_st
 
 METHODS = ("plain", "plain_first_token", "plain_training_layers", "naive_cat", "cat", "cat_eager", "cat_full_last",
            "cat_hf_layers", "cat_hf_clean", "gs_exact", "gs_first_order", "gs_first_order_fwd", "gs_pooled",
-           "gs_pooled_hf_layers", "poe", "reweight", "learned_mixin", "conf_reg", "clp", "clp_all")
+           "gs_pooled_hf_layers", "poe", "reweight", "learned_mixin", "conf_reg", "clp", "clp_all",
+           "plain_compiled", "plain_compiled_ro")
+COMPILED_METHODS = ("plain_compiled", "plain_compiled_ro")
 DEBIAS_METHODS = ("poe", "reweight", "learned_mixin", "conf_reg")
 CAT_METHODS = ("cat", "cat_eager", "cat_full_last", "cat_hf_layers", "cat_hf_clean")
 # Methods whose passes run the last layer for the first token only (`prune_last_layer=True`, the default).
@@ -204,6 +210,16 @@ def make_step(method, model, optimizer, batch, pairs):
         def step():
             with autocast():
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                loss = F.cross_entropy(logits.float(), batch["labels"])
+            finish_step(loss)
+        return step
+
+    if method in COMPILED_METHODS:
+        compiled = torch.compile(model, mode="reduce-overhead" if method == "plain_compiled_ro" else None)
+
+        def step():
+            with autocast():
+                logits = compiled(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
                 loss = F.cross_entropy(logits.float(), batch["labels"])
             finish_step(loss)
         return step
@@ -474,6 +490,12 @@ def measure_step(method, size):
             optimizer = make_optimizer(model)
             batch, pairs = make_batch(batch_size, tokens, model.config.vocab_size)
             step = make_step(method, model, optimizer, batch, pairs)
+            if method in COMPILED_METHODS:  # the compilation, timed apart (the warm-up then runs compiled steps)
+                _sync()
+                start = time.perf_counter()
+                step()
+                _sync()
+                extra["compile_s"] = time.perf_counter() - start
             try:
                 median_ms, min_ms, peak, per_layer = time_steps(step, WARMUP, STEPS)
             except RuntimeError as error:
@@ -509,7 +531,7 @@ def measure_step(method, size):
                 mean = layer_mean(per_layer)
                 if mean is not None:
                     extra["step_layer_mean_ms"] = mean
-            if method in ("plain", "naive_cat") + CAT_METHODS + FIRST_TOKEN_METHODS:
+            if method in ("plain", "naive_cat") + CAT_METHODS + FIRST_TOKEN_METHODS + COMPILED_METHODS:
                 m = NAIVE_M if method == "naive_cat" else sum(LAYERS) / len(LAYERS)
                 extra["flops"] = model_flops(config, batch_size, tokens, method, m)
                 extra["flops_final_backward"] = model_flops(config, batch_size, tokens, method, m, final_backward=True)
@@ -527,6 +549,8 @@ def measure_step(method, size):
 
 def _param(method, size):
     marks = [pytest.mark.skip(reason=SKIP)] if SKIP else []
+    if CPU_SMOKE and method in COMPILED_METHODS:
+        marks = [pytest.mark.skip(reason="torch.compile rows: GPU only (minutes of CPU compilation in a smoke run)")]
     return pytest.param(method, size, id=f"{size}-{method}", marks=marks)
 
 
