@@ -2,7 +2,7 @@
 
 Packages: `ops` (fused ops), `kernels` (their reference and Triton backends), `layers` (fast encoder layers),
 `models` (capture, resume, interventions on Hugging Face models), `objectives` (CAT, gradient supervision; a
-registry by name), `integrations` (Hugging Face Trainer classes), `data`, `analysis`, `cli`. README: Architecture.
+registry by name), `distributed` (the objectives under DistributedDataParallel), `integrations` (Hugging Face Trainer classes), `data`, `analysis`, `cli`. README: Architecture.
 """
 from . import ops
 from .ops.backend import backends, use_backend
@@ -10,7 +10,7 @@ from .ops.backend import backends, use_backend
 __version__ = "0.1.0"
 
 __all__ = ["ops", "backends", "use_backend", "CAT", "GradientSupervision", "CATTrainer", "GSTrainer", "Objective",
-           "objectives"]
+           "objectives", "distributed"]
 
 _LAZY = {"CAT": "objectives", "GradientSupervision": "objectives", "Objective": "objectives",
          "CATTrainer": "integrations", "GSTrainer": "integrations"}
@@ -22,6 +22,6 @@ def __getattr__(name):
 
     if name in _LAZY:
         return getattr(importlib.import_module(f"cat_fast.{_LAZY[name]}"), name)
-    if name in ("objectives", "models", "layers", "integrations", "data", "analysis", "kernels", "cli", "bias"):
+    if name in ("objectives", "models", "layers", "integrations", "data", "analysis", "kernels", "cli", "bias", "distributed"):
         return importlib.import_module(f"cat_fast.{name}")
     raise AttributeError(f"module 'cat_fast' has no attribute {name!r}")

@@ -37,7 +37,9 @@ final model is the one after the last epoch (no checkpoint selection).
 Data: ``--task`` (the built-in CAD data, or CAD-format files) or your own file with ``--text-column`` /
 ``--label-column`` [``--text-pair-column``, ``--group-column``, ``--id-column``, ``--labels``] (`sources`).
 Training runs through `cat_fast.integrations.ObjectiveTrainer` (the Hugging Face Trainer): ``--grad-accum``,
-``--bf16``, ``--report-to``, ``--save-steps`` checkpoints in ``DIR.checkpoints`` and ``--resume``.
+``--bf16``, ``--report-to``, ``--save-steps`` checkpoints in ``DIR.checkpoints`` and ``--resume``. Under
+``torchrun --nproc_per_node N`` it is data-parallel (DistributedDataParallel; `train`, README "Several GPUs and
+machines").
 
 Output ``--out DIR``: ``metrics.json``, the checkpoint (``config.json``, ``model.safetensors``, tokenizer
 files, ``cat_fast.json``) and ``curves.png``. Everything is written into a temporary sibling directory
@@ -114,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the method's: erm-orig originals, the others originals + edits)")
     t.add_argument("--model", default="minilm", help="model directory, or 'minilm' (the shipped all-MiniLM-L6-v2)")
     t.add_argument("--epochs", type=positive_int, default=3, help="training epochs")
-    t.add_argument("--batch-size", type=positive_int, default=8, help="examples per batch")
+    t.add_argument("--batch-size", type=positive_int, default=8,
+                   help="examples per batch (per rank under torchrun: a step sees N x this many)")
     t.add_argument("--grad-accum", type=positive_int, default=1, help="batches per optimizer step (gradient accumulation)")
     t.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (linear decay to 0)")
     t.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (not on biases and norms)")

@@ -137,23 +137,10 @@ def mediation(args) -> Dict:
 
 
 def _distributed_device(name):
-    """(device, rank, world size). Under torchrun (WORLD_SIZE > 1) the default process group is initialised here
-    (NCCL on CUDA, gloo on the CPU) and each rank takes the GPU of its LOCAL_RANK; otherwise (get_device(name), 0, 1).
-    """
-    import torch
+    """(device, rank, world size): `cat_fast.distributed.init_from_env` on the device of ``--device``."""
+    from ..distributed import init_from_env
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    device = get_device(name)
-    if world <= 1:
-        return device, 0, 1
-    import torch.distributed as dist
-
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return device, dist.get_rank(), dist.get_world_size()
+    return init_from_env(get_device(name))
 
 
 def _meta(directory):

@@ -4,10 +4,17 @@ Face Trainer (`cat_fast.integrations.ObjectiveTrainer`), on the built-in CAD dat
 The batches of every epoch are drawn up front (`cat_fast.data.make_batches`, seeded by ``--seed`` + epoch; whole
 counterfactual groups per batch for objectives that need pairs) and fed to the Trainer as one stream, so a resumed
 run sees exactly the batches an uninterrupted one sees. Dev accuracy is measured at the end of each epoch.
+
+Under ``torchrun --nproc_per_node N`` (WORLD_SIZE > 1) the run is data-parallel through DistributedDataParallel
+(`cat_fast.distributed`): ``--batch-size`` is per rank (a step sees N × --batch-size examples); each epoch's batches
+(whole counterfactual groups) are dealt out in turn, rank r taking batches r, r + N, ... (the epoch's list padded
+with its first batches to a multiple of N, so that every rank makes as many steps); rank 0 alone evaluates, logs and
+writes metrics.json, the plot and the checkpoint; every rank resumes from the same checkpoint.
 """
 from __future__ import annotations
 
 import glob
+import inspect
 import math
 import os
 import shutil
@@ -144,7 +151,9 @@ def train(args) -> Dict:
     checkpoints = os.path.abspath(out) + ".checkpoints"
     if args.resume and not glob.glob(os.path.join(checkpoints, "checkpoint-*")):
         raise CliError(f"--resume: no checkpoint in {checkpoints} (checkpoints are written with --save-steps)")
-    device = get_device(args.device)
+    from ..distributed import init_from_env
+
+    device, rank, world = init_from_env(get_device(args.device))
     setup_device(device)
     seed_everything(args.seed)
 
@@ -243,11 +252,11 @@ def train(args) -> Dict:
                                                      split_orig_edit=args.dev is None and not source.custom)
     eval_sets = [EvalSet(name, d, tokenizer, args.max_length) for name, d in eval_data]
     sampler = D.make_batches(train_data, args.batch_size, keep_groups=use_pairs, shuffle=True, seed=args.seed)
-    epoch_batches = [sampler.batches(e) for e in range(args.epochs)]
+    epoch_batches = [D.pad_batches(sampler.batches(e), world) for e in range(args.epochs)]
     accum = args.grad_accum
-    ends, seen = [], 0  # the optimizer step at which each epoch ends
+    ends, seen = [], 0  # the optimizer step at which each epoch ends (each rank takes one batch in `world`)
     for batches in epoch_batches:
-        seen += len(batches)
+        seen += len(batches) // world
         ends.append(math.ceil(seen / accum))
     total_steps = ends[-1] if ends else 0
     if total_steps == 0:
@@ -262,6 +271,8 @@ def train(args) -> Dict:
     # the registry's preset, then the command line (a CPU generator seeded by --seed: λ, partners and layers are
     # reproducible on any device)
     extra = {"warmup_steps": warmup_steps} if entry.warmup else {}
+    if world > 1 and "low_memory" in inspect.signature(entry.cls.__init__).parameters:
+        extra["low_memory"] = False  # GS first-order's low-memory passes write .grad outside DDP's reducer
     if meta_data is not None:
         g = torch.Generator().manual_seed(args.seed)
         order = torch.randperm(len(meta_data), generator=g).tolist()
@@ -291,7 +302,8 @@ def train(args) -> Dict:
     items, stream, collate = _stream_parts(train_tok, tokenizer, epoch_batches, partners, rows)
 
     config = {k: v for k, v in vars(args).items() if k not in ("command",)}
-    config.update(data=data_mode, out=out, attn=attn or "default", device=str(device), task=source.name)
+    config.update(data=data_mode, out=out, attn=attn or "default", device=str(device), task=source.name,
+                  processes=world, global_batch_size=args.batch_size * world)
     if meta_data is not None or args.meta_holdout:  # the built-in draw leaves its groups out of the dev score
         config.update(meta_examples=None if meta_data is None else len(meta_data),
                       dev_examples=None if dev_data is None else len(dev_data))
@@ -323,7 +335,7 @@ def train(args) -> Dict:
             while self.next < len(ends) and state.global_step >= ends[self.next]:
                 self.next += 1
                 logs = {"cat_fast_epoch": float(self.next)}
-                if dev_set is not None:
+                if dev_set is not None and rank == 0:  # rank 0 alone evaluates (and logs)
                     for name, value in dev_set.evaluate(model, args.eval_batch_size, device, args.bf16).items():
                         logs[f"eval/{name}/accuracy"] = value["accuracy"]
                         logs[f"eval/{name}/n"] = float(value["n"])
@@ -340,7 +352,7 @@ def train(args) -> Dict:
                 if shown:
                     self.training_bar.set_postfix(shown, refresh=False)
 
-    atomic = AtomicDir(out, args.overwrite)
+    atomic = AtomicDir(out, args.overwrite) if rank == 0 else _Scratch()
     with atomic as tmp:
         saving = args.save_steps > 0
         if saving:
@@ -354,13 +366,16 @@ def train(args) -> Dict:
             save_steps=args.save_steps if saving else 500, save_total_limit=args.save_total_limit,
             seed=args.seed, data_seed=args.seed, bf16=args.bf16, use_cpu=device.type == "cpu",
             report_to=args.report_to or "none", remove_unused_columns=False, dataloader_num_workers=0,
-            disable_tqdm=False, log_level="error", save_only_model=False)
+            disable_tqdm=False, log_level="error", save_only_model=False,
+            ddp_find_unused_parameters=getattr(objective, "find_unused_parameters", False) if world > 1 else None)
         trainer = Run(model=model, args=targs, train_dataset=items, optimizers=(optimizer, scheduler),
                       objective=objective)
         trainer.pending = {}
         trainer.remove_callback(ProgressCallback)
         trainer.add_callback(Quiet)
         trainer.add_callback(EpochEnd())
+        if world > 1:
+            seed_everything(args.seed + rank)  # each rank's own dropout stream (the Trainer seeded all alike)
         t0 = time.time()
         try:
             trainer.train(resume_from_checkpoint=True if args.resume else None)
@@ -372,6 +387,9 @@ def train(args) -> Dict:
                                  "to continue\n")
             raise
         train_seconds = time.time() - t0
+        if rank != 0:  # rank 0 evaluates and writes; the others are done
+            _finish(world)
+            return {"rank": rank, "steps": trainer.state.global_step, "train_seconds": round(train_seconds, 3)}
         if trainer.pending:
             trainer.state.log_history.append({**trainer.pending, "step": trainer.state.global_step})
         logs = trainer.state.log_history
@@ -404,12 +422,37 @@ def train(args) -> Dict:
         metrics["total_seconds"] = round(time.time() - t_start, 3)
         write_json(os.path.join(tmp, "metrics.json"), metrics)
         atomic.commit()
+    _finish(world)
     if saving:
         shutil.rmtree(checkpoints, ignore_errors=True)  # the run is complete: its checkpoints are not needed
     scores = ", ".join(f"{name} accuracy {r['accuracy']:.4f}" for name, r in results.items()
                        if "/" not in name and isinstance(r, dict) and "accuracy" in r)
     sys.stderr.write(f"cat-fast: wrote {out} ({scores or 'no dev or --eval set scored'})\n")
     return metrics
+
+
+class _Scratch:
+    """The output directory of a rank other than 0: a scratch directory that nothing is committed from."""
+
+    def __enter__(self):
+        import tempfile
+
+        self.tmp = tempfile.mkdtemp(prefix="cat-fast-rank-")
+        return self.tmp
+
+    def __exit__(self, *exc):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        return False
+
+
+def _finish(world: int) -> None:
+    """Under torchrun: wait for every rank (rank 0 writes its outputs first), then leave the process group."""
+    if world > 1:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
 
 
 def _history(logs: List[Dict], ends: List[int], cat_active_from: int, method: str) -> List[Dict]:

@@ -27,7 +27,8 @@ import torch
 
 from .core import CadData
 
-__all__ = ["TokenizedData", "GroupBatchSampler", "Collator", "make_batches", "group_batches"]
+__all__ = ["TokenizedData", "GroupBatchSampler", "Collator", "make_batches", "group_batches", "pad_batches",
+           "shard_batches"]
 
 
 class TokenizedData(torch.utils.data.Dataset):
@@ -130,6 +131,27 @@ def make_batches(data: CadData, batch_size: int, keep_groups: bool, shuffle: boo
     """A sampler over ``data``: whole groups per batch when ``keep_groups``, else single examples."""
     groups = data.groups if keep_groups else [[i] for i in range(len(data))]
     return GroupBatchSampler(groups, batch_size, shuffle=shuffle, seed=seed)
+
+
+def pad_batches(batches: Sequence[List[int]], world: int) -> List[List[int]]:
+    """`batches` followed by its first ones again, to a multiple of `world` batches (so that each of `world` ranks
+    taking every world-th batch gets as many): the padding repeats a few whole batches, groups intact."""
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    batches = list(batches)
+    if not batches:
+        return batches
+    missing = -len(batches) % world
+    return batches + [batches[i % len(batches)] for i in range(missing)]
+
+
+def shard_batches(batches: Sequence[List[int]], world: int, rank: int) -> List[List[int]]:
+    """Rank `rank`'s share of `batches` under data parallelism: batches rank, rank + world, ... of
+    ``pad_batches(batches, world)`` — whole batches, so a counterfactual group never spans two ranks, and every rank
+    the same number (what accelerate's batch-sampler sharding deals out to the Trainer's ranks)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must be in [0, {world}), got {rank}")
+    return pad_batches(batches, world)[rank::world]
 
 
 class Collator:

@@ -17,9 +17,14 @@ are the Trainer's. What they add:
 * A non-finite loss stops training with `NonFiniteLossError` naming the step and the term (``check_finite``; one
   host sync per step) before the optimizer applies it.
 * The objective's loss is a per-batch mean: the Trainer divides it by the accumulation steps.
+* Under torchrun the Trainer wraps the model in DistributedDataParallel; the objective then runs inside that DDP
+  module's forward (`cat_fast.distributed.DistributedObjective`), so DDP averages the gradients of its loss once per
+  step. Each rank's batches are its share of the batch stream (whole groups: accelerate deals out whole batches),
+  its objective's generator is seeded with seed + rank, and each rank's objective state is saved in the checkpoint
+  (``cat_fast_objective.pt`` for rank 0, ``cat_fast_objective.rank<R>.pt`` for the others).
 * Refused with the reason: ``TrainingArguments(torch_compile=True)`` and compiled models (the objectives hook and
-  patch the model's layers every step, which a compiled graph would not run); DDP/FSDP/DeepSpeed wrappers (the
-  objective would bypass them).
+  patch the model's layers every step, which a compiled graph would not run); FSDP/DeepSpeed wrappers (the
+  objective would bypass them); the options an objective refuses under DDP (`Objective.check_distributed`).
 * A double-backward failure of the attention kernel is re-raised as `cat_fast.objectives.DOUBLE_BACKWARD_HINT`.
 """
 from __future__ import annotations
@@ -29,6 +34,7 @@ import warnings
 
 import torch
 from transformers import Trainer
+from transformers.modeling_utils import unwrap_model
 
 from .. import objectives
 from ..objectives import double_backward_error, pair_by_group
@@ -78,6 +84,8 @@ class ObjectiveTrainer(Trainer):
         self._info_sum = {}
         self._info_count = 0
         self._warned_no_pairs = False
+        self._distributed = None  # the DistributedObjective, made on the first step under DDP
+        self._objective_loaded = False  # a resumed run: each rank's generator comes from the checkpoint
 
     # ------------------------------------------------------------------ data
     def _set_signature_columns_if_needed(self):
@@ -162,6 +170,16 @@ class ObjectiveTrainer(Trainer):
         objective = self.objective
         objective.step = self.state.global_step
         objective.set_optimizer(self.optimizer)
+        call = objective
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            if self._distributed is None or self._distributed.ddp is not model:
+                from ..distributed import DistributedObjective
+
+                self._distributed = DistributedObjective(objective, model, reseed=not self._objective_loaded)
+            call = self._distributed
+        elif unwrap_model(model) is not model:
+            raise ValueError(f"{type(model).__name__}: cat_fast's objectives run under DistributedDataParallel "
+                             "(torchrun) only, not FSDP or DeepSpeed: the objective would bypass the wrapper")
         if objective.needs_pairs:
             pairs = inputs.get("pairs")
             if pairs is None and "pair_group" in inputs:
@@ -170,9 +188,9 @@ class ObjectiveTrainer(Trainer):
                 raise ValueError(f"{type(self).__name__} needs a 'pairs' or 'pair_group' column in the batch "
                                  "(or random_pairs=True)")
             batch = {k: v for k, v in inputs.items() if k not in EXTRA_COLUMNS}
-            loss, info = objective(batch, pairs)
+            loss, info = call(batch, pairs)
         else:
-            loss, info = objective(inputs)
+            loss, info = call(inputs)
         self._last_info = info
         for k, v in info.items():  # summed on the device: no host sync in the step
             v = v.detach().float() if isinstance(v, torch.Tensor) else torch.tensor(float(v))
@@ -199,14 +217,20 @@ class ObjectiveTrainer(Trainer):
     def _save_checkpoint(self, model, trial, *args, **kwargs):
         super()._save_checkpoint(model, trial, *args, **kwargs)
         folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-        if os.path.isdir(folder) and self.args.should_save:
-            torch.save(self.objective.state_dict(), os.path.join(folder, OBJECTIVE_STATE))
+        if self.args.should_save or self.args.process_index > 0:  # every rank its own state (generator, ...)
+            os.makedirs(folder, exist_ok=True)
+            torch.save(self.objective.state_dict(), os.path.join(folder, _objective_file(self.args.process_index)))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, *args, **kwargs):
         super()._load_from_checkpoint(resume_from_checkpoint, *args, **kwargs)
-        path = os.path.join(resume_from_checkpoint, OBJECTIVE_STATE)
+        path = os.path.join(resume_from_checkpoint, _objective_file(self.args.process_index))
         if os.path.isfile(path):
             self.objective.load_state_dict(torch.load(path, weights_only=False))
+            self._objective_loaded = True
+
+
+def _objective_file(rank):
+    return OBJECTIVE_STATE if rank == 0 else OBJECTIVE_STATE.replace(".pt", f".rank{rank}.pt")
 
 
 class CATTrainer(ObjectiveTrainer):

@@ -17,10 +17,10 @@ from .inputs import TARGET_KEYS, logits_of, model_inputs, sync_free_inputs
 from .interventions import COMPONENTS, intervene
 from .rng import get_state as get_rng_state
 from .rng import set_state as set_rng_state
-from .structure import ModelStructure, num_layers, structure
+from .structure import ModelStructure, num_layers, structure, unwrap
 
 __all__ = [
-    "ModelStructure", "Capture", "structure", "num_layers", "capture", "resume", "first_token_ok", "first_token_ready",
+    "ModelStructure", "Capture", "structure", "unwrap", "num_layers", "capture", "resume", "first_token_ok", "first_token_ready",
     "first_token_forward", "head_logits", "grad_wrt_pooled", "logits_of", "model_inputs", "sync_free_inputs",
     "TARGET_KEYS", "intervene", "COMPONENTS", "get_rng_state", "set_rng_state",
 ]

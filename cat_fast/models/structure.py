@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["ModelStructure", "structure", "num_layers", "unsupported", "check_trainable_forward"]
+__all__ = ["ModelStructure", "structure", "num_layers", "unsupported", "check_trainable_forward", "unwrap"]
 
 
 @dataclass(frozen=True)
@@ -75,16 +75,24 @@ def _find_head(model, task):
     return last
 
 
+def unwrap(model):
+    """The model inside a DistributedDataParallel wrapper (``.module``); any other model unchanged."""
+    while isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
+    return model
+
+
 def structure(model) -> ModelStructure:
-    """Inspect `model` once (cached): its encoder layer list, embedding module and classification head."""
+    """Inspect `model` once (cached): its encoder layer list, embedding module and classification head. A model
+    wrapped in DistributedDataParallel is inspected through its ``.module``."""
+    model = unwrap(model)
     if getattr(model, "_compiled_call_impl", None) is not None or type(model).__name__ == "OptimizedModule":
         unsupported(model, "it is compiled (torch.compile / model.compile()): cat_fast's passes hook and patch its "
                            "layers every step, which a compiled graph would not run; pass the uncompiled model")
     found = _STRUCTURES.get(model)
     if found is not None:
         return found
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel) or (
-            hasattr(model, "module") and not hasattr(model, "config")):
+    if hasattr(model, "module") and not hasattr(model, "config"):
         unsupported(model, "it wraps another model (.module): pass the underlying Hugging Face model")
     cls = type(model).__name__
     config = getattr(model, "config", None)

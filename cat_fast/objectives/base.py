@@ -11,7 +11,13 @@ provides:
   optimizer), ``state_dict()`` / ``load_state_dict()`` (what a checkpoint keeps; default: ``step``),
   ``set_optimizer(optimizer)`` (an objective that steps an optimizer itself), and ``from_options`` (how the
   CLI's flat options map to its arguments; default: the preset only);
+- optionally ``check_distributed()`` (raise a ValueError naming an option that cannot run under DDP) and
+  ``distributed_state()`` (tensors that must start equal on every rank); an inner optimizer step goes through
+  ``inner_update(loss, optimizer)``, which averages its gradients over the ranks under DDP;
 - class attributes read by the CLI and the trainers: ``needs_pairs`` (its batches carry counterfactual pairs).
+
+Under DistributedDataParallel (`cat_fast.distributed`), ``distributed`` is True and the objective runs inside the
+DDP module's forward; its model is always the unwrapped one (``.module``).
 
 Then one `register` line names it for the CLI (``cat-fast train --method NAME``) and the Trainer classes.
 """
@@ -44,10 +50,44 @@ class Objective:
     """Base class of the training objectives (module docstring)."""
 
     needs_pairs = False  # batches must carry counterfactual pairs (`pairs` [B], or groups the caller turns into it)
+    find_unused_parameters = False  # DDP's setting for it: every step's loss reaches every parameter of the model
 
     def __init__(self, model):
-        self.model = model
+        from ..models import unwrap
+
+        self.model = unwrap(model)  # a DDP-wrapped model: the objective drives the model inside it
         self.step = 0  # calls so far; the trainers set it to the optimizer step (warm-ups count in it)
+        self.distributed = False  # set by cat_fast.distributed.DistributedObjective: inner updates all-reduce
+
+    def check_distributed(self) -> None:
+        """Raise a ValueError naming the option when this objective cannot train under DDP (none by default)."""
+
+    def distributed_state(self) -> list:
+        """Tensors besides `parameters()` that must start equal on every rank (broadcast from rank 0)."""
+        return []
+
+    def inner_update(self, loss, optimizer) -> None:
+        """One step of `optimizer` on the gradients of `loss` alone (the caller's ``.grad`` left as it was): an
+        objective's extra update inside its call (CAT's alternating CRM step, ``erm-two-step``). Under DDP these
+        gradients are averaged over the ranks before the step (it runs inside DDP's forward, where DDP's reducer
+        does not act), so parameters stay identical on every rank."""
+        params = [q for q in self.model.parameters() if q.requires_grad]
+        known = {id(q) for q in params}
+        params += [q for group in optimizer.param_groups for q in group["params"]
+                   if q.requires_grad and id(q) not in known]
+        stash = [q.grad for q in params]
+        for q in params:
+            q.grad = None
+        try:
+            loss.backward()
+            if self.distributed:  # (a parameter this loss does not reach keeps no gradient, on every rank alike)
+                from ..distributed import all_reduce_mean_
+
+                all_reduce_mean_([q.grad for q in params])
+            optimizer.step()
+        finally:
+            for q, g in zip(params, stash):
+                q.grad = g
 
     def __call__(self, batch):
         raise NotImplementedError

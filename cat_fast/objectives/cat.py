@@ -56,6 +56,7 @@ class CAT(Objective):
                  p=1.0, a1=0.0, a2=10.0, mask_mode="self", detach_weight=True, update="sum", warmup_steps=0,
                  partner="permutation", gs_weight=0.0, generator=None, crm_optimizer=None, cuda_graph=True,
                  max_graphs=8, prune_last_layer=True, fast_resume=True, training_layers=True):
+        model = models.unwrap(model)
         st = models.structure(model)
         L = st.num_layers
         if layers is None:
@@ -273,16 +274,7 @@ class CAT(Objective):
     def _crm_update(self, cf):
         if self.crm_optimizer is None:
             raise ValueError("update='alternate' needs crm_optimizer (CAT(..., crm_optimizer=opt) or cat.crm_optimizer = opt)")
-        params = [q for q in self.model.parameters() if q.requires_grad]
-        stash = [q.grad for q in params]
-        for q in params:
-            q.grad = None
-        try:
-            cf.backward()
-            self.crm_optimizer.step()
-        finally:
-            for q, g in zip(params, stash):
-                q.grad = g
+        self.inner_update(cf, self.crm_optimizer)
 
     # ----------------------------------------------------------------- task-specific pieces
     def _targets(self, batch, outputs, T):

@@ -129,7 +129,7 @@ class CLP(Objective):
         self.virtual_lr = None if virtual_lr is None else check_number("virtual_lr", virtual_lr, low=0.0,
                                                                        low_open=True)
         self.epoch_size = None if epoch_size is None else check_number("epoch_size", epoch_size, low=1, integer=True)
-        self.head = head if head is not None else find_head(model, num_labels)
+        self.head = head if head is not None else find_head(self.model, num_labels)
         if not isinstance(self.head, nn.Linear):
             raise TypeError(f"head: expected the model's final nn.Linear, got {type(self.head).__name__}")
         self.num_classes = self.head.out_features
@@ -241,6 +241,10 @@ class CLP(Objective):
         self.omega_optimizer.zero_grad(set_to_none=True)
         for p, g in zip(self.omega.parameters(), grads):
             p.grad = g
+        if self.distributed:  # Ω's meta-gradient is local to a rank's batch: averaged, so Ω stays equal on every rank
+            from ..distributed import all_reduce_mean_
+
+            all_reduce_mean_([p.grad for p in self.omega.parameters()])
         self.omega_optimizer.step()
 
         # the real step's loss, with Ω's new perturbation (no gradient to Ω)
@@ -249,6 +253,10 @@ class CLP(Objective):
         perturbed = logits + delta_new.to(logits.dtype).unsqueeze(1) * onehot
         loss = F.cross_entropy(_acc(perturbed), labels)
         self._update_stats(chars, labels)
+        if self.distributed:  # BatchNorm's running statistics saw this rank's batch only
+            from ..distributed import all_reduce_mean_
+
+            all_reduce_mean_([b for b in self.omega.buffers() if b.is_floating_point()])
         with torch.no_grad():
             info = {"ce_loss": F.cross_entropy(_acc(logits.detach()), labels), "meta_loss": meta_loss.detach(),
                     "delta_mean": delta_new.mean(), "delta_abs_mean": delta_new.abs().mean()}
@@ -280,12 +288,23 @@ class CLP(Objective):
         keep = labels >= 0
         idx = labels.clamp_min(0)
         rows = torch.stack([keep.float(), chars[:, 0] * keep, chars[:, 1] * keep], 1).to(self._sums.dtype)
+        seen = labels.shape[0]
+        if self.distributed:  # the global batch's class statistics, equal on every rank; seen counted as B × world
+            import torch.distributed as dist  # (the ranks' true batch sizes would cost a host sync)
+
+            rows = torch.zeros_like(self._sums).index_add_(0, idx, rows)
+            dist.all_reduce(rows)
+            idx = torch.arange(rows.shape[0], device=rows.device)
+            seen *= dist.get_world_size()
         self._sums.index_add_(0, idx, rows)
-        self._seen += labels.shape[0]
+        self._seen += seen
         if self.epoch_size is not None and self._seen >= self.epoch_size:
             self._last = self._stats_of(self._sums)
             self._sums = torch.zeros_like(self._sums)
             self._seen = 0
+
+    def distributed_state(self):
+        return list(self.omega.parameters()) + [b for b in self.omega.buffers() if b.is_floating_point()]
 
     # ---- checkpoints
     def state_dict(self) -> dict:

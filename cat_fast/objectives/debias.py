@@ -37,6 +37,7 @@ class BiasObjective(Objective):
 
     def __init__(self, model, prune_last_layer=True, training_layers=True):
         super().__init__(model)
+        model = self.model
         st = models.structure(model)
         if st.task != "sequence_classification":
             raise ValueError(f"{type(self).__name__} supports *ForSequenceClassification models, got {st.model_class}")
@@ -109,6 +110,7 @@ class LearnedMixin(BiasObjective):
 
     def __init__(self, model, entropy_weight=0.03, **kwargs):
         super().__init__(model, **kwargs)
+        model = self.model
         self.entropy_weight = check_number("entropy_weight", entropy_weight, low=0)
         head = models.structure(model).head
         width = getattr(head, "in_features", None) or model.config.hidden_size

@@ -24,6 +24,7 @@ class ERM(Objective):
     def __init__(self, model, extra_optimizer=None, warmup_steps: int = 0, two_step: bool = False,
                  extra_lr: float = 2e-5):
         super().__init__(model)
+        model = self.model
         extra_lr = check_number("extra_lr", extra_lr, low=0.0, low_open=True)
         if two_step and extra_optimizer is None:  # CAT's alternate: AdamW (its defaults) at lr 2e-5
             extra_optimizer = torch.optim.AdamW(model.parameters(), lr=extra_lr)
@@ -43,16 +44,7 @@ class ERM(Objective):
         if self.extra_optimizer is not None and self.step > self.warmup_steps:
             with torch.enable_grad():
                 first = self.model(**inputs).loss
-                params = [q for q in self.model.parameters() if q.requires_grad]
-                stash = [q.grad for q in params]
-                for q in params:
-                    q.grad = None
-                try:
-                    first.backward()
-                    self.extra_optimizer.step()
-                finally:
-                    for q, g in zip(params, stash):
-                        q.grad = g
+                self.inner_update(first, self.extra_optimizer)
             loss = self.model(**inputs).loss
             return loss, {"extra_step_loss": first.detach()}
         return self.model(**inputs).loss, {}

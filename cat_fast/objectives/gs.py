@@ -164,6 +164,7 @@ class GradientSupervision(Objective):
     def __init__(self, model, weight=1.0, representation="pooled", target="counterfactual", mode="exact",
                  random_pairs=False, eps=1e-3, generator=None, difference="central", low_memory=True,
                  prune_last_layer=True, training_layers=True):
+        model = models.unwrap(model)
         st = models.structure(model)
         if st.task != "sequence_classification":
             raise ValueError(f"GradientSupervision supports *ForSequenceClassification models, got {st.model_class}")
@@ -196,6 +197,13 @@ class GradientSupervision(Objective):
         self._pooled_dtype = None  # dtype of the pooled vector on the last call (that of the closed-form g)
 
     needs_pairs = True
+
+    def check_distributed(self):
+        if self.mode == "first_order" and self.low_memory:
+            raise ValueError("low_memory=True (mode='first_order') cannot train under DistributedDataParallel: its "
+                             "perturbed passes write the parameters' .grad from a hook inside the backward, outside "
+                             "DDP's reducer, so those gradients would not be averaged over the ranks; pass "
+                             "low_memory=False")
 
     @classmethod
     def from_options(cls, model, options, **preset):

@@ -249,3 +249,16 @@ def test_collator_pairs_point_to_counterfactuals(nli, tokenizer):
     # a partner outside the batch gives -1
     batch = collate([ds[0]])
     assert batch["pairs"].tolist() == [-1]
+
+
+def test_shard_batches_deals_whole_batches_evenly():
+    from cat_fast.data import pad_batches, shard_batches
+
+    batches = [[0, 1], [2, 3, 4], [5], [6, 7], [8, 9]]
+    assert pad_batches(batches, 1) == batches and pad_batches([], 3) == []
+    assert pad_batches(batches, 2) == batches + [[0, 1]]  # padded with the first batches
+    shards = [shard_batches(batches, 3, r) for r in range(3)]
+    assert shards == [[[0, 1], [6, 7]], [[2, 3, 4], [8, 9]], [[5], [0, 1]]]  # rank r: batches r, r + 3, ...
+    assert {i for s in shards for b in s for i in b} == set(range(10))
+    with pytest.raises(ValueError, match="rank must be in"):
+        shard_batches(batches, 2, 2)

@@ -157,3 +157,49 @@ def test_resume_restores_the_objectives_random_state(tmp_path):
     resumed = [(h["cat/layer"], h["cat/lambda_before"]) for h in again.state.log_history if "cat/layer" in h]
     flat = lambda pairs: [v for pair in pairs for v in pair]  # noqa: E731
     assert flat(resumed[-2:]) == pytest.approx(flat(full[-2:]))  # the generator state came back from the checkpoint
+
+
+def _ddp_trainer_worker(rank, port, out):
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo")
+    try:
+        model = tiny_model("bert", num_labels=2, seed=rank).train()  # DDP broadcasts rank 0's weights
+        trainer = GSTrainer(model=model, args=small_args(out), train_dataset=grouped_dataset(), gs_kwargs={})
+        trainer.train()
+        logged = [h["gs/gs_pairs"] for h in trainer.state.log_history if "gs/gs_pairs" in h]
+        torch.save({"state": model.state_dict(), "pairs": logged, "steps": trainer.state.global_step,
+                    "wrapped": type(trainer.model_wrapped).__name__}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_objective_trainer_under_ddp_two_processes(tmp_path):
+    """Under torchrun the Trainer wraps the model in DDP and the objective runs inside its forward: both ranks end
+    with the same parameters, each rank's batches hold whole groups (accelerate deals out whole batches)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_trainer_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    assert r0["wrapped"] == "DistributedDataParallel" and r0["steps"] == r1["steps"] > 0
+    start = tiny_model("bert", num_labels=2, seed=0).state_dict()
+    assert max(float((v - start[k]).abs().max()) for k, v in r0["state"].items() if v.is_floating_point()) > 1e-4
+    for k, v in r0["state"].items():
+        torch.testing.assert_close(r1["state"][k], v, rtol=0, atol=0, msg=k)
+    assert r0["pairs"] and all(p > 0 for p in r0["pairs"])  # groups kept whole on the rank
+
+
+def test_a_wrapper_other_than_ddp_is_refused(tmp_path):
+    trainer = GSTrainer(model=tiny_model("bert", num_labels=2), args=small_args(tmp_path), train_dataset=tiny_dataset())
+    batch = {k: torch.tensor(v) for k, v in tiny_dataset()[:4].items() if k != "unused_text"}
+    with pytest.raises(ValueError, match="DistributedDataParallel .torchrun. only, not FSDP or DeepSpeed"):
+        trainer.compute_loss(torch.nn.DataParallel(trainer.model), batch)

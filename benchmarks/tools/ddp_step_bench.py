@@ -1,0 +1,144 @@
+"""Training-step time of cat_fast's objectives under DistributedDataParallel (`cat_fast.distributed`), N GPUs.
+
+    torchrun --standalone --nproc_per_node 2 benchmarks/tools/ddp_step_bench.py --methods erm cat gs --size 64x256
+    python benchmarks/tools/ddp_step_bench.py --methods erm cat gs            # one process: the baseline
+    torchrun --standalone --nproc_per_node 2 benchmarks/tools/ddp_step_bench.py --tiny   # CPU smoke test (gloo)
+
+BERT-base config (random weights, SDPA attention, bf16 autocast, AdamW), the step suite's batch per rank
+(benchmarks/steps/test_bench_step.py `make_batch`: random ids, lengths T/2..T, labels, random pairs; each rank its
+own draw) and its method settings (CAT: layers 8-10, 3 CAL steps; GS: first order at h_0, central differences, here
+with ``low_memory=False`` as DDP requires). Each step: the objective inside DDP's forward, backward (DDP all-reduces
+the gradients), AdamW step. Warm-up steps, then timed steps between synchronisations; rank 0 prints one JSON line per
+method: world size, ms per step and tokens/s = world × batch × tokens / step time (padding included).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from cat_fast import distributed as D  # noqa: E402
+
+TINY = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=2000,
+            max_position_embeddings=64)
+
+
+def make_model(device, tiny):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(num_labels=2, attn_implementation="sdpa", **(TINY if tiny else {}))
+    torch.manual_seed(0)  # the same weights on every rank (DDP broadcasts rank 0's anyway)
+    return BertForSequenceClassification(config).to(device).train()
+
+
+def make_batch(batch, tokens, vocab, device, seed):
+    """The step suite's batch (`make_batch` of benchmarks/steps/test_bench_step.py), drawn from `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1000 if vocab > 2000 else 5, vocab, (batch, tokens), generator=gen)
+    lengths = torch.randint(tokens // 2, tokens + 1, (batch,), generator=gen)
+    lengths[0] = tokens  # the longest sample fills the padded length
+    attention_mask = (torch.arange(tokens)[None, :] < lengths[:, None]).long()
+    input_ids[:, 0] = 101 if vocab > 2000 else 1
+    input_ids = input_ids * attention_mask
+    labels = (torch.arange(batch) % 2)[torch.randperm(batch, generator=gen)]
+    pairs = torch.randperm(batch, generator=gen)
+    out = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    return {k: v.to(device) for k, v in out.items()}, pairs.to(device)
+
+
+def make_objective(method, model, tiny):
+    from cat_fast import CAT, GradientSupervision
+    from cat_fast.objectives import ERM
+
+    if method == "erm":
+        return ERM(model)
+    if method == "cat":
+        layers = [2, 3] if tiny else [8, 9, 10]
+        return CAT(model, layers=layers, adv_steps=3, alpha=0.3, beta=0.3, gamma=10.0, eta=20.0, adv_lr=2e-2,
+                   generator=torch.Generator().manual_seed(D.rank_seed(0)))
+    if method == "gs":
+        return GradientSupervision(model, weight=1.0, representation=0, mode="first_order", difference="central",
+                                   low_memory=False)
+    raise ValueError(f"--methods: expected erm, cat or gs, got {method!r}")
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench(method, device, size, tiny, warmup, steps):
+    batch_size, tokens = (int(x) for x in size.lower().split("x"))
+    model = make_model(device, tiny)
+    kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
+    kwargs["broadcast_buffers"] = False  # BERT's buffers (position and token-type ids) are constants
+    wrapped = DDP(model, **kwargs) if D.world() > 1 else None
+    objective = make_objective(method, model, tiny)
+    call = D.DistributedObjective(objective, wrapped) if wrapped is not None else objective
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5, fused=device.type == "cuda")
+    batch, pairs = make_batch(batch_size, tokens, model.config.vocab_size, device, seed=1234 + D.rank())
+    args = (pairs,) if objective.needs_pairs else ()
+    dtype = torch.bfloat16
+
+    def step():
+        with torch.autocast(device.type, dtype=dtype):
+            loss, _ = call(batch, *args)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    sync(device)
+    if D.world() > 1:
+        dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync(device)
+    seconds = (time.perf_counter() - start) / steps
+    if D.world() > 1:  # the slowest rank's time is the step's
+        t = torch.tensor([seconds], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        seconds = float(t)
+    world = D.world()
+    return {"method": method, "world": world, "size": size, "device": torch.cuda.get_device_name(device)
+            if device.type == "cuda" else "cpu", "bf16": True, "warmup": warmup, "steps": steps,
+            "ms_per_step": round(seconds * 1e3, 3),
+            "tokens_per_s": round(world * batch_size * tokens / seconds, 1),
+            "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", nargs="+", default=["erm", "cat", "gs"], choices=("erm", "cat", "gs"))
+    parser.add_argument("--size", default=None, help="per-rank batch BxT (default 64x256; --tiny: 4x32)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 5; --tiny: 1)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20; --tiny: 2)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny BERT on the CPU (smoke test)")
+    args = parser.parse_args(argv)
+    size = args.size or ("4x32" if args.tiny else "64x256")
+    warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 5)
+    steps = args.steps if args.steps is not None else (2 if args.tiny else 20)
+    wanted = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    device, rank, world = D.init_from_env(wanted)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        for method in args.methods:
+            row = bench(method, device, size, args.tiny, warmup, steps)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""``cat-fast train`` under ``torchrun --standalone --nproc_per_node 2`` (gloo, CPU): one epoch's batches dealt out
+to the ranks, metrics.json written once by rank 0, and --resume from a checkpoint continuing the run exactly."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.cli.test_own_data import _weights, own, write_csv
+from tests.cli.test_own_data import rows as make_rows
+
+pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(
+    os.path.join(os.path.dirname(sys.executable), "torchrun")), reason="torchrun is not installed")
+
+# cli.main in each rank; with STOP_AT set, every rank stops (KeyboardInterrupt) after that optimizer step
+SCRIPT = """
+import os, sys
+from transformers import TrainerCallback
+from cat_fast import cli
+from cat_fast.integrations import trainer as T
+
+stop = int(os.environ.get("STOP_AT", "0"))
+if stop:
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == stop:
+                raise KeyboardInterrupt
+    real = T.ObjectiveTrainer.__init__
+    def init(self, *a, **k):
+        real(self, *a, **k)
+        self.add_callback(Stop())
+    T.ObjectiveTrainer.__init__ = init
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def _torchrun(tmp_path, argv, **env):
+    script = tmp_path / "rank_main.py"
+    script.write_text(SCRIPT)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun if os.path.exists(torchrun) else "torchrun", "--standalone", "--nproc_per_node", "2",
+           str(script)] + [str(a) for a in argv]
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd(), **env}
+    return subprocess.run(cmd, capture_output=True, text=True, env=environ, timeout=300)
+
+
+def test_two_processes_train_write_once_and_resume(tiny, tmp_path):
+    train = write_csv(tmp_path / "train.csv", make_rows(32))
+    dev = write_csv(tmp_path / "dev.csv", make_rows(9, seed=1))
+    args = lambda out: own(tiny, train, out, "--epochs", 2, "--group-column", "group", "--save-steps", 2,  # noqa
+                           "--device", "cpu", "--warmup-epochs", 0, "--dev", dev, method="cat")
+    full = _torchrun(tmp_path, args(tmp_path / "full"))
+    assert full.returncode == 0, full.stderr[-3000:]
+    m = json.loads((tmp_path / "full" / "metrics.json").read_text())
+    # 32 examples in groups of 2, batches of 4: 8 batches per epoch, 4 per rank, so 4 steps per epoch
+    assert m["steps"] == 8 and [h["step"] for h in m["history"]] == [4, 8]
+    assert m["config"]["processes"] == 2 and m["config"]["global_batch_size"] == 8
+    assert [h["eval"]["dev"]["n"] for h in m["history"]] == [9, 9]  # rank 0 evaluated at each epoch's end
+    assert all(h["objective"] == "cat" and h["info"]["cat_active"] == 1 for h in m["history"])
+    assert full.stderr.count("cat-fast: wrote") == 1  # rank 0 alone writes and reports
+    assert not os.path.exists(str(tmp_path / "full") + ".checkpoints")
+    assert [p for p in os.listdir(tmp_path) if p.startswith((".full", "cat-fast-rank"))] == []
+
+    cut = _torchrun(tmp_path, args(tmp_path / "cut"), STOP_AT="3")
+    assert cut.returncode != 0 and not os.path.exists(tmp_path / "cut")
+    kept = str(tmp_path / "cut") + ".checkpoints"
+    assert os.path.isfile(os.path.join(kept, "checkpoint-2", "cat_fast_objective.rank1.pt"))
+    resumed = _torchrun(tmp_path, args(tmp_path / "cut") + ["--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = _weights(tmp_path / "full"), _weights(tmp_path / "cut")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-6, atol=1e-6, msg=k)
+    mc = json.loads((tmp_path / "cut" / "metrics.json").read_text())
+    assert mc["steps"] == 8 and mc["eval"] == m["eval"]

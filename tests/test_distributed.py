@@ -1,0 +1,175 @@
+"""cat_fast's objectives under DistributedDataParallel: 2 processes, gloo, CPU, tiny BERT (`cat_fast.distributed`).
+
+One spawn runs every scenario (process start-up dominates); each rank saves its parameters after a few steps and
+the parent compares them across ranks and with single-process runs."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from cat_fast import distributed as D
+from cat_fast import models
+from cat_fast.objectives import CAT, CLP, ERM, GradientSupervision, LearnedMixin, PoE
+from tests.conftest import tiny_batch, tiny_model
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+WORLD, B, STEPS = 2, 4, 3
+PAIRS = torch.tensor([1, 0, 3, 2])  # groups of two inside each rank's batch of 4
+NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def _batch(rank, step, bias=False):
+    """Rank `rank`'s batch at `step` (rows of equal length, so that the ranks' batches concatenate)."""
+    b = tiny_batch("bert", batch=B, length=9, seed=100 * step + rank)
+    b["labels"] = (torch.tensor([0, 1, 2, 0]) + step + rank) % 3  # every pair of PAIRS has two labels
+    if bias:
+        g = torch.Generator().manual_seed(7 + 100 * step + rank)
+        b["bias"] = torch.randn(B, 3, generator=g, dtype=torch.float64).log_softmax(-1)
+    return b
+
+
+def _global_batch(step, bias=False):
+    parts = [_batch(r, step, bias) for r in range(WORLD)]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def _forced_draws(cat, offsets):
+    """CAT's partners and λ fixed: the same permutation inside each block of B rows (block r offset by r·B) and λ
+    from a fixed stream, so that two processes and one process on the concatenated batch mix the same rows."""
+    perm = torch.tensor([2, 3, 1, 0])
+    cat._draw_partner = lambda n, device: torch.cat([perm + o for o in offsets]).to(device)
+    cat._draw_lambda = lambda n, device, dtype: torch.cat(
+        [torch.linspace(0.2, 0.8, B, dtype=dtype) for _ in offsets]).to(device)
+
+
+def _build(name, model, rank):
+    """The objective `name` on `model`, with generators seeded by seed + rank."""
+    g = torch.Generator().manual_seed(D.rank_seed(0) if rank is not None else 0)
+    if name == "erm":
+        return ERM(model)
+    if name == "erm-two-step":
+        return ERM(model, two_step=True, extra_lr=1e-2)
+    if name in ("cat-sum", "cat-forced"):
+        return CAT(model, layers=[2], generator=g, cuda_graph=False)
+    if name in ("cat-alternate", "cat-alternate-forced"):
+        return CAT(model, layers=[2], generator=g, cuda_graph=False, update="alternate",
+                   crm_optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
+    if name == "gs":
+        return GradientSupervision(model)
+    if name == "gs-first-order":
+        return GradientSupervision(model, mode="first_order", low_memory=False)
+    if name == "poe":
+        return PoE(model)
+    if name == "learned-mixin":
+        return LearnedMixin(model)
+    if name == "clp":
+        return CLP(model, [_batch(9, 9)], virtual_lr=0.1, meta_lr=1e-2)
+    raise ValueError(name)
+
+
+EXACT = ("erm", "erm-two-step", "cat-forced", "cat-alternate-forced", "gs", "poe")  # equal to 1 process
+DROPOUT = ("cat-sum", "cat-alternate", "gs-first-order", "learned-mixin", "clp")  # ranks equal only
+
+
+def _train(name, model, objective, call, rank):
+    opt = torch.optim.SGD(list(model.parameters()) + objective.parameters(), lr=0.1)
+    objective.set_optimizer(opt)
+    bias = name in ("poe", "learned-mixin")
+    losses = []
+    for step in range(STEPS):
+        batch = _batch(rank, step, bias) if rank is not None else _global_batch(step, bias)
+        args = (PAIRS if rank is not None else torch.cat([PAIRS + r * B for r in range(WORLD)]),) if (
+            objective.needs_pairs) else ()
+        loss, info = call(batch, *args)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    state = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    state.update({f"own.{i}": p.detach().clone() for i, p in enumerate(objective.parameters())})
+    if isinstance(objective, CLP):
+        state.update({f"omega.{k}": v.clone() for k, v in objective.omega.state_dict().items()})
+    return state, losses
+
+
+def _model(name, seed):
+    dtype = torch.float64
+    extra = NO_DROPOUT if name in EXACT else {}
+    return tiny_model("bert", seed=seed, dtype=dtype, **extra).train()
+
+
+def _worker(rank, init, out):
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    try:
+        torch.manual_seed(D.rank_seed(0))
+        results = {}
+        for name in EXACT + DROPOUT:
+            model = _model(name, seed=rank)  # different initial weights: DDP broadcasts rank 0's
+            ddp = DDP(model)
+            obj = D.DistributedObjective(_build(name, ddp, rank), ddp)
+            if name.endswith("forced"):
+                _forced_draws(obj.objective, [0])
+            results[name] = _train(name, model, obj.objective, obj, rank)
+        # the refusal, and gradients of an objective's passes that the reducer must not see twice
+        gs = GradientSupervision(ddp.module, mode="first_order")
+        try:
+            D.DistributedObjective(gs, ddp)
+            results["refused"] = ""
+        except ValueError as error:
+            results["refused"] = str(error)
+        torch.save(results, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ddp")
+    mp.spawn(_worker, args=(f"file://{tmp / 'rendezvous'}", str(tmp / "out")), nprocs=WORLD, join=True)
+    return [torch.load(f"{tmp / 'out'}.{r}", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("name", EXACT + DROPOUT)
+def test_parameters_identical_across_ranks(spawned, name):
+    (s0, l0), (s1, l1) = spawned[0][name], spawned[1][name]
+    start = _model(name, seed=0).state_dict()
+    moved = 0.0
+    for key, value in s0.items():
+        torch.testing.assert_close(s1[key], value, rtol=0, atol=0)  # bit-identical: one averaged gradient
+        if key.startswith("model.") and value.is_floating_point():
+            moved = max(moved, float((value - start[key[6:]]).abs().max()))
+    assert moved > 1e-4  # the steps changed rank 0's initial weights
+    assert l0 != l1  # each rank saw its own batch
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_two_processes_equal_one_on_the_concatenated_batch(spawned, name):
+    """DDP averages the ranks' per-batch mean losses: with equal per-rank batches that is the global batch's mean,
+    so ERM, the bias-model losses and GS (pairs inside each rank's half; every rank with as many usable pairs, as
+    GS averages over the usable pairs of a batch) take the single-process step. CAT is exact
+    only with its draws forced: unforced, each rank draws partners among its own B rows and its own λ stream,
+    which a single process drawing for all 2B rows cannot reproduce (cat-sum and cat-alternate are compared across
+    ranks only)."""
+    model = _model(name, seed=0)
+    obj = _build(name, model, None)
+    if name.endswith("forced"):
+        _forced_draws(obj, [0, B])
+    state, losses = _train(name, model, obj, obj, None)
+    for key, want in state.items():
+        torch.testing.assert_close(spawned[0][name][0][key], want, rtol=1e-9, atol=1e-11)
+    mean = [(a + b) / 2 for a, b in zip(spawned[0][name][1], spawned[1][name][1])]
+    torch.testing.assert_close(torch.tensor(mean), torch.tensor(losses), rtol=1e-9, atol=0)
+
+
+def test_low_memory_first_order_gs_is_refused(spawned):
+    assert "low_memory=True" in spawned[0]["refused"] and "reducer" in spawned[0]["refused"]
+
+
+def test_run_in_forward_without_ddp_and_unwrap():
+    model = tiny_model("bert")
+    assert D.run_in_forward(model, lambda x: x + 1, 1) == 2
+    assert models.unwrap(model) is model and D.world() == 1 and D.rank() == 0 and D.rank_seed(5) == 5
+    with pytest.raises(TypeError, match="ddp: expected a torch.nn.parallel.DistributedDataParallel"):
+        D.DistributedObjective(ERM(model), model)
