@@ -13,7 +13,8 @@ The objective's passes call the model's layers directly (captures, hooks, resume
 `run_in_forward` runs them as the DDP module's forward, so DDP's reducer sees the one backward of the returned loss
 (gradients w.r.t. anything else inside the step — CAT's λ, GS's inputs — are not the reducer's business: it only
 acts on a backward after its forward has returned). Local to a rank: its batch (whole counterfactual groups),
-CAT's partners and λ, GS's pairs, dropout masks (seed + rank: `rank_seed`). Global: the parameter gradients,
+CAT's partners and λ, GS's pairs, dropout masks (seed + rank: `rank_seed`). Shared: CAT's mixing layer (one
+stream seeded alike on every rank, so that the ranks do equal work each step). Global: the parameter gradients,
 averaged by DDP, so parameters stay identical on every rank. Inner optimizer steps (CAT ``update="alternate"``,
 ``erm-two-step``) and CLP's Ω step all-reduce their own gradients (`Objective.inner_update`, `all_reduce_mean_`).
 Refused, with the reason: GS ``low_memory=True`` (it writes ``.grad`` from a hook, outside DDP's reducer).
@@ -133,6 +134,11 @@ class DistributedObjective:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(_average_grad)
         generator = getattr(objective, "generator", None)
+        if hasattr(objective, "layer_generator"):  # CAT: one mixing-layer stream on every rank (rank 0's seed)
+            seed = [generator.initial_seed() if isinstance(generator, torch.Generator) else torch.initial_seed()]
+            if world() > 1:
+                dist.broadcast_object_list(seed, src=0)
+            objective.layer_generator = torch.Generator().manual_seed(int(seed[0]) % 2**63)
         if reseed and isinstance(generator, torch.Generator):
             generator.manual_seed(generator.initial_seed() + rank())
 

@@ -15,7 +15,7 @@ from tests.conftest import tiny_batch, tiny_model
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
-WORLD, B, STEPS = 2, 4, 3
+WORLD, B, STEPS = 2, 4, 4
 PAIRS = torch.tensor([1, 0, 3, 2])  # groups of two inside each rank's batch of 4
 NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
@@ -53,6 +53,8 @@ def _build(name, model, rank):
         return ERM(model, two_step=True, extra_lr=1e-2)
     if name in ("cat-sum", "cat-forced"):
         return CAT(model, layers=[2], generator=g, cuda_graph=False)
+    if name == "cat-layers":
+        return CAT(model, layers=[0, 1, 2], generator=g, cuda_graph=False)
     if name in ("cat-alternate", "cat-alternate-forced"):
         return CAT(model, layers=[2], generator=g, cuda_graph=False, update="alternate",
                    crm_optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
@@ -70,14 +72,14 @@ def _build(name, model, rank):
 
 
 EXACT = ("erm", "erm-two-step", "cat-forced", "cat-alternate-forced", "gs", "poe")  # equal to 1 process
-DROPOUT = ("cat-sum", "cat-alternate", "gs-first-order", "learned-mixin", "clp")  # ranks equal only
+DROPOUT = ("cat-sum", "cat-layers", "cat-alternate", "gs-first-order", "learned-mixin", "clp")  # ranks equal only
 
 
 def _train(name, model, objective, call, rank):
     opt = torch.optim.SGD(list(model.parameters()) + objective.parameters(), lr=0.1)
     objective.set_optimizer(opt)
     bias = name in ("poe", "learned-mixin")
-    losses = []
+    losses, layers = [], []
     for step in range(STEPS):
         batch = _batch(rank, step, bias) if rank is not None else _global_batch(step, bias)
         args = (PAIRS if rank is not None else torch.cat([PAIRS + r * B for r in range(WORLD)]),) if (
@@ -87,7 +89,10 @@ def _train(name, model, objective, call, rank):
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
+        layers.append(int(info["layer"]) if "layer" in info else -1)
     state = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    if name == "cat-layers":  # compared across ranks like the parameters: one mixing layer per step on every rank
+        state["drawn_layers"] = torch.tensor(layers)
     state.update({f"own.{i}": p.detach().clone() for i, p in enumerate(objective.parameters())})
     if isinstance(objective, CLP):
         state.update({f"omega.{k}": v.clone() for k, v in objective.omega.state_dict().items()})
@@ -161,6 +166,15 @@ def test_two_processes_equal_one_on_the_concatenated_batch(spawned, name):
         torch.testing.assert_close(spawned[0][name][0][key], want, rtol=1e-9, atol=1e-11)
     mean = [(a + b) / 2 for a, b in zip(spawned[0][name][1], spawned[1][name][1])]
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(losses), rtol=1e-9, atol=0)
+
+
+def test_cat_ranks_share_the_mixing_layer_but_not_the_partners(spawned):
+    """Every rank resumes from the same drawn layer each step (equal work, no straggler at the all-reduce); the
+    draws vary over the steps, and the ranks' losses differ (their own batches, partners and λ)."""
+    (s0, l0), (s1, l1) = spawned[0]["cat-layers"], spawned[1]["cat-layers"]
+    assert torch.equal(s0["drawn_layers"], s1["drawn_layers"])
+    assert len(set(s0["drawn_layers"].tolist())) > 1
+    assert l0 != l1
 
 
 def test_low_memory_first_order_gs_is_refused(spawned):

@@ -100,16 +100,18 @@ class Objective:
         """``step`` and, for an objective with a ``generator``, its state (what a resumed run needs to draw the
         same numbers)."""
         state = {"step": self.step}
-        generator = getattr(self, "generator", None)
-        if isinstance(generator, torch.Generator):
-            state["generator"] = generator.get_state()
+        for name in ("generator", "layer_generator"):
+            generator = getattr(self, name, None)
+            if isinstance(generator, torch.Generator):
+                state[name] = generator.get_state()
         return state
 
     def load_state_dict(self, state: Mapping) -> None:
         self.step = int(state.get("step", 0))
-        generator = getattr(self, "generator", None)
-        if isinstance(generator, torch.Generator) and state.get("generator") is not None:
-            generator.set_state(state["generator"])
+        for name in ("generator", "layer_generator"):
+            generator = getattr(self, name, None)
+            if isinstance(generator, torch.Generator) and state.get(name) is not None:
+                generator.set_state(state[name])
 
     def set_optimizer(self, optimizer) -> None:
         """Called by the trainers with their optimizer (for objectives that step one themselves)."""

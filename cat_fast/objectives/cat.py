@@ -109,6 +109,10 @@ class CAT(Objective):
         self.partner = partner
         self.gs_weight = float(gs_weight)
         self.generator = generator
+        # the mixing layer's own stream, when set: under DDP (`cat_fast.distributed.DistributedObjective`) one seed on
+        # every rank, so that all ranks resume from the same layer each step (equal work: no rank waits for another
+        # at the all-reduce), while partners and λ stay each rank's own
+        self.layer_generator = None
         self.crm_optimizer = crm_optimizer
         self.step = 0
         self.qa = st.task == "question_answering"
@@ -362,7 +366,8 @@ class CAT(Objective):
     def _draw_layer(self):
         if len(self.layers) == 1:
             return self.layers[0]
-        idx = torch.randint(len(self.layers), (1,), generator=self.generator)  # CPU: no device sync
+        gen = self.layer_generator if self.layer_generator is not None else self.generator
+        idx = torch.randint(len(self.layers), (1,), generator=gen)  # CPU: no device sync
         return self.layers[int(idx)]
 
     def _draw_partner(self, B, device):
