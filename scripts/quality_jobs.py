@@ -7,6 +7,10 @@ fewshot-nli (the CAT paper's Table 1 protocol: k originals per class, originals 
 alternate-<protocol>: the `cat` runs of that protocol with the paper's alternating CRM/ERM update;
 control-<protocol>: its `erm` runs as `erm-two-step` (two AdamW updates per batch, the alternating update's count).
 --hans: every NLI run also scored on the HANS-style set.
+tune-<sentiment|nli>: issue 22's equal tuning budget: the same number of configurations (TUNING, 6) for every
+method, each trained with seeds 100 and 101 and scored on the tune half of dev (--dev-split tune); then
+`python scripts/tune_select.py ROOT.jsonl` picks each method's best by mean tune accuracy and prints its runs with
+seeds 0-4 scored on the report half (--dev-split report, HANS too for NLI).
 """
 import argparse
 
@@ -24,7 +28,32 @@ FEWSHOT = {
 }
 
 
+TUNING = {  # method -> the flags of its configurations (every method the same count)
+    "erm": [f"--lr {lr} --epochs {ep}" for lr in ("2e-5", "5e-5", "1e-4") for ep in (3, 5)],
+    "erm-two-step": [f"--lr {lr} --crm-lr {crm}" for lr in ("2e-5", "5e-5", "1e-4") for crm in ("2e-5", "5e-5")],
+    # the CAT paper's appendix: A1, A2 within [0.9, 2]; gamma searched with eta = 2 gamma
+    "cat-alternate": [f"--cat-update alternate --crm-lr 2e-5 --crm-clip {clip} --gamma {g} --eta {2 * g}"
+                      for clip in ("0.9,1.1", "0.9,2") for g in (2.5, 5, 10)],
+    "gs": [f"--gs-weight {w}" for w in ("0.1", "0.3", "1", "3", "10", "30")],
+}
+TUNING_SEEDS = (100, 101)
+
+
+def tune_jobs(task, root):
+    base = FULL[task] + (" --eval hans" if task == "nli" else "")
+    for seed in TUNING_SEEDS:
+        for method, configs in TUNING.items():
+            for i, flags in enumerate(configs):
+                name = "cat" if method == "cat-alternate" else method
+                out = f"{root}/tune-{task}/{method}/c{i}/seed{seed}"
+                # the configuration's flags come after the protocol's: later flags win in argparse
+                yield f"cat-fast train {base} --method {name} {flags} --dev-split tune --seed {seed} {COMMON} --out {out}"
+
+
 def jobs(protocol, root):
+    if protocol.startswith("tune-"):
+        yield from tune_jobs(protocol.split("-", 1)[1], root)
+        return
     if protocol.startswith("control-"):
         # issue 22's equal-update control of the alternating CAT: ERM with a second AdamW step per batch at the CRM
         # step's learning rate, the same warm-up epoch (erm-two-step)
@@ -62,7 +91,7 @@ def main():
     parser = argparse.ArgumentParser()
     bases = ("sentiment", "nli", "fewshot-sentiment", "fewshot-nli")
     parser.add_argument("protocols", nargs="+", choices=bases + tuple(f"{kind}-{b}" for kind in ("alternate", "control")
-                                                                      for b in bases))
+                                                                      for b in bases) + ("tune-sentiment", "tune-nli"))
     parser.add_argument("--root", default="runs/quality")
     parser.add_argument("--hans", action="store_true", help="score every NLI run on the HANS-style set too (--eval hans)")
     args = parser.parse_args()

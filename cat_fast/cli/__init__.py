@@ -56,7 +56,7 @@ import signal
 import sys
 from typing import Optional, Sequence
 
-from .common import DATA_MODES, CliError, Parser, fail, int_list, nonneg_int, positive_int
+from .common import DATA_MODES, CliError, Parser, fail, float_pair, int_list, nonneg_int, positive_int
 
 __all__ = ["main", "build_parser", "CliError"]
 
@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "steps to DIR.checkpoints (0 = none; removed when the run completes)")
     r.add_argument("--save-total-limit", type=positive_int, default=2, help="checkpoints kept in DIR.checkpoints")
     r.add_argument("--resume", action="store_true", help="continue from the last checkpoint in DIR.checkpoints")
+    r.add_argument("--dev-split", choices=("all", "tune", "report"), default="all",
+                   help="score on half of the built-in CAD dev set: tune (for choosing hyper-parameters) or report "
+                   "(for the chosen configuration), split by counterfactual group with a fixed seed; default all")
     r.add_argument("--logging-steps", type=positive_int, default=1, help="optimizer steps per logged point "
                    "(losses and the objective's terms are averaged over them)")
     r.add_argument("--report-to", nargs="+", metavar="NAME", help="logging integrations of the Hugging Face Trainer "
@@ -168,6 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--crm-lr", type=float, default=2e-5, help="learning rate of the CRM step with --cat-update "
                    "alternate")
     g.add_argument("--gs-weight", type=float, default=1.0, help="weight of the GS loss (gs, gs-random, cat-gs)")
+    g.add_argument("--crm-clip", type=float_pair, metavar="A1,A2", help="CAT: clip range [A1, A2] of the CRM weight ω "
+                   "(default 0,10, the paper's main text; its appendix searches within [0.9, 2])")
+    g.add_argument("--gs-representation", default="pooled", metavar="pooled|K",
+                   help="GS (gs, gs-random): where the input gradient is taken: pooled (the classification layer's "
+                   "input) or K, the token states after layer K (0 = the embedding output; pairs aligned by position)")
+    g.add_argument("--gs-mode", choices=("exact", "first_order"), default="exact",
+                   help="GS: exact (double backward; eager attention) or first_order (finite differences, any attention)")
+    g.add_argument("--gs-difference", choices=("central", "forward"), default="central",
+                   help="GS first_order: central (two perturbed passes) or forward (one) differences")
     b = t.add_argument_group("bias-model methods (poe, reweight, reweight-inverse, learned-mixin, conf-reg)")
     b.add_argument("--bias", metavar="FILE", help="the bias model's predictions for the training examples (written by "
                    "`cat-fast bias fit`; rows matched by example id)")

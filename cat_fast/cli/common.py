@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -12,7 +13,7 @@ import sys
 import tempfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["CliError", "TrainingFailed", "PRESETS", "MARKER", "mark_output", "Parser", "fail", "AtomicDir", "CHECKPOINT_META", "DATA_MODES", "parse_evals", "get_device", "encode_batches",
+__all__ = ["CliError", "TrainingFailed", "float_pair", "PRESETS", "MARKER", "mark_output", "Parser", "fail", "AtomicDir", "CHECKPOINT_META", "DATA_MODES", "parse_evals", "get_device", "encode_batches",
            "setup_device", "seed_everything", "autocast", "to_device", "predict", "predict_logits", "predict_probs", "accuracy", "EvalSet",
            "plot", "write_json", "save_checkpoint", "int_at_least", "positive_int", "nonneg_int", "int_list"]
 
@@ -80,6 +81,17 @@ def int_list(s: str) -> List[int]:
     if not out or min(out) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers >= 1 such as 4,5, got {s!r}")
     return out
+
+
+def float_pair(s: str) -> Tuple[float, float]:
+    """``A,B`` as two finite numbers with A <= B (e.g. the CRM clip range 0.9,2)."""
+    try:
+        a, b = (float(x) for x in s.replace(" ", "").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two comma-separated numbers such as 0.9,2, got {s!r}")
+    if not (math.isfinite(a) and math.isfinite(b)) or a > b:
+        raise argparse.ArgumentTypeError(f"expected two finite numbers A,B with A <= B such as 0.9,2, got {s!r}")
+    return a, b
 
 
 EVAL_RE = re.compile(r"^([A-Za-z0-9_.\-]+)=(.+)$")

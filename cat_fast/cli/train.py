@@ -54,6 +54,21 @@ FLOAT_OPTIONS = {  # option dest -> (flag, lowest allowed, open at the low end)
 }
 
 
+DEV_SPLIT_SEED = 20261127  # fixed: the same two halves for every run, whatever --seed
+
+
+def dev_half(dev, half: str):
+    """Half of `dev` by counterfactual group (an original and its edits stay together): ``"tune"`` or ``"report"``,
+    the groups shuffled with a fixed seed and cut in two, so that hyper-parameters chosen on one half are scored on
+    the other (issue 22's equal tuning budget)."""
+    import random
+
+    groups = sorted(set(dev.group), key=str)
+    random.Random(DEV_SPLIT_SEED).shuffle(groups)
+    chosen = set(groups[: len(groups) // 2] if half == "tune" else groups[len(groups) // 2:])
+    return dev.subset([i for i, g in enumerate(dev.group) if g in chosen])
+
+
 def check_options(args) -> None:
     """Every number finite and in its range (one-line errors naming the option)."""
     for dest, (flag, low, open_low) in FLOAT_OPTIONS.items():
@@ -221,6 +236,10 @@ def train(args) -> Dict:
         except D.DataError as error:
             raise CliError(f"--meta-per-class {args.meta_per_class}: {error}") from error
         meta_data = drawn if needs_meta else None
+    if args.dev_split != "all":
+        if dev_data is None:
+            raise CliError("--dev-split needs a dev set (the built-in CAD dev set, or --dev FILE)")
+        dev_data = dev_half(dev_data, args.dev_split)
     eval_data = [(name, source.read(path, labels=label_names)) for name, path in evals]
     for name, d in ([("dev", dev_data)] if dev_data is not None else []) + eval_data:
         _report_skipped(name, d)

@@ -127,13 +127,15 @@ class CAT(Objective):
     def from_options(cls, model, options, **preset):
         """CAT from the CLI's options: ``cat_layers``, ``alpha``, ``beta``, ``gamma``, ``eta``, ``adv_steps`` (None
         keeps the preset's), ``adv_lr``, ``mask_mode``, ``cat_update``, ``crm_lr`` (the alternating update's own
-        AdamW), ``gs_weight`` (where the preset turns GS on) and ``seed`` (a CPU generator: reproducible draws)."""
+        AdamW), ``crm_clip`` ((A1, A2)), ``gs_weight`` (where the preset turns GS on) and ``seed`` (a CPU generator: reproducible draws)."""
         kw = dict(preset)
         for option, name in (("cat_layers", "layers"), ("alpha", "alpha"), ("beta", "beta"), ("gamma", "gamma"),
                              ("eta", "eta"), ("adv_steps", "adv_steps"), ("adv_lr", "adv_lr"),
                              ("mask_mode", "mask_mode"), ("cat_update", "update")):
             if options.get(option) is not None:
                 kw[name] = options[option]
+        if options.get("crm_clip") is not None:
+            kw["a1"], kw["a2"] = options["crm_clip"]
         if kw.get("gs_weight", 0) > 0 and options.get("gs_weight") is not None:
             kw["gs_weight"] = options["gs_weight"]
         if options.get("seed") is not None and "generator" not in kw:

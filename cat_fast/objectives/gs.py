@@ -207,10 +207,20 @@ class GradientSupervision(Objective):
 
     @classmethod
     def from_options(cls, model, options, **preset):
-        """GS from the CLI's options: ``gs_weight`` (the weight) and ``seed`` (a CPU generator for random pairs)."""
+        """GS from the CLI's options: ``gs_weight`` (the weight), ``gs_representation`` ("pooled" or a layer
+        number), ``gs_mode``, ``gs_difference`` and ``seed`` (a CPU generator for random pairs)."""
         kw = dict(preset)
         if options.get("gs_weight") is not None:
             kw.setdefault("weight", options["gs_weight"])
+        rep = options.get("gs_representation")
+        if rep is not None:
+            rep = str(rep).strip()
+            if rep != "pooled" and not rep.isdigit():
+                raise ValueError(f"gs_representation: expected 'pooled' or a layer number such as 0, got {rep!r}")
+            kw.setdefault("representation", rep if rep == "pooled" else int(rep))
+        for option, name in (("gs_mode", "mode"), ("gs_difference", "difference")):
+            if options.get(option) is not None:
+                kw.setdefault(name, options[option])
         if options.get("seed") is not None and "generator" not in kw:
             kw["generator"] = torch.Generator().manual_seed(options["seed"])
         return cls(model, **kw)

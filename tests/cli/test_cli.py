@@ -179,6 +179,10 @@ def _bad_cases(tmp, tiny):
         "gs without pairs": (["--train", plain, "--method", "gs"], "needs counterfactual pairs"),
         "bad method": (["--method", "magic"], "invalid choice"),
         "bad per-class": (["--per-class", "0"], "positive integer"),
+        "crm clip reversed": (["--crm-clip", "2,0.9"], "A <= B"),
+        "crm clip one number": (["--crm-clip", "2"], "two comma-separated numbers"),
+        "gs representation": (["--method", "gs", "--gs-representation", "cls"], "gs_representation: expected"),
+        "dev split": (["--dev-split", "half"], "invalid choice"),
     }
 
 
@@ -265,3 +269,33 @@ def test_erm_two_step_trains(tiny, tmp_path, capsys):
     m = json.loads((out / "metrics.json").read_text())
     assert [h["objective"] for h in m["history"]] == ["erm", "erm-two-step"]
     assert "extra_step_loss" not in m["history"][0]["info"] and "extra_step_loss" in m["history"][1]["info"]
+
+
+def test_dev_split_halves_are_disjoint_groups_and_cover_dev(tiny, tmp_path, capsys):
+    """--dev-split tune / report: two halves of the built-in dev set by counterfactual group (fixed seed, whatever
+    --seed), disjoint, together the whole dev set; the run scores on its half."""
+    from cat_fast.cli.train import dev_half
+
+    dev = D.load_builtin("nli", "dev")
+    tune, report = dev_half(dev, "tune"), dev_half(dev, "report")
+    assert len(tune) + len(report) == len(dev) and not set(tune.ids) & set(report.ids)
+    assert not set(tune.group) & set(report.group) and abs(len(tune) - len(report)) <= 10
+    out = tmp_path / "tune"
+    code, err = run(small_train(tiny, out, "--dev-split", "tune", "--seed", 3), capsys)
+    assert code == 0, err
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["eval"]["dev"]["n"] == len(dev_half(D.load_builtin("sentiment", "dev"), "tune"))
+    assert m["config"]["dev_split"] == "tune"
+
+
+def test_gs_and_cat_options_reach_the_objectives(tiny):
+    """--gs-representation / --gs-mode / --gs-difference and --crm-clip map to the objectives' arguments."""
+    from cat_fast import objectives
+
+    model, _ = load_classifier(tiny, 2)
+    gs = objectives.build("gs", model, options={"gs_representation": "0", "gs_mode": "first_order",
+                                                "gs_difference": "forward", "gs_weight": 0.5})
+    assert (gs.layer, gs.mode, gs.difference, gs.weight) == (0, "first_order", "forward", 0.5)
+    assert objectives.build("gs", model, options={"gs_representation": "pooled"}).representation == "pooled"
+    cat = objectives.build("cat", model, options={"crm_clip": (0.9, 2.0), "cat_layers": [1]})
+    assert (cat.a1, cat.a2) == (0.9, 2.0)
