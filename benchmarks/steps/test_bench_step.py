@@ -138,8 +138,11 @@ def make_optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=2e-5, fused=DEVICE == "cuda")
 
 
-def make_batch(batch, tokens, vocab):
-    gen = torch.Generator().manual_seed(1234)
+def make_batch(batch, tokens, vocab, device=None, seed=1234):
+    """Random ids with lengths in [T/2, T] (the first sample T long), labels alternating in random order, random
+    pairs; on `device` (default: the suite's). Also the batch of `benchmarks/tools/ddp_step_bench.py` (per rank)."""
+    device = DEVICE if device is None else device
+    gen = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(1000 if vocab > 2000 else 5, vocab, (batch, tokens), generator=gen)
     lengths = torch.randint(tokens // 2, tokens + 1, (batch,), generator=gen)
     lengths[0] = tokens  # the longest sample fills the padded length
@@ -149,7 +152,7 @@ def make_batch(batch, tokens, vocab):
     labels = (torch.arange(batch) % 2)[torch.randperm(batch, generator=gen)]
     pairs = torch.randperm(batch, generator=gen)
     out = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
-    return {k: v.to(DEVICE) for k, v in out.items()}, pairs.to(DEVICE)
+    return {k: v.to(device) for k, v in out.items()}, pairs.to(device)
 
 
 def model_flops(config, batch, tokens, method, m=None, adv_steps=ADV_STEPS, final_backward=False):

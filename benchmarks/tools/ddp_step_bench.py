@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
+from benchmarks.steps.test_bench_step import make_batch  # noqa: E402  (the step suite's batch)
 from cat_fast import distributed as D  # noqa: E402
 
 TINY = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=2000,
@@ -35,21 +36,6 @@ def make_model(device, tiny):
     config = BertConfig(num_labels=2, attn_implementation="sdpa", **(TINY if tiny else {}))
     torch.manual_seed(0)  # the same weights on every rank (DDP broadcasts rank 0's anyway)
     return BertForSequenceClassification(config).to(device).train()
-
-
-def make_batch(batch, tokens, vocab, device, seed):
-    """The step suite's batch (`make_batch` of benchmarks/steps/test_bench_step.py), drawn from `seed`."""
-    gen = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(1000 if vocab > 2000 else 5, vocab, (batch, tokens), generator=gen)
-    lengths = torch.randint(tokens // 2, tokens + 1, (batch,), generator=gen)
-    lengths[0] = tokens  # the longest sample fills the padded length
-    attention_mask = (torch.arange(tokens)[None, :] < lengths[:, None]).long()
-    input_ids[:, 0] = 101 if vocab > 2000 else 1
-    input_ids = input_ids * attention_mask
-    labels = (torch.arange(batch) % 2)[torch.randperm(batch, generator=gen)]
-    pairs = torch.randperm(batch, generator=gen)
-    out = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
-    return {k: v.to(device) for k, v in out.items()}, pairs.to(device)
 
 
 def make_objective(method, model, tiny):
