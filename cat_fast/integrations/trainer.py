@@ -152,8 +152,22 @@ class ObjectiveTrainer(Trainer):
             if mapped is not None:
                 raise mapped from exc
             raise
-        if self.check_finite and not bool(torch.isfinite(loss).all()):
-            raise NonFiniteLossError(self._non_finite_message(loss))
+        if self.check_finite:
+            finite = torch.isfinite(loss.detach()).all()
+            everywhere = finite
+            if torch.distributed.is_available() and torch.distributed.is_initialized() and (
+                    torch.distributed.get_world_size() > 1):
+                # every rank stops at the same step (DDP averaged the gradients of a non-finite loss into all of
+                # them), not only the rank whose own loss is non-finite
+                flag = finite.to(torch.float32).reshape(1)
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+                everywhere = flag[0] > 0
+            if not bool(everywhere):
+                if bool(finite):
+                    raise NonFiniteLossError(f"the training loss became non-finite on another rank at step "
+                                             f"{self.state.global_step + 1}; training stopped before the optimizer "
+                                             "applied it")
+                raise NonFiniteLossError(self._non_finite_message(loss))
         return loss
 
     def _non_finite_message(self, loss):

@@ -203,3 +203,45 @@ def test_a_wrapper_other_than_ddp_is_refused(tmp_path):
     batch = {k: torch.tensor(v) for k, v in tiny_dataset()[:4].items() if k != "unused_text"}
     with pytest.raises(ValueError, match="DistributedDataParallel .torchrun. only, not FSDP or DeepSpeed"):
         trainer.compute_loss(torch.nn.DataParallel(trainer.model), batch)
+
+
+def _ddp_non_finite_worker(rank, port, out):
+    import os
+
+    import torch.distributed as dist
+
+    from cat_fast.integrations import NonFiniteLossError
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo")
+    try:
+        # rank 1 alone gets a loss that overflows; rank 0's own loss stays finite
+        huge = {"eta": 1e308, "gamma": 1e308} if rank == 1 else {}
+        trainer = CATTrainer(model=tiny_model("bert", num_labels=2).train(), args=small_args(out),
+                             train_dataset=tiny_dataset(), cat_kwargs={"layers": [2], **huge})
+        try:
+            trainer.train()
+            message = ""
+        except NonFiniteLossError as error:
+            message = str(error)
+        with open(f"{out}/rank{rank}.txt", "w") as f:
+            f.write(message)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_non_finite_loss_on_one_rank_stops_every_rank(tmp_path):
+    """Under DDP the gradients of a non-finite loss reach every rank: all ranks stop at that step, before the
+    optimizer applies it, each with a NonFiniteLossError (not only the rank whose own loss overflowed)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_non_finite_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    m0, m1 = ((tmp_path / f"rank{r}.txt").read_text() for r in range(2))
+    assert "non-finite on another rank at step 1" in m0
+    assert "at step 1 (in " in m1
