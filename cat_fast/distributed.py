@@ -134,7 +134,8 @@ class DistributedObjective:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(_average_grad)
         generator = getattr(objective, "generator", None)
-        if hasattr(objective, "layer_generator"):  # CAT: one mixing-layer stream on every rank (rank 0's seed)
+        if hasattr(objective, "layer_generator") and objective.layer_generator is None:
+            # CAT: one mixing-layer stream on every rank (rank 0's seed); a resumed run restored its state already
             seed = [generator.initial_seed() if isinstance(generator, torch.Generator) else torch.initial_seed()]
             if world() > 1:
                 dist.broadcast_object_list(seed, src=0)

@@ -110,6 +110,8 @@ class Objective:
         self.step = int(state.get("step", 0))
         for name in ("generator", "layer_generator"):
             generator = getattr(self, name, None)
+            if name == "layer_generator" and generator is None and hasattr(self, name) and state.get(name) is not None:
+                generator = self.layer_generator = torch.Generator()  # made under DDP: a resumed run restores it
             if isinstance(generator, torch.Generator) and state.get(name) is not None:
                 generator.set_state(state[name])
 

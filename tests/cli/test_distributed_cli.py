@@ -51,7 +51,8 @@ def test_two_processes_train_write_once_and_resume(tiny, tmp_path):
     train = write_csv(tmp_path / "train.csv", make_rows(32))
     dev = write_csv(tmp_path / "dev.csv", make_rows(9, seed=1))
     args = lambda out: own(tiny, train, out, "--epochs", 2, "--group-column", "group", "--save-steps", 2,  # noqa
-                           "--device", "cpu", "--warmup-epochs", 0, "--dev", dev, method="cat")
+                           "--device", "cpu", "--warmup-epochs", 0, "--dev", dev, "--cat-layers", "1,2",
+                           method="cat")  # two mixing layers: the shared layer stream is resumed too
     full = _torchrun(tmp_path, args(tmp_path / "full"))
     assert full.returncode == 0, full.stderr[-3000:]
     m = json.loads((tmp_path / "full" / "metrics.json").read_text())
