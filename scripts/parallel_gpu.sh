@@ -3,7 +3,7 @@
 # machine (line i on GPU i mod NGPU), each step bounded by the deadline END (epoch seconds, exported by the caller):
 #   END=$(( $(date +%s) + 540 )) bash scripts/parallel_gpu.sh JOBS LOGDIR      (env: PARALLEL=16)
 # A step still running at END is killed (its line stops there); logs go to LOGDIR/jobN.log. Used by the device run
-# scripts (mediation_gpu.sh, clp_gpu.sh) after scripts/device_setup.sh.
+# scripts (mediation_gpu.sh, jobs_gpu.sh) after scripts/device_setup.sh.
 set -uo pipefail
 jobs=$1 logs=$2
 mkdir -p "$logs"

@@ -86,7 +86,9 @@ def mediation(args) -> Dict:
                         padding=True, truncation=True, max_length=args.max_length, return_tensors="pt")
         return {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
 
-    device, rank, world = _distributed_device(args.device)
+    from ..distributed import init_from_env
+
+    device, rank, world = init_from_env(get_device(args.device))  # under torchrun: this rank's GPU
     setup_device(device)
     model.to(device).eval()
     layers = args.layers or None
@@ -134,13 +136,6 @@ def mediation(args) -> Dict:
     sys.stderr.write(f"cat-fast: wrote {args.out} ({values.numel()} neurons, {seconds:.1f} s; top {k} in "
                      f"top_neurons.tsv)\n")
     return meta
-
-
-def _distributed_device(name):
-    """(device, rank, world size): `cat_fast.distributed.init_from_env` on the device of ``--device``."""
-    from ..distributed import init_from_env
-
-    return init_from_env(get_device(name))
 
 
 def _meta(directory):
