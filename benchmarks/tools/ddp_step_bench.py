@@ -10,6 +10,12 @@ own draw) and its method settings (CAT: layers 8-10, 3 CAL steps; GS: first orde
 with ``low_memory=False`` as DDP requires). Each step: the objective inside DDP's forward, backward (DDP all-reduces
 the gradients), AdamW step. Warm-up steps, then timed steps between synchronisations; rank 0 prints one JSON line per
 method: world size, ms per step and tokens/s = world × batch × tokens / step time (padding included).
+
+Diagnostics: ``--no-ddp`` runs each rank's step without DDP (no gradient averaging: what N independent processes on
+one host reach, the scaling ceiling); ``--profile DIR`` then profiles 3 more steps per method with torch.profiler
+and writes each rank's operator table (CUDA and CPU time) to DIR. The JSON row also gives the host time to issue one
+step (``host_ms``: until ``step()`` returns, measured on separate steps after a synchronisation) and, for CAT, the
+number of captured CAL-graph signatures and of steps that replayed them.
 """
 import argparse
 import json
@@ -44,14 +50,14 @@ def make_objective(method, model, tiny):
 
     if method == "erm":
         return ERM(model)
-    if method == "cat":
+    if method in ("cat", "cat-eager"):  # cat-eager: the CAL loop without CUDA graphs (a diagnostic)
         layers = [2, 3] if tiny else [8, 9, 10]
         return CAT(model, layers=layers, adv_steps=3, alpha=0.3, beta=0.3, gamma=10.0, eta=20.0, adv_lr=2e-2,
-                   generator=torch.Generator().manual_seed(D.rank_seed(0)))
+                   generator=torch.Generator().manual_seed(D.rank_seed(0)), cuda_graph=method == "cat")
     if method == "gs":
         return GradientSupervision(model, weight=1.0, representation=0, mode="first_order", difference="central",
                                    low_memory=False)
-    raise ValueError(f"--methods: expected erm, cat or gs, got {method!r}")
+    raise ValueError(f"--methods: expected erm, cat, cat-eager or gs, got {method!r}")
 
 
 def sync(device):
@@ -59,12 +65,12 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def bench(method, device, size, tiny, warmup, steps):
+def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None):
     batch_size, tokens = (int(x) for x in size.lower().split("x"))
     model = make_model(device, tiny)
     kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
     kwargs["broadcast_buffers"] = False  # BERT's buffers (position and token-type ids) are constants
-    wrapped = DDP(model, **kwargs) if D.world() > 1 else None
+    wrapped = DDP(model, **kwargs) if D.world() > 1 and use_ddp else None
     objective = make_objective(method, model, tiny)
     call = D.DistributedObjective(objective, wrapped) if wrapped is not None else objective
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5, fused=device.type == "cuda")
@@ -93,8 +99,33 @@ def bench(method, device, size, tiny, warmup, steps):
         t = torch.tensor([seconds], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         seconds = float(t)
+    host = []  # host time to issue one step, each measured from a synchronised start
+    for _ in range(3):
+        sync(device)
+        t0 = time.perf_counter()
+        step()
+        host.append(time.perf_counter() - t0)
+    sync(device)
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch_profile(activities=activities) as prof:
+            for _ in range(3):
+                step()
+            sync(device)
+        os.makedirs(profile, exist_ok=True)
+        tag = f"{method}-w{D.world()}{'' if wrapped is not None or D.world() == 1 else '-noddp'}-r{D.rank()}"
+        sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        with open(os.path.join(profile, tag + ".txt"), "w") as f:
+            f.write(prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=70))
+            f.write("\n\n")
+            f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70))
     world = D.world()
-    return {"method": method, "world": world, "size": size, "device": torch.cuda.get_device_name(device)
+    graphs = getattr(objective, "graphs", None)
+    extra = {} if graphs is None else {"cat_graphs": graphs.num_graphs, "replays_in_forward": graphs.replays_in_forward}
+    return {"method": method, "world": world, "ddp": wrapped is not None, "size": size, **extra,
+            "host_ms": round(min(host) * 1e3, 2), "device": torch.cuda.get_device_name(device)
             if device.type == "cuda" else "cpu", "bf16": True, "warmup": warmup, "steps": steps,
             "ms_per_step": round(seconds * 1e3, 3),
             "tokens_per_s": round(world * batch_size * tokens / seconds, 1),
@@ -103,11 +134,13 @@ def bench(method, device, size, tiny, warmup, steps):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", nargs="+", default=["erm", "cat", "gs"], choices=("erm", "cat", "gs"))
+    parser.add_argument("--methods", nargs="+", default=["erm", "cat", "gs"], choices=("erm", "cat", "cat-eager", "gs"))
     parser.add_argument("--size", default=None, help="per-rank batch BxT (default 64x256; --tiny: 4x32)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 5; --tiny: 1)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20; --tiny: 2)")
     parser.add_argument("--tiny", action="store_true", help="a tiny BERT on the CPU (smoke test)")
+    parser.add_argument("--no-ddp", action="store_true", help="each rank steps on its own, no DDP (the ceiling)")
+    parser.add_argument("--profile", default=None, metavar="DIR", help="write per-rank torch.profiler tables to DIR")
     args = parser.parse_args(argv)
     size = args.size or ("4x32" if args.tiny else "64x256")
     warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 5)
@@ -118,7 +151,7 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = True
     try:
         for method in args.methods:
-            row = bench(method, device, size, args.tiny, warmup, steps)
+            row = bench(method, device, size, args.tiny, warmup, steps, use_ddp=not args.no_ddp, profile=args.profile)
             if rank == 0:
                 print(json.dumps(row), flush=True)
     finally:
