@@ -65,22 +65,35 @@ def rank_seed(seed: int) -> int:
 def run_in_forward(ddp, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` run as the forward of the DistributedDataParallel module `ddp`, so that DDP prepares
     its reducer for the backward of what `fn` returns (and moves tensor arguments to its device). Inside `fn` the
-    wrapped model is the plain model (its own ``forward``)."""
+    wrapped model has its own ``forward`` again, including one a wrapper installed on the instance (accelerate's
+    mixed precision sets ``model.forward`` to an autocast version: the Trainer and the CLI under ``--bf16``)."""
     if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
         return fn(*args, **kwargs)
     inner = ddp.module
-    if "forward" in inner.__dict__:
-        raise RuntimeError("run_in_forward: the wrapped model's forward is already patched (a nested call?)")
+    own = inner.__dict__.get("forward", _NONE)
+    if getattr(own, "_cat_fast_trampoline", False):
+        raise RuntimeError("run_in_forward: called from inside run_in_forward on the same model (a nested call)")
+
+    def restore():
+        if own is _NONE:
+            inner.__dict__.pop("forward", None)
+        else:
+            inner.__dict__["forward"] = own
 
     def trampoline(*a, **k):
-        del inner.forward  # the model's own forward again for whatever `fn` calls
+        restore()  # the model's forward again for whatever `fn` calls
         return fn(*a, **k)
 
-    inner.forward = trampoline
+    trampoline._cat_fast_trampoline = True
+    inner.__dict__["forward"] = trampoline
     try:
         return ddp(*args, **kwargs)
     finally:
-        inner.__dict__.pop("forward", None)
+        if inner.__dict__.get("forward") is trampoline:
+            restore()
+
+
+_NONE = object()
 
 
 def all_reduce_mean_(tensors: Iterable[Optional[torch.Tensor]], group=None) -> None:

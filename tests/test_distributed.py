@@ -189,6 +189,48 @@ def test_run_in_forward_without_ddp_and_unwrap():
         D.DistributedObjective(ERM(model), model)
 
 
+def test_run_in_forward_keeps_a_forward_patched_on_the_instance(tmp_path):
+    """accelerate's mixed precision sets ``model.forward`` on the instance (an autocast version): inside the
+    objective the model's forward is that one, and afterwards it is still in place (it failed on 2 GPUs under
+    ``cat-fast train --bf16`` before)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = tiny_model("bert")
+        plain = model.forward
+        calls = []
+
+        def patched(*a, **k):
+            calls.append(1)
+            return plain(*a, **k)
+
+        model.forward = patched
+        ddp = DDP(model)
+        batch = tiny_batch("bert", batch=2, length=5, seed=0)
+        seen = []
+
+        def fn(b):
+            seen.append(model.forward)
+            return model(**models.model_inputs(b)).logits.sum()
+
+        loss = D.run_in_forward(ddp, fn, batch)
+        loss.backward()
+        assert seen == [patched] and calls == [1] and model.__dict__["forward"] is patched
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+        del model.forward  # and a model without an instance forward gets none after the call
+        D.run_in_forward(ddp, fn, batch)
+        assert "forward" not in model.__dict__
+
+        def marked(*a, **k):  # what a call from inside run_in_forward's own run would find installed
+            raise AssertionError("not to be called")
+
+        marked._cat_fast_trampoline = True
+        model.forward = marked
+        with pytest.raises(RuntimeError, match="nested call"):
+            D.run_in_forward(ddp, fn, batch)
+    finally:
+        dist.destroy_process_group()
+
+
 # ----------------------------------------------------------------------------- 2 GPUs, NCCL (skipped elsewhere)
 
 GPU_NAMES = ("erm", "cat-graphs", "gs-first-order")
@@ -219,8 +261,8 @@ def _gpu_worker(rank, init, out):
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
-                losses.append(float(loss))
-            graphs = objective.graphs.num_graphs() if name == "cat-graphs" else -1
+                losses.append(float(loss.detach()))
+            graphs = objective.graphs.num_graphs if name == "cat-graphs" else -1
             results[name] = ({k: v.detach().cpu() for k, v in model.state_dict().items()}, losses, graphs)
         torch.save(results, f"{out}.{rank}")
     finally:
