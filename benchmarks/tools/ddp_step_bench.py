@@ -65,12 +65,33 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None):
+def allreduce_row(device, numel, repeats=10):
+    """All-reduce bandwidth of one `numel`-element fp32 tensor (BERT-base's gradients: 109.5M): NCCL's bus
+    bandwidth 2 (N - 1) / N × bytes / time, the figure the link's peak compares with."""
+    x = torch.ones(numel, device=device)
+    for _ in range(2):
+        dist.all_reduce(x)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dist.all_reduce(x)
+    sync(device)
+    seconds = (time.perf_counter() - start) / repeats
+    n = D.world()
+    return {"method": "allreduce", "world": n, "mib": round(numel * 4 / 2**20, 1), "ms": round(seconds * 1e3, 3),
+            "bus_gb_per_s": round(2 * (n - 1) / n * numel * 4 / seconds / 1e9, 1)}
+
+
+def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None, comm_hook=None):
     batch_size, tokens = (int(x) for x in size.lower().split("x"))
     model = make_model(device, tiny)
     kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
     kwargs["broadcast_buffers"] = False  # BERT's buffers (position and token-type ids) are constants
     wrapped = DDP(model, **kwargs) if D.world() > 1 and use_ddp else None
+    if wrapped is not None and comm_hook == "bf16":  # PyTorch's own: gradients sent as bf16, averaged in fp32
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+        wrapped.register_comm_hook(None, bf16_compress_hook)
     objective = make_objective(method, model, tiny)
     call = D.DistributedObjective(objective, wrapped) if wrapped is not None else objective
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5, fused=device.type == "cuda")
@@ -125,6 +146,7 @@ def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None)
     graphs = getattr(objective, "graphs", None)
     extra = {} if graphs is None else {"cat_graphs": graphs.num_graphs, "replays_in_forward": graphs.replays_in_forward}
     return {"method": method, "world": world, "ddp": wrapped is not None, "size": size, **extra,
+            "comm_hook": comm_hook if wrapped is not None else None,
             "host_ms": round(min(host) * 1e3, 2), "device": torch.cuda.get_device_name(device)
             if device.type == "cuda" else "cpu", "bf16": True, "warmup": warmup, "steps": steps,
             "ms_per_step": round(seconds * 1e3, 3),
@@ -140,6 +162,10 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20; --tiny: 2)")
     parser.add_argument("--tiny", action="store_true", help="a tiny BERT on the CPU (smoke test)")
     parser.add_argument("--no-ddp", action="store_true", help="each rank steps on its own, no DDP (the ceiling)")
+    parser.add_argument("--comm-hook", choices=("bf16",), default=None,
+                        help="DDP communication hook: bf16 = torch's bf16_compress_hook (half the bytes)")
+    parser.add_argument("--allreduce", action="store_true", help="first, the all-reduce bandwidth of BERT-base's "
+                        "gradient size (fp32)")
     parser.add_argument("--profile", default=None, metavar="DIR", help="write per-rank torch.profiler tables to DIR")
     args = parser.parse_args(argv)
     size = args.size or ("4x32" if args.tiny else "64x256")
@@ -150,8 +176,13 @@ def main(argv=None):
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     try:
+        if args.allreduce and world > 1:
+            row = allreduce_row(device, 2**16 if args.tiny else 109_483_778)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
         for method in args.methods:
-            row = bench(method, device, size, args.tiny, warmup, steps, use_ddp=not args.no_ddp, profile=args.profile)
+            row = bench(method, device, size, args.tiny, warmup, steps, use_ddp=not args.no_ddp, profile=args.profile,
+                        comm_hook=args.comm_hook)
             if rank == 0:
                 print(json.dumps(row), flush=True)
     finally:
