@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention implementation; auto = eager for gs, gs-random and cat-gs (exact double "
                         "backward), else the model's default")
     t.add_argument("--eval-batch-size", type=positive_int, default=64, help="examples per evaluation batch")
+    t.add_argument("--pad", default="auto", choices=("auto", "longest", "buckets"),
+                   help="padding of the training batches: longest = to the batch's longest sequence; buckets = to "
+                        "the next of a few lengths (32, 64, 96, 128, 192, 256, ... up to --max-length), so that CUDA "
+                        "graphs see a handful of shapes; auto = buckets on a GPU, longest on the CPU")
     t.add_argument("--out", metavar="DIR", help="output directory (default: runs/TASK-METHOD-seedN)")
     t.add_argument("--overwrite", action="store_true", help="replace an existing --out that cat-fast wrote")
     t.add_argument("--no-checkpoint", action="store_true",

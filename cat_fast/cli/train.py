@@ -69,6 +69,29 @@ def dev_half(dev, half: str):
     return dev.subset([i for i, g in enumerate(dev.group) if g in chosen])
 
 
+MAX_CAT_GRAPHS = 64  # the most CAL-graph signatures the CLI lets CAT capture (batch sizes × lengths × layers)
+
+
+def train_buckets(pad: str, max_length: int, device):
+    """The padded lengths of the training batches (`data.length_buckets`), or None (each batch padded to its longest
+    sequence): ``--pad buckets``, or ``auto`` on a GPU, where CAT's CUDA graphs are captured per batch shape."""
+    from .. import data as D
+
+    if pad == "buckets" or (pad == "auto" and device.type == "cuda"):
+        return D.length_buckets(max_length)
+    return None
+
+
+def fit_cat_graphs(objective, epoch_batches, buckets) -> None:
+    """Let CAT capture a CAL graph for every (batch size, padded length, mixing layer) the run will see, up to
+    `MAX_CAT_GRAPHS` (its own default, 8, is less than 4 lengths × 2 layers × the odd last batch)."""
+    graphs = getattr(objective, "graphs", None)
+    if buckets is None or graphs is None or not getattr(objective, "layers", None):
+        return
+    sizes = {len(b) for batches in epoch_batches for b in batches}
+    graphs.max_graphs = max(graphs.max_graphs, min(MAX_CAT_GRAPHS, len(sizes) * len(buckets) * len(objective.layers)))
+
+
 def check_options(args) -> None:
     """Every number finite and in its range (one-line errors naming the option)."""
     for dest, (flag, low, open_low) in FLOAT_OPTIONS.items():
@@ -102,9 +125,10 @@ def _report_skipped(name: str, data) -> None:
         sys.stderr.write(f"cat-fast: warning: {name}: skipped {skipped} row(s) with empty text ({where})\n")
 
 
-def _stream_parts(tokenized, tokenizer, epoch_batches, partners, rows=None):
+def _stream_parts(tokenized, tokenizer, epoch_batches, partners, rows=None, buckets=None):
     """A dataset, a batch sampler and a collate function over the batches of every epoch in order (keys are
-    (epoch, index); the collate function pairs each sample with its counterfactual chosen for that epoch)."""
+    (epoch, index); the collate function pairs each sample with its counterfactual chosen for that epoch, and pads
+    each batch to a length of `buckets` when given)."""
     import torch
 
     from .. import data as D
@@ -134,7 +158,7 @@ def _stream_parts(tokenized, tokenizer, epoch_batches, partners, rows=None):
     def collate(items):
         epoch = items[0]["epoch"]
         if epoch not in collators:
-            collators[epoch] = D.Collator(tokenizer, partner=partners(epoch) if partners else None)
+            collators[epoch] = D.Collator(tokenizer, partner=partners(epoch) if partners else None, buckets=buckets)
         batch = collators[epoch]([{k: v for k, v in it.items() if k != "epoch"} for it in items])
         index = torch.tensor([it["index"] for it in items])
         for name, table in (rows or {}).items():  # per-example tensors: the bias model's, the teacher's
@@ -318,7 +342,9 @@ def train(args) -> Dict:
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
     partners = (lambda epoch: train_data.choose_partners(args.seed + epoch)) if use_pairs else None
-    items, stream, collate = _stream_parts(train_tok, tokenizer, epoch_batches, partners, rows)
+    buckets = train_buckets(args.pad, args.max_length, device)
+    items, stream, collate = _stream_parts(train_tok, tokenizer, epoch_batches, partners, rows, buckets)
+    fit_cat_graphs(objective, epoch_batches, buckets)
 
     config = {k: v for k, v in vars(args).items() if k not in ("command",)}
     config.update(data=data_mode, out=out, attn=attn or "default", device=str(device), task=source.name,

@@ -21,13 +21,13 @@ single texts or text pairs.
 from __future__ import annotations
 
 import random
-from typing import Dict, Hashable, Iterable, Iterator, List, Optional, Sequence
+from typing import Dict, Hashable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from .core import CadData
 
-__all__ = ["TokenizedData", "GroupBatchSampler", "Collator", "make_batches", "group_batches", "pad_batches",
+__all__ = ["TokenizedData", "GroupBatchSampler", "Collator", "length_buckets", "make_batches", "group_batches", "pad_batches",
            "shard_batches"]
 
 
@@ -154,25 +154,57 @@ def shard_batches(batches: Sequence[List[int]], world: int, rank: int) -> List[L
     return pad_batches(batches, world)[rank::world]
 
 
+def length_buckets(max_length: int, smallest: int = 32) -> Tuple[int, ...]:
+    """Padded lengths for batches of sequences truncated at `max_length`: 32, 64, 96, 128, then steps of half the
+    previous power of two (192, 256, 384, 512, 768, ...), below `max_length`, and `max_length` itself. A run sees a
+    handful of batch shapes (CUDA graphs are captured per shape), and a batch is padded by at most half its longest
+    sequence; 128 → (32, 64, 96, 128), 256 → (32, 64, 96, 128, 192, 256)."""
+    if int(max_length) != max_length or max_length < 1:
+        raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
+    if int(smallest) != smallest or smallest < 1:
+        raise ValueError(f"smallest must be a positive integer, got {smallest!r}")
+    out, n = [], int(smallest)
+    while n < max_length:
+        out.append(n)
+        step = max(int(smallest), 1 << (n.bit_length() - 2)) if n >= 4 * smallest else int(smallest)
+        n += step
+    return tuple(out) + (int(max_length),)
+
+
 class Collator:
     """Pads a list of :class:`TokenizedData` items into the model's batch dict (+ ``labels``, + ``pairs``).
 
     ``partner``: one partner dataset index per example (see ``CadData.choose_partners``); when given,
-    the batch gets ``pairs``.
+    the batch gets ``pairs``. ``buckets``: increasing lengths (`length_buckets`); each batch is padded to the
+    smallest one that holds its longest sequence (to the longest when none does), so that the batches take a few
+    shapes. Padding is masked: the logits change only by floating-point rounding.
     """
 
-    def __init__(self, tokenizer, partner: Optional[Sequence[int]] = None, pad_to_multiple_of: Optional[int] = None):
+    def __init__(self, tokenizer, partner: Optional[Sequence[int]] = None, pad_to_multiple_of: Optional[int] = None,
+                 buckets: Optional[Sequence[int]] = None):
+        if buckets is not None:
+            buckets = tuple(int(b) for b in buckets)
+            if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+                raise ValueError(f"buckets: expected increasing positive lengths, got {buckets!r}")
+            if pad_to_multiple_of is not None:
+                raise ValueError("give buckets or pad_to_multiple_of, not both")
         self.tokenizer = tokenizer
         self.partner = partner
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.buckets = buckets
 
     def __call__(self, items: List[Dict]) -> Dict[str, torch.Tensor]:
         keys = [k for k in items[0] if k not in ("labels", "index")]
+        padding = dict(padding=True, pad_to_multiple_of=self.pad_to_multiple_of)
+        if self.buckets is not None:
+            longest = max(len(it["input_ids"]) for it in items)
+            fits = [b for b in self.buckets if b >= longest]
+            if fits:
+                padding = dict(padding="max_length", max_length=fits[0])
         batch = self.tokenizer.pad(
             [{k: it[k] for k in keys} for it in items],
-            padding=True,
-            pad_to_multiple_of=self.pad_to_multiple_of,
             return_tensors="pt",
+            **padding,
         )
         batch = dict(batch)
         batch["labels"] = torch.tensor([it["labels"] for it in items], dtype=torch.long)

@@ -299,3 +299,39 @@ def test_gs_and_cat_options_reach_the_objectives(tiny):
     assert objectives.build("gs", model, options={"gs_representation": "pooled"}).representation == "pooled"
     cat = objectives.build("cat", model, options={"crm_clip": (0.9, 2.0), "cat_layers": [1]})
     assert (cat.a1, cat.a2) == (0.9, 2.0)
+
+
+def test_pad_buckets_shape_the_batches_and_cat_graphs(tiny, tmp_path, capsys):
+    """--pad buckets: the training batches padded to `data.length_buckets(--max-length)`, and CAT allowed one CAL
+    graph per (batch size, length, mixing layer) the run sees; --pad auto is longest on the CPU."""
+    from cat_fast import objectives
+    from cat_fast.cli.train import MAX_CAT_GRAPHS, _stream_parts, fit_cat_graphs, train_buckets
+
+    assert train_buckets("auto", 128, torch.device("cpu")) is None
+    assert train_buckets("longest", 128, torch.device("cuda")) is None
+    assert train_buckets("auto", 128, torch.device("cuda")) == train_buckets("buckets", 128, torch.device("cpu")) \
+        == (32, 64, 96, 128)
+    model, tokenizer = load_classifier(tiny, 2)
+    cat = objectives.build("cat", model, layers=[1, 2])
+    fit_cat_graphs(cat, [[[0] * 10, [0] * 7]], None)
+    assert cat.graphs.max_graphs == 8
+    fit_cat_graphs(cat, [[[0] * 10, [0] * 7], [[0] * 10]], (32, 64, 96, 128))
+    assert cat.graphs.max_graphs == 2 * 4 * 2
+    fit_cat_graphs(cat, [[[0] * n for n in range(1, 40)]], (32, 64, 96, 128))
+    assert cat.graphs.max_graphs == MAX_CAT_GRAPHS
+    fit_cat_graphs(objectives.build("erm", model), [[[0] * 10]], (32,))  # no graphs: nothing to do
+
+    data = D.few_shot(D.load_builtin("sentiment", "train"), 3, seed=0)
+    tok = D.TokenizedData(data, tokenizer, 64)
+    batches = [[list(range(0, 4)), list(range(4, 8))]]
+    for buckets, lengths in ((None, None), ((16, 32, 48, 64), {16, 32, 48, 64})):
+        items, stream, collate = _stream_parts(tok, tokenizer, batches, None, buckets=buckets)
+        shapes = [collate([items[k] for k in b])["input_ids"].shape[1] for b in stream]
+        if lengths is None:
+            longest = shapes
+        else:
+            assert all(s in lengths for s in shapes) and all(s >= x for s, x in zip(shapes, longest))
+    out = tmp_path / "b"
+    code, err = run(small_train(tiny, out, "--pad", "buckets", method="cat"), capsys)
+    assert code == 0, err
+    assert json.loads((out / "metrics.json").read_text())["config"]["pad"] == "buckets"

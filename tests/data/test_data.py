@@ -262,3 +262,45 @@ def test_shard_batches_deals_whole_batches_evenly():
     assert {i for s in shards for b in s for i in b} == set(range(10))
     with pytest.raises(ValueError, match="rank must be in"):
         shard_batches(batches, 2, 2)
+
+
+def test_length_buckets():
+    assert D.length_buckets(128) == (32, 64, 96, 128)
+    assert D.length_buckets(256) == (32, 64, 96, 128, 192, 256)
+    assert D.length_buckets(512) == (32, 64, 96, 128, 192, 256, 384, 512)
+    assert D.length_buckets(100) == (32, 64, 96, 100) and D.length_buckets(20) == (20,)
+    for m in (7, 33, 129, 300, 1000, 4096):  # increasing, ending at max_length, each at most 1.5x the previous one
+        b = D.length_buckets(m)
+        assert list(b) == sorted(set(b)) and b[-1] == m
+        assert all(y <= 1.5 * x or x < 64 for x, y in zip(b, b[1:]))
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="max_length must be a positive integer"):
+            D.length_buckets(bad)
+
+
+def test_collator_pads_to_the_next_bucket(tokenizer):
+    """buckets: every batch padded to the smallest bucket holding its longest sequence; the padding is masked and
+    the real tokens are those of longest-padding."""
+    nli = D.load_builtin("nli", "train")
+    ds = D.TokenizedData(D.few_shot(nli, 4, seed=0), tokenizer, max_length=64)
+    plain, bucketed = D.Collator(tokenizer), D.Collator(tokenizer, buckets=(16, 40, 64))
+    seen = set()
+    for start in range(0, len(ds) - 3, 4):
+        items = [ds[i] for i in range(start, start + 4)]
+        a, b = plain(items), bucketed(items)
+        longest = a["input_ids"].shape[1]
+        want = min(x for x in (16, 40, 64) if x >= longest)
+        assert b["input_ids"].shape == (4, want) and b["attention_mask"].shape == (4, want)
+        assert torch.equal(b["input_ids"][:, :longest], a["input_ids"])
+        assert torch.equal(b["attention_mask"][:, :longest], a["attention_mask"])
+        assert not b["attention_mask"][:, longest:].any() and torch.equal(b["labels"], a["labels"])
+        seen.add(want)
+    assert len(seen) >= 2  # the batches did not all land in one bucket
+    over = D.Collator(tokenizer, buckets=(8,))  # nothing holds the longest: padded to the longest
+    items = [ds[i] for i in range(4)]
+    assert over(items)["input_ids"].shape == plain(items)["input_ids"].shape
+    for bad in ((), (32, 16), (0, 8), (8, 8)):
+        with pytest.raises(ValueError, match="buckets: expected increasing positive lengths"):
+            D.Collator(tokenizer, buckets=bad)
+    with pytest.raises(ValueError, match="not both"):
+        D.Collator(tokenizer, buckets=(16,), pad_to_multiple_of=8)
