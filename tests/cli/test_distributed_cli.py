@@ -76,3 +76,43 @@ def test_two_processes_train_write_once_and_resume(tiny, tmp_path):
         torch.testing.assert_close(b[k], a[k], rtol=1e-6, atol=1e-6, msg=k)
     mc = json.loads((tmp_path / "cut" / "metrics.json").read_text())
     assert mc["steps"] == 8 and mc["eval"] == m["eval"]
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_equal_one_node_of_two_processes(tiny, tmp_path):
+    """``torchrun --nnodes 2 --node_rank {0,1} --nproc_per_node 1`` (two agents, as on two machines, here on one
+    host over the loopback): the same ranks, batches and result as ``--standalone --nproc_per_node 2``; node 1
+    writes nothing."""
+    train = write_csv(tmp_path / "train.csv", make_rows(24))
+    dev = write_csv(tmp_path / "dev.csv", make_rows(6, seed=1))
+    args = lambda out: [str(a) for a in own(tiny, train, out, "--epochs", 1, "--group-column", "group",  # noqa
+                                             "--device", "cpu", "--warmup-epochs", 0, "--dev", dev,
+                                             "--cat-layers", "1,2", method="cat")]
+    one = _torchrun(tmp_path, args(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    script = tmp_path / "rank_main.py"
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    port = _free_port()
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    agents = [subprocess.Popen(
+        [torchrun if os.path.exists(torchrun) else "torchrun", "--nnodes", "2", "--node_rank", str(node),
+         "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port), str(script)]
+        + args(tmp_path / "two"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ)
+        for node in (0, 1)]
+    outputs = [a.communicate(timeout=300) for a in agents]
+    for agent, (_, err) in zip(agents, outputs):
+        assert agent.returncode == 0, err[-3000:]
+    assert outputs[0][1].count("cat-fast: wrote") == 1 and "cat-fast: wrote" not in outputs[1][1]
+    m1 = json.loads((tmp_path / "one" / "metrics.json").read_text())
+    m2 = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    assert m2["config"]["processes"] == 2 and m2["steps"] == m1["steps"] and m2["eval"] == m1["eval"]
+    a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=0, msg=k)
