@@ -82,11 +82,13 @@ def allreduce_row(device, numel, repeats=10):
             "bus_gb_per_s": round(2 * (n - 1) / n * numel * 4 / seconds / 1e9, 1)}
 
 
-def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None, comm_hook=None):
+def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None, comm_hook=None, bucket_mb=None):
     batch_size, tokens = (int(x) for x in size.lower().split("x"))
     model = make_model(device, tiny)
     kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
     kwargs["broadcast_buffers"] = False  # BERT's buffers (position and token-type ids) are constants
+    if bucket_mb is not None:
+        kwargs["bucket_cap_mb"] = bucket_mb
     wrapped = DDP(model, **kwargs) if D.world() > 1 and use_ddp else None
     if wrapped is not None and comm_hook == "bf16":  # PyTorch's own: gradients sent as bf16, averaged in fp32
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
@@ -146,7 +148,8 @@ def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None,
     graphs = getattr(objective, "graphs", None)
     extra = {} if graphs is None else {"cat_graphs": graphs.num_graphs, "replays_in_forward": graphs.replays_in_forward}
     return {"method": method, "world": world, "ddp": wrapped is not None, "size": size, **extra,
-            "comm_hook": comm_hook if wrapped is not None else None,
+            "comm_hook": comm_hook if wrapped is not None else None, "bucket_mb": bucket_mb,
+            "nccl_max_ctas": os.environ.get("NCCL_MAX_CTAS"),
             "host_ms": round(min(host) * 1e3, 2), "device": torch.cuda.get_device_name(device)
             if device.type == "cuda" else "cpu", "bf16": True, "warmup": warmup, "steps": steps,
             "ms_per_step": round(seconds * 1e3, 3),
@@ -164,6 +167,7 @@ def main(argv=None):
     parser.add_argument("--no-ddp", action="store_true", help="each rank steps on its own, no DDP (the ceiling)")
     parser.add_argument("--comm-hook", choices=("bf16",), default=None,
                         help="DDP communication hook: bf16 = torch's bf16_compress_hook (half the bytes)")
+    parser.add_argument("--bucket-mb", type=float, default=None, help="DDP's bucket_cap_mb (default: DDP's, 25)")
     parser.add_argument("--allreduce", action="store_true", help="first, the all-reduce bandwidth of BERT-base's "
                         "gradient size (fp32)")
     parser.add_argument("--profile", default=None, metavar="DIR", help="write per-rank torch.profiler tables to DIR")
@@ -182,7 +186,7 @@ def main(argv=None):
                 print(json.dumps(row), flush=True)
         for method in args.methods:
             row = bench(method, device, size, args.tiny, warmup, steps, use_ddp=not args.no_ddp, profile=args.profile,
-                        comm_hook=args.comm_hook)
+                        comm_hook=args.comm_hook, bucket_mb=args.bucket_mb)
             if rank == 0:
                 print(json.dumps(row), flush=True)
     finally:
