@@ -18,6 +18,10 @@ stream seeded alike on every rank, so that the ranks do equal work each step). G
 averaged by DDP, so parameters stay identical on every rank. Inner optimizer steps (CAT ``update="alternate"``,
 ``erm-two-step``) and CLP's Ω step all-reduce their own gradients (`Objective.inner_update`, `all_reduce_mean_`).
 Refused, with the reason: GS ``low_memory=True`` (it writes ``.grad`` from a hook, outside DDP's reducer).
+
+Compiled models: ``DDP(torch.compile(model))``, ``DDP(model)`` of a model compiled in place, and
+``torch.compile(DDP(model))`` (what accelerate makes; give it or the DDP module inside to `DistributedObjective`).
+DDP's own forward runs eagerly into the objective, whose passes run the original model uncompiled (`Objective`).
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from typing import Iterable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .models.structure import unwrap
+from .models.structure import orig_module, unwrap
 
 __all__ = ["init_from_env", "world", "rank", "rank_seed", "unwrap", "run_in_forward", "all_reduce_mean_",
            "broadcast_", "DistributedObjective"]
@@ -66,19 +70,25 @@ def run_in_forward(ddp, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` run as the forward of the DistributedDataParallel module `ddp`, so that DDP prepares
     its reducer for the backward of what `fn` returns (and moves tensor arguments to its device). Inside `fn` the
     wrapped model has its own ``forward`` again, including one a wrapper installed on the instance (accelerate's
-    mixed precision sets ``model.forward`` to an autocast version: the Trainer and the CLI under ``--bf16``)."""
+    mixed precision sets ``model.forward`` to an autocast version: the Trainer and the CLI under ``--bf16``), and
+    the compiled call of a model compiled in place (``model.compile()``), which is set aside until `fn` starts (a
+    compiled graph would trace `fn`). A torch.compile wrapper inside DDP (``DDP(torch.compile(model))``) has its
+    forward replaced like a model's."""
     if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
         return fn(*args, **kwargs)
     inner = ddp.module
     own = inner.__dict__.get("forward", _NONE)
     if getattr(own, "_cat_fast_trampoline", False):
         raise RuntimeError("run_in_forward: called from inside run_in_forward on the same model (a nested call)")
+    compiled = inner.__dict__.get("_compiled_call_impl")
 
     def restore():
         if own is _NONE:
             inner.__dict__.pop("forward", None)
         else:
             inner.__dict__["forward"] = own
+        if compiled is not None:
+            inner._compiled_call_impl = compiled
 
     def trampoline(*a, **k):
         restore()  # the model's forward again for whatever `fn` calls
@@ -86,6 +96,8 @@ def run_in_forward(ddp, fn, *args, **kwargs):
 
     trampoline._cat_fast_trampoline = True
     inner.__dict__["forward"] = trampoline
+    if compiled is not None:
+        inner._compiled_call_impl = None
     try:
         return ddp(*args, **kwargs)
     finally:
@@ -130,12 +142,14 @@ class DistributedObjective:
     ValueError naming it), the objective's own parameters and state broadcast from rank 0 (a learned gate, CLP's
     Ω), gradient hooks that average those parameters' gradients, and ``objective.distributed = True`` (its inner
     updates all-reduce). ``reseed``: re-seed the objective's CPU generator with its seed + rank (a fresh run; a
-    resumed one loads each rank's generator state instead)."""
+    resumed one loads each rank's generator state instead). `ddp` may be torch.compile's wrapper of the DDP module
+    (the DDP module inside is used: its forward is the objective's)."""
 
     def __init__(self, objective, ddp, reseed: bool = True):
+        ddp = orig_module(ddp)
         if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
             raise TypeError(f"ddp: expected a torch.nn.parallel.DistributedDataParallel, got {type(ddp).__name__}")
-        if objective.model is not ddp.module:
+        if objective.model is not unwrap(ddp):
             raise ValueError("objective: expected an objective built on the model that `ddp` wraps (ddp.module)")
         objective.check_distributed()
         self.objective = objective
@@ -158,7 +172,7 @@ class DistributedObjective:
 
     @property
     def model(self):
-        return self.ddp.module
+        return self.objective.model
 
     def __call__(self, batch, *args, **kwargs):
         return run_in_forward(self.ddp, self.objective, batch, *args, **kwargs)

@@ -22,9 +22,16 @@ are the Trainer's. What they add:
   step. Each rank's batches are its share of the batch stream (whole groups: accelerate deals out whole batches),
   its objective's generator is seeded with seed + rank, and each rank's objective state is saved in the checkpoint
   (``cat_fast_objective.pt`` for rank 0, ``cat_fast_objective.rank<R>.pt`` for the others).
-* Refused with the reason: ``TrainingArguments(torch_compile=True)`` and compiled models (the objectives hook and
-  patch the model's layers every step, which a compiled graph would not run); FSDP/DeepSpeed wrappers (the
-  objective would bypass them); the options an objective refuses under DDP (`Objective.check_distributed`).
+* Compiled models are accepted: a model given compiled (``torch.compile(model)``, ``model.compile()``) and
+  ``TrainingArguments(torch_compile=True)``, for which accelerate wraps the model (``torch.compile(model)``, or
+  ``torch.compile(DDP(model))`` under torchrun) after the objective was built on it. The objective's passes run the
+  original model uncompiled, so the training losses and gradients are exactly the uncompiled model's; its plain
+  forwards (ERM; `Objective.plain_forward`) run the compiled wrapper when it wraps the model itself (not under
+  torchrun, where the wrapper compiles DDP's forward, which the objective replaces); evaluation runs the compiled
+  model, as the Trainer does.
+* Refused with the reason: FSDP/DeepSpeed wrappers (the objective would bypass them); a model with compiled
+  submodules only (accelerate's regional compilation: `cat_fast.models.structure`); the options an objective
+  refuses under DDP (`Objective.check_distributed`).
 * A double-backward failure of the attention kernel is re-raised as `cat_fast.objectives.DOUBLE_BACKWARD_HINT`.
 """
 from __future__ import annotations
@@ -37,6 +44,7 @@ from transformers import Trainer
 from transformers.modeling_utils import unwrap_model
 
 from .. import objectives
+from ..models import compiled_wrapper, orig_module
 from ..objectives import double_backward_error, pair_by_group
 
 __all__ = ["ObjectiveTrainer", "CATTrainer", "GSTrainer", "NonFiniteLossError", "OBJECTIVE_STATE"]
@@ -60,11 +68,6 @@ class ObjectiveTrainer(Trainer):
     _log_prefix = "objective"
 
     def __init__(self, *args, objective=None, objective_kwargs=None, keep_groups=None, check_finite=True, **kwargs):
-        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if getattr(training_args, "torch_compile", False):
-            raise ValueError("TrainingArguments(torch_compile=True) is not supported by cat_fast's objectives: they "
-                             "hook and patch the model's layers every step, which a compiled graph would not run; "
-                             "set torch_compile=False")
         super().__init__(*args, **kwargs)
         self.loss_is_scaled_for_ga = False
         self.model_accepts_loss_kwargs = False
@@ -185,15 +188,18 @@ class ObjectiveTrainer(Trainer):
         objective.step = self.state.global_step
         objective.set_optimizer(self.optimizer)
         call = objective
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            if self._distributed is None or self._distributed.ddp is not model:
+        inner = orig_module(model)  # torch_compile=True: the model or DDP module in accelerate's torch.compile wrapper
+        if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
+            if self._distributed is None or self._distributed.ddp is not inner:
                 from ..distributed import DistributedObjective
 
-                self._distributed = DistributedObjective(objective, model, reseed=not self._objective_loaded)
+                self._distributed = DistributedObjective(objective, inner, reseed=not self._objective_loaded)
             call = self._distributed
-        elif unwrap_model(model) is not model:
-            raise ValueError(f"{type(model).__name__}: cat_fast's objectives run under DistributedDataParallel "
+        elif unwrap_model(inner) is not inner:
+            raise ValueError(f"{type(inner).__name__}: cat_fast's objectives run under DistributedDataParallel "
                              "(torchrun) only, not FSDP or DeepSpeed: the objective would bypass the wrapper")
+        elif objective.compiled_model is None and inner is objective.model:
+            objective.compiled_model = compiled_wrapper(model)  # the wrapper torch_compile=True made, if any
         if objective.needs_pairs:
             pairs = inputs.get("pairs")
             if pairs is None and "pair_group" in inputs:

@@ -9,7 +9,10 @@
 - `load_classifier`: a sequence classifier and its tokenizer from a local directory or the shipped MiniLM
   (`pretrained`, imported on use).
 
-No modeling file is imported: models are driven through their own ``forward`` with hooks.
+No modeling file is imported: models are driven through their own ``forward`` with hooks. A compiled model is
+driven the same way: the passes above run the module inside torch.compile's wrapper (`orig_module`), with the
+compiled call of a model compiled in place set aside (`uncompiled`), so they compute exactly what the uncompiled
+model computes.
 """
 from .capture import Capture, capture, grad_wrt_pooled, head_logits, resume
 from .first_token import first_token_forward, first_token_ok, first_token_ready
@@ -17,10 +20,20 @@ from .inputs import TARGET_KEYS, logits_of, model_inputs, sync_free_inputs
 from .interventions import COMPONENTS, intervene
 from .rng import get_state as get_rng_state
 from .rng import set_state as set_rng_state
-from .structure import ModelStructure, num_layers, structure, unwrap
+from .structure import (
+    ModelStructure,
+    compiled_wrapper,
+    is_compiled,
+    num_layers,
+    orig_module,
+    structure,
+    uncompiled,
+    unwrap,
+)
 
 __all__ = [
-    "ModelStructure", "Capture", "structure", "unwrap", "num_layers", "capture", "resume", "first_token_ok", "first_token_ready",
+    "ModelStructure", "Capture", "structure", "unwrap", "orig_module", "compiled_wrapper", "is_compiled",
+    "uncompiled", "num_layers", "capture", "resume", "first_token_ok", "first_token_ready",
     "first_token_forward", "head_logits", "grad_wrt_pooled", "logits_of", "model_inputs", "sync_free_inputs",
     "TARGET_KEYS", "intervene", "COMPONENTS", "get_rng_state", "set_rng_state",
 ]

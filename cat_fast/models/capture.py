@@ -5,7 +5,8 @@ a replacement ``h̃`` at that layer without recomputing the layers below (docs/M
 ``h_m`` (with the RNG state when layer m+1 starts). `resume` calls the forward again with the embeddings and layer
 calls 1..m short-circuited (they return the recorded outputs) and ``h̃`` passed to layer m+1, so layers m+1..L get
 exactly the arguments the model computes, and (``same_dropout``) draw the clean forward's dropout masks. Layers
-are identified by call order (ALBERT calls one shared layer L times). ``h_m`` equals ``hidden_states[m]``.
+are identified by call order (ALBERT calls one shared layer L times). ``h_m`` equals ``hidden_states[m]``. A
+compiled model runs its own forward in both (`structure.uncompiled`): the values of the uncompiled model.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from .inputs import model_inputs, sync_free_inputs
 from .patching import first_of, hidden_argument, patch_forward, replace_first, unpatch_forward
 from .rng import get_state as get_rng_state
 from .rng import set_state as set_rng_state
-from .structure import check_trainable_forward, structure, unsupported
+from .structure import check_trainable_forward, orig_module, structure, uncompiled, unsupported
 
 __all__ = ["Capture", "capture", "resume", "head_logits", "grad_wrt_pooled"]
 
@@ -63,6 +64,7 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
     `layers.training` where it supports them (see there: the same values, dropout draws and gradients, one autograd
     node per layer; no double backward through them).
     """
+    model = orig_module(model)
     st = structure(model)
     check_trainable_forward(model, st)
     L = st.num_layers
@@ -124,8 +126,8 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
             handles.append(st.head.register_forward_pre_hook(head_pre, with_kwargs=True))
         prune = first_token and (layer is None or layer < L)
         with fast_layers.training_layers(model, st, inputs, training_layers), \
-                fast_layers.last_layer_first_token(model, st, inputs, prune):
-            cap.outputs = model(**inputs)
+                fast_layers.last_layer_first_token(model, st, inputs, prune), uncompiled(model) as module:
+            cap.outputs = module(**inputs)
     finally:
         for h in handles:
             h.remove()
@@ -160,6 +162,7 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
     variants of ``h_m`` along the batch (``[K·B, ...]``, variant k in rows ``k·B .. k·B+B−1``); the batch's inputs
     are tiled to match, so one pass runs K edited copies of the batch (`cat_fast.analysis.mediation`). Eval mode only.
     """
+    model = orig_module(model)
     st = structure(model)
     check_trainable_forward(model, st)
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
@@ -230,7 +233,8 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
         if st.embeddings is not None and cap.embedding_output is not None:
             cached = _tile(cap.embedding_output, repeat) if repeat > 1 else cap.embedding_output
             patched.append(patch_forward(st.embeddings, lambda *a, **k: cached))
-        out = model(**inputs)
+        with uncompiled(model) as module:
+            out = module(**inputs)
     finally:
         for saved in reversed(patched):
             unpatch_forward(saved)
@@ -257,6 +261,7 @@ def head_logits(model, cap: Capture, x: torch.Tensor, *, same_dropout: bool = Tr
     ``same_dropout`` the head draws the dropout masks of the captured forward; it runs under the autocast state
     the model's own forward ran it under (mixed precision applied inside the forward by a wrapper included).
     """
+    model = orig_module(model)
     st = structure(model)
     if cap.head_input is None:
         raise ValueError("head_logits needs capture(..., pooled=True)")

@@ -8,7 +8,7 @@ from . import fast_layers
 from .capture import Capture, capture, resume
 from .inputs import eval_no_grad, logits_close, logits_of, model_inputs, sync_free_inputs
 from .patching import output_format
-from .structure import structure
+from .structure import orig_module, structure, uncompiled
 
 __all__ = ["first_token_ok", "first_token_ready", "first_token_forward"]
 
@@ -16,6 +16,7 @@ __all__ = ["first_token_ok", "first_token_ready", "first_token_forward"]
 def first_token_ok(model, cap: Capture) -> bool:
     """Whether ``resume(..., first_token=True)`` is exact for `model` (module docstring); decided once per model
     on the first capture with ``m < L`` (two no-grad resumes of that batch and one host synchronisation)."""
+    model = orig_module(model)
     st = structure(model)
     known = fast_layers.first_token_known(model, st)
     if known is not None:
@@ -37,6 +38,7 @@ def first_token_ok(model, cap: Capture) -> bool:
 def first_token_ready(model, batch) -> bool:
     """`first_token_ok` for `model`, decided if needed on a capture of `batch` below the last layer (eval mode,
     no autograd: one extra forward, once per model, drawing no random numbers)."""
+    model = orig_module(model)
     st = structure(model)
     known = fast_layers.first_token_known(model, st)
     if known is not None:
@@ -53,9 +55,10 @@ def first_token_forward(model, batch, *, training_layers: bool = False):
     5/6 of the last layer's matmuls skipped. For plain fine-tuning loops; the other models run unchanged.
     ``training_layers=True``: the other encoder layers run `layers.training` where it supports them (the same
     values and gradients with less host work; no double backward through them)."""
+    model = orig_module(model)
     st = structure(model)
     inputs = sync_free_inputs(model, model_inputs(batch))
     ready = first_token_ready(model, batch)
     with fast_layers.training_layers(model, st, inputs, training_layers), \
-            fast_layers.last_layer_first_token(model, st, inputs, ready):
-        return model(**inputs)
+            fast_layers.last_layer_first_token(model, st, inputs, ready), uncompiled(model) as module:
+        return module(**inputs)

@@ -7,6 +7,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from .structure import uncompiled
+
 __all__ = ["TARGET_KEYS", "model_inputs", "sync_free_inputs", "logits_of", "logits_close", "eval_no_grad"]
 
 
@@ -39,15 +41,16 @@ def logits_close(got, want, rtol, atol):
 
 def _mask_4d_ok(model, inputs) -> bool:
     """Whether `model` computes the same with `_padding_mask_4d(mask)` as with the 2-D mask; decided once per model
-    (two eval-mode, no-grad forwards of this batch with one padded position added, one host synchronisation)."""
+    (two eval-mode, no-grad forwards of this batch with one padded position added, one host synchronisation; the
+    module's own forward, `uncompiled`)."""
     known = _MASK_4D.get(model)
     if known is None:
         probe = inputs["attention_mask"].clone()
         probe[0, -1] = 0  # a padded position, so that the model's own forward builds and uses its mask
         try:
-            with eval_no_grad(model, probe.device.type):
-                want = logits_of(model(**dict(inputs, attention_mask=probe)))
-                got = logits_of(model(**dict(inputs, attention_mask=_padding_mask_4d(probe))))
+            with eval_no_grad(model, probe.device.type), uncompiled(model) as module:
+                want = logits_of(module(**dict(inputs, attention_mask=probe)))
+                got = logits_of(module(**dict(inputs, attention_mask=_padding_mask_4d(probe))))
             known = logits_close(got, want, rtol=1e-4, atol=1e-5)
         except Exception:  # noqa: BLE001 - a model that cannot take the 4-D mask keeps its own
             known = False

@@ -2,16 +2,26 @@
 
 `structure(model)` inspects a model once (cached) and returns a `ModelStructure`; unsupported models raise a
 ``ValueError`` naming the class and why (decoder-only, encoder-decoder, no layer list, other heads, ...).
+
+Compiled models: `unwrap` removes torch.compile's wrapper (``torch.compile(model)``, an ``OptimizedModule``: its
+``._orig_mod``) as it removes DistributedDataParallel's, so the model inside is what is inspected, hooked and run.
+`uncompiled` sets aside the compiled call of a model compiled in place (``model.compile()``) for the length of a
+pass: a compiled graph runs neither the hooks registered after it was traced nor the layer forwards cat_fast
+patches in, so cat_fast's passes run the module's own forward, with exactly the uncompiled model's values. A model
+whose submodules alone are compiled (``layer.compile()``, accelerate's regional compilation) is refused.
 """
 from __future__ import annotations
 
+import sys
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-__all__ = ["ModelStructure", "structure", "num_layers", "unsupported", "check_trainable_forward", "unwrap"]
+__all__ = ["ModelStructure", "structure", "num_layers", "unsupported", "check_trainable_forward", "unwrap",
+           "orig_module", "compiled_wrapper", "is_compile_wrapper", "is_compiled", "uncompiled"]
 
 
 @dataclass(frozen=True)
@@ -75,25 +85,88 @@ def _find_head(model, task):
     return last
 
 
+def is_compile_wrapper(model) -> bool:
+    """Whether `model` is torch.compile's wrapper of a module (``torch.compile(module)``: an ``OptimizedModule``)."""
+    # no such wrapper exists before torch._dynamo is imported (cat_fast does not import it)
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(model, eval_frame.OptimizedModule)
+
+
+def is_compiled(module) -> bool:
+    """Whether calling `module` runs a compiled graph: torch.compile's wrapper, or compiled in place
+    (``module.compile()``)."""
+    return is_compile_wrapper(module) or getattr(module, "_compiled_call_impl", None) is not None
+
+
 def unwrap(model):
-    """The model inside a DistributedDataParallel wrapper (``.module``); any other model unchanged."""
-    while isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        model = model.module
+    """The model inside DistributedDataParallel (``.module``) and torch.compile (``._orig_mod``) wrappers, nested in
+    any order; any other model unchanged (one compiled in place, ``model.compile()``, is its own module)."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif is_compile_wrapper(model):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def orig_module(model):
+    """`model` without torch.compile's wrappers (their ``._orig_mod``); any other model unchanged (a DDP wrapper is
+    kept: its forward is what calling it asks for). cat_fast's passes take their flags (``training``) from it: a
+    wrapper's own flag is not updated by ``model.train()``."""
+    while is_compile_wrapper(model):
+        model = model._orig_mod
     return model
+
+
+def compiled_wrapper(model):
+    """The torch.compile wrapper directly around `unwrap(model)` among `model`'s wrappers (``torch.compile(model)``,
+    ``DDP(torch.compile(model))``), else None (``torch.compile(DDP(model))`` compiles the DDP module's forward, not
+    the model's)."""
+    wrapper = None
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            wrapper, model = None, model.module
+        elif is_compile_wrapper(model):
+            wrapper, model = model, model._orig_mod
+        else:
+            return wrapper
+
+
+@contextmanager
+def uncompiled(model):
+    """Context manager giving the module to call for a pass whose hooks and patched layer forwards must run:
+    `model` without torch.compile's wrappers (``._orig_mod``), with the compiled call that ``model.compile()``
+    installed set aside until the block exits (restored on an exception too); the module's own forward then runs,
+    as if it had never been compiled. An uncompiled model is given back as it is."""
+    model = orig_module(model)
+    compiled = getattr(model, "_compiled_call_impl", None)
+    if compiled is None:
+        yield model
+        return
+    model._compiled_call_impl = None
+    try:
+        yield model
+    finally:
+        model._compiled_call_impl = compiled
 
 
 def structure(model) -> ModelStructure:
     """Inspect `model` once (cached): its encoder layer list, embedding module and classification head. A model
-    wrapped in DistributedDataParallel is inspected through its ``.module``."""
+    wrapped in DistributedDataParallel or torch.compile is inspected through the model inside (`unwrap`); one
+    compiled in place is inspected as it is (its passes run `uncompiled`). Refused: a model with a compiled
+    submodule (checked when it is first inspected)."""
     model = unwrap(model)
-    if getattr(model, "_compiled_call_impl", None) is not None or type(model).__name__ == "OptimizedModule":
-        unsupported(model, "it is compiled (torch.compile / model.compile()): cat_fast's passes hook and patch its "
-                           "layers every step, which a compiled graph would not run; pass the uncompiled model")
     found = _STRUCTURES.get(model)
     if found is not None:
         return found
     if hasattr(model, "module") and not hasattr(model, "config"):
         unsupported(model, "it wraps another model (.module): pass the underlying Hugging Face model")
+    compiled = next((name for name, mod in model.named_modules() if name and is_compiled(mod)), None)
+    if compiled is not None:
+        unsupported(model, f"its submodule '{compiled}' is compiled (regional compilation or module.compile()): "
+                           "cat_fast's passes hook and patch the model's modules, which a compiled submodule's graph "
+                           "would not run; compile the whole model instead (torch.compile(model) or model.compile())")
     cls = type(model).__name__
     config = getattr(model, "config", None)
     if config is None:

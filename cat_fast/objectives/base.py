@@ -19,6 +19,16 @@ provides:
 Under DistributedDataParallel (`cat_fast.distributed`), ``distributed`` is True and the objective runs inside the
 DDP module's forward; its model is always the unwrapped one (``.module``).
 
+Compiled models are accepted: ``torch.compile(model)``, ``model.compile()`` and either inside or around DDP. The
+objective's ``model`` is then the original module (`cat_fast.models.unwrap`: torch.compile's ``._orig_mod``), and
+every pass that hooks or patches it (captures, resumed layers, first-token and fast layers, CUDA graphs, GS's
+passes inside the backward) runs its own forward, never the compiled graph (`cat_fast.models.uncompiled`): the
+losses and gradients are exactly those of the uncompiled model. Only a plain forward, which nothing of the objective
+hooks or patches (`plain_forward`: ERM's loss, CAT's warm-up and alternate ERM step without first-token pruning),
+runs the compiled model: torch.compile's wrapper around the model (``compiled_model``; the Trainer integration sets
+it to the wrapper its ``torch_compile=True`` made), or the model compiled in place. Its values are the compiled
+model's, as without cat_fast (inductor rounds differently and draws its own dropout masks).
+
 Then one `register` line names it for the CLI (``cat-fast train --method NAME``) and the Trainer classes.
 """
 from __future__ import annotations
@@ -53,9 +63,10 @@ class Objective:
     find_unused_parameters = False  # DDP's setting for it: every step's loss reaches every parameter of the model
 
     def __init__(self, model):
-        from ..models import unwrap
+        from ..models import compiled_wrapper, unwrap
 
-        self.model = unwrap(model)  # a DDP-wrapped model: the objective drives the model inside it
+        self.model = unwrap(model)  # a DDP- or torch.compile-wrapped model: the objective drives the model inside it
+        self.compiled_model = compiled_wrapper(model)  # torch.compile's wrapper of self.model, if given: plain_forward
         self.step = 0  # calls so far; the trainers set it to the optimizer step (warm-ups count in it)
         self.distributed = False  # set by cat_fast.distributed.DistributedObjective: inner updates all-reduce
 
@@ -91,6 +102,12 @@ class Objective:
 
     def __call__(self, batch):
         raise NotImplementedError
+
+    def plain_forward(self, inputs):
+        """``model(**inputs)`` for a forward that nothing of the objective hooks or patches: through torch.compile's
+        wrapper when there is one (``compiled_model``), else the model itself (compiled in place or not)."""
+        model = self.compiled_model if self.compiled_model is not None else self.model
+        return model(**inputs)
 
     def parameters(self):
         """Trainable tensors the objective owns (none by default)."""

@@ -56,7 +56,7 @@ class CAT(Objective):
                  p=1.0, a1=0.0, a2=10.0, mask_mode="self", detach_weight=True, update="sum", warmup_steps=0,
                  partner="permutation", gs_weight=0.0, generator=None, crm_optimizer=None, cuda_graph=True,
                  max_graphs=8, prune_last_layer=True, fast_resume=True, training_layers=True):
-        model = models.unwrap(model)
+        given, model = model, models.unwrap(model)  # `Objective` finds a torch.compile wrapper in `given`
         st = models.structure(model)
         L = st.num_layers
         if layers is None:
@@ -95,7 +95,7 @@ class CAT(Objective):
                                                       or model.config.num_labels < 2):
             raise ValueError(f"CAT needs single-label classification (num_labels >= 2), got problem_type={problem!r}, "
                              f"num_labels={model.config.num_labels}")
-        super().__init__(model)
+        super().__init__(given)
         self.structure = st
         self.layers = layers
         self.alpha, self.beta = float(alpha), float(beta)
@@ -266,7 +266,7 @@ class CAT(Objective):
             if self._prunes(batch):
                 outputs = models.first_token_forward(self.model, batch)
             else:
-                outputs = self.model(**models.model_inputs(batch))
+                outputs = self.plain_forward(models.model_inputs(batch))
             targets, logits = self._targets(batch, outputs, None)
             erm = self._erm(logits, targets)
         zero = torch.zeros((), device=erm.device, dtype=erm.dtype)

@@ -175,7 +175,8 @@ class CLP(Objective):
             raise ValueError("meta_batches: expected at least one batch") from None
 
     def _call(self, batch, params=None):
-        """Logits and the head's input for `batch` (with `params`: through functional_call)."""
+        """Logits and the head's input for `batch` (with `params`: through functional_call). The model's own forward
+        runs (`models.uncompiled`): a compiled one would not run the hook on the head."""
         seen = {}
 
         def grab(module, args):
@@ -183,18 +184,20 @@ class CLP(Objective):
 
         handle = self.head.register_forward_pre_hook(grab)
         try:
-            if "input_ids" in batch or "inputs_embeds" in batch:
-                inputs = {k: v for k, v in batch.items() if k in _INPUTS or k == "inputs_embeds"}
-                if params is None:
-                    out = self.model(**inputs)
+            with models.uncompiled(self.model) as model:
+                if "input_ids" in batch or "inputs_embeds" in batch:
+                    inputs = {k: v for k, v in batch.items() if k in _INPUTS or k == "inputs_embeds"}
+                    if params is None:
+                        out = model(**inputs)
+                    else:
+                        out = torch.func.functional_call(model, params, args=(), kwargs=inputs)
+                    logits = models.logits_of(out)
                 else:
-                    out = torch.func.functional_call(self.model, params, args=(), kwargs=inputs)
-                logits = models.logits_of(out)
-            else:
-                if "inputs" not in batch:
-                    raise ValueError("batch: expected tokenised inputs (input_ids, ...) or 'inputs' for a plain module")
-                logits = (self.model(batch["inputs"]) if params is None else
-                          torch.func.functional_call(self.model, params, (batch["inputs"],)))
+                    if "inputs" not in batch:
+                        raise ValueError("batch: expected tokenised inputs (input_ids, ...) or 'inputs' for a plain "
+                                         "module")
+                    logits = (model(batch["inputs"]) if params is None else
+                              torch.func.functional_call(model, params, (batch["inputs"],)))
         finally:
             handle.remove()
         if "features" not in seen:

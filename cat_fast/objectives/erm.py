@@ -13,7 +13,8 @@ _METADATA = ("pairs", "pair_group", "context_mask")
 
 
 class ERM(Objective):
-    """``loss, info = ERM(model)(batch)``: ``model(**batch).loss`` (labels in the batch); ``info`` is empty.
+    """``loss, info = ERM(model)(batch)``: ``model(**batch).loss`` (labels in the batch); ``info`` is empty. A
+    compiled model runs compiled (`Objective.plain_forward`).
 
     ``extra_optimizer`` (the ``erm-two-step`` control): before the loss that the caller steps on, one more ERM step
     on the same batch with this optimizer (its own gradients; the caller's ``.grad`` left as it was), then the loss
@@ -43,8 +44,8 @@ class ERM(Objective):
         inputs = {k: v for k, v in batch.items() if k not in _METADATA}
         if self.extra_optimizer is not None and self.step > self.warmup_steps:
             with torch.enable_grad():
-                first = self.model(**inputs).loss
+                first = self.plain_forward(inputs).loss
                 self.inner_update(first, self.extra_optimizer)
-            loss = self.model(**inputs).loss
+            loss = self.plain_forward(inputs).loss
             return loss, {"extra_step_loss": first.detach()}
-        return self.model(**inputs).loss, {}
+        return self.plain_forward(inputs).loss, {}

@@ -164,7 +164,7 @@ class GradientSupervision(Objective):
     def __init__(self, model, weight=1.0, representation="pooled", target="counterfactual", mode="exact",
                  random_pairs=False, eps=1e-3, generator=None, difference="central", low_memory=True,
                  prune_last_layer=True, training_layers=True):
-        model = models.unwrap(model)
+        given, model = model, models.unwrap(model)  # `Objective` finds a torch.compile wrapper in `given`
         st = models.structure(model)
         if st.task != "sequence_classification":
             raise ValueError(f"GradientSupervision supports *ForSequenceClassification models, got {st.model_class}")
@@ -179,7 +179,7 @@ class GradientSupervision(Objective):
         layer = _parse_representation(representation)
         if layer is not None and not 0 <= layer <= st.num_layers:
             raise ValueError(f"representation layer must be in [0, {st.num_layers}], got {layer}")
-        super().__init__(model)
+        super().__init__(given)
         self.weight = float(weight)
         self.representation = representation
         self.layer = layer

@@ -112,14 +112,43 @@ def test_info_is_averaged_over_the_logging_window(tmp_path):
     assert active == [0.5, 1.0]  # steps 1-2: warm-up then CAT; steps 3-4: CAT
 
 
-def test_compiled_models_and_torch_compile_are_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"torch_compile=True\) is not supported"):
-        CATTrainer(model=tiny_model("bert", num_labels=2), args=small_args(tmp_path, torch_compile=True),
-                   train_dataset=tiny_dataset())
-    model = tiny_model("bert", num_labels=2)
-    model.compile()
-    with pytest.raises(ValueError, match="it is compiled"):
-        GSTrainer(model=model, args=small_args(tmp_path), train_dataset=tiny_dataset())
+def _trained(tmp_path, trainer_cls, compile_=None, **kw):
+    """Losses and final parameters of 3 steps; `compile_`: "args" (TrainingArguments(torch_compile=True), eager
+    backend) or "in-place" (model.compile(backend="eager") before the Trainer gets it)."""
+    model = tiny_model("bert", num_labels=2).train()
+    if compile_ == "in-place":
+        model.compile(backend="eager")
+    extra = dict(torch_compile=True, torch_compile_backend="eager") if compile_ == "args" else {}
+    trainer = trainer_cls(model=model, args=small_args(tmp_path, max_steps=3, **extra), train_dataset=tiny_dataset(),
+                          **kw)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return trainer, losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("compile_", ["args", "in-place"])
+@pytest.mark.parametrize("kind", ["cat", "gs", "erm"])
+def test_compiled_models_train_as_the_uncompiled_model(tmp_path, kind, compile_):
+    """torch_compile=True (accelerate wraps the model in torch.compile) and a model compiled in place: the same
+    losses and parameters as the uncompiled model (dropout on). The objectives' passes run the original model;
+    ERM's forward runs the compiled one (the Trainer's wrapper)."""
+    from cat_fast.integrations import ObjectiveTrainer
+
+    def kwargs():
+        if kind == "cat":
+            return dict(cat_kwargs={"layers": [2], "generator": torch.Generator().manual_seed(0)})
+        return dict(gs_kwargs={"weight": 1.0}) if kind == "gs" else dict(objective="erm")
+
+    cls = {"cat": CATTrainer, "gs": GSTrainer, "erm": ObjectiveTrainer}[kind]
+    _, want_losses, want = _trained(tmp_path / "plain", cls, **kwargs())
+    trainer, losses, got = _trained(tmp_path / "compiled", cls, compile_, **kwargs())
+    if compile_ == "args":
+        assert type(trainer.model_wrapped).__name__ == "OptimizedModule"
+        if kind == "erm":
+            assert trainer.objective.compiled_model is trainer.model_wrapped
+    assert losses == want_losses
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-6, msg=n)
 
 
 @pytest.mark.parametrize("mode", ["exact", "first_order"])
