@@ -32,6 +32,9 @@ are the Trainer's. What they add:
 * Refused with the reason: FSDP/DeepSpeed wrappers (the objective would bypass them); a model with compiled
   submodules only (accelerate's regional compilation: `cat_fast.models.structure`); the options an objective
   refuses under DDP (`Objective.check_distributed`).
+* Mixed precision (``bf16=True`` / ``fp16=True``): the whole objective runs under accelerate's autocast, as in a
+  plain loop under ``torch.autocast`` (accelerate itself autocasts only inside the model's forward, which left CAT's
+  CAL loop and counterfactual passes, and GS's passes, in fp32).
 * A double-backward failure of the attention kernel is re-raised as `cat_fast.objectives.DOUBLE_BACKWARD_HINT`.
 """
 from __future__ import annotations
@@ -208,9 +211,11 @@ class ObjectiveTrainer(Trainer):
                 raise ValueError(f"{type(self).__name__} needs a 'pairs' or 'pair_group' column in the batch "
                                  "(or random_pairs=True)")
             batch = {k: v for k, v in inputs.items() if k not in EXTRA_COLUMNS}
-            loss, info = call(batch, pairs)
+            with self.accelerator.autocast():
+                loss, info = call(batch, pairs)
         else:
-            loss, info = call(inputs)
+            with self.accelerator.autocast():
+                loss, info = call(inputs)
         self._last_info = info
         for k, v in info.items():  # summed on the device: no host sync in the step
             v = v.detach().float() if isinstance(v, torch.Tensor) else torch.tensor(float(v))

@@ -132,6 +132,16 @@ class Objective:
             if isinstance(generator, torch.Generator) and state.get(name) is not None:
                 generator.set_state(state[name])
 
+    def capture_key(self, batch, *args):
+        """What, besides the shapes of the batch, selects this step's CUDA graph in `cat_fast.step.CapturedStep` (a
+        hashable; ``()`` for none), or `cat_fast.step.NotCapturable` with the reason when a step cannot be
+        replayed: one that draws on the host, steps an optimizer itself or keeps host-side state per step (the
+        default, until an objective says otherwise)."""
+        from ..step import NotCapturable
+
+        raise NotCapturable(f"{type(self).__name__}: its step is not replayable as a CUDA graph yet (host-side "
+                            "draws or state); run it with CapturedStep(..., cuda_graph=False)")
+
     def set_optimizer(self, optimizer) -> None:
         """Called by the trainers with their optimizer (for objectives that step one themselves)."""
 

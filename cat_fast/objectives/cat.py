@@ -151,6 +151,14 @@ class CAT(Objective):
             self.crm_optimizer = optimizer
 
     # ----------------------------------------------------------------- public API
+    def capture_key(self, batch, *args):
+        """CAT cannot be replayed as one CUDA graph yet (`cat_fast.step`): it draws its mixing layer, and with a
+        CPU generator its partners and λ, on the host each step (its CAL loop is replayed as graphs already)."""
+        from ..step import NotCapturable
+
+        raise NotCapturable("CAT draws its mixing layer (and, with a CPU generator, partners and λ) on the host each "
+                            "step; its CAL loop is replayed as CUDA graphs (cuda_graph=True) instead")
+
     def __call__(self, batch):
         step = self.step
         self.step += 1

@@ -39,6 +39,20 @@ class ERM(Objective):
             preset.setdefault("extra_lr", options["crm_lr"])
         return cls(model, **preset)
 
+    def capture_key(self, batch, *args):
+        """``()``: the step is the model's forward and loss, replayable as a CUDA graph (`cat_fast.step`); not with
+        ``extra_optimizer`` (an inner optimizer step) or a compiled model (compile with mode="reduce-overhead"
+        instead)."""
+        from ..step import NotCapturable
+
+        if self.extra_optimizer is not None:
+            raise NotCapturable("ERM with extra_optimizer (erm-two-step) makes an inner optimizer step inside its call, "
+                                "which CapturedStep does not capture yet")
+        if self.compiled_model is not None:
+            raise NotCapturable("ERM on a torch.compile'd model: use torch.compile(..., mode='reduce-overhead'), "
+                                "which captures CUDA graphs itself")
+        return ()
+
     def __call__(self, batch, pairs=None):
         self.step += 1
         inputs = {k: v for k, v in batch.items() if k not in _METADATA}

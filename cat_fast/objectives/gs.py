@@ -232,6 +232,18 @@ class GradientSupervision(Objective):
         z = upcast(logits)
         return F.cross_entropy(z, labels, reduction="none")
 
+    def capture_key(self, batch, *args):
+        """``()`` for the pairs of the batch (`cat_fast.step`); not for ``random_pairs`` (drawn on the host) or
+        first-order GS with ``low_memory=True`` (its passes write ``.grad`` from a hook inside the backward)."""
+        from ..step import NotCapturable
+
+        if self.random_pairs:
+            raise NotCapturable("GradientSupervision with random pairs draws them on the host each step")
+        if self.mode == "first_order" and self.low_memory:
+            raise NotCapturable("first-order GradientSupervision with low_memory=True writes .grad from a hook inside "
+                                "the backward; pass low_memory=False")
+        return ()
+
     def __call__(self, batch, pairs=None):
         labels = batch["labels"]
         if pairs is None and not self.random_pairs:

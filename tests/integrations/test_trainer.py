@@ -274,3 +274,24 @@ def test_a_non_finite_loss_on_one_rank_stops_every_rank(tmp_path):
     m0, m1 = ((tmp_path / f"rank{r}.txt").read_text() for r in range(2))
     assert "non-finite on another rank at step 1" in m0
     assert "at step 1 (in " in m1
+
+
+def test_the_objective_runs_under_the_trainers_mixed_precision(tmp_path):
+    """bf16=True: the objective's whole call is under autocast (accelerate autocasts inside the model's forward only;
+    CAT's CAL loop and counterfactual passes run outside it)."""
+    from cat_fast.objectives import ERM
+
+    seen = []
+
+    class Probe(ERM):
+        def __call__(self, batch, pairs=None):
+            seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+            return super().__call__(batch, pairs)
+
+    from cat_fast.integrations import ObjectiveTrainer
+
+    model = tiny_model("bert", num_labels=2).train()
+    a = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=2, learning_rate=1e-3,
+                          save_strategy="no", report_to=[], use_cpu=True, seed=0, bf16=True)
+    ObjectiveTrainer(model=model, args=a, train_dataset=tiny_dataset(), objective=Probe(model)).train()
+    assert seen == [True, True]

@@ -1,0 +1,126 @@
+"""`cat_fast.step.CapturedStep`: a whole training step replayed as a CUDA graph per batch signature (GPU), and the
+same step run eagerly (CPU, ``cuda_graph=False``)."""
+import warnings
+
+import pytest
+import torch
+
+from cat_fast.objectives import CAT, ERM, GradientSupervision, PoE
+from cat_fast.step import CapturedStep, NotCapturable
+from tests.conftest import tiny_batch, tiny_model
+
+GPU = torch.cuda.is_available()
+
+
+def _loop(model, objective, batches, lr=1e-3, max_grad_norm=1.0, captured=None, **step_kwargs):
+    """Parameters after `batches` steps, either a plain eager loop or CapturedStep; losses per step."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    device = params[0].device
+    lr_value = torch.tensor(lr, device=device) if device.type == "cuda" else lr
+    opt = torch.optim.AdamW(params, lr=lr_value, capturable=device.type == "cuda")
+    losses = []
+    if captured is None:
+        for batch, args in batches:
+            loss, _ = objective(batch, *args)
+            loss.backward()
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=True)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+    else:
+        step = CapturedStep(objective, opt, max_grad_norm=max_grad_norm, cuda_graph=captured, **step_kwargs)
+        for batch, args in batches:
+            loss, _ = step(batch, *args)
+            losses.append(loss)
+        objective.captured_step = step
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, torch.stack(losses)
+
+
+def _batches(n, device, pairs=False, bias=False, length=9):
+    out = []
+    for i in range(n):
+        b = {k: v.to(device) for k, v in tiny_batch("bert", batch=4, length=length, seed=i).items()}
+        if bias:
+            g = torch.Generator().manual_seed(50 + i)
+            b["bias"] = torch.randn(4, 3, generator=g).log_softmax(-1).to(device)
+        out.append((b, (torch.tensor([1, 0, 3, 2], device=device),) if pairs else ()))
+    return out
+
+
+def test_eager_step_equals_a_plain_loop():
+    """cuda_graph=False (and any CPU model): the step is the loop's: loss, backward, clipping, AdamW."""
+    for make in (lambda m: ERM(m), lambda m: PoE(m)):
+        bias = isinstance(make(tiny_model("bert")), PoE)
+        batches = _batches(4, "cpu", bias=bias)
+        torch.manual_seed(0)
+        model = tiny_model("bert", seed=1)
+        want, want_losses = _loop(model, make(model), batches)
+        torch.manual_seed(0)
+        model = tiny_model("bert", seed=1)
+        got, got_losses = _loop(model, make(model), batches, captured=False)
+        torch.testing.assert_close(got_losses, want_losses, rtol=0, atol=0)
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=0, atol=0, msg=n)
+
+
+def test_bad_arguments_name_themselves():
+    model = tiny_model("bert")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for kwargs, match in ((dict(max_grad_norm=0), "max_grad_norm"), (dict(autocast=torch.float32), "autocast"),
+                          (dict(warmup_steps=0), "warmup_steps"), (dict(max_graphs=-1), "max_graphs")):
+        with pytest.raises(ValueError, match=match):
+            CapturedStep(ERM(model), opt, cuda_graph=False, **kwargs)
+    with pytest.raises(ValueError, match="capturable=True"):
+        CapturedStep(ERM(model), opt)  # graphs asked for: AdamW's step counter must live on the device
+
+
+def test_objectives_say_whether_a_step_can_be_replayed():
+    model = tiny_model("bert")
+    batch = tiny_batch("bert", batch=4)
+    assert ERM(model).capture_key(batch) == ()
+    for objective, reason in ((CAT(model, generator=torch.Generator().manual_seed(0)), "host"),
+                              (ERM(model, two_step=True), "inner optimizer step"),
+                              (GradientSupervision(model, random_pairs=True), "random pairs")):
+        with pytest.raises(NotCapturable, match=reason):
+            objective.capture_key(batch)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+@pytest.mark.parametrize("name", ["erm", "poe", "gs-pooled"])
+def test_gpu_replayed_steps_equal_the_eager_loop(name):
+    """Eight steps with dropout (3 eager warm-up steps, the capture, replays): the same parameters and losses as
+    the eager loop with the same seed, and the signature captured once (a failed capture fails the test)."""
+    make = {"erm": lambda m: ERM(m), "poe": lambda m: PoE(m),
+            "gs-pooled": lambda m: GradientSupervision(m, representation="pooled")}[name]
+    batches = _batches(8, "cuda", pairs=name.startswith("gs"), bias=name == "poe")
+    runs = []
+    for captured in (None, True):
+        model = tiny_model("bert", seed=1, attn="sdpa").cuda().train()
+        torch.manual_seed(0)
+        objective = make(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            runs.append(_loop(model, objective, batches, captured=captured))
+        if captured:
+            assert objective.captured_step.num_graphs == 1
+    (want, want_losses), (got, got_losses) = runs
+    torch.testing.assert_close(got_losses, want_losses, rtol=1e-6, atol=1e-6)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+def test_gpu_a_changed_float_learning_rate_raises():
+    model = tiny_model("bert", seed=1, attn="sdpa").cuda().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+    step = CapturedStep(ERM(model), opt, warmup_steps=1)
+    batches = _batches(3, "cuda")
+    step(*batches[0])
+    step(*batches[1])  # captured here
+    assert step.num_graphs == 1
+    opt.param_groups[0]["lr"] = 5e-4
+    with pytest.raises(ValueError, match="tensor lr"):
+        step(*batches[2])
