@@ -130,7 +130,8 @@ def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None,
         host.append(time.perf_counter() - t0)
     sync(device)
     if profile:
-        from torch.profiler import ProfilerActivity, profile as torch_profile
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with torch_profile(activities=activities) as prof:
