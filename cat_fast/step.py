@@ -108,7 +108,7 @@ class CapturedStep:
         self._pool = None
         self._hyper = None  # the optimizer's settings when the first graph was captured
         self._warned = set()
-        if self.cuda_graph:
+        if self.cuda_graph and self.params and self.params[0].is_cuda:  # elsewhere every step runs eagerly
             self._check_optimizer()
 
     @property

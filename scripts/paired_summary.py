@@ -29,6 +29,8 @@ for path in sys.argv[1:]:
             ms = base.get((name, e["size"]))
             if ms and e.get("step_ms") and e["method"] != name:
                 parts.append(f"/{'ro' if name.endswith('_ro') else 'compiled'} {e['step_ms'] / ms:.2f}")
+        if "captured_graphs" in e:
+            parts.append(f"graphs {e['captured_graphs']}")
         if e.get("compile_s"):
             parts.append(f"compile {e['compile_s']:.0f} s")
         print(*parts)

@@ -71,8 +71,15 @@ def test_bad_arguments_name_themselves():
                           (dict(warmup_steps=0), "warmup_steps"), (dict(max_graphs=-1), "max_graphs")):
         with pytest.raises(ValueError, match=match):
             CapturedStep(ERM(model), opt, cuda_graph=False, **kwargs)
+    CapturedStep(ERM(model), opt)  # a CPU model: every step runs eagerly, any optimizer will do
+
+
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+def test_gpu_an_optimizer_that_is_not_capturable_is_refused():
+    model = tiny_model("bert").cuda()
     with pytest.raises(ValueError, match="capturable=True"):
-        CapturedStep(ERM(model), opt)  # graphs asked for: AdamW's step counter must live on the device
+        CapturedStep(ERM(model), torch.optim.AdamW(model.parameters(), lr=1e-3))
+    CapturedStep(ERM(model), torch.optim.AdamW(model.parameters(), lr=1e-3), cuda_graph=False)
 
 
 def test_objectives_say_whether_a_step_can_be_replayed():

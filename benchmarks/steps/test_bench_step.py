@@ -39,6 +39,9 @@ bf16 autocast, AdamW (fused on CUDA), B x T = 8x128, 32x128, 64x256; each sample
                  `torch.compile(model, mode="reduce-overhead")` (CUDA graphs; the fused AdamW step stays eager): the
                  baseline a performance-minded user compares against (issue 23). The first step (the compilation)
                  is timed apart as `compile_s`; GPU only (the CPU smoke run skips them).
+10. `plain_captured`: `cat_fast.step.CapturedStep(ERM(model), ...)`: the model's own loss, backward and a fused,
+                 capturable AdamW (tensor lr) as one hand-captured CUDA graph per batch shape (issue 23; on the CPU
+                 the same step eagerly).
 8. `clp`, `clp_all`: `cat_fast.CLP` (causal logit perturbation) with `virtual="head"` / `"all"`: the model's own
                  forward (so `plain` is their ERM step), the characteristics op, Ω's meta step on a metadata batch
                  of the same shape (another draw of ids), the perturbed loss; `clp_all` runs eager attention (its
@@ -79,7 +82,7 @@ pytestmark = [pytest.mark.benchmark(timer=H.virtual_clock), pytest.mark.bench_st
 METHODS = ("plain", "plain_first_token", "plain_training_layers", "naive_cat", "cat", "cat_eager", "cat_full_last",
            "cat_hf_layers", "cat_hf_clean", "gs_exact", "gs_first_order", "gs_first_order_fwd", "gs_pooled",
            "gs_pooled_hf_layers", "poe", "reweight", "learned_mixin", "conf_reg", "clp", "clp_all",
-           "plain_compiled", "plain_compiled_ro")
+           "plain_compiled", "plain_compiled_ro", "plain_captured")
 COMPILED_METHODS = ("plain_compiled", "plain_compiled_ro")
 DEBIAS_METHODS = ("poe", "reweight", "learned_mixin", "conf_reg")
 CAT_METHODS = ("cat", "cat_eager", "cat_full_last", "cat_hf_layers", "cat_hf_clean")
@@ -225,6 +228,20 @@ def make_step(method, model, optimizer, batch, pairs):
                 logits = compiled(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
                 loss = F.cross_entropy(logits.float(), batch["labels"])
             finish_step(loss)
+        return step
+
+    if method == "plain_captured":
+        from cat_fast.objectives import ERM
+        from cat_fast.step import CapturedStep
+
+        cuda = DEVICE == "cuda"
+        own = torch.optim.AdamW(model.parameters(), lr=torch.tensor(2e-5, device=DEVICE) if cuda else 2e-5,
+                                fused=cuda, capturable=cuda)
+        captured = CapturedStep(ERM(model), own, autocast=torch.bfloat16)
+
+        def step():
+            captured(batch)
+        step.captured = captured
         return step
 
     if method in ("plain_first_token", "plain_training_layers"):
@@ -529,12 +546,14 @@ def measure_step(method, size):
                 plain_model = plain_opt = plain_step = None
             extra.update(step_ms=median_ms, step_min_ms=min_ms, peak_mib=peak,
                          tokens_per_s=batch_size * tokens / (median_ms * 1e-3))
+            if hasattr(step, "captured"):  # plain_captured: 1 when its graph was captured, 0 when it ran eagerly
+                extra["captured_graphs"] = step.captured.num_graphs
             if per_layer is not None:
                 extra["step_by_layer"] = {str(m): v for m, v in per_layer.items()}
                 mean = layer_mean(per_layer)
                 if mean is not None:
                     extra["step_layer_mean_ms"] = mean
-            if method in ("plain", "naive_cat") + CAT_METHODS + FIRST_TOKEN_METHODS + COMPILED_METHODS:
+            if method in ("plain", "naive_cat", "plain_captured") + CAT_METHODS + FIRST_TOKEN_METHODS + COMPILED_METHODS:
                 m = NAIVE_M if method == "naive_cat" else sum(LAYERS) / len(LAYERS)
                 extra["flops"] = model_flops(config, batch_size, tokens, method, m)
                 extra["flops_final_backward"] = model_flops(config, batch_size, tokens, method, m, final_backward=True)
