@@ -66,6 +66,9 @@ def rank_seed(seed: int) -> int:
     return int(seed) + rank()
 
 
+_NONE = object()  # no forward set on the instance
+
+
 def run_in_forward(ddp, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` run as the forward of the DistributedDataParallel module `ddp`, so that DDP prepares
     its reducer for the backward of what `fn` returns (and moves tensor arguments to its device). Inside `fn` the
@@ -104,8 +107,6 @@ def run_in_forward(ddp, fn, *args, **kwargs):
         if inner.__dict__.get("forward") is trampoline:
             restore()
 
-
-_NONE = object()
 
 
 def all_reduce_mean_(tensors: Iterable[Optional[torch.Tensor]], group=None) -> None:

@@ -169,8 +169,8 @@ class CapturedStep:
         return loss, info
 
     def _capture(self, batch, args):
-        """The step's graph for this signature, then one replay (the capture itself runs nothing on the GPU), or
-        None when the capture fails (this signature then runs eagerly)."""
+        """The step's graph for this signature (the capture runs nothing on the GPU: the caller replays it for this
+        batch), or None when the capture fails (this signature then runs eagerly)."""
         device = self.params[0].device
         inputs = _static_like((batch, args))
         box = []
@@ -200,9 +200,7 @@ class CapturedStep:
             return None
         if self._hyper is None:
             self._hyper = _hyper_parameters(self.optimizer)
-        loss, info = box[0]
-        captured = _Graph(graph, inputs, loss, info)
-        return captured
+        return _Graph(graph, inputs, *box[0])
 
     # ------------------------------------------------------------------ checks
     def _check_optimizer(self):

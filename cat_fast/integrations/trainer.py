@@ -210,12 +210,11 @@ class ObjectiveTrainer(Trainer):
             if pairs is None and not getattr(objective, "random_pairs", False):
                 raise ValueError(f"{type(self).__name__} needs a 'pairs' or 'pair_group' column in the batch "
                                  "(or random_pairs=True)")
-            batch = {k: v for k, v in inputs.items() if k not in EXTRA_COLUMNS}
-            with self.accelerator.autocast():
-                loss, info = call(batch, pairs)
+            batch, args = {k: v for k, v in inputs.items() if k not in EXTRA_COLUMNS}, (pairs,)
         else:
-            with self.accelerator.autocast():
-                loss, info = call(inputs)
+            batch, args = inputs, ()
+        with self.accelerator.autocast():
+            loss, info = call(batch, *args)
         self._last_info = info
         for k, v in info.items():  # summed on the device: no host sync in the step
             v = v.detach().float() if isinstance(v, torch.Tensor) else torch.tensor(float(v))

@@ -38,6 +38,8 @@ from typing import Mapping
 
 import torch
 
+from ..step import NotCapturable
+
 __all__ = ["Objective", "Entry", "register", "get", "names", "build", "check_number"]
 
 
@@ -137,8 +139,6 @@ class Objective:
         hashable; ``()`` for none), or `cat_fast.step.NotCapturable` with the reason when a step cannot be
         replayed: one that draws on the host, steps an optimizer itself or keeps host-side state per step (the
         default, until an objective says otherwise)."""
-        from ..step import NotCapturable
-
         raise NotCapturable(f"{type(self).__name__}: its step is not replayable as a CUDA graph yet (host-side "
                             "draws or state); run it with CapturedStep(..., cuda_graph=False)")
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from .. import models
 from ..kernels.dtypes import upcast
 from ..ops import MASK_MODES, cal_objective, cal_step_, cmix, crm_loss, crm_weights, gs_cosine_loss
+from ..step import NotCapturable
 from .base import Objective, check_number
 from .cat_graphs import CALGraphs
 from .gs import check_double_backward, masked_mean
@@ -154,8 +155,6 @@ class CAT(Objective):
     def capture_key(self, batch, *args):
         """CAT cannot be replayed as one CUDA graph yet (`cat_fast.step`): it draws its mixing layer, and with a
         CPU generator its partners and λ, on the host each step (its CAL loop is replayed as graphs already)."""
-        from ..step import NotCapturable
-
         raise NotCapturable("CAT draws its mixing layer (and, with a CPU generator, partners and λ) on the host each "
                             "step; its CAL loop is replayed as CUDA graphs (cuda_graph=True) instead")
 

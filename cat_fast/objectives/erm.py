@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..step import NotCapturable
 from .base import Objective, check_number
 
 __all__ = ["ERM"]
@@ -43,8 +44,6 @@ class ERM(Objective):
         """``()``: the step is the model's forward and loss, replayable as a CUDA graph (`cat_fast.step`); not with
         ``extra_optimizer`` (an inner optimizer step) or a compiled model (compile with mode="reduce-overhead"
         instead)."""
-        from ..step import NotCapturable
-
         if self.extra_optimizer is not None:
             raise NotCapturable("ERM with extra_optimizer (erm-two-step) makes an inner optimizer step inside its call, "
                                 "which CapturedStep does not capture yet")

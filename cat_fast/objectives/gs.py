@@ -19,6 +19,7 @@ from ..kernels.reference.pooled_gs_loss import partners as _partners
 from ..kernels.reference.pooled_gs_loss import weighted_cosine_loss as _weighted_cosine_loss
 from ..kernels.triton import optional
 from ..ops import gs_cosine_loss
+from ..step import NotCapturable
 from .base import Objective, check_number
 
 __all__ = ["GradientSupervision", "pair_by_group", "double_backward_error", "DOUBLE_BACKWARD_HINT"]
@@ -235,8 +236,6 @@ class GradientSupervision(Objective):
     def capture_key(self, batch, *args):
         """``()`` for the pairs of the batch (`cat_fast.step`); not for ``random_pairs`` (drawn on the host) or
         first-order GS with ``low_memory=True`` (its passes write ``.grad`` from a hook inside the backward)."""
-        from ..step import NotCapturable
-
         if self.random_pairs:
             raise NotCapturable("GradientSupervision with random pairs draws them on the host each step")
         if self.mode == "first_order" and self.low_memory:
