@@ -5,13 +5,13 @@ the parent compares them across ranks and with single-process runs."""
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cat_fast import distributed as D
 from cat_fast import models
 from cat_fast.objectives import CAT, CLP, ERM, GradientSupervision, LearnedMixin, PoE
 from tests.conftest import tiny_batch, tiny_model
+from tests.ranks import spawn
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -105,34 +105,30 @@ def _model(name, seed):
     return tiny_model("bert", seed=seed, dtype=dtype, **extra).train()
 
 
-def _worker(rank, init, out):
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+def _worker(rank, out):
+    torch.manual_seed(D.rank_seed(0))
+    results = {}
+    for name in EXACT + DROPOUT:
+        model = _model(name, seed=rank)  # different initial weights: DDP broadcasts rank 0's
+        ddp = DDP(model)
+        obj = D.DistributedObjective(_build(name, ddp, rank), ddp)
+        if name.endswith("forced"):
+            _forced_draws(obj.objective, [0])
+        results[name] = _train(name, model, obj.objective, obj, rank)
+    # the refusal, and gradients of an objective's passes that the reducer must not see twice
+    gs = GradientSupervision(ddp.module, mode="first_order")
     try:
-        torch.manual_seed(D.rank_seed(0))
-        results = {}
-        for name in EXACT + DROPOUT:
-            model = _model(name, seed=rank)  # different initial weights: DDP broadcasts rank 0's
-            ddp = DDP(model)
-            obj = D.DistributedObjective(_build(name, ddp, rank), ddp)
-            if name.endswith("forced"):
-                _forced_draws(obj.objective, [0])
-            results[name] = _train(name, model, obj.objective, obj, rank)
-        # the refusal, and gradients of an objective's passes that the reducer must not see twice
-        gs = GradientSupervision(ddp.module, mode="first_order")
-        try:
-            D.DistributedObjective(gs, ddp)
-            results["refused"] = ""
-        except ValueError as error:
-            results["refused"] = str(error)
-        torch.save(results, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+        D.DistributedObjective(gs, ddp)
+        results["refused"] = ""
+    except ValueError as error:
+        results["refused"] = str(error)
+    torch.save(results, f"{out}.{rank}")
 
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_worker, args=(f"file://{tmp / 'rendezvous'}", str(tmp / "out")), nprocs=WORLD, join=True)
+    spawn(_worker, str(tmp / "out"), tmp_path=tmp, world=WORLD)
     return [torch.load(f"{tmp / 'out'}.{r}", weights_only=False) for r in range(WORLD)]
 
 
@@ -236,37 +232,33 @@ def test_run_in_forward_keeps_a_forward_patched_on_the_instance(tmp_path):
 GPU_NAMES = ("erm", "cat-graphs", "gs-first-order")
 
 
-def _gpu_worker(rank, init, out):
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=WORLD)
+def _gpu_worker(rank, out):
     torch.cuda.set_device(rank)
-    try:
-        torch.manual_seed(D.rank_seed(0))
-        results = {}
-        for name in GPU_NAMES:
-            model = tiny_model("bert", seed=rank, attn="sdpa").cuda().train()
-            ddp = DDP(model, device_ids=[rank])
-            g = torch.Generator().manual_seed(0)
-            objective = {"erm": lambda: ERM(ddp),
-                         "cat-graphs": lambda: CAT(ddp, layers=[0, 1, 2], generator=g, cuda_graph=True),
-                         "gs-first-order": lambda: GradientSupervision(ddp, mode="first_order", low_memory=False),
-                         }[name]()
-            obj = D.DistributedObjective(objective, ddp)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            losses = []
-            for step in range(5):
-                batch = {k: v.cuda() for k, v in _batch(rank, step).items()}
-                args = (PAIRS.cuda(),) if objective.needs_pairs else ()
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    loss, _ = obj(batch, *args)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(float(loss.detach()))
-            graphs = objective.graphs.num_graphs if name == "cat-graphs" else -1
-            results[name] = ({k: v.detach().cpu() for k, v in model.state_dict().items()}, losses, graphs)
-        torch.save(results, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(D.rank_seed(0))
+    results = {}
+    for name in GPU_NAMES:
+        model = tiny_model("bert", seed=rank, attn="sdpa").cuda().train()
+        ddp = DDP(model, device_ids=[rank])
+        g = torch.Generator().manual_seed(0)
+        objective = {"erm": lambda: ERM(ddp),
+                     "cat-graphs": lambda: CAT(ddp, layers=[0, 1, 2], generator=g, cuda_graph=True),
+                     "gs-first-order": lambda: GradientSupervision(ddp, mode="first_order", low_memory=False),
+                     }[name]()
+        obj = D.DistributedObjective(objective, ddp)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for step in range(5):
+            batch = {k: v.cuda() for k, v in _batch(rank, step).items()}
+            args = (PAIRS.cuda(),) if objective.needs_pairs else ()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss, _ = obj(batch, *args)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+        graphs = objective.graphs.num_graphs if name == "cat-graphs" else -1
+        results[name] = ({k: v.detach().cpu() for k, v in model.state_dict().items()}, losses, graphs)
+    torch.save(results, f"{out}.{rank}")
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2
@@ -274,7 +266,7 @@ def _gpu_worker(rank, init, out):
 def test_gpu_nccl_ranks_identical_and_cat_graphs_captured(tmp_path):
     """On 2 GPUs with NCCL, bf16 autocast: parameters bit-identical across ranks after 5 AdamW steps of ERM, CAT
     (its CAL loop captured as CUDA graphs inside DDP's forward, on every rank) and GS first-order."""
-    mp.spawn(_gpu_worker, args=(f"file://{tmp_path / 'rendezvous'}", str(tmp_path / "out")), nprocs=WORLD, join=True)
+    spawn(_gpu_worker, str(tmp_path / "out"), tmp_path=tmp_path, world=WORLD, backend="nccl")
     r0, r1 = (torch.load(f"{tmp_path / 'out'}.{r}", weights_only=False) for r in range(WORLD))
     for name in GPU_NAMES:
         (s0, l0, g0), (s1, l1, g1) = r0[name], r1[name]

@@ -433,8 +433,10 @@ def train(args) -> Dict:
             raise
         train_seconds = time.time() - t0
         if rank != 0:  # rank 0 evaluates and writes; the others are done
+            steps = trainer.state.global_step
+            trainer = None  # the DDP reducer goes before the process group (see _finish)
             _finish(world)
-            return {"rank": rank, "steps": trainer.state.global_step, "train_seconds": round(train_seconds, 3)}
+            return {"rank": rank, "steps": steps, "train_seconds": round(train_seconds, 3)}
         if trainer.pending:
             trainer.state.log_history.append({**trainer.pending, "step": trainer.state.global_step})
         logs = trainer.state.log_history
@@ -467,6 +469,7 @@ def train(args) -> Dict:
         metrics["total_seconds"] = round(time.time() - t_start, 3)
         write_json(os.path.join(tmp, "metrics.json"), metrics)
         atomic.commit()
+    trainer = None  # the DDP reducer goes before the process group (see _finish)
     _finish(world)
     if saving:
         shutil.rmtree(checkpoints, ignore_errors=True)  # the run is complete: its checkpoints are not needed
@@ -491,10 +494,17 @@ class _Scratch:
 
 
 def _finish(world: int) -> None:
-    """Under torchrun: wait for every rank (rank 0 writes its outputs first), then leave the process group."""
+    """Under torchrun: wait for every rank (rank 0 writes its outputs first), then leave the process group.
+
+    The caller drops its trainer first, and the garbage is collected here: a DDP reducer that outlives the group
+    would drop the group's last reference while holding the GIL, and gloo's destructor can then wait for ever on a
+    worker thread that needs the GIL (tests/ranks.py)."""
     if world > 1:
+        import gc
+
         import torch.distributed as dist
 
+        gc.collect()
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

@@ -2,11 +2,11 @@
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from cat_fast import models
 from cat_fast.analysis import mediation as M
 from tests.conftest import tiny_batch, tiny_model
+from tests.ranks import spawn
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -22,20 +22,15 @@ def _setup():
     return model, samples, zbar
 
 
-def _worker(rank, world, init, out):
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        model, samples, zbar = _setup()
-        effects = M.neuron_effects(model, samples, zbar, target_class=1, max_tokens=150, distributed=True)
-        torch.save({"effects": effects.effects, "n": effects.n_samples}, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+def _worker(rank, out):
+    model, samples, zbar = _setup()
+    effects = M.neuron_effects(model, samples, zbar, target_class=1, max_tokens=150, distributed=True)
+    torch.save({"effects": effects.effects, "n": effects.n_samples}, f"{out}.{rank}")
 
 
 def test_two_processes_equal_one(tmp_path):
-    init = f"file://{tmp_path / 'rendezvous'}"
     out = str(tmp_path / "effects")
-    mp.spawn(_worker, args=(2, init, out), nprocs=2, join=True)
+    spawn(_worker, out, tmp_path=tmp_path)
     model, samples, zbar = _setup()
     one = M.neuron_effects(model, samples, zbar, target_class=1, max_tokens=150)
     keys = {(layer, c) for layer in (1, 2, 3) for c in models.COMPONENTS}

@@ -188,36 +188,21 @@ def test_resume_restores_the_objectives_random_state(tmp_path):
     assert flat(resumed[-2:]) == pytest.approx(flat(full[-2:]))  # the generator state came back from the checkpoint
 
 
-def _ddp_trainer_worker(rank, port, out):
-    import os
-
-    import torch.distributed as dist
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo")
-    try:
-        model = tiny_model("bert", num_labels=2, seed=rank).train()  # DDP broadcasts rank 0's weights
-        trainer = GSTrainer(model=model, args=small_args(out), train_dataset=grouped_dataset(), gs_kwargs={})
-        trainer.train()
-        logged = [h["gs/gs_pairs"] for h in trainer.state.log_history if "gs/gs_pairs" in h]
-        torch.save({"state": model.state_dict(), "pairs": logged, "steps": trainer.state.global_step,
-                    "wrapped": type(trainer.model_wrapped).__name__}, f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _ddp_trainer_worker(rank, out):
+    model = tiny_model("bert", num_labels=2, seed=rank).train()  # DDP broadcasts rank 0's weights
+    trainer = GSTrainer(model=model, args=small_args(out), train_dataset=grouped_dataset(), gs_kwargs={})
+    trainer.train()
+    logged = [h["gs/gs_pairs"] for h in trainer.state.log_history if "gs/gs_pairs" in h]
+    torch.save({"state": model.state_dict(), "pairs": logged, "steps": trainer.state.global_step,
+                "wrapped": type(trainer.model_wrapped).__name__}, f"{out}/rank{rank}.pt")
 
 
 def test_objective_trainer_under_ddp_two_processes(tmp_path):
     """Under torchrun the Trainer wraps the model in DDP and the objective runs inside its forward: both ranks end
     with the same parameters, each rank's batches hold whole groups (accelerate deals out whole batches)."""
-    import socket
+    from tests.ranks import spawn
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_ddp_trainer_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    spawn(_ddp_trainer_worker, str(tmp_path), tmp_path=tmp_path)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
     assert r0["wrapped"] == "DistributedDataParallel" and r0["steps"] == r1["steps"] > 0
     start = tiny_model("bert", num_labels=2, seed=0).state_dict()
@@ -234,43 +219,28 @@ def test_a_wrapper_other_than_ddp_is_refused(tmp_path):
         trainer.compute_loss(torch.nn.DataParallel(trainer.model), batch)
 
 
-def _ddp_non_finite_worker(rank, port, out):
-    import os
-
-    import torch.distributed as dist
-
+def _ddp_non_finite_worker(rank, out):
     from cat_fast.integrations import NonFiniteLossError
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo")
+    # rank 1 alone gets a loss that overflows; rank 0's own loss stays finite
+    huge = {"eta": 1e308, "gamma": 1e308} if rank == 1 else {}
+    trainer = CATTrainer(model=tiny_model("bert", num_labels=2).train(), args=small_args(out),
+                         train_dataset=tiny_dataset(), cat_kwargs={"layers": [2], **huge})
     try:
-        # rank 1 alone gets a loss that overflows; rank 0's own loss stays finite
-        huge = {"eta": 1e308, "gamma": 1e308} if rank == 1 else {}
-        trainer = CATTrainer(model=tiny_model("bert", num_labels=2).train(), args=small_args(out),
-                             train_dataset=tiny_dataset(), cat_kwargs={"layers": [2], **huge})
-        try:
-            trainer.train()
-            message = ""
-        except NonFiniteLossError as error:
-            message = str(error)
-        with open(f"{out}/rank{rank}.txt", "w") as f:
-            f.write(message)
-    finally:
-        dist.destroy_process_group()
+        trainer.train()
+        message = ""
+    except NonFiniteLossError as error:
+        message = str(error)
+    with open(f"{out}/rank{rank}.txt", "w") as f:
+        f.write(message)
 
 
 def test_a_non_finite_loss_on_one_rank_stops_every_rank(tmp_path):
     """Under DDP the gradients of a non-finite loss reach every rank: all ranks stop at that step, before the
     optimizer applies it, each with a NonFiniteLossError (not only the rank whose own loss overflowed)."""
-    import socket
+    from tests.ranks import spawn
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_ddp_non_finite_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    spawn(_ddp_non_finite_worker, str(tmp_path), tmp_path=tmp_path)
     m0, m1 = ((tmp_path / f"rank{r}.txt").read_text() for r in range(2))
     assert "non-finite on another rank at step 1" in m0
     assert "at step 1 (in " in m1
