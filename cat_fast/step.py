@@ -6,11 +6,14 @@ loss, its backward, optional gradient clipping (``clip_grad_norm_``, foreach, no
 optimizer's step, all under autocast when `autocast` names a dtype. A host-bound step (small batches, where each
 of a few thousand kernels costs its launch) then costs one graph launch.
 
-How: per batch signature (the shapes and dtypes of the batch's tensors, the objective's `capture_key`), a few
-eager steps on a side stream first (lazy initialisations, the optimizer's state), then the step is captured into
-a graph whose inputs are static copies of the batch, and replayed: each call copies the batch into them and
-replays. Dropout draws come from the CUDA generator, whose offset a replay advances exactly as the eager step
-does, so the masks are those of the eager step. Gradients live in the graph's memory pool between steps: do not
+How: each call first asks the objective for its plan of the step (`Objective.plan_step`: the host-side decisions,
+made outside any graph: CAT's mixing layer, partners and λ). Per batch signature (the shapes and dtypes of the
+batch's tensors, the plan's key and tensors), a few eager steps on a side stream come first (lazy initialisations,
+the optimizer's state), then the step is captured into a graph whose inputs are static copies of the batch and of
+the plan's tensors, and replayed: each call copies them in and replays. Dropout draws come from the CUDA
+generator, whose offset a replay advances exactly as the eager step does, so the masks are those of the eager
+step; passes that redraw an earlier pass's masks (CAT's counterfactual passes) draw from generators the plan
+names, registered with the graph and set before each replay. Gradients live in the graph's memory pool between steps: do not
 zero or replace ``.grad`` between calls (the captured backward writes them; it does not accumulate).
 
 What it refuses or runs eagerly, with the reason:
@@ -18,9 +21,9 @@ What it refuses or runs eagerly, with the reason:
   other optimizers that take it). A learning rate or other hyper-parameter changed by a scheduler after the
   capture would not reach a graph that baked the old value: give the optimizer a tensor ``lr``
   (``lr=torch.tensor(2e-5)``, updated in place by PyTorch's schedulers), otherwise such a change raises;
-- the objective: `Objective.capture_key` says whether its step can be replayed (host-side randomness or an
-  inner optimizer step cannot yet: CAT, CLP, ERM's two-step control, GS with random pairs raise
-  `NotCapturable` with the reason); ``CapturedStep(..., cuda_graph=False)`` runs any objective eagerly;
+- the objective: `Objective.plan_step` says whether its step can be replayed (an inner optimizer step or
+  host-side state per step cannot: CLP, ERM's two-step control, CAT's alternating update, GS with random pairs
+  raise `NotCapturable` with the reason); ``CapturedStep(..., cuda_graph=False)`` runs any objective eagerly;
 - a step whose capture fails (a host synchronisation inside the model, an operation CUDA graphs do not
   support): that signature runs eagerly, with one warning naming the error; the results are the same.
 Signatures beyond ``max_graphs`` run eagerly (pad batches to a few lengths: `cat_fast.data.length_buckets`).
@@ -29,15 +32,33 @@ from __future__ import annotations
 
 import gc
 import warnings
-from typing import Mapping, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Mapping, Optional
 
 import torch
 
-__all__ = ["CapturedStep", "NotCapturable"]
+__all__ = ["CapturedStep", "NotCapturable", "StepPlan"]
 
 
 class NotCapturable(RuntimeError):
     """An objective whose step cannot be replayed as a CUDA graph (the message says why)."""
+
+
+@dataclass
+class StepPlan:
+    """The host-side part of one training step, decided before it runs (`Objective.plan_step`).
+
+    ``key``: steps with equal keys (and batch signatures) replay one graph. ``state``: host values the step's
+    graph is specialised on (CAT's mixing layer); equal keys mean equal states. ``tensors``: this step's own draws
+    (partners, λ), static inputs of the graph, copied in before each replay. ``generators``: CUDA generators the
+    step switches to inside the graph (registered with it before the capture). ``before_replay``: called on the
+    host before each replay (sets those generators' offsets)."""
+
+    key: Hashable = ()
+    state: object = None
+    tensors: dict = field(default_factory=dict)
+    generators: tuple = ()
+    before_replay: Optional[Callable[[], None]] = None
 
 
 def _signature(value):
@@ -78,8 +99,12 @@ def _hyper_parameters(optimizer):
 
 
 class _Graph:
-    def __init__(self, graph, inputs, loss, info):
-        self.graph, self.inputs, self.loss, self.info = graph, inputs, loss, info
+    def __init__(self, graph, inputs, plan, loss, info):
+        self.graph, self.inputs, self.plan, self.loss, self.info = graph, inputs, plan, loss, info
+
+
+def _detached(loss, info):
+    return loss.detach(), {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in info.items()}
 
 
 class CapturedStep:
@@ -117,11 +142,15 @@ class CapturedStep:
         return sum(g is not None for g in self._graphs.values())
 
     # ------------------------------------------------------------------ the step itself
-    def _eager(self, batch, args):
-        """loss, backward, clipping, optimizer step; the gradients start from None (never a captured graph's)."""
+    def _eager(self, plan, batch, args):
+        """loss, backward, clipping, optimizer step; the gradients start from None (never a captured graph's).
+        ``plan`` None: the objective's own call (an objective that plans nothing)."""
         device_type = next(iter(self.params)).device.type if self.params else "cpu"
         with torch.autocast(device_type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
-            loss, info = self.objective(batch, *args)
+            if plan is None:
+                loss, info = self.objective(batch, *args)
+            else:
+                loss, info = self.objective.planned_step(plan, batch, *args)
         loss.backward()
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
@@ -130,12 +159,16 @@ class CapturedStep:
 
     def __call__(self, batch, *args):
         if not self.cuda_graph or not self.params or not self.params[0].is_cuda:
+            try:
+                plan = self.objective.plan_step(batch, *args)  # the same path as a replayed step, run eagerly
+            except NotCapturable:
+                plan = None
             self.optimizer.zero_grad(set_to_none=True)
-            loss, info = self._eager(batch, args)
+            loss, info = self._eager(plan, batch, args)
             self.optimizer.zero_grad(set_to_none=True)
-            return loss.detach(), {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in info.items()}
-        key = self.objective.capture_key(batch, *args)
-        sig = (_signature(batch), _signature(args), key)
+            return _detached(loss, info)
+        plan = self.objective.plan_step(batch, *args)
+        sig = (_signature(batch), _signature(args), plan.key, _signature(plan.tensors))
         graph = self._graphs.get(sig, False)
         if graph is False:
             seen = self._seen.get(sig, 0)
@@ -144,35 +177,37 @@ class CapturedStep:
                     self._warn("limit", f"cat_fast CapturedStep: more than max_graphs={self.max_graphs} batch "
                                         "signatures; new ones run eagerly. Pad batches to a few lengths.")
                 self._seen[sig] = seen + 1
-                return self._side_stream_step(batch, args)
-            graph = self._graphs[sig] = self._capture(batch, args)
+                return self._side_stream_step(plan, batch, args)
+            graph = self._graphs[sig] = self._capture(plan, batch, args)
         if graph is None:
-            return self._side_stream_step(batch, args)
+            return self._side_stream_step(plan, batch, args)
         self._check_hyper_parameters()
-        _copy_into(graph.inputs, (batch, args))
+        _copy_into(graph.inputs, (batch, args, plan.tensors))
+        if plan.before_replay is not None:
+            plan.before_replay()
         graph.graph.replay()
         return graph.loss.clone(), {k: (v.clone() if isinstance(v, torch.Tensor) else v)
                                     for k, v in graph.info.items()}
 
-    def _side_stream_step(self, batch, args):
+    def _side_stream_step(self, plan, batch, args):
         """An eager step (on a side stream, as PyTorch asks of the steps before a capture)."""
         device = self.params[0].device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             self.optimizer.zero_grad(set_to_none=True)  # a captured graph's gradient buffers are not accumulated into
-            loss, info = self._eager(batch, args)
+            loss, info = _detached(*self._eager(plan, batch, args))
             self.optimizer.zero_grad(set_to_none=True)
-            loss = loss.detach()
-            info = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in info.items()}
         torch.cuda.current_stream(device).wait_stream(side)
         return loss, info
 
-    def _capture(self, batch, args):
+    def _capture(self, plan, batch, args):
         """The step's graph for this signature (the capture runs nothing on the GPU: the caller replays it for this
         batch), or None when the capture fails (this signature then runs eagerly)."""
         device = self.params[0].device
-        inputs = _static_like((batch, args))
+        inputs = _static_like((batch, args, plan.tensors))
+        static_plan = StepPlan(key=plan.key, state=plan.state, tensors=inputs[2], generators=plan.generators,
+                               before_replay=plan.before_replay)
         box = []
         gc_was_enabled = gc.isenabled()
         try:
@@ -180,13 +215,13 @@ class CapturedStep:
                 self._pool = torch.cuda.graph_pool_handle()
             self.optimizer.zero_grad(set_to_none=True)
             graph = torch.cuda.CUDAGraph()
+            for generator in plan.generators:
+                graph.register_generator_state(generator)
             gc.collect()
             gc.disable()
             try:
                 with torch.cuda.graph(graph, pool=self._pool):
-                    loss, info = self._eager(*inputs)
-                    box.append((loss.detach(), {k: (v.detach() if isinstance(v, torch.Tensor) else v)
-                                                for k, v in info.items()}))
+                    box.append(_detached(*self._eager(static_plan, inputs[0], inputs[1])))
             finally:
                 if gc_was_enabled:
                     gc.enable()
@@ -200,7 +235,7 @@ class CapturedStep:
             return None
         if self._hyper is None:
             self._hyper = _hyper_parameters(self.optimizer)
-        return _Graph(graph, inputs, *box[0])
+        return _Graph(graph, inputs, static_plan, *box[0])
 
     # ------------------------------------------------------------------ checks
     def _check_optimizer(self):

@@ -86,11 +86,48 @@ def test_objectives_say_whether_a_step_can_be_replayed():
     model = tiny_model("bert")
     batch = tiny_batch("bert", batch=4)
     assert ERM(model).capture_key(batch) == ()
-    for objective, reason in ((CAT(model, generator=torch.Generator().manual_seed(0)), "host"),
+    assert ERM(model).plan_step(batch).key == ()
+    for objective, reason in ((CAT(model, update="alternate"), "alternate"),
+                              (CAT(model, gs_weight=1.0), "gs_weight"),
                               (ERM(model, two_step=True), "inner optimizer step"),
                               (GradientSupervision(model, random_pairs=True), "random pairs")):
         with pytest.raises(NotCapturable, match=reason):
-            objective.capture_key(batch)
+            objective.plan_step(batch)
+        assert objective.step == 0  # a refused plan advances nothing
+
+
+def test_cat_plans_warm_up_then_its_drawn_layer():
+    model = tiny_model("bert")
+    batch = tiny_batch("bert", batch=4)
+    cat = CAT(model, layers=[1, 2], warmup_steps=2, generator=torch.Generator().manual_seed(0))
+    plans = [cat.plan_step(batch) for _ in range(6)]
+    assert [p.key for p in plans[:2]] == [("erm",), ("erm",)] and cat.step == 6
+    assert {p.key for p in plans[2:]} <= {("cat", 1), ("cat", 2)}
+    for p in plans[2:]:
+        assert p.state[0] == p.key[1] and p.state[1] is None  # a CPU model: no pass generators
+        assert p.tensors["partner"].shape == (4,) and p.tensors["lam0"].shape == (4,)
+        assert sorted(p.tensors["partner"].tolist()) == [0, 1, 2, 3]  # a permutation
+    with pytest.raises(TypeError, match="plan_step"):
+        cat.capture_key(batch)
+
+
+@pytest.mark.parametrize("generator", [None, 3])
+def test_planned_cat_steps_equal_its_own_calls(generator):
+    """CapturedStep runs CAT through plan_step + planned_step (CPU: eagerly): the same draws (layer, partners, λ,
+    dropout), losses and parameters as the loop calling CAT itself, warm-up steps included."""
+    batches = _batches(6, "cpu")
+    runs = []
+    for captured in (None, False):
+        torch.manual_seed(0)
+        model = tiny_model("bert", seed=1).train()
+        gen = torch.Generator().manual_seed(generator) if generator is not None else None
+        cat = CAT(model, layers=[1, 2, 3], warmup_steps=2, generator=gen)
+        runs.append(_loop(model, cat, batches, captured=captured))
+    (want, want_losses), (got, got_losses) = runs
+    assert want_losses[2:].ne(want_losses[2:].roll(1)).all()  # the CAT steps differ from each other
+    torch.testing.assert_close(got_losses, want_losses, rtol=0, atol=0)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=0, msg=n)
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -117,6 +154,59 @@ def test_gpu_replayed_steps_equal_the_eager_loop(name):
     torch.testing.assert_close(got_losses, want_losses, rtol=1e-6, atol=1e-6)
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+@pytest.mark.parametrize("generator", [None, 3])
+def test_gpu_replayed_cat_steps_equal_the_eager_loop(generator):
+    """CAT as one CUDA graph per (mixing layer, shapes), with dropout: the counterfactual passes inside the graph
+    must redraw each step's clean-forward masks (`models.PassGenerators`), not the masks of the captured step. Ten
+    steps (warm-up ERM steps, two mixing layers, captures and replays): the same losses and parameters as CAT's own
+    eager loop with the same seeds, one graph per key seen, and no capture failure."""
+    batches = _batches(10, "cuda")
+    runs = []
+    for captured in (None, True):
+        model = tiny_model("bert", seed=1, attn="sdpa").cuda().train()
+        torch.manual_seed(0)
+        gen = torch.Generator().manual_seed(generator) if generator is not None else None
+        cat = CAT(model, layers=[1, 2], warmup_steps=1, generator=gen)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            runs.append(_loop(model, cat, batches, captured=captured, warmup_steps=1))
+        if captured:
+            assert cat.captured_step.num_graphs == len(cat.captured_step._graphs) >= 2
+    (want, want_losses), (got, got_losses) = runs
+    torch.testing.assert_close(got_losses, want_losses, rtol=1e-6, atol=1e-6)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+def test_gpu_a_cat_graph_does_not_replay_the_captured_dropout():
+    """The failure that would be silent: replays of one CAT graph on the same batch, with the same layer, partners
+    and λ (the CPU generator reset) and lr 0, differ only by their dropout draws; each must equal an eager step from
+    the same CUDA generator state, and two replays must differ (fresh masks, not the captured step's)."""
+    model = tiny_model("bert", seed=1, attn="sdpa").cuda().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.0, device="cuda"), weight_decay=0.0,
+                            capturable=True)
+    cat = CAT(model, layers=[2], generator=torch.Generator().manual_seed(0))
+    step = CapturedStep(cat, opt, warmup_steps=1)
+    (batch, _), = _batches(1, "cuda")
+    draws = cat.generator.get_state()
+    step(batch)  # the eager warm-up
+    replayed, eager = [], []
+    for _ in range(3):  # captured at the first, then replayed
+        cat.generator.set_state(draws)
+        before = torch.cuda.get_rng_state()
+        replayed.append(step(batch)[0])
+        after = torch.cuda.get_rng_state()
+        torch.cuda.set_rng_state(before)
+        cat.generator.set_state(draws)
+        eager.append(cat.planned_step(cat.plan_step(batch), batch)[0].detach())
+        assert torch.equal(torch.cuda.get_rng_state(), after)  # the graph advanced the generator as the eager step
+    assert step.num_graphs == 1
+    torch.testing.assert_close(torch.stack(replayed), torch.stack(eager), rtol=1e-6, atol=1e-6)
+    assert replayed[1] != replayed[2]
 
 
 @pytest.mark.skipif(not GPU, reason="needs CUDA")

@@ -42,6 +42,9 @@ bf16 autocast, AdamW (fused on CUDA), B x T = 8x128, 32x128, 64x256; each sample
 10. `plain_captured`: `cat_fast.step.CapturedStep(ERM(model), ...)`: the model's own loss, backward and a fused,
                  capturable AdamW (tensor lr) as one hand-captured CUDA graph per batch shape (issue 23; on the CPU
                  the same step eagerly).
+11. `cat_captured`: `cat`'s CAT through `CapturedStep` with that optimizer: the whole step (clean forward, CAL
+                 loop, final pass, backward, AdamW) as one CUDA graph per mixing layer. Its graphs are captured
+                 before the warm-up (one eager step and the capture per layer), timed apart as `capture_s`.
 8. `clp`, `clp_all`: `cat_fast.CLP` (causal logit perturbation) with `virtual="head"` / `"all"`: the model's own
                  forward (so `plain` is their ERM step), the characteristics op, Ω's meta step on a metadata batch
                  of the same shape (another draw of ids), the perturbed loss; `clp_all` runs eager attention (its
@@ -82,12 +85,12 @@ pytestmark = [pytest.mark.benchmark(timer=H.virtual_clock), pytest.mark.bench_st
 METHODS = ("plain", "plain_first_token", "plain_training_layers", "naive_cat", "cat", "cat_eager", "cat_full_last",
            "cat_hf_layers", "cat_hf_clean", "gs_exact", "gs_first_order", "gs_first_order_fwd", "gs_pooled",
            "gs_pooled_hf_layers", "poe", "reweight", "learned_mixin", "conf_reg", "clp", "clp_all",
-           "plain_compiled", "plain_compiled_ro", "plain_captured")
+           "plain_compiled", "plain_compiled_ro", "plain_captured", "cat_captured")
 COMPILED_METHODS = ("plain_compiled", "plain_compiled_ro")
 DEBIAS_METHODS = ("poe", "reweight", "learned_mixin", "conf_reg")
-CAT_METHODS = ("cat", "cat_eager", "cat_full_last", "cat_hf_layers", "cat_hf_clean")
+CAT_METHODS = ("cat", "cat_eager", "cat_full_last", "cat_hf_layers", "cat_hf_clean", "cat_captured")
 # Methods whose passes run the last layer for the first token only (`prune_last_layer=True`, the default).
-FIRST_TOKEN_METHODS = ("plain_first_token", "plain_training_layers", "cat", "cat_eager", "cat_hf_layers",
+FIRST_TOKEN_METHODS = ("plain_first_token", "plain_training_layers", "cat", "cat_eager", "cat_captured", "cat_hf_layers",
                        "cat_hf_clean", "gs_first_order", "gs_first_order_fwd", "gs_pooled", "gs_pooled_hf_layers")
 FIRST_TOKEN_METHODS += DEBIAS_METHODS
 GS_LONG_METHODS = ("plain", "gs_exact", "gs_first_order", "gs_first_order_fwd")  # the T = 512 size
@@ -290,6 +293,29 @@ def make_step(method, model, optimizer, batch, pairs):
             with autocast():
                 loss, _ = objective(batch)
             finish_step(loss)
+        return step
+
+    if method == "cat_captured":
+        from cat_fast.step import CapturedStep
+
+        cuda = DEVICE == "cuda"
+        own = torch.optim.AdamW(model.parameters(), lr=torch.tensor(2e-5, device=DEVICE) if cuda else 2e-5,
+                                fused=cuda, capturable=cuda)
+        cat = cat_fast.CAT(model, layers=LAYERS, adv_steps=ADV_STEPS, alpha=ALPHA, beta=BETA, gamma=GAMMA, eta=ETA,
+                           adv_lr=ADV_LR)
+        captured = CapturedStep(cat, own, autocast=torch.bfloat16, warmup_steps=1, max_graphs=len(LAYERS))
+
+        def step():
+            _, info = captured(batch)
+            step.layers.append(int(info["layer"]))
+
+        def prime():  # until every mixing layer has its graph (or ran into a capture failure); GPU only
+            for _ in range(20 * len(LAYERS) if cuda else 0):
+                if len(captured._graphs) == len(LAYERS):
+                    break
+                step()
+            step.layers.clear()
+        step.layers, step.captured, step.prime = [], captured, prime
         return step
 
     if method in CAT_METHODS:
@@ -516,6 +542,12 @@ def measure_step(method, size):
                 step()
                 _sync()
                 extra["compile_s"] = time.perf_counter() - start
+            if hasattr(step, "prime"):  # cat_captured: its graphs, captured before the warm-up and timed apart
+                _sync()
+                start = time.perf_counter()
+                step.prime()
+                _sync()
+                extra["capture_s"] = time.perf_counter() - start
             try:
                 median_ms, min_ms, peak, per_layer = time_steps(step, WARMUP, STEPS)
             except RuntimeError as error:
@@ -546,7 +578,7 @@ def measure_step(method, size):
                 plain_model = plain_opt = plain_step = None
             extra.update(step_ms=median_ms, step_min_ms=min_ms, peak_mib=peak,
                          tokens_per_s=batch_size * tokens / (median_ms * 1e-3))
-            if hasattr(step, "captured"):  # plain_captured: 1 when its graph was captured, 0 when it ran eagerly
+            if hasattr(step, "captured"):  # plain_captured, cat_captured: graphs captured (0: every step ran eagerly)
                 extra["captured_graphs"] = step.captured.num_graphs
             if per_layer is not None:
                 extra["step_by_layer"] = {str(m): v for m, v in per_layer.items()}

@@ -18,6 +18,7 @@ from .capture import Capture, capture, grad_wrt_pooled, head_logits, resume
 from .first_token import first_token_forward, first_token_ok, first_token_ready
 from .inputs import TARGET_KEYS, logits_of, model_inputs, sync_free_inputs
 from .interventions import COMPONENTS, intervene
+from .rng import PassGenerators
 from .rng import get_state as get_rng_state
 from .rng import set_state as set_rng_state
 from .structure import (
@@ -35,5 +36,5 @@ __all__ = [
     "ModelStructure", "Capture", "structure", "unwrap", "orig_module", "compiled_wrapper", "is_compiled",
     "uncompiled", "num_layers", "capture", "resume", "first_token_ok", "first_token_ready",
     "first_token_forward", "head_logits", "grad_wrt_pooled", "logits_of", "model_inputs", "sync_free_inputs",
-    "TARGET_KEYS", "intervene", "COMPONENTS", "get_rng_state", "set_rng_state",
+    "TARGET_KEYS", "intervene", "COMPONENTS", "get_rng_state", "set_rng_state", "PassGenerators",
 ]

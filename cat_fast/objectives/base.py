@@ -38,7 +38,7 @@ from typing import Mapping
 
 import torch
 
-from ..step import NotCapturable
+from ..step import NotCapturable, StepPlan
 
 __all__ = ["Objective", "Entry", "register", "get", "names", "build", "check_number"]
 
@@ -141,6 +141,18 @@ class Objective:
         default, until an objective says otherwise)."""
         raise NotCapturable(f"{type(self).__name__}: its step is not replayable as a CUDA graph yet (host-side "
                             "draws or state); run it with CapturedStep(..., cuda_graph=False)")
+
+    def plan_step(self, batch, *args):
+        """The host-side part of the next step, decided before it runs, as a `cat_fast.step.StepPlan` (what
+        `cat_fast.step.CapturedStep` replays a graph for); `cat_fast.step.NotCapturable` when the step cannot be
+        replayed. Planning a step may advance the objective's host state (its step counter, its generators): run
+        the step with `planned_step`. The default plans nothing but ``capture_key``."""
+        return StepPlan(key=self.capture_key(batch, *args))
+
+    def planned_step(self, plan, batch, *args):
+        """``(loss, info)`` of the step that `plan` (from `plan_step`) describes. The default is the objective's
+        own call (its plan holds nothing but a key)."""
+        return self(batch, *args)
 
     def set_optimizer(self, optimizer) -> None:
         """Called by the trainers with their optimizer (for objectives that step one themselves)."""

@@ -7,6 +7,7 @@ On a GPU the CAL loop is replayed as CUDA graphs (`cat_graphs`).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from .. import models
 from ..kernels.dtypes import upcast
 from ..ops import MASK_MODES, cal_objective, cal_step_, cmix, crm_loss, crm_weights, gs_cosine_loss
-from ..step import NotCapturable
+from ..step import NotCapturable, StepPlan
 from .base import Objective, check_number
 from .cat_graphs import CALGraphs
 from .gs import check_double_backward, masked_mean
@@ -123,6 +124,7 @@ class CAT(Objective):
         self.training_layers = bool(training_layers)
         self.graphs = CALGraphs(self, max_graphs=max_graphs)
         self._concentration = None  # (B, device, dtype), the [B, 2] Beta concentrations of `_draw_lambda`
+        self._pass_rng = {}  # (mixing layer, input shapes) -> models.PassGenerators of planned steps (`plan_step`)
 
     @classmethod
     def from_options(cls, model, options, **preset):
@@ -153,10 +155,48 @@ class CAT(Objective):
 
     # ----------------------------------------------------------------- public API
     def capture_key(self, batch, *args):
-        """CAT cannot be replayed as one CUDA graph yet (`cat_fast.step`): it draws its mixing layer, and with a
-        CPU generator its partners and λ, on the host each step (its CAL loop is replayed as graphs already)."""
-        raise NotCapturable("CAT draws its mixing layer (and, with a CPU generator, partners and λ) on the host each "
-                            "step; its CAL loop is replayed as CUDA graphs (cuda_graph=True) instead")
+        """Not defined for CAT: its key depends on the step's draws, which `plan_step` makes."""
+        raise TypeError("CAT plans its steps: call plan_step(batch) (its key is StepPlan.key)")
+
+    def plan_step(self, batch, *args):
+        """The host-side part of the next step (`cat_fast.step.CapturedStep`): warm-up or not, the mixing layer,
+        partners and λ drawn as `__call__` draws them (the same streams), and on a GPU in training mode the
+        generators from which the counterfactual passes redraw the clean forward's dropout inside a graph
+        (`models.rng.PassGenerators`). Advances ``step``: run the step with `planned_step`. Not replayable:
+        the alternating update (it steps an optimizer inside the step) and CAT + GS (not yet tested so)."""
+        if self.update != "sum":
+            raise NotCapturable("CAT(update='alternate') steps its CRM optimizer inside the step; run it with "
+                                "CapturedStep(..., cuda_graph=False)")
+        if self.gs_weight > 0:
+            raise NotCapturable("CAT + GS (gs_weight > 0) is not replayed as one CUDA graph yet; run it with "
+                                "CapturedStep(..., cuda_graph=False)")
+        step = self.step
+        self.step += 1
+        if step < self.warmup_steps:
+            return StepPlan(key=("erm",), state=None)
+        m = self._draw_layer()
+        B, device, param_dtype = self._batch_size(batch)
+        partner = self._draw_partner(B, device)
+        lam0 = self._draw_lambda(B, device, torch.promote_types(param_dtype, torch.float32))
+        rng = None
+        if device.type == "cuda" and self.model.training:
+            sig = (m, tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(models.model_inputs(batch).items())
+                            if isinstance(v, torch.Tensor)))
+            rng = self._pass_rng.get(sig)
+            if rng is None:
+                rng = self._pass_rng[sig] = models.PassGenerators(device, self.adv_steps + 1)
+        return StepPlan(key=("cat", m), state=(m, rng), tensors={"partner": partner, "lam0": lam0},
+                        generators=rng.generators if rng is not None else (),
+                        before_replay=rng.before_replay if rng is not None else None)
+
+    def planned_step(self, plan, batch, *args):
+        """``(loss, info)`` of the step `plan` describes (`plan_step`), eagerly or inside a CUDA-graph capture: the
+        loss and info of `__call__` with the same draws."""
+        if plan.key == ("erm",):
+            return self._erm_only(batch)
+        with torch.enable_grad():
+            erm, cf, info = self._losses(batch, plan=plan)
+        return erm + cf, info
 
     def __call__(self, batch):
         step = self.step
@@ -179,8 +219,14 @@ class CAT(Objective):
             return self._losses(batch)
 
     # ----------------------------------------------------------------- steps of Algorithm 1
-    def _losses(self, batch):
-        m = self._draw_layer()
+    def _losses(self, batch, plan=None):
+        """One CAT step's losses. With a `plan` (`plan_step`): its layer, partners and λ, no CAL graphs of its own
+        (the whole step is the graph, or runs eagerly), and inside a capture the counterfactual passes redraw the
+        clean forward's dropout from the plan's generators."""
+        if plan is None:
+            m = self._draw_layer()
+        else:
+            m, rng = plan.state
         # The clean forward prunes its last layer too (same logits), except under CAT + GS, whose double backward
         # through layers m+1..L needs the model's own attention.
         prune = self._prunes(batch) and self.gs_weight == 0
@@ -188,9 +234,16 @@ class CAT(Objective):
         # graphs can be replayed from inside it, as soon as h_m exists: the GPU runs the CAL steps while the host
         # is still issuing the clean forward's layers m+1..L (a forward at these sizes is bound by the host).
         B, device, param_dtype = self._batch_size(batch)
-        partner = self._draw_partner(B, device)
-        lam0 = self._draw_lambda(B, device, torch.promote_types(param_dtype, torch.float32))
-        use_graphs = self.cuda_graph and self.detach_weight
+        if plan is None:
+            partner = self._draw_partner(B, device)
+            lam0 = self._draw_lambda(B, device, torch.promote_types(param_dtype, torch.float32))
+            rng = None
+        else:
+            partner, lam0 = plan.tensors["partner"], plan.tensors["lam0"]
+        capturing = plan is not None and rng is not None and torch.cuda.is_current_stream_capturing()
+        if rng is not None and not capturing:
+            rng.start()
+        use_graphs = self.cuda_graph and self.detach_weight and plan is None
         early = {}
 
         def replay_early(cap):  # replays only a signature captured before (shapes and dtypes included)
@@ -199,8 +252,10 @@ class CAT(Objective):
                 early["replayed"] = self.graphs.run_captured(cap, h_m, lam0, partner, batch["labels"], None)
 
         on_hidden = replay_early if use_graphs and not self.qa else None
-        cap = models.capture(self.model, batch, m, first_token=prune, on_hidden=on_hidden,
+        cap = models.capture(self.model, batch, m, first_token=prune, on_hidden=on_hidden, rng=not capturing,
                              training_layers=self.training_layers and self.gs_weight == 0)
+        if rng is not None and not capturing:
+            cap.rng_marker = rng.mark
         h = cap.hidden
         if h.shape[0] != B:
             raise ValueError(f"CAT: the batch has {B} samples, but the model's hidden states at layer {m} have batch "
@@ -221,16 +276,17 @@ class CAT(Objective):
         else:
             # CAL: ascent on λ only; h_m detached, parameters untouched.
             lam = lam0.clone()
-            for _ in range(self.adv_steps):
+            for k in range(self.adv_steps):
                 lam_var = lam.detach().requires_grad_(True)
-                cf_logits = self.counterfactual_logits(cap, h_det, lam_var, partner, mask, allow)
-                objective = self.cal_objective_per_sample(cf_logits, targets).sum()
-                (grad,) = torch.autograd.grad(objective, lam_var)
+                with self._pass(rng if capturing else None, k, cap):
+                    cf_logits = self.counterfactual_logits(cap, h_det, lam_var, partner, mask, allow)
+                    objective = self.cal_objective_per_sample(cf_logits, targets).sum()
+                    (grad,) = torch.autograd.grad(objective, lam_var)
                 self.cal_step(lam, grad)
 
             # Final counterfactual forward on the optimised λ (no autograd when ω is detached).
             differentiable = not self.detach_weight
-            with torch.set_grad_enabled(differentiable):
+            with torch.set_grad_enabled(differentiable), self._pass(rng if capturing else None, self.adv_steps, cap):
                 cf_logits = self.counterfactual_logits(cap, h if differentiable else h_det, lam, partner, mask, allow,
                                             input_grad_only=not differentiable)
 
@@ -267,6 +323,25 @@ class CAT(Objective):
             g_hat = h_mix - h
         valid = labels[partner] != labels
         return masked_mean(gs_cosine_loss(g, g_hat, reduction="none"), valid)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _pass(rng, k, cap):
+        """Inside a whole-step capture (`rng`, a `models.PassGenerators`): counterfactual pass ``k`` draws from its
+        own generator from the marker on, which redraws the clean forward's dropout masks of layers m+1..L (the
+        eager pass restores the RNG state instead). Elsewhere nothing."""
+        if rng is None:
+            yield
+            return
+        rng.begin_pass(k)
+        cap.rng_marker = rng.marker
+        try:
+            # the backward of a CAL step runs inside this block too: SDPA's dropout backward reads the seed and
+            # offset its forward wrote, not the generator
+            yield
+        finally:
+            cap.rng_marker = None
+            rng.end_pass()
 
     def _erm_only(self, batch):
         with torch.enable_grad():
