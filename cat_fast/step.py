@@ -27,6 +27,14 @@ What it refuses or runs eagerly, with the reason:
 - a step whose capture fails (a host synchronisation inside the model, an operation CUDA graphs do not
   support): that signature runs eagerly, with one warning naming the error; the results are the same.
 Signatures beyond ``max_graphs`` run eagerly (pad batches to a few lengths: `cat_fast.data.length_buckets`).
+
+``strict=True``: an objective whose step cannot be planned raises `NotCapturable` on every device (by default it
+runs eagerly where nothing is captured: on the CPU and with ``cuda_graph=False``).
+
+``skip_non_finite=True`` (a fused optimizer): a step whose loss or gradient norm is not finite leaves the
+parameters and the optimizer's state as they were (the fused kernel's ``found_inf``, decided on the device: no
+host synchronisation); the caller sees the loss. ``last_grad_norm``: the gradient norm before clipping of the
+last step (a 0-d device tensor; with ``max_grad_norm``).
 """
 from __future__ import annotations
 
@@ -99,8 +107,8 @@ def _hyper_parameters(optimizer):
 
 
 class _Graph:
-    def __init__(self, graph, inputs, plan, loss, info):
-        self.graph, self.inputs, self.plan, self.loss, self.info = graph, inputs, plan, loss, info
+    def __init__(self, graph, inputs, plan, loss, info, norm):
+        self.graph, self.inputs, self.plan, self.loss, self.info, self.norm = graph, inputs, plan, loss, info, norm
 
 
 def _detached(loss, info):
@@ -111,7 +119,8 @@ class CapturedStep:
     """One training step (module docstring); ``loss, info = step(batch[, pairs])``."""
 
     def __init__(self, objective, optimizer, *, max_grad_norm: Optional[float] = None, autocast=None,
-                 cuda_graph: bool = True, warmup_steps: int = 3, max_graphs: int = 8):
+                 cuda_graph: bool = True, warmup_steps: int = 3, max_graphs: int = 8, skip_non_finite: bool = False,
+                 strict: bool = False):
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
             raise ValueError(f"max_grad_norm: expected a positive number or None, got {max_grad_norm!r}")
         if autocast is not None and autocast not in (torch.bfloat16, torch.float16):
@@ -127,6 +136,13 @@ class CapturedStep:
         self.cuda_graph = bool(cuda_graph)
         self.warmup_steps = int(warmup_steps)
         self.max_graphs = int(max_graphs)
+        self.skip_non_finite = bool(skip_non_finite)
+        self.strict = bool(strict)
+        if self.skip_non_finite and not all(group.get("fused") for group in optimizer.param_groups):
+            raise ValueError(f"optimizer: skip_non_finite=True needs a fused optimizer ({type(optimizer).__name__}("
+                             "..., fused=True)), whose step the device skips on a non-finite loss or gradient norm")
+        self.last_grad_norm = None  # the gradient norm before clipping of the last step (max_grad_norm)
+        self._norm = None
         self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         self._graphs = {}  # signature -> _Graph, or None (runs eagerly)
         self._seen = {}  # signature -> eager steps taken (the warm-up before its capture)
@@ -152,9 +168,21 @@ class CapturedStep:
             else:
                 loss, info = self.objective.planned_step(plan, batch, *args)
         loss.backward()
+        norm = None
         if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
-        self.optimizer.step()
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
+        if self.skip_non_finite:  # the device skips the update (and the step count) of a non-finite step
+            bad = ~torch.isfinite(loss.detach().float())
+            if norm is not None:
+                bad = bad | ~torch.isfinite(norm)
+            self.optimizer.found_inf = bad.to(torch.float32)
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf
+        else:
+            self.optimizer.step()
+        self._norm = norm.detach() if norm is not None else None
         return loss, info
 
     def __call__(self, batch, *args):
@@ -162,10 +190,13 @@ class CapturedStep:
             try:
                 plan = self.objective.plan_step(batch, *args)  # the same path as a replayed step, run eagerly
             except NotCapturable:
+                if self.strict:
+                    raise
                 plan = None
             self.optimizer.zero_grad(set_to_none=True)
             loss, info = self._eager(plan, batch, args)
             self.optimizer.zero_grad(set_to_none=True)
+            self.last_grad_norm = self._norm
             return _detached(loss, info)
         plan = self.objective.plan_step(batch, *args)
         sig = (_signature(batch), _signature(args), plan.key, _signature(plan.tensors))
@@ -186,6 +217,7 @@ class CapturedStep:
         if plan.before_replay is not None:
             plan.before_replay()
         graph.graph.replay()
+        self.last_grad_norm = graph.norm.clone() if graph.norm is not None else None
         return graph.loss.clone(), {k: (v.clone() if isinstance(v, torch.Tensor) else v)
                                     for k, v in graph.info.items()}
 
@@ -199,6 +231,7 @@ class CapturedStep:
             loss, info = _detached(*self._eager(plan, batch, args))
             self.optimizer.zero_grad(set_to_none=True)
         torch.cuda.current_stream(device).wait_stream(side)
+        self.last_grad_norm = self._norm
         return loss, info
 
     def _capture(self, plan, batch, args):
@@ -222,6 +255,7 @@ class CapturedStep:
             try:
                 with torch.cuda.graph(graph, pool=self._pool):
                     box.append(_detached(*self._eager(static_plan, inputs[0], inputs[1])))
+                    box.append(self._norm)
             finally:
                 if gc_was_enabled:
                     gc.enable()
@@ -235,7 +269,7 @@ class CapturedStep:
             return None
         if self._hyper is None:
             self._hyper = _hyper_parameters(self.optimizer)
-        return _Graph(graph, inputs, static_plan, *box[0])
+        return _Graph(graph, inputs, static_plan, *box[0], box[1])
 
     # ------------------------------------------------------------------ checks
     def _check_optimizer(self):

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Device call on 2 GPUs (issues 23 and 21): the GPU tests of cat_fast.step.CapturedStep and of compiled models on
-# GPU 0, the NCCL test through tests/ranks.spawn on both GPUs, then the step suite with the compiled and captured plain
-# rows on GPU 0 (ratios: python scripts/paired_summary.py step.json). Results survive a time-out
+# Device call on 2 GPUs (issues 23 and 21): on GPU 0 the GPU tests of cat_fast.step.CapturedStep (ERM, CAT's
+# whole-step graphs and their dropout, the Trainer's step_graphs) and of compiled models; the NCCL test through
+# tests/ranks.spawn on both GPUs; then on GPU 0 the step suite with the compiled and captured rows (plain_captured,
+# cat_captured; ratios: python scripts/paired_summary.py step.json). Results survive a time-out
 # (CAT_FAST_BENCH_JSONL).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/device_setup.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false CAT_FAST_BENCH_JSONL="$OUT/step.jsonl"
-CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest tests/test_step.py tests/objectives/test_compiled.py -q \
+CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest tests/test_step.py tests/objectives/test_compiled.py \
+  tests/integrations/test_step_graphs.py -q \
   -p no:cacheprovider -rs > "$OUT/tests.log" 2>&1; echo "rc=$?" >> "$OUT/tests.log"; tail -15 "$OUT/tests.log"
 timeout 120 python3 -m pytest tests/test_distributed.py -q -p no:cacheprovider -k gpu -rs > "$OUT/nccl.log" 2>&1
 echo "rc=$?" >> "$OUT/nccl.log"; tail -5 "$OUT/nccl.log"

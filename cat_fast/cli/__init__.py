@@ -141,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="padding of the training batches: longest = to the batch's longest sequence; buckets = to "
                         "the next of a few lengths (32, 64, 96, 128, 192, 256, ... up to --max-length), so that CUDA "
                         "graphs see a handful of shapes; auto = buckets on a GPU, longest on the CPU")
+    t.add_argument("--step-graphs", action="store_true",
+                   help="each training step (loss, backward, clipping, a fused AdamW step) as one CUDA graph per "
+                        "batch shape and CAT mixing layer (cat_fast.step.CapturedStep; experimental: its GPU tests "
+                        "have not run yet). One process, no --grad-accum; methods whose steps cannot be replayed "
+                        "(an inner optimizer step: erm-two-step, CAT's alternating update, clp; random GS pairs; CAT + GS) "
+                        "are refused")
     t.add_argument("--out", metavar="DIR", help="output directory (default: runs/TASK-METHOD-seedN)")
     t.add_argument("--overwrite", action="store_true", help="replace an existing --out that cat-fast wrote")
     t.add_argument("--no-checkpoint", action="store_true",

@@ -331,8 +331,18 @@ def train(args) -> Dict:
     for p in list(model.parameters()) + list(objective.parameters()):  # an objective's own (a learned gate) too
         if p.requires_grad:
             (no_decay if p.ndim < 2 else decay).append(p)
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
+    step_graphs = getattr(args, "step_graphs", False)
+    if step_graphs and world > 1:
+        raise CliError("--step-graphs: one process only (under torchrun the objective runs inside DDP's forward)")
+    if step_graphs and args.grad_accum != 1:
+        raise CliError(f"--step-graphs: --grad-accum must be 1 (one captured step per optimizer step), got "
+                       f"{args.grad_accum}")
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if step_graphs:  # fused (a non-finite step is skipped on the device), its lr a tensor the schedule fills in place
+        optimizer = torch.optim.AdamW(groups, lr=torch.tensor(float(args.lr), device=device), fused=True,
+                                      capturable=device.type == "cuda")
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=args.lr)
     lr_warm = int(round(args.lr_warmup_ratio * total_steps))
 
     def lr_lambda(step):
@@ -414,7 +424,7 @@ def train(args) -> Dict:
             disable_tqdm=False, log_level="error", save_only_model=False,
             ddp_find_unused_parameters=getattr(objective, "find_unused_parameters", False) if world > 1 else None)
         trainer = Run(model=model, args=targs, train_dataset=items, optimizers=(optimizer, scheduler),
-                      objective=objective)
+                      objective=objective, step_graphs=step_graphs)
         trainer.pending = {}
         trainer.remove_callback(ProgressCallback)
         trainer.add_callback(Quiet)
@@ -426,6 +436,10 @@ def train(args) -> Dict:
             trainer.train(resume_from_checkpoint=True if args.resume else None)
         except NonFiniteLossError as error:
             raise TrainingFailed(f"{error}; no output written (check the hyper-parameters, or lower --lr)") from error
+        except ValueError as error:
+            if str(error).startswith("step_graphs=True"):
+                raise CliError(f"--step-graphs --method {method}: {str(error)[len('step_graphs=True: '):]}") from error
+            raise
         except KeyboardInterrupt:
             if saving and glob.glob(os.path.join(checkpoints, "checkpoint-*")):
                 sys.stderr.write(f"cat-fast: checkpoints kept in {checkpoints}: run the same command with --resume "

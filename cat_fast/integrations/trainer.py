@@ -36,6 +36,14 @@ are the Trainer's. What they add:
   plain loop under ``torch.autocast`` (accelerate itself autocasts only inside the model's forward, which left CAT's
   CAL loop and counterfactual passes, and GS's passes, in fp32).
 * A double-backward failure of the attention kernel is re-raised as `cat_fast.objectives.DOUBLE_BACKWARD_HINT`.
+* ``step_graphs=True`` (issue 23; its GPU tests not yet run): each training step, the objective's loss, backward,
+  gradient clipping and the optimizer's step, is one `cat_fast.step.CapturedStep` (one CUDA graph per batch
+  signature on a GPU; the same step run eagerly elsewhere), and the Trainer's own backward, clipping and optimizer
+  step are skipped. Needs one process, no gradient accumulation, bf16 or fp32, and a fused AdamW (the trainer makes
+  one, with a tensor learning rate that the scheduler updates in place, capturable on a GPU; a given optimizer must
+  be so). A non-finite loss or gradient norm leaves the parameters as they were (the fused step skips it on the
+  device) and stops training with `NonFiniteLossError`. The gradient norm before clipping is logged as
+  ``<prefix>/grad_norm`` (the Trainer's own ``grad_norm`` is then not computed).
 """
 from __future__ import annotations
 
@@ -70,7 +78,10 @@ class ObjectiveTrainer(Trainer):
 
     _log_prefix = "objective"
 
-    def __init__(self, *args, objective=None, objective_kwargs=None, keep_groups=None, check_finite=True, **kwargs):
+    def __init__(self, *args, objective=None, objective_kwargs=None, keep_groups=None, check_finite=True,
+                 step_graphs=False, **kwargs):
+        self.step_graphs = bool(step_graphs)
+        self._captured = None  # the CapturedStep of step_graphs=True, made on the first training step
         super().__init__(*args, **kwargs)
         self.loss_is_scaled_for_ga = False
         self.model_accepts_loss_kwargs = False
@@ -150,7 +161,96 @@ class ObjectiveTrainer(Trainer):
             kwargs = {**kwargs, "num_items_in_batch": num_items_in_batch}
         return super().compute_loss(model, plain, return_outputs=return_outputs, **kwargs)
 
+    # ------------------------------------------------------------------ step_graphs=True
+    def create_optimizer(self, *args, **kwargs):
+        """With ``step_graphs``: the Trainer's AdamW parameter groups in a fused AdamW (capturable on a GPU) whose
+        learning rate is a tensor (module docstring)."""
+        if not self.step_graphs or self.optimizer is not None:
+            return super().create_optimizer(*args, **kwargs)
+        a = self.args
+        optim = str(getattr(a.optim, "value", a.optim))
+        if optim not in ("adamw_torch", "adamw_torch_fused"):
+            raise ValueError(f"step_graphs=True trains with a fused AdamW: TrainingArguments(optim={optim!r}) is not "
+                             "one (use 'adamw_torch_fused', or pass optimizers=(a fused AdamW, scheduler))")
+        made = super().create_optimizer(*args, **kwargs)
+        device = next(self.model.parameters()).device
+        groups = [{"params": g["params"], "weight_decay": g.get("weight_decay", a.weight_decay)}
+                  for g in made.param_groups]
+        self.optimizer = torch.optim.AdamW(groups, lr=torch.tensor(float(a.learning_rate), device=device),
+                                           betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon, fused=True,
+                                           capturable=device.type == "cuda")
+        return self.optimizer
+
+    def _graph_step_setup(self, model):
+        """The CapturedStep of the first step, after checking what step_graphs needs (module docstring)."""
+        a = self.args
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and (
+                torch.distributed.get_world_size() > 1):
+            raise ValueError("step_graphs=True runs in one process (under torchrun the objective runs inside DDP's "
+                             "forward, which a captured step does not)")
+        if a.gradient_accumulation_steps != 1:
+            raise ValueError(f"step_graphs=True: gradient_accumulation_steps must be 1 (one captured step per "
+                             f"optimizer step), got {a.gradient_accumulation_steps}")
+        if a.fp16:
+            raise ValueError("step_graphs=True: bf16 or fp32 (fp16's loss scaling is not part of the captured step)")
+        raw = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's AcceleratedOptimizer wraps it
+        from ..step import CapturedStep
+
+        try:
+            captured = CapturedStep(self.objective, raw, max_grad_norm=a.max_grad_norm if a.max_grad_norm > 0 else None,
+                                    autocast=torch.bfloat16 if a.bf16 else None, skip_non_finite=True, strict=True,
+                                    max_graphs=64)
+        except ValueError as error:
+            raise ValueError(f"step_graphs=True: {error}") from error
+        for group in raw.param_groups:
+            if not isinstance(group["lr"], torch.Tensor):
+                raise ValueError("step_graphs=True: optimizer: the learning rate must be a tensor (lr=torch.tensor(...),"
+                                 " which the scheduler updates in place; a captured step would replay a float lr)")
+        # the captured step clips and steps the optimizer itself: the Trainer's own optimizer step becomes a no-op
+        # (marked as torch's LR schedulers mark the step they wrap, so they see the step as taken)
+        wrapper = self.optimizer
+
+        def taken(*args, **kwargs):
+            wrapper._opt_called = True
+
+        taken._wrapped_by_lr_sched = True
+        wrapper.step = taken
+        return captured
+
+    def _graph_training_step(self, model, inputs):
+        if self._captured is None:
+            self._captured = self._graph_step_setup(model)
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        objective = self.objective
+        objective.step = self.state.global_step
+        batch, args = self._objective_arguments(inputs)
+        from ..step import NotCapturable
+
+        try:
+            loss, info = self._captured(batch, *args)
+        except NotCapturable as error:
+            raise ValueError(f"step_graphs=True: {error}") from error
+        norm = self._captured.last_grad_norm
+        if norm is not None:
+            info = {**info, "grad_norm": norm}
+        self._record(info)
+        if self.check_finite:
+            values = loss.detach().float().reshape(1)
+            if norm is not None:
+                values = torch.cat([values, norm.detach().float().reshape(1).to(values.device)])
+            if not bool(torch.isfinite(values).all()):  # the fused optimizer step skipped it on the device
+                if not bool(torch.isfinite(values[0])):
+                    raise NonFiniteLossError(self._non_finite_message(loss))
+                raise NonFiniteLossError(f"the gradient norm became {float(values[1])} at step "
+                                         f"{self.state.global_step + 1}; training stopped before the optimizer "
+                                         "applied it")
+        return loss.detach()
+
     def training_step(self, *args, **kwargs):
+        if self.step_graphs:
+            model, inputs = (list(args) + [kwargs.get("model"), kwargs.get("inputs")])[:2]
+            return self._graph_training_step(model, inputs)
         try:
             loss = super().training_step(*args, **kwargs)
         except RuntimeError as exc:
@@ -203,24 +303,31 @@ class ObjectiveTrainer(Trainer):
                              "(torchrun) only, not FSDP or DeepSpeed: the objective would bypass the wrapper")
         elif objective.compiled_model is None and inner is objective.model:
             objective.compiled_model = compiled_wrapper(model)  # the wrapper torch_compile=True made, if any
-        if objective.needs_pairs:
-            pairs = inputs.get("pairs")
-            if pairs is None and "pair_group" in inputs:
-                pairs = pair_by_group(inputs["pair_group"])
-            if pairs is None and not getattr(objective, "random_pairs", False):
-                raise ValueError(f"{type(self).__name__} needs a 'pairs' or 'pair_group' column in the batch "
-                                 "(or random_pairs=True)")
-            batch, args = {k: v for k, v in inputs.items() if k not in EXTRA_COLUMNS}, (pairs,)
-        else:
-            batch, args = inputs, ()
+        batch, args = self._objective_arguments(inputs)
         with self.accelerator.autocast():
             loss, info = call(batch, *args)
+        self._record(info)
+        return (loss, None) if return_outputs else loss
+
+    def _objective_arguments(self, inputs):
+        """(batch, args) of the objective's call: the pairs of an objective that needs them (module docstring)."""
+        objective = self.objective
+        if not objective.needs_pairs:
+            return inputs, ()
+        pairs = inputs.get("pairs")
+        if pairs is None and "pair_group" in inputs:
+            pairs = pair_by_group(inputs["pair_group"])
+        if pairs is None and not getattr(objective, "random_pairs", False):
+            raise ValueError(f"{type(self).__name__} needs a 'pairs' or 'pair_group' column in the batch "
+                             "(or random_pairs=True)")
+        return {k: v for k, v in inputs.items() if k not in EXTRA_COLUMNS}, (pairs,)
+
+    def _record(self, info):
         self._last_info = info
         for k, v in info.items():  # summed on the device: no host sync in the step
             v = v.detach().float() if isinstance(v, torch.Tensor) else torch.tensor(float(v))
             self._info_sum[k] = v if k not in self._info_sum else self._info_sum[k] + v.to(self._info_sum[k].device)
         self._info_count += 1
-        return (loss, None) if return_outputs else loss
 
     def log(self, logs, *args, **kwargs):
         if self._info_count and "loss" in logs:

@@ -335,3 +335,20 @@ def test_pad_buckets_shape_the_batches_and_cat_graphs(tiny, tmp_path, capsys):
     code, err = run(small_train(tiny, out, "--pad", "buckets", method="cat"), capsys)
     assert code == 0, err
     assert json.loads((out / "metrics.json").read_text())["config"]["pad"] == "buckets"
+
+
+def test_step_graphs_train_as_the_trainer_and_refuse_inner_steps(tiny, tmp_path, capsys):
+    """--step-graphs (on the CPU the captured step runs eagerly through the same plan): CAT's run equals the
+    Trainer's own step to float rounding (the fused AdamW and its tensor lr), and a method with an inner optimizer
+    step is refused by name."""
+    ms = []
+    for name, extra in (("plain", ()), ("graphs", ("--step-graphs",))):
+        assert run(small_train(tiny, tmp_path / name, *extra, method="cat"))[0] == 0
+        ms.append(json.loads((tmp_path / name / "metrics.json").read_text()))
+    assert ms[1]["config"]["step_graphs"] and not ms[0]["config"]["step_graphs"]
+    for want, got in zip(ms[0]["history"], ms[1]["history"]):
+        assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-4)
+    assert "grad_norm" in ms[1]["history"][-1]["info"]
+    code, err = run(small_train(tiny, tmp_path / "two", "--step-graphs", method="erm-two-step"), capsys)
+    assert code != 0 and "--step-graphs --method erm-two-step" in err and "inner optimizer step" in err
+    assert not (tmp_path / "two").exists()

@@ -1,0 +1,116 @@
+"""``ObjectiveTrainer(step_graphs=True)``: each training step one `cat_fast.step.CapturedStep` (on the CPU run
+eagerly through the same plan): the Trainer's results, its refusals, and a non-finite step left unapplied."""
+import pytest
+import torch
+
+pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate>=1.1.0 (and psutil)")
+datasets = pytest.importorskip("datasets")
+
+from transformers import TrainingArguments  # noqa: E402
+
+from cat_fast.integrations import NonFiniteLossError, ObjectiveTrainer  # noqa: E402
+from tests.conftest import tiny_model  # noqa: E402
+from tests.integrations.test_trainer import tiny_dataset  # noqa: E402
+
+
+def _args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=4, learning_rate=1e-3,
+                logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, data_seed=0,
+                dataloader_num_workers=0, max_grad_norm=1.0, optim="adamw_torch_fused", warmup_steps=1)
+    return TrainingArguments(**{**base, **kw})
+
+
+def _train(tmp_path, objective, objective_kwargs, step_graphs, **kw):
+    torch.manual_seed(0)
+    model = tiny_model("bert", num_labels=2).train()
+    trainer = ObjectiveTrainer(model=model, args=_args(tmp_path, **kw), train_dataset=tiny_dataset(),
+                               objective=objective, objective_kwargs=objective_kwargs, step_graphs=step_graphs)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return trainer, losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("objective,kwargs", [("erm", {}), ("cat", {"layers": [1, 2], "warmup_steps": 1}),
+                                              ("cat", {"layers": [2], "generator": 5})])
+def test_step_graphs_train_as_the_trainer(tmp_path, objective, kwargs):
+    """The same losses and parameters as the Trainer's own step (forward, backward, clipping, AdamW, the linear
+    schedule), dropout and CAT's draws included; the gradient norm is logged; the optimizer is a fused AdamW with a
+    tensor learning rate that the schedule moves."""
+    runs = []
+    for step_graphs in (False, True):
+        kw = dict(kwargs)
+        if "generator" in kw:
+            kw["generator"] = torch.Generator().manual_seed(kw["generator"])
+        runs.append(_train(tmp_path / str(step_graphs), objective, kw, step_graphs))
+    (_, want, want_params), (trainer, got, got_params) = runs
+    assert len(got) == 4 and len(set(got)) > 1
+    assert got == pytest.approx(want, rel=1e-5)
+    for n in want_params:
+        torch.testing.assert_close(got_params[n], want_params[n], rtol=1e-5, atol=1e-6, msg=n)
+    raw = trainer.optimizer.optimizer
+    assert all(g["fused"] for g in raw.param_groups) and isinstance(raw.param_groups[0]["lr"], torch.Tensor)
+    assert float(raw.param_groups[0]["lr"]) == 0.0  # 1e-3 at the start: the linear schedule's end, filled in place
+    norms = [h["objective/grad_norm"] for h in trainer.state.log_history if "objective/grad_norm" in h]
+    assert len(norms) == 4 and all(v > 0 for v in norms)
+
+
+def test_step_graphs_refuse_what_they_cannot_replay(tmp_path):
+    model = tiny_model("bert", num_labels=2).train()
+    cases = [(dict(gradient_accumulation_steps=2), "erm", {}, "gradient_accumulation_steps"),
+             (dict(optim="sgd"), "erm", {}, "fused AdamW"),
+             ({}, "erm-two-step", {}, "inner optimizer step")]
+    for i, (kw, objective, okw, match) in enumerate(cases):
+        trainer = ObjectiveTrainer(model=model, args=_args(tmp_path / str(i), **kw), train_dataset=tiny_dataset(),
+                                   objective=objective, objective_kwargs=okw, step_graphs=True)
+        with pytest.raises(ValueError, match=match):
+            trainer.train()
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    trainer = ObjectiveTrainer(model=model, args=_args(tmp_path / "given"), train_dataset=tiny_dataset(),
+                               objective="erm", optimizers=(plain, None), step_graphs=True)
+    with pytest.raises(ValueError, match="fused=True"):
+        trainer.train()
+
+
+def test_a_non_finite_step_is_not_applied(tmp_path):
+    """CAT with an overflowing CAL objective at its first active step: NonFiniteLossError, and the parameters are
+    those after the warm-up step (the fused AdamW skipped the step on the device)."""
+    torch.manual_seed(0)
+    model = tiny_model("bert", num_labels=2).train()
+    trainer = ObjectiveTrainer(model=model, args=_args(tmp_path), train_dataset=tiny_dataset(), objective="cat",
+                               objective_kwargs={"layers": [2], "warmup_steps": 1, "eta": 1e308, "gamma": 1e308},
+                               step_graphs=True)
+    seen = {}
+
+    def snapshot(*_):
+        if trainer.state.global_step == 1 and not seen:
+            seen.update({n: p.detach().clone() for n, p in model.named_parameters()})
+
+    trainer.objective.model.register_forward_pre_hook(lambda *a: snapshot())
+    with pytest.raises(NonFiniteLossError, match=r"became nan at step 2 \(in crm_loss.*before the optimizer applied it"):
+        trainer.train()
+    assert seen
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), seen[n], rtol=0, atol=0, msg=n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("objective,kwargs", [("erm", {}), ("cat", {"layers": [1, 2], "warmup_steps": 1})])
+def test_gpu_step_graphs_train_as_the_trainer(tmp_path, objective, kwargs):
+    """On a GPU (SDPA, bf16, dropout): graphs captured and replayed, and the run equal to the Trainer's own step
+    to bf16 rounding over 8 steps."""
+    runs = []
+    for step_graphs in (False, True):
+        torch.manual_seed(0)
+        model = tiny_model("bert", num_labels=2, attn="sdpa").cuda().train()
+        trainer = ObjectiveTrainer(model=model, args=_args(tmp_path / str(step_graphs), use_cpu=False, bf16=True,
+                                                           max_steps=8),
+                                   train_dataset=tiny_dataset(), objective=objective, objective_kwargs=kwargs,
+                                   step_graphs=step_graphs)
+        trainer.train()
+        runs.append(([h["loss"] for h in trainer.state.log_history if "loss" in h],
+                     {n: p.detach().float().cpu() for n, p in model.named_parameters()}, trainer))
+    (want, want_params, _), (got, got_params, trainer) = runs
+    assert trainer._captured.num_graphs >= 1
+    assert got == pytest.approx(want, rel=2e-3)
+    for n in want_params:
+        torch.testing.assert_close(got_params[n], want_params[n], rtol=1e-3, atol=1e-4, msg=n)
