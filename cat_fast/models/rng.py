@@ -78,5 +78,6 @@ class PassGenerators:
             raise RuntimeError("PassGenerators: no eager step measured the clean forward's draws before the marker")
         seed, offset = self.default.initial_seed(), self.default.get_offset() + self.lead
         for g in self.passes:
-            g.manual_seed(seed)
+            if g.initial_seed() != seed:  # the first replay, or the device generator reseeded since
+                g.manual_seed(seed)
             g.set_offset(offset)
