@@ -13,6 +13,8 @@ CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest tests/test_step.py tests/ob
   -p no:cacheprovider -rs > "$OUT/tests.log" 2>&1; echo "rc=$?" >> "$OUT/tests.log"; tail -15 "$OUT/tests.log"
 timeout 120 python3 -m pytest tests/test_distributed.py -q -p no:cacheprovider -k gpu -rs > "$OUT/nccl.log" 2>&1
 echo "rc=$?" >> "$OUT/nccl.log"; tail -5 "$OUT/nccl.log"
+CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/tools/training_layer_host.py --compiled --calls 20 \
+  > "$OUT/layer.txt" 2>&1; tail -12 "$OUT/layer.txt"
 CUDA_VISIBLE_DEVICES=0 CAT_FAST_BENCH_DEADLINE_STEP=$(( $(date +%s) + 220 )) timeout 250 python3 -m pytest \
   benchmarks/steps/test_bench_step.py -q -p no:cacheprovider \
   -k "test_step and (plain or cat or gs_first_order_fwd or gs_pooled)" \

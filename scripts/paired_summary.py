@@ -33,4 +33,8 @@ for path in sys.argv[1:]:
             parts.append(f"graphs {e['captured_graphs']}")
         if e.get("compile_s"):
             parts.append(f"compile {e['compile_s']:.0f} s")
+        if e.get("capture_s"):
+            parts.append(f"capture {e['capture_s']:.1f} s")
+        if e.get("step_layer_mean_ms"):
+            parts.append(f"layer-mean step {e['step_layer_mean_ms']:.2f} ms")
         print(*parts)

@@ -45,6 +45,9 @@ bf16 autocast, AdamW (fused on CUDA), B x T = 8x128, 32x128, 64x256; each sample
 11. `cat_captured`: `cat`'s CAT through `CapturedStep` with that optimizer: the whole step (clean forward, CAL
                  loop, final pass, backward, AdamW) as one CUDA graph per mixing layer. Its graphs are captured
                  before the warm-up (one eager step and the capture per layer), timed apart as `capture_s`.
+12. `gs_first_order_fwd_captured`, `gs_pooled_captured`: `gs_first_order_fwd` (with ``low_memory=False``, which a
+                 captured step needs) and `gs_pooled` through `CapturedStep` with that optimizer: one CUDA graph per
+                 batch shape, captured within the warm-up.
 8. `clp`, `clp_all`: `cat_fast.CLP` (causal logit perturbation) with `virtual="head"` / `"all"`: the model's own
                  forward (so `plain` is their ERM step), the characteristics op, Ω's meta step on a metadata batch
                  of the same shape (another draw of ids), the perturbed loss; `clp_all` runs eager attention (its
@@ -85,13 +88,16 @@ pytestmark = [pytest.mark.benchmark(timer=H.virtual_clock), pytest.mark.bench_st
 METHODS = ("plain", "plain_first_token", "plain_training_layers", "naive_cat", "cat", "cat_eager", "cat_full_last",
            "cat_hf_layers", "cat_hf_clean", "gs_exact", "gs_first_order", "gs_first_order_fwd", "gs_pooled",
            "gs_pooled_hf_layers", "poe", "reweight", "learned_mixin", "conf_reg", "clp", "clp_all",
-           "plain_compiled", "plain_compiled_ro", "plain_captured", "cat_captured")
+           "plain_compiled", "plain_compiled_ro", "plain_captured", "cat_captured", "gs_first_order_fwd_captured",
+           "gs_pooled_captured")
+CAPTURED_GS_METHODS = ("gs_first_order_fwd_captured", "gs_pooled_captured")
 COMPILED_METHODS = ("plain_compiled", "plain_compiled_ro")
 DEBIAS_METHODS = ("poe", "reweight", "learned_mixin", "conf_reg")
 CAT_METHODS = ("cat", "cat_eager", "cat_full_last", "cat_hf_layers", "cat_hf_clean", "cat_captured")
 # Methods whose passes run the last layer for the first token only (`prune_last_layer=True`, the default).
 FIRST_TOKEN_METHODS = ("plain_first_token", "plain_training_layers", "cat", "cat_eager", "cat_captured", "cat_hf_layers",
-                       "cat_hf_clean", "gs_first_order", "gs_first_order_fwd", "gs_pooled", "gs_pooled_hf_layers")
+                       "cat_hf_clean", "gs_first_order", "gs_first_order_fwd", "gs_pooled", "gs_pooled_hf_layers",
+                       "gs_first_order_fwd_captured", "gs_pooled_captured")
 FIRST_TOKEN_METHODS += DEBIAS_METHODS
 GS_LONG_METHODS = ("plain", "gs_exact", "gs_first_order", "gs_first_order_fwd")  # the T = 512 size
 CAT_LAYERS = [8, 9, 10]
@@ -330,6 +336,24 @@ def make_step(method, model, optimizer, batch, pairs):
             step.layers.append(int(info["layer"]))  # a CPU tensor: no host sync
             finish_step(loss)
         step.layers = []  # the mixing layer m drawn at each call
+        return step
+
+    if method in CAPTURED_GS_METHODS:
+        from cat_fast.step import CapturedStep
+
+        cuda = DEVICE == "cuda"
+        own = torch.optim.AdamW(model.parameters(), lr=torch.tensor(2e-5, device=DEVICE) if cuda else 2e-5,
+                                fused=cuda, capturable=cuda)
+        if method == "gs_pooled_captured":
+            gs = cat_fast.GradientSupervision(model, weight=1.0, representation="pooled", mode="exact")
+        else:
+            gs = cat_fast.GradientSupervision(model, weight=1.0, representation=0, mode="first_order",
+                                              difference="forward", low_memory=False)
+        captured = CapturedStep(gs, own, autocast=torch.bfloat16, warmup_steps=2)
+
+        def step():
+            captured(batch, pairs)
+        step.captured = captured
         return step
 
     representation, mode, difference = {
@@ -586,9 +610,11 @@ def measure_step(method, size):
                 if mean is not None:
                     extra["step_layer_mean_ms"] = mean
             if method in ("plain", "naive_cat", "plain_captured") + CAT_METHODS + FIRST_TOKEN_METHODS + COMPILED_METHODS:
+                flop_method = "gs_first_order_fwd" if method == "gs_first_order_fwd_captured" else method
                 m = NAIVE_M if method == "naive_cat" else sum(LAYERS) / len(LAYERS)
-                extra["flops"] = model_flops(config, batch_size, tokens, method, m)
-                extra["flops_final_backward"] = model_flops(config, batch_size, tokens, method, m, final_backward=True)
+                extra["flops"] = model_flops(config, batch_size, tokens, flop_method, m)
+                extra["flops_final_backward"] = model_flops(config, batch_size, tokens, flop_method, m,
+                                                            final_backward=True)
                 extra["flops_plain"] = model_flops(config, batch_size, tokens, "plain")
                 extra["flop_ratio"] = extra["flops"] / extra["flops_plain"]
                 extra["flop_ratio_final_backward"] = extra["flops_final_backward"] / extra["flops_plain"]
