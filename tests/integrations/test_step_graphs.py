@@ -114,3 +114,23 @@ def test_gpu_step_graphs_train_as_the_trainer(tmp_path, objective, kwargs):
     assert got == pytest.approx(want, rel=2e-3)
     for n in want_params:
         torch.testing.assert_close(got_params[n], want_params[n], rtol=1e-3, atol=1e-4, msg=n)
+
+
+def test_step_graphs_resume_as_an_uninterrupted_run(tmp_path):
+    """A run resumed from its step-2 checkpoint (the fused AdamW's state and tensor lr, CAT's generator) ends with
+    the parameters of the uninterrupted run."""
+    def make(out):
+        torch.manual_seed(0)
+        model = tiny_model("bert", num_labels=2).train()
+        trainer = ObjectiveTrainer(model=model, args=_args(out, save_strategy="steps", save_steps=2),
+                                   train_dataset=tiny_dataset(), objective="cat", step_graphs=True,
+                                   objective_kwargs={"layers": [1, 2], "generator": torch.Generator().manual_seed(1)})
+        return model, trainer
+
+    whole, trainer = make(tmp_path / "whole")
+    trainer.train()
+    resumed, trainer = make(tmp_path / "resumed")
+    trainer.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
+    assert isinstance(trainer.optimizer.optimizer.param_groups[0]["lr"], torch.Tensor)
+    for (n, p), q in zip(whole.named_parameters(), resumed.parameters()):
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=0, atol=0, msg=n)
