@@ -88,12 +88,17 @@ def test_objectives_say_whether_a_step_can_be_replayed():
     assert ERM(model).capture_key(batch) == ()
     assert ERM(model).plan_step(batch).key == ()
     for objective, reason in ((CAT(model, update="alternate"), "alternate"),
-                              (CAT(model, gs_weight=1.0), "gs_weight"),
                               (ERM(model, two_step=True), "inner optimizer step"),
-                              (GradientSupervision(model, random_pairs=True), "random pairs")):
+                              (GradientSupervision(model, mode="first_order"), "low_memory=True")):
         with pytest.raises(NotCapturable, match=reason):
             objective.plan_step(batch)
         assert objective.step == 0  # a refused plan advances nothing
+    gs = GradientSupervision(model, random_pairs=True, generator=torch.Generator().manual_seed(0))
+    plans = [gs.plan_step(batch) for _ in range(3)]
+    assert all(p.key == ("gs",) and p.state is None for p in plans)  # a CPU model: no pass generators
+    drawn = [p.tensors["pairs"] for p in plans]
+    assert all(((d - torch.arange(4)) % 4 != 0).all() for d in drawn)  # a partner other than the row itself
+    assert not all(torch.equal(drawn[0], d) for d in drawn[1:])  # drawn anew each step
 
 
 def test_cat_plans_warm_up_then_its_drawn_layer():
@@ -111,8 +116,8 @@ def test_cat_plans_warm_up_then_its_drawn_layer():
         cat.capture_key(batch)
 
 
-@pytest.mark.parametrize("generator", [None, 3])
-def test_planned_cat_steps_equal_its_own_calls(generator):
+@pytest.mark.parametrize("generator,gs_weight", [(None, 0.0), (3, 0.0), (3, 1.0)])
+def test_planned_cat_steps_equal_its_own_calls(generator, gs_weight):
     """CapturedStep runs CAT through plan_step + planned_step (CPU: eagerly): the same draws (layer, partners, λ,
     dropout), losses and parameters as the loop calling CAT itself, warm-up steps included."""
     batches = _batches(6, "cpu")
@@ -121,7 +126,7 @@ def test_planned_cat_steps_equal_its_own_calls(generator):
         torch.manual_seed(0)
         model = tiny_model("bert", seed=1).train()
         gen = torch.Generator().manual_seed(generator) if generator is not None else None
-        cat = CAT(model, layers=[1, 2, 3], warmup_steps=2, generator=gen)
+        cat = CAT(model, layers=[1, 2, 3], warmup_steps=2, generator=gen, gs_weight=gs_weight)
         runs.append(_loop(model, cat, batches, captured=captured))
     (want, want_losses), (got, got_losses) = runs
     assert want_losses[2:].ne(want_losses[2:].roll(1)).all()  # the CAT steps differ from each other
@@ -130,16 +135,44 @@ def test_planned_cat_steps_equal_its_own_calls(generator):
         torch.testing.assert_close(got[n], want[n], rtol=0, atol=0, msg=n)
 
 
+@pytest.mark.parametrize("kwargs", [dict(random_pairs=True, generator=5), dict(random_pairs=True),
+                                    dict(mode="first_order", low_memory=False),
+                                    dict(mode="first_order", low_memory=False, difference="forward", representation=0)])
+def test_planned_gs_steps_equal_its_own_calls(kwargs):
+    """GS through plan_step + planned_step (CPU: eagerly) equals the loop calling GS itself: random pairs drawn as
+    the call draws them; first-order passes with the clean forward's dropout."""
+    batches = _batches(4, "cpu", pairs=not kwargs.get("random_pairs"))
+    runs = []
+    for captured in (None, False):
+        torch.manual_seed(0)
+        model = tiny_model("bert", seed=1).train()
+        kw = dict(kwargs)
+        if "generator" in kw:
+            kw["generator"] = torch.Generator().manual_seed(kw["generator"])
+        runs.append(_loop(model, GradientSupervision(model, **kw), batches, captured=captured))
+    (want, want_losses), (got, got_losses) = runs
+    torch.testing.assert_close(got_losses, want_losses, rtol=0, atol=0)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=0, msg=n)
+
+
 # ----------------------------------------------------------------------------- GPU
 
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
-@pytest.mark.parametrize("name", ["erm", "poe", "gs-pooled"])
+@pytest.mark.parametrize("name", ["erm", "poe", "gs-pooled", "gs-first-order", "gs-first-order-pooled", "gs-random"])
 def test_gpu_replayed_steps_equal_the_eager_loop(name):
     """Eight steps with dropout (3 eager warm-up steps, the capture, replays): the same parameters and losses as
-    the eager loop with the same seed, and the signature captured once (a failed capture fails the test)."""
+    the eager loop with the same seed, and the signature captured once (a failed capture fails the test). The
+    first-order cases check that the perturbed passes inside the graph redraw each step's clean-forward masks
+    (`models.PassGenerators`), at layer 0 and at the pooled vector (the head's dropout)."""
     make = {"erm": lambda m: ERM(m), "poe": lambda m: PoE(m),
-            "gs-pooled": lambda m: GradientSupervision(m, representation="pooled")}[name]
-    batches = _batches(8, "cuda", pairs=name.startswith("gs"), bias=name == "poe")
+            "gs-pooled": lambda m: GradientSupervision(m, representation="pooled"),
+            "gs-first-order": lambda m: GradientSupervision(m, mode="first_order", low_memory=False),
+            "gs-first-order-pooled": lambda m: GradientSupervision(m, mode="first_order", low_memory=False,
+                                                                   representation="pooled"),
+            "gs-random": lambda m: GradientSupervision(m, random_pairs=True,
+                                                       generator=torch.Generator().manual_seed(2))}[name]
+    batches = _batches(8, "cuda", pairs=name.startswith("gs") and name != "gs-random", bias=name == "poe")
     runs = []
     for captured in (None, True):
         model = tiny_model("bert", seed=1, attn="sdpa").cuda().train()
@@ -157,8 +190,8 @@ def test_gpu_replayed_steps_equal_the_eager_loop(name):
 
 
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
-@pytest.mark.parametrize("generator", [None, 3])
-def test_gpu_replayed_cat_steps_equal_the_eager_loop(generator):
+@pytest.mark.parametrize("generator,gs_weight", [(None, 0.0), (3, 0.0), (3, 1.0)])
+def test_gpu_replayed_cat_steps_equal_the_eager_loop(generator, gs_weight):
     """CAT as one CUDA graph per (mixing layer, shapes), with dropout: the counterfactual passes inside the graph
     must redraw each step's clean-forward masks (`models.PassGenerators`), not the masks of the captured step. Ten
     steps (warm-up ERM steps, two mixing layers, captures and replays): the same losses and parameters as CAT's own
@@ -166,10 +199,11 @@ def test_gpu_replayed_cat_steps_equal_the_eager_loop(generator):
     batches = _batches(10, "cuda")
     runs = []
     for captured in (None, True):
-        model = tiny_model("bert", seed=1, attn="sdpa").cuda().train()
+        # CAT + GS differentiates g through layers m+1..L twice: eager attention
+        model = tiny_model("bert", seed=1, attn="eager" if gs_weight else "sdpa").cuda().train()
         torch.manual_seed(0)
         gen = torch.Generator().manual_seed(generator) if generator is not None else None
-        cat = CAT(model, layers=[1, 2], warmup_steps=1, generator=gen)
+        cat = CAT(model, layers=[1, 2], warmup_steps=1, generator=gen, gs_weight=gs_weight)
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
             runs.append(_loop(model, cat, batches, captured=captured, warmup_steps=1))

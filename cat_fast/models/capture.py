@@ -42,7 +42,7 @@ class Capture:
     head_rng_state: tuple | None = None
     head_autocast: tuple | None = None  # (enabled, dtype) of autocast where the model's forward called its head
     pooled: torch.Tensor | None = None  # [B, D] pooled representation (pooled=True)
-    rng_marker: object = None  # called by `resume` where it would restore rng_state (cat_fast.objectives.cat_graphs)
+    rng_marker: object = None  # called by `resume` / `head_logits` where they restore the RNG state (cat_graphs, PassGenerators)
     last_output: object = None  # layer L's output as returned (its format, for `resume(..., first_token=True)`)
     padding_mask: torch.Tensor | None = None  # the batch's 2-D attention mask ([B, T]; `inputs` may hold a 4-D one)
 
@@ -277,6 +277,8 @@ def head_logits(model, cap: Capture, x: torch.Tensor, *, same_dropout: bool = Tr
     try:
         if restore:
             set_rng_state(x.device, cap.head_rng_state)
+        if cap.rng_marker is not None:  # where the head's RNG state is (or, inside a capture, would be) restored
+            cap.rng_marker()
         with torch.autocast(x.device.type, dtype=dtype, enabled=enabled):
             return st.head(inp)
     finally:

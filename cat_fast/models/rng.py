@@ -1,5 +1,7 @@
 """Saving and restoring the random-number generators (CPU and the tensor's CUDA device) without a device sync:
 how the counterfactual passes replay the clean forward's dropout masks."""
+import contextlib
+
 import torch
 
 __all__ = ["get_state", "set_state", "PassGenerators"]
@@ -72,6 +74,18 @@ class PassGenerators:
     def end_pass(self):
         self.default.graphsafe_set_state(self._original)
         self._original = None
+
+    @contextlib.contextmanager
+    def pass_(self, k: int, cap):
+        """Inside the capture: pass ``k`` (a `resume` or `head_logits` call on `cap`) draws from its own generator
+        from the marker on."""
+        self.begin_pass(k)
+        cap.rng_marker = self.marker
+        try:
+            yield
+        finally:
+            cap.rng_marker = None
+            self.end_pass()
 
     def before_replay(self):
         if self.lead is None:

@@ -163,12 +163,9 @@ class CAT(Objective):
         partners and λ drawn as `__call__` draws them (the same streams), and on a GPU in training mode the
         generators from which the counterfactual passes redraw the clean forward's dropout inside a graph
         (`models.rng.PassGenerators`). Advances ``step``: run the step with `planned_step`. Not replayable:
-        the alternating update (it steps an optimizer inside the step) and CAT + GS (not yet tested so)."""
+        the alternating update (it steps an optimizer inside the step)."""
         if self.update != "sum":
             raise NotCapturable("CAT(update='alternate') steps its CRM optimizer inside the step; run it with "
-                                "CapturedStep(..., cuda_graph=False)")
-        if self.gs_weight > 0:
-            raise NotCapturable("CAT + GS (gs_weight > 0) is not replayed as one CUDA graph yet; run it with "
                                 "CapturedStep(..., cuda_graph=False)")
         step = self.step
         self.step += 1
@@ -325,23 +322,12 @@ class CAT(Objective):
         return masked_mean(gs_cosine_loss(g, g_hat, reduction="none"), valid)
 
     @staticmethod
-    @contextlib.contextmanager
     def _pass(rng, k, cap):
         """Inside a whole-step capture (`rng`, a `models.PassGenerators`): counterfactual pass ``k`` draws from its
         own generator from the marker on, which redraws the clean forward's dropout masks of layers m+1..L (the
-        eager pass restores the RNG state instead). Elsewhere nothing."""
-        if rng is None:
-            yield
-            return
-        rng.begin_pass(k)
-        cap.rng_marker = rng.marker
-        try:
-            # the backward of a CAL step runs inside this block too: SDPA's dropout backward reads the seed and
-            # offset its forward wrote, not the generator
-            yield
-        finally:
-            cap.rng_marker = None
-            rng.end_pass()
+        eager pass restores the RNG state instead); the backward of a CAL step inside the block draws nothing (SDPA's
+        dropout backward reads the seed and offset its forward wrote). Elsewhere nothing."""
+        return rng.pass_(k, cap) if rng is not None else contextlib.nullcontext()
 
     def _erm_only(self, batch):
         with torch.enable_grad():

@@ -7,6 +7,7 @@ of ``1 − cos(g_i, ĝ_i)`` over samples whose partner has another label. See `G
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -19,7 +20,7 @@ from ..kernels.reference.pooled_gs_loss import partners as _partners
 from ..kernels.reference.pooled_gs_loss import weighted_cosine_loss as _weighted_cosine_loss
 from ..kernels.triton import optional
 from ..ops import gs_cosine_loss
-from ..step import NotCapturable
+from ..step import NotCapturable, StepPlan
 from .base import Objective, check_number
 
 __all__ = ["GradientSupervision", "pair_by_group", "double_backward_error", "DOUBLE_BACKWARD_HINT"]
@@ -189,6 +190,7 @@ class GradientSupervision(Objective):
         self.random_pairs = random_pairs
         self.eps = float(eps)
         self.generator = generator
+        self._pass_rng = {}  # input shapes -> models.PassGenerators of planned first-order steps (`plan_step`)
         self.difference = difference
         self.low_memory = bool(low_memory)
         self.prune_last_layer = bool(prune_last_layer)
@@ -234,16 +236,44 @@ class GradientSupervision(Objective):
         return F.cross_entropy(z, labels, reduction="none")
 
     def capture_key(self, batch, *args):
-        """``()`` for the pairs of the batch (`cat_fast.step`); not for ``random_pairs`` (drawn on the host) or
-        first-order GS with ``low_memory=True`` (its passes write ``.grad`` from a hook inside the backward)."""
-        if self.random_pairs:
-            raise NotCapturable("GradientSupervision with random pairs draws them on the host each step")
+        """``()``: nothing selects a graph besides the batch's shapes (`plan_step` plans the step itself)."""
+        self._check_capturable()
+        return ()
+
+    def _check_capturable(self):
         if self.mode == "first_order" and self.low_memory:
             raise NotCapturable("first-order GradientSupervision with low_memory=True writes .grad from a hook inside "
                                 "the backward; pass low_memory=False")
-        return ()
+
+    def plan_step(self, batch, *args):
+        """The host-side part of the next step (`cat_fast.step.CapturedStep`): random pairs drawn as `__call__` draws
+        them, and for first-order GS on a GPU in training mode the generators from which its perturbed passes redraw
+        the clean forward's dropout inside a graph (`models.PassGenerators`). Not replayable: first-order with
+        ``low_memory=True`` (it writes ``.grad`` from a hook inside the backward)."""
+        self._check_capturable()
+        labels = batch["labels"]
+        tensors = {}
+        if self.random_pairs:
+            tensors["pairs"] = _random_pairs(labels.shape[0], labels.device, self.generator)
+        rng = None
+        if self.mode == "first_order" and labels.is_cuda and self.model.training:
+            sig = tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(models.model_inputs(batch).items())
+                        if isinstance(v, torch.Tensor))
+            rng = self._pass_rng.get(sig)
+            if rng is None:
+                rng = self._pass_rng[sig] = models.PassGenerators(labels.device, 2 if self.difference == "central"
+                                                                  else 1)
+        return StepPlan(key=("gs",), state=rng, tensors=tensors, generators=rng.generators if rng is not None else (),
+                        before_replay=rng.before_replay if rng is not None else None)
+
+    def planned_step(self, plan, batch, pairs=None):
+        """``(loss, info)`` of the step `plan` describes (`plan_step`), eagerly or inside a CUDA-graph capture."""
+        return self._step(batch, pairs, plan)
 
     def __call__(self, batch, pairs=None):
+        return self._step(batch, pairs, None)
+
+    def _step(self, batch, pairs, plan):
         labels = batch["labels"]
         if pairs is None and not self.random_pairs:
             pairs = batch.get("pairs")
@@ -252,10 +282,14 @@ class GradientSupervision(Objective):
         B = labels.shape[0]
         device = labels.device
         if self.random_pairs:
-            pairs = _random_pairs(B, device, self.generator)
+            pairs = _random_pairs(B, device, self.generator) if plan is None else plan.tensors["pairs"]
         else:
             _check_pairs(pairs, B)
         pairs = pairs.to(device=device, dtype=torch.long)
+        rng = plan.state if plan is not None else None
+        capturing = rng is not None and torch.cuda.is_current_stream_capturing()
+        if rng is not None and not capturing:
+            rng.start()
 
         pooled = self.layer is None
         with torch.enable_grad():
@@ -270,8 +304,11 @@ class GradientSupervision(Objective):
                 early = self._pooled_closed_form(partner_labels, valid) if pooled and exact else None
             prune = (self.prune_last_layer and (pooled or not exact)
                      and models.first_token_ready(self.model, batch))
-            cap = models.capture(self.model, batch, None if pooled else self.layer, pooled=pooled, rng=not exact,
-                                 first_token=prune, training_layers=self.training_layers and (pooled or not exact))
+            cap = models.capture(self.model, batch, None if pooled else self.layer, pooled=pooled,
+                                 rng=not exact and not capturing, first_token=prune,
+                                 training_layers=self.training_layers and (pooled or not exact))
+            if rng is not None and not capturing:
+                cap.rng_marker = rng.mark
             x = cap.pooled if pooled else cap.hidden
             logits = models.logits_of(cap.outputs)
             z = upcast(logits)
@@ -302,7 +339,7 @@ class GradientSupervision(Objective):
                 loss = ce + self.weight * gs
             else:
                 gs, term = self._first_order(cap, x, g.detach(), g_hat, logits, labels, partner, valid, pooled,
-                                              prune)
+                                              prune, rng if capturing else None)
                 loss = ce + self.weight * (gs.detach() + term)
         return loss, _info(ce, gs, valid.sum())
 
@@ -350,8 +387,10 @@ class GradientSupervision(Objective):
                 return None
         return g.to(x.dtype)  # autograd's g has the dtype of x (bf16 under autocast)
 
-    def _first_order(self, cap, x, g, g_hat, logits, labels, partner, valid, pooled, prune):
-        """``(L_GS, term)``: `term` has value 0 and gradient ``∇_θ (uᵀ∇_x f_c)`` by finite differences."""
+    def _first_order(self, cap, x, g, g_hat, logits, labels, partner, valid, pooled, prune, rng=None):
+        """``(L_GS, term)``: `term` has value 0 and gradient ``∇_θ (uᵀ∇_x f_c)`` by finite differences. `rng` (inside
+        a whole-step capture, a `models.PassGenerators`): perturbed pass k redraws the clean forward's dropout from
+        its own generator."""
         g_var = g.requires_grad_(True)
         gs = masked_mean(gs_cosine_loss(g_var, g_hat, reduction="none"), valid)
         (u,) = torch.autograd.grad(gs, g_var)
@@ -382,7 +421,10 @@ class GradientSupervision(Objective):
         target = cap.head_input if pooled else x
         if not (self.low_memory and target.requires_grad):
             score_at = scorer(cap)
-            perturbed = sum(sign * score_at(x + sign * step) for sign in signs)
+            perturbed = 0
+            for k, sign in enumerate(signs):
+                with rng.pass_(k, cap) if rng is not None else contextlib.nullcontext():
+                    perturbed = perturbed + sign * score_at(x + sign * step)
             return gs.detach(), clean + perturbed - perturbed.detach()
         # The hook lives on target's autograd node: it must not hold tensors of the clean graph (a reference
         # cycle through that node would outlive the step), hence a detached copy of the capture.
