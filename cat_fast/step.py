@@ -21,10 +21,10 @@ What it refuses or runs eagerly, with the reason:
   other optimizers that take it). A learning rate or other hyper-parameter changed by a scheduler after the
   capture would not reach a graph that baked the old value: give the optimizer a tensor ``lr``
   (``lr=torch.tensor(2e-5)``, updated in place by PyTorch's schedulers), otherwise such a change raises;
-- the objective: `Objective.plan_step` says whether its step can be replayed (an inner optimizer step or
-  gradients written from a hook cannot: CLP, ERM's two-step control, CAT's alternating update, first-order GS
-  with ``low_memory=True`` raise `NotCapturable` with the reason); ``CapturedStep(..., cuda_graph=False)`` runs
-  any objective eagerly;
+- the objective: `Objective.plan_step` says whether its step can be replayed (a second step of the main
+  optimizer inside the step or gradients written from a hook cannot: ERM's two-step control, CAT's alternating
+  update, first-order GS with ``low_memory=True``, CLP under DDP raise `NotCapturable` with the reason);
+  ``CapturedStep(..., cuda_graph=False)`` runs any objective eagerly;
 - a step whose capture fails (a host synchronisation inside the model, an operation CUDA graphs do not
   support): that signature runs eagerly, with one warning naming the error; the results are the same.
 Signatures beyond ``max_graphs`` run eagerly (pad batches to a few lengths: `cat_fast.data.length_buckets`).

@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 
-from cat_fast.objectives import CAT, ERM, GradientSupervision, PoE
+from cat_fast.objectives import CAT, CLP, ERM, GradientSupervision, PoE
 from cat_fast.step import CapturedStep, NotCapturable
 from tests.conftest import tiny_batch, tiny_model
 
@@ -156,10 +156,47 @@ def test_planned_gs_steps_equal_its_own_calls(kwargs):
         torch.testing.assert_close(got[n], want[n], rtol=0, atol=0, msg=n)
 
 
+@pytest.mark.parametrize("virtual", ["head", "all"])
+def test_planned_clp_steps_equal_its_own_calls(virtual):
+    """CLP through plan_step + planned_step (CPU: eagerly) equals the loop calling CLP itself: the metadata batches
+    in turn, the class statistics across an epoch's end (epoch_size 8: the second step ends the first epoch), Ω's
+    own Adam step, and the state after."""
+    batches = _batches(5, "cpu")
+    meta = [b for b, _ in _batches(2, "cpu")]
+    runs, states = [], []
+    for captured in (None, False):
+        torch.manual_seed(0)
+        model = tiny_model("bert", seed=1).train()
+        clp = CLP(model, meta, virtual=virtual, virtual_lr=0.1, epoch_size=8)
+        runs.append(_loop(model, clp, batches, captured=captured))
+        states.append(clp.state_dict())
+    (want, want_losses), (got, got_losses) = runs
+    torch.testing.assert_close(got_losses, want_losses, rtol=0, atol=0)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=0, msg=n)
+    assert states[0]["last"] is not None and states[0]["seen"] == states[1]["seen"] == 4
+    torch.testing.assert_close(states[1]["last"], states[0]["last"], rtol=0, atol=0)
+    torch.testing.assert_close(states[1]["sums"], states[0]["sums"], rtol=0, atol=0)
+    for k, v in states[0]["omega"].items():
+        torch.testing.assert_close(states[1]["omega"][k], v, rtol=0, atol=0, msg=k)
+
+
+def test_clp_plans_the_epoch_end_and_refuses_ddp():
+    model = tiny_model("bert")
+    batch = tiny_batch("bert", batch=4)
+    clp = CLP(model, [batch], virtual_lr=0.1, epoch_size=8)
+    keys = [clp.plan_step(batch).key for _ in range(3)]
+    assert keys == [("clp", False, False), ("clp", False, True), ("clp", True, False)] and clp.step == 3
+    clp.distributed = True
+    with pytest.raises(NotCapturable, match="DistributedDataParallel"):
+        clp.plan_step(batch)
+
+
 # ----------------------------------------------------------------------------- GPU
 
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
-@pytest.mark.parametrize("name", ["erm", "poe", "gs-pooled", "gs-first-order", "gs-first-order-pooled", "gs-random"])
+@pytest.mark.parametrize("name", ["erm", "poe", "gs-pooled", "gs-first-order", "gs-first-order-pooled", "gs-random",
+                                  "clp"])
 def test_gpu_replayed_steps_equal_the_eager_loop(name):
     """Eight steps with dropout (3 eager warm-up steps, the capture, replays): the same parameters and losses as
     the eager loop with the same seed, and the signature captured once (a failed capture fails the test). The
@@ -171,7 +208,9 @@ def test_gpu_replayed_steps_equal_the_eager_loop(name):
             "gs-first-order-pooled": lambda m: GradientSupervision(m, mode="first_order", low_memory=False,
                                                                    representation="pooled"),
             "gs-random": lambda m: GradientSupervision(m, random_pairs=True,
-                                                       generator=torch.Generator().manual_seed(2))}[name]
+                                                       generator=torch.Generator().manual_seed(2)),
+            "clp": lambda m: CLP(m, [b for b, _ in _batches(2, "cuda", length=9)], virtual_lr=0.1, epoch_size=12),
+            }[name]
     batches = _batches(8, "cuda", pairs=name.startswith("gs") and name != "gs-random", bias=name == "poe")
     runs = []
     for captured in (None, True):

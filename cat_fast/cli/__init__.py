@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each training step (loss, backward, clipping, a fused AdamW step) as one CUDA graph per "
                         "batch shape and CAT mixing layer (cat_fast.step.CapturedStep; experimental: its GPU tests "
                         "have not run yet). One process, no --grad-accum; methods whose steps cannot be replayed "
-                        "(an inner optimizer step: erm-two-step, CAT's alternating update, clp) are refused")
+                        "(a second step of the optimizer inside the step: erm-two-step, CAT's alternating update) are "
+                        "refused")
     t.add_argument("--out", metavar="DIR", help="output directory (default: runs/TASK-METHOD-seedN)")
     t.add_argument("--overwrite", action="store_true", help="replace an existing --out that cat-fast wrote")
     t.add_argument("--no-checkpoint", action="store_true",

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import models, ops
+from ..step import NotCapturable, StepPlan
 from .base import Objective, check_number
 
 __all__ = ["CLP", "PerturbationNet", "find_head", "metadata_from_cad"]
@@ -139,7 +140,9 @@ class CLP(Objective):
         self._meta_iter = None
         param = self.head.weight
         self.omega = PerturbationNet(hidden, scale).to(param.device)
-        self.omega_optimizer = torch.optim.Adam(self.omega.parameters(), lr=meta_lr, weight_decay=meta_weight_decay)
+        # capturable on a GPU: its step counter on the device, so that a whole step can be replayed (`plan_step`)
+        self.omega_optimizer = torch.optim.Adam(self.omega.parameters(), lr=meta_lr, weight_decay=meta_weight_decay,
+                                                capturable=param.is_cuda)
         C = self.num_classes
         if class_prior is not None:
             prior = torch.as_tensor(class_prior, dtype=torch.float32).flatten()
@@ -148,7 +151,10 @@ class CLP(Objective):
             prior = prior / prior.sum()
         self.fixed_prior = None if class_prior is None else prior.to(param.device)
         self._sums = torch.zeros(C, 3, device=param.device)  # this epoch: count, loss sum, margin sum per class
-        self._last = None  # the last finished epoch's [C, 3] (prior, mean loss, mean margin)
+        # the last finished epoch's [C, 3] (prior, mean loss, mean margin), once one has ended; both buffers are
+        # updated in place (a captured step writes them)
+        self._last_buf = torch.zeros(C, 3, device=param.device)
+        self._has_last = False
         self._seen = 0
         self._optimizer = None
 
@@ -157,12 +163,15 @@ class CLP(Objective):
         self._optimizer = optimizer
 
     def _lr(self):
+        """The virtual step's learning rate: ``virtual_lr``, or the optimizer's for the head (a tensor learning rate
+        is used as it is: no host synchronisation, and a replayed step reads its current value)."""
         if self.virtual_lr is not None:
             return self.virtual_lr
         if self._optimizer is not None:
             for group in self._optimizer.param_groups:
                 if any(p is self.head.weight for p in group["params"]):
-                    return float(group["lr"])
+                    lr = group["lr"]
+                    return lr.detach() if isinstance(lr, torch.Tensor) else float(lr)
         raise ValueError("virtual_lr: not set and no optimizer holding the head's weight was given "
                          "(set_optimizer, which the trainers call, or virtual_lr=)")
 
@@ -204,11 +213,16 @@ class CLP(Objective):
             raise ValueError("head: the model's forward did not call the head module")
         return logits, seen["features"]
 
-    def class_stats(self) -> torch.Tensor:
+    @property
+    def _last(self):
+        """The last finished epoch's [C, 3] statistics, or None before an epoch has ended."""
+        return self._last_buf if self._has_last else None
+
+    def class_stats(self, has_last=None) -> torch.Tensor:
         """[C, 3]: prior, mean loss and mean margin per class (the last epoch's; the current epoch's so far before
-        one has ended)."""
-        if self._last is not None:
-            return self._last
+        one has ended). ``has_last``: whether an epoch has ended (default: now)."""
+        if self._has_last if has_last is None else has_last:
+            return self._last_buf
         return self._stats_of(self._sums)
 
     def _stats_of(self, sums):
@@ -218,8 +232,48 @@ class CLP(Objective):
         return torch.stack([prior, sums[:, 1] / denom, sums[:, 2] / denom], 1)
 
     # ---- one step
+    def plan_step(self, batch, *args):
+        """The host-side part of the next step (`cat_fast.step.CapturedStep`): the step count, the metadata batch
+        (a static input of the graph), whether an epoch's statistics exist and whether this step ends an epoch
+        (both select the graph). Not replayable under DDP (Ω's gradient is all-reduced inside the step)."""
+        if self.distributed:
+            raise NotCapturable("CLP under DistributedDataParallel all-reduces Ω's meta-gradient inside its step")
+        self.step += 1
+        has_last = self._has_last
+        meta = self._next_meta()
+        ends = self._advance(batch["labels"].shape[0])
+        return StepPlan(key=("clp", has_last, ends), state=(has_last, ends), tensors={"meta": meta})
+
+    def planned_step(self, plan, batch, pairs=None):
+        """``(loss, info)`` of the step `plan` describes (`plan_step`), eagerly or inside a CUDA-graph capture."""
+        has_last, ends = plan.state
+        return self._step(batch, plan.tensors["meta"], has_last, ends)
+
     def __call__(self, batch, pairs=None):
         self.step += 1
+        has_last = self._has_last
+        meta = self._next_meta()
+        seen = batch["labels"].shape[0] * (self._world() if self.distributed else 1)
+        return self._step(batch, meta, has_last, self._advance(seen))
+
+    def _world(self):
+        import torch.distributed as dist
+
+        return dist.get_world_size()
+
+    def _advance(self, seen):
+        """Counts `seen` examples into the epoch (host state); whether this step ends an epoch."""
+        if self.epoch_size is None:
+            self._seen += seen
+            return False
+        self._seen += seen
+        if self._seen >= self.epoch_size:
+            self._seen = 0
+            self._has_last = True
+            return True
+        return False
+
+    def _step(self, batch, meta_batch, has_last, ends):
         labels = batch["labels"]
         with torch.enable_grad():
             logits, features = self._call(batch)
@@ -227,14 +281,13 @@ class CLP(Objective):
         with torch.no_grad():
             acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
             chars = ops.sample_characteristics(logits.detach().to(acc), labels, features.detach().to(acc),
-                                               W.detach().to(acc), self.class_stats().to(acc)).float()
+                                               W.detach().to(acc), self.class_stats(has_last).to(acc)).float()
         onehot = F.one_hot(labels.clamp_min(0), self.num_classes).to(logits.dtype)
         onehot = onehot * (labels >= 0).unsqueeze(1).to(logits.dtype)
 
         # meta step: Ω's gradient through a virtual step of the classifier
         self.omega.train()
         delta = self.omega(chars)
-        meta_batch = self._next_meta()
         lr = self._lr()
         if self.virtual == "head":
             meta_loss = self._meta_head(features.detach(), labels, onehot, delta, meta_batch, lr)
@@ -255,7 +308,7 @@ class CLP(Objective):
             delta_new = self.omega(chars)
         perturbed = logits + delta_new.to(logits.dtype).unsqueeze(1) * onehot
         loss = F.cross_entropy(_acc(perturbed), labels)
-        self._update_stats(chars, labels)
+        self._update_stats(chars, labels, ends)
         if self.distributed:  # BatchNorm's running statistics saw this rank's batch only
             from ..distributed import all_reduce_mean_
 
@@ -287,24 +340,22 @@ class CLP(Objective):
         meta_logits, _ = self._call(meta_batch, params=updated)
         return F.cross_entropy(_acc(meta_logits), meta_batch["labels"])
 
-    def _update_stats(self, chars, labels):
+    def _update_stats(self, chars, labels, ends):
+        """Adds the batch to the epoch's sums (device only: the host counted the examples in `_advance`); at the end
+        of an epoch its statistics become the last epoch's and the sums start again (in place)."""
         keep = labels >= 0
         idx = labels.clamp_min(0)
         rows = torch.stack([keep.float(), chars[:, 0] * keep, chars[:, 1] * keep], 1).to(self._sums.dtype)
-        seen = labels.shape[0]
         if self.distributed:  # the global batch's class statistics, equal on every rank; seen counted as B × world
             import torch.distributed as dist  # (the ranks' true batch sizes would cost a host sync)
 
             rows = torch.zeros_like(self._sums).index_add_(0, idx, rows)
             dist.all_reduce(rows)
             idx = torch.arange(rows.shape[0], device=rows.device)
-            seen *= dist.get_world_size()
         self._sums.index_add_(0, idx, rows)
-        self._seen += seen
-        if self.epoch_size is not None and self._seen >= self.epoch_size:
-            self._last = self._stats_of(self._sums)
-            self._sums = torch.zeros_like(self._sums)
-            self._seen = 0
+        if ends:
+            self._last_buf.copy_(self._stats_of(self._sums))
+            self._sums.zero_()
 
     def distributed_state(self):
         return list(self.omega.parameters()) + [b for b in self.omega.buffers() if b.is_floating_point()]
@@ -313,7 +364,7 @@ class CLP(Objective):
     def state_dict(self) -> dict:
         state = super().state_dict()
         state.update(omega=self.omega.state_dict(), omega_optimizer=self.omega_optimizer.state_dict(),
-                     sums=self._sums, last=self._last, seen=self._seen)
+                     sums=self._sums.clone(), last=None if self._last is None else self._last.clone(), seen=self._seen)
         return state
 
     def load_state_dict(self, state) -> None:
@@ -321,6 +372,8 @@ class CLP(Objective):
         if "omega" in state:
             self.omega.load_state_dict(state["omega"])
             self.omega_optimizer.load_state_dict(state["omega_optimizer"])
-            self._sums = state["sums"].to(self._sums.device)
-            self._last = None if state["last"] is None else state["last"].to(self._sums.device)
+            self._sums.copy_(state["sums"])
+            self._has_last = state["last"] is not None
+            if self._has_last:
+                self._last_buf.copy_(state["last"])
             self._seen = int(state["seen"])
