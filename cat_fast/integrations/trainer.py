@@ -224,6 +224,7 @@ class ObjectiveTrainer(Trainer):
         inputs = self._prepare_inputs(inputs)
         objective = self.objective
         objective.step = self.state.global_step
+        objective.set_optimizer(self.optimizer)  # CLP's virtual step reads its learning rate
         batch, args = self._objective_arguments(inputs)
         from ..step import NotCapturable
 

@@ -31,7 +31,7 @@ def _train(tmp_path, objective, objective_kwargs, step_graphs, **kw):
 
 
 @pytest.mark.parametrize("objective,kwargs", [("erm", {}), ("cat", {"layers": [1, 2], "warmup_steps": 1}),
-                                              ("cat", {"layers": [2], "generator": 5})])
+                                              ("cat", {"layers": [2], "generator": 5}), ("clp", {})])
 def test_step_graphs_train_as_the_trainer(tmp_path, objective, kwargs):
     """The same losses and parameters as the Trainer's own step (forward, backward, clipping, AdamW, the linear
     schedule), dropout and CAT's draws included; the gradient norm is logged; the optimizer is a fused AdamW with a
@@ -41,6 +41,10 @@ def test_step_graphs_train_as_the_trainer(tmp_path, objective, kwargs):
         kw = dict(kwargs)
         if "generator" in kw:
             kw["generator"] = torch.Generator().manual_seed(kw["generator"])
+        if objective == "clp":  # its virtual step takes the optimizer's (scheduled) learning rate
+            data = tiny_dataset()
+            kw["meta_batches"] = [{k: torch.tensor(data[k][:4]) for k in ("input_ids", "attention_mask", "labels")}]
+            kw["epoch_size"] = 8
         runs.append(_train(tmp_path / str(step_graphs), objective, kw, step_graphs))
     (_, want, want_params), (trainer, got, got_params) = runs
     assert len(got) == 4 and len(set(got)) > 1
