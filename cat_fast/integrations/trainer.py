@@ -43,7 +43,7 @@ are the Trainer's. What they add:
   one, with a tensor learning rate that the scheduler updates in place, capturable on a GPU; a given optimizer must
   be so). A non-finite loss or gradient norm leaves the parameters as they were (the fused step skips it on the
   device) and stops training with `NonFiniteLossError`. The gradient norm before clipping is logged as
-  ``<prefix>/grad_norm`` (the Trainer's own ``grad_norm`` is then not computed).
+  ``<prefix>/grad_norm`` (the Trainer's own ``grad_norm`` finds the gradients already released and logs 0).
 """
 from __future__ import annotations
 
