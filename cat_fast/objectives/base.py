@@ -14,7 +14,14 @@ provides:
 - optionally ``check_distributed()`` (raise a ValueError naming an option that cannot run under DDP) and
   ``distributed_state()`` (tensors that must start equal on every rank); an inner optimizer step goes through
   ``inner_update(loss, optimizer)``, which averages its gradients over the ranks under DDP;
-- class attributes read by the CLI and the trainers: ``needs_pairs`` (its batches carry counterfactual pairs).
+- class attributes read by the CLI and the trainers: ``needs_pairs`` (its batches carry counterfactual pairs);
+- for a step replayable as one CUDA graph (`cat_fast.step.CapturedStep`): ``capture_key`` returning ``()`` when the
+  step holds nothing host-side, or, when it draws or counts on the host, ``plan_step`` (those decisions, made before
+  the step, as a `cat_fast.step.StepPlan`; raise `NotCapturable` with the reason, before changing any state, for a
+  step that cannot be replayed) and ``planned_step`` (the step with those decisions; everything in it must run on
+  the device: no host reads of tensors, no new buffers replacing old ones, passes that redraw earlier dropout
+  through `cat_fast.models.PassGenerators` inside a capture). Its eager result must equal ``__call__``'s: the CPU
+  tests compare them.
 
 Under DistributedDataParallel (`cat_fast.distributed`), ``distributed`` is True and the objective runs inside the
 DDP module's forward; its model is always the unwrapped one (``.module``).
