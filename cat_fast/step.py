@@ -13,8 +13,8 @@ the optimizer's state), then the step is captured into a graph whose inputs are 
 the plan's tensors, and replayed: each call copies them in and replays. Dropout draws come from the CUDA
 generator, whose offset a replay advances exactly as the eager step does, so the masks are those of the eager
 step; passes that redraw an earlier pass's masks (CAT's counterfactual passes) draw from generators the plan
-names, registered with the graph and set before each replay. Gradients live in the graph's memory pool between steps: do not
-zero or replace ``.grad`` between calls (the captured backward writes them; it does not accumulate).
+names, registered with the graph and set before each replay. Gradients live in the graph's memory pool between
+steps: do not zero or replace ``.grad`` between calls (the captured backward writes them; it does not accumulate).
 
 What it refuses or runs eagerly, with the reason:
 - the optimizer: its per-step state must live on the device (``capturable=True`` for Adam, AdamW and the
@@ -108,8 +108,8 @@ def _hyper_parameters(optimizer):
 
 
 class _Graph:
-    def __init__(self, graph, inputs, plan, loss, info, norm):
-        self.graph, self.inputs, self.plan, self.loss, self.info, self.norm = graph, inputs, plan, loss, info, norm
+    def __init__(self, graph, inputs, loss, info, norm):
+        self.graph, self.inputs, self.loss, self.info, self.norm = graph, inputs, loss, info, norm
 
 
 def _detached(loss, info):
@@ -143,7 +143,6 @@ class CapturedStep:
             raise ValueError(f"optimizer: skip_non_finite=True needs a fused optimizer ({type(optimizer).__name__}("
                              "..., fused=True)), whose step the device skips on a non-finite loss or gradient norm")
         self.last_grad_norm = None  # the gradient norm before clipping of the last step (max_grad_norm)
-        self._norm = None
         self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         self._graphs = {}  # signature -> _Graph, or None (runs eagerly)
         self._seen = {}  # signature -> eager steps taken (the warm-up before its capture)
@@ -160,8 +159,9 @@ class CapturedStep:
 
     # ------------------------------------------------------------------ the step itself
     def _eager(self, plan, batch, args):
-        """loss, backward, clipping, optimizer step; the gradients start from None (never a captured graph's).
-        ``plan`` None: the objective's own call (an objective that plans nothing)."""
+        """loss, backward, clipping, optimizer step: ``(loss, info, gradient norm or None)``, all detached; the
+        gradients start from None (never a captured graph's). ``plan`` None: the objective's own call (an
+        objective that plans nothing)."""
         device_type = next(iter(self.params)).device.type if self.params else "cpu"
         with torch.autocast(device_type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
             if plan is None:
@@ -183,8 +183,7 @@ class CapturedStep:
                 del self.optimizer.found_inf
         else:
             self.optimizer.step()
-        self._norm = norm.detach() if norm is not None else None
-        return loss, info
+        return (*_detached(loss, info), norm.detach() if norm is not None else None)
 
     def __call__(self, batch, *args):
         if not self.cuda_graph or not self.params or not self.params[0].is_cuda:
@@ -195,10 +194,9 @@ class CapturedStep:
                     raise
                 plan = None
             self.optimizer.zero_grad(set_to_none=True)
-            loss, info = self._eager(plan, batch, args)
+            loss, info, self.last_grad_norm = self._eager(plan, batch, args)
             self.optimizer.zero_grad(set_to_none=True)
-            self.last_grad_norm = self._norm
-            return _detached(loss, info)
+            return loss, info
         plan = self.objective.plan_step(batch, *args)
         sig = (_signature(batch), _signature(args), plan.key, _signature(plan.tensors))
         graph = self._graphs.get(sig, False)
@@ -229,10 +227,9 @@ class CapturedStep:
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             self.optimizer.zero_grad(set_to_none=True)  # a captured graph's gradient buffers are not accumulated into
-            loss, info = _detached(*self._eager(plan, batch, args))
+            loss, info, self.last_grad_norm = self._eager(plan, batch, args)
             self.optimizer.zero_grad(set_to_none=True)
         torch.cuda.current_stream(device).wait_stream(side)
-        self.last_grad_norm = self._norm
         return loss, info
 
     def _capture(self, plan, batch, args):
@@ -255,8 +252,7 @@ class CapturedStep:
             gc.disable()
             try:
                 with torch.cuda.graph(graph, pool=self._pool):
-                    box.append(_detached(*self._eager(static_plan, inputs[0], inputs[1])))
-                    box.append(self._norm)
+                    box.append(self._eager(static_plan, inputs[0], inputs[1]))
             finally:
                 if gc_was_enabled:
                     gc.enable()
@@ -270,7 +266,7 @@ class CapturedStep:
             return None
         if self._hyper is None:
             self._hyper = _hyper_parameters(self.optimizer)
-        return _Graph(graph, inputs, static_plan, *box[0], box[1])
+        return _Graph(graph, inputs, *box[0])
 
     # ------------------------------------------------------------------ checks
     def _check_optimizer(self):

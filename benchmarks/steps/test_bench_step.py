@@ -211,6 +211,17 @@ def autocast():
     return torch.autocast(DEVICE, dtype=torch.bfloat16)
 
 
+def captured_step(objective, model, **kwargs):
+    """`cat_fast.step.CapturedStep` of `objective` under bf16 autocast with its own AdamW (fused and capturable,
+    a tensor lr, on a GPU): the `*_captured` rows."""
+    from cat_fast.step import CapturedStep
+
+    cuda = DEVICE == "cuda"
+    own = torch.optim.AdamW(model.parameters(), lr=torch.tensor(2e-5, device=DEVICE) if cuda else 2e-5,
+                            fused=cuda, capturable=cuda)
+    return CapturedStep(objective, own, autocast=torch.bfloat16, **kwargs)
+
+
 def make_step(method, model, optimizer, batch, pairs):
     """A closure that runs one training step of `method` (forward, loss, backward, optimizer step)."""
     import cat_fast
@@ -241,12 +252,8 @@ def make_step(method, model, optimizer, batch, pairs):
 
     if method == "plain_captured":
         from cat_fast.objectives import ERM
-        from cat_fast.step import CapturedStep
 
-        cuda = DEVICE == "cuda"
-        own = torch.optim.AdamW(model.parameters(), lr=torch.tensor(2e-5, device=DEVICE) if cuda else 2e-5,
-                                fused=cuda, capturable=cuda)
-        captured = CapturedStep(ERM(model), own, autocast=torch.bfloat16)
+        captured = captured_step(ERM(model), model)
 
         def step():
             captured(batch)
@@ -302,22 +309,17 @@ def make_step(method, model, optimizer, batch, pairs):
         return step
 
     if method == "cat_captured":
-        from cat_fast.step import CapturedStep
-
-        cuda = DEVICE == "cuda"
-        own = torch.optim.AdamW(model.parameters(), lr=torch.tensor(2e-5, device=DEVICE) if cuda else 2e-5,
-                                fused=cuda, capturable=cuda)
         cat = cat_fast.CAT(model, layers=LAYERS, adv_steps=ADV_STEPS, alpha=ALPHA, beta=BETA, gamma=GAMMA, eta=ETA,
                            adv_lr=ADV_LR)
-        captured = CapturedStep(cat, own, autocast=torch.bfloat16, warmup_steps=1, max_graphs=len(LAYERS))
+        captured = captured_step(cat, model, warmup_steps=1, max_graphs=len(LAYERS))
 
         def step():
             _, info = captured(batch)
             step.layers.append(int(info["layer"]))
 
-        def prime():  # until every mixing layer has its graph (or ran into a capture failure); GPU only
-            for _ in range(20 * len(LAYERS) if cuda else 0):
-                if len(captured._graphs) == len(LAYERS):
+        def prime():  # until every mixing layer has its graph (at most 20 steps per layer); GPU only
+            for _ in range(20 * len(LAYERS) if DEVICE == "cuda" else 0):
+                if captured.num_graphs == len(LAYERS):
                     break
                 step()
             step.layers.clear()
@@ -339,17 +341,12 @@ def make_step(method, model, optimizer, batch, pairs):
         return step
 
     if method in CAPTURED_GS_METHODS:
-        from cat_fast.step import CapturedStep
-
-        cuda = DEVICE == "cuda"
-        own = torch.optim.AdamW(model.parameters(), lr=torch.tensor(2e-5, device=DEVICE) if cuda else 2e-5,
-                                fused=cuda, capturable=cuda)
         if method == "gs_pooled_captured":
             gs = cat_fast.GradientSupervision(model, weight=1.0, representation="pooled", mode="exact")
         else:
             gs = cat_fast.GradientSupervision(model, weight=1.0, representation=0, mode="first_order",
                                               difference="forward", low_memory=False)
-        captured = CapturedStep(gs, own, autocast=torch.bfloat16, warmup_steps=2)
+        captured = captured_step(gs, model, warmup_steps=2)
 
         def step():
             captured(batch, pairs)
@@ -602,7 +599,7 @@ def measure_step(method, size):
                 plain_model = plain_opt = plain_step = None
             extra.update(step_ms=median_ms, step_min_ms=min_ms, peak_mib=peak,
                          tokens_per_s=batch_size * tokens / (median_ms * 1e-3))
-            if hasattr(step, "captured"):  # plain_captured, cat_captured: graphs captured (0: every step ran eagerly)
+            if hasattr(step, "captured"):  # the *_captured rows: graphs captured (0: every step ran eagerly)
                 extra["captured_graphs"] = step.captured.num_graphs
             if per_layer is not None:
                 extra["step_by_layer"] = {str(m): v for m, v in per_layer.items()}

@@ -174,7 +174,7 @@ def train(args) -> Dict:
     from transformers.trainer_callback import ProgressCallback
 
     from .. import data as D
-    from ..integrations.trainer import NonFiniteLossError, ObjectiveTrainer
+    from ..integrations.trainer import NonFiniteLossError, ObjectiveTrainer, StepGraphsError
     from ..models.pretrained import load_classifier
 
     t_start = time.time()
@@ -436,10 +436,8 @@ def train(args) -> Dict:
             trainer.train(resume_from_checkpoint=True if args.resume else None)
         except NonFiniteLossError as error:
             raise TrainingFailed(f"{error}; no output written (check the hyper-parameters, or lower --lr)") from error
-        except ValueError as error:
-            if str(error).startswith("step_graphs=True"):
-                raise CliError(f"--step-graphs --method {method}: {str(error)[len('step_graphs=True: '):]}") from error
-            raise
+        except StepGraphsError as error:
+            raise CliError(f"--step-graphs --method {method}: {error.reason}") from error
         except KeyboardInterrupt:
             if saving and glob.glob(os.path.join(checkpoints, "checkpoint-*")):
                 sys.stderr.write(f"cat-fast: checkpoints kept in {checkpoints}: run the same command with --resume "

@@ -57,8 +57,9 @@ from transformers.modeling_utils import unwrap_model
 from .. import objectives
 from ..models import compiled_wrapper, orig_module
 from ..objectives import double_backward_error, pair_by_group
+from ..step import CapturedStep, NotCapturable
 
-__all__ = ["ObjectiveTrainer", "CATTrainer", "GSTrainer", "NonFiniteLossError", "OBJECTIVE_STATE"]
+__all__ = ["ObjectiveTrainer", "CATTrainer", "GSTrainer", "NonFiniteLossError", "StepGraphsError", "OBJECTIVE_STATE"]
 
 EXTRA_COLUMNS = ("pairs", "pair_group", "context_mask", "bias", "teacher_probs")
 OBJECTIVE_STATE = "cat_fast_objective.pt"  # the objective's state inside a checkpoint folder
@@ -66,6 +67,14 @@ OBJECTIVE_STATE = "cat_fast_objective.pt"  # the objective's state inside a chec
 
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or infinite (the message names the step and the term)."""
+
+
+class StepGraphsError(ValueError):
+    """What ``step_graphs=True`` cannot run (``reason``: the problem, naming the argument)."""
+
+    def __init__(self, reason):
+        super().__init__(f"step_graphs=True: {reason}")
+        self.reason = reason
 
 
 class ObjectiveTrainer(Trainer):
@@ -170,8 +179,8 @@ class ObjectiveTrainer(Trainer):
         a = self.args
         optim = str(getattr(a.optim, "value", a.optim))
         if optim not in ("adamw_torch", "adamw_torch_fused"):
-            raise ValueError(f"step_graphs=True trains with a fused AdamW: TrainingArguments(optim={optim!r}) is not "
-                             "one (use 'adamw_torch_fused', or pass optimizers=(a fused AdamW, scheduler))")
+            raise StepGraphsError(f"it trains with a fused AdamW: TrainingArguments(optim={optim!r}) is not one (use "
+                                  "'adamw_torch_fused', or pass optimizers=(a fused AdamW, scheduler))")
         made = super().create_optimizer(*args, **kwargs)
         device = next(self.model.parameters()).device
         groups = [{"params": g["params"], "weight_decay": g.get("weight_decay", a.weight_decay)}
@@ -186,26 +195,24 @@ class ObjectiveTrainer(Trainer):
         a = self.args
         if torch.distributed.is_available() and torch.distributed.is_initialized() and (
                 torch.distributed.get_world_size() > 1):
-            raise ValueError("step_graphs=True runs in one process (under torchrun the objective runs inside DDP's "
-                             "forward, which a captured step does not)")
+            raise StepGraphsError("one process only (under torchrun the objective runs inside DDP's forward, which "
+                                  "a captured step does not)")
         if a.gradient_accumulation_steps != 1:
-            raise ValueError(f"step_graphs=True: gradient_accumulation_steps must be 1 (one captured step per "
-                             f"optimizer step), got {a.gradient_accumulation_steps}")
+            raise StepGraphsError(f"gradient_accumulation_steps must be 1 (one captured step per optimizer step), "
+                                  f"got {a.gradient_accumulation_steps}")
         if a.fp16:
-            raise ValueError("step_graphs=True: bf16 or fp32 (fp16's loss scaling is not part of the captured step)")
+            raise StepGraphsError("bf16 or fp32 (fp16's loss scaling is not part of the captured step)")
         raw = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's AcceleratedOptimizer wraps it
-        from ..step import CapturedStep
-
         try:
             captured = CapturedStep(self.objective, raw, max_grad_norm=a.max_grad_norm if a.max_grad_norm > 0 else None,
                                     autocast=torch.bfloat16 if a.bf16 else None, skip_non_finite=True, strict=True,
                                     max_graphs=64)
         except ValueError as error:
-            raise ValueError(f"step_graphs=True: {error}") from error
+            raise StepGraphsError(str(error)) from error
         for group in raw.param_groups:
             if not isinstance(group["lr"], torch.Tensor):
-                raise ValueError("step_graphs=True: optimizer: the learning rate must be a tensor (lr=torch.tensor(...),"
-                                 " which the scheduler updates in place; a captured step would replay a float lr)")
+                raise StepGraphsError("optimizer: the learning rate must be a tensor (lr=torch.tensor(...), which the "
+                                      "scheduler updates in place; a captured step would replay a float lr)")
         # the captured step clips and steps the optimizer itself: the Trainer's own optimizer step becomes a no-op
         # (marked as torch's LR schedulers mark the step they wrap, so they see the step as taken)
         wrapper = self.optimizer
@@ -226,12 +233,10 @@ class ObjectiveTrainer(Trainer):
         objective.step = self.state.global_step
         objective.set_optimizer(self.optimizer)  # CLP's virtual step reads its learning rate
         batch, args = self._objective_arguments(inputs)
-        from ..step import NotCapturable
-
         try:
             loss, info = self._captured(batch, *args)
         except NotCapturable as error:
-            raise ValueError(f"step_graphs=True: {error}") from error
+            raise StepGraphsError(str(error)) from error
         norm = self._captured.last_grad_norm
         if norm is not None:
             info = {**info, "grad_norm": norm}
@@ -248,12 +253,11 @@ class ObjectiveTrainer(Trainer):
                                          "applied it")
         return loss.detach()
 
-    def training_step(self, *args, **kwargs):
+    def training_step(self, model, inputs, *args, **kwargs):
         if self.step_graphs:
-            model, inputs = (list(args) + [kwargs.get("model"), kwargs.get("inputs")])[:2]
             return self._graph_training_step(model, inputs)
         try:
-            loss = super().training_step(*args, **kwargs)
+            loss = super().training_step(model, inputs, *args, **kwargs)
         except RuntimeError as exc:
             mapped = double_backward_error(exc)
             if mapped is not None:

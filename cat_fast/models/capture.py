@@ -42,7 +42,8 @@ class Capture:
     head_rng_state: tuple | None = None
     head_autocast: tuple | None = None  # (enabled, dtype) of autocast where the model's forward called its head
     pooled: torch.Tensor | None = None  # [B, D] pooled representation (pooled=True)
-    rng_marker: object = None  # called by `resume` / `head_logits` where they restore the RNG state (cat_graphs, PassGenerators)
+    rng_marker: object = None  # called by `resume` / `head_logits` where they restore the RNG state (CALGraphs,
+    # PassGenerators)
     last_output: object = None  # layer L's output as returned (its format, for `resume(..., first_token=True)`)
     padding_mask: torch.Tensor | None = None  # the batch's 2-D attention mask ([B, T]; `inputs` may hold a 4-D one)
 

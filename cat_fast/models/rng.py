@@ -30,21 +30,35 @@ class PassGenerators:
     replay (`before_replay`) every pass generator is set to the device generator's seed and to its offset at the
     replay's start plus ``lead``: the offset the clean forward had reached at the marker, measured on eager steps
     of the same step (`start` / `mark`). The generators are registered with the graph before its capture
-    (`cat_fast.step.StepPlan.generators`)."""
+    (`cat_fast.step.StepPlan.generators`). `for_batch` gives an objective's instance for a batch's shapes."""
 
     def __init__(self, device, passes: int):
         index = device.index if device.index is not None else torch.cuda.current_device()
-        self.device = torch.device("cuda", index)
         self.default = torch.cuda.default_generators[index]
-        self.scratch = torch.Generator(self.device)
-        self.passes = [torch.Generator(self.device) for _ in range(passes)]
+        self.scratch = torch.Generator(torch.device("cuda", index))
+        self.passes = [torch.Generator(torch.device("cuda", index)) for _ in range(passes)]
         self.lead = None  # offset increment from the step's start to the marker (eager steps)
         self._start = None
-        self._original = None
+
+    @staticmethod
+    def for_batch(cache: dict, batch, device, passes: int, *key):
+        """The instance in `cache` for the shapes of `batch`'s model inputs and `key` (one per graph an objective
+        captures), made on first use."""
+        from .inputs import model_inputs
+
+        sig = key + tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(model_inputs(batch).items())
+                          if isinstance(v, torch.Tensor))
+        if sig not in cache:
+            cache[sig] = PassGenerators(device, passes)
+        return cache[sig]
 
     @property
     def generators(self) -> tuple:
         return (self.scratch, *self.passes)
+
+    def plan_fields(self) -> dict:
+        """``generators`` and ``before_replay`` of a `cat_fast.step.StepPlan` whose passes draw from these."""
+        return {"generators": self.generators, "before_replay": self.before_replay}
 
     # ------------------------------------------------------------------ eager steps: measure the lead
     def start(self):
@@ -62,30 +76,18 @@ class PassGenerators:
             self._start = None
 
     # ------------------------------------------------------------------ captured steps
-    def begin_pass(self, k: int):
-        """Inside the capture, before pass ``k`` draws anything: its draws go to ``scratch`` until the marker."""
-        self._original = self.default.graphsafe_get_state()
-        self.default.graphsafe_set_state(self.scratch)
-        self._pass = k
-
-    def marker(self):
-        self.default.graphsafe_set_state(self.passes[self._pass])
-
-    def end_pass(self):
-        self.default.graphsafe_set_state(self._original)
-        self._original = None
-
     @contextlib.contextmanager
     def pass_(self, k: int, cap):
-        """Inside the capture: pass ``k`` (a `resume` or `head_logits` call on `cap`) draws from its own generator
-        from the marker on."""
-        self.begin_pass(k)
-        cap.rng_marker = self.marker
+        """Inside the capture: pass ``k`` (a `resume` or `head_logits` call on `cap`) draws from ``scratch`` until
+        its marker, then from its own generator."""
+        original = self.default.graphsafe_get_state()
+        self.default.graphsafe_set_state(self.scratch)
+        cap.rng_marker = lambda: self.default.graphsafe_set_state(self.passes[k])
         try:
             yield
         finally:
             cap.rng_marker = None
-            self.end_pass()
+            self.default.graphsafe_set_state(original)
 
     def before_replay(self):
         if self.lead is None:

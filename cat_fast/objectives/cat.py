@@ -177,14 +177,9 @@ class CAT(Objective):
         lam0 = self._draw_lambda(B, device, torch.promote_types(param_dtype, torch.float32))
         rng = None
         if device.type == "cuda" and self.model.training:
-            sig = (m, tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(models.model_inputs(batch).items())
-                            if isinstance(v, torch.Tensor)))
-            rng = self._pass_rng.get(sig)
-            if rng is None:
-                rng = self._pass_rng[sig] = models.PassGenerators(device, self.adv_steps + 1)
+            rng = models.PassGenerators.for_batch(self._pass_rng, batch, device, self.adv_steps + 1, m)
         return StepPlan(key=("cat", m), state=(m, rng), tensors={"partner": partner, "lam0": lam0},
-                        generators=rng.generators if rng is not None else (),
-                        before_replay=rng.before_replay if rng is not None else None)
+                        **(rng.plan_fields() if rng is not None else {}))
 
     def planned_step(self, plan, batch, *args):
         """``(loss, info)`` of the step `plan` describes (`plan_step`), eagerly or inside a CUDA-graph capture: the

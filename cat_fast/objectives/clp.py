@@ -253,25 +253,21 @@ class CLP(Objective):
         self.step += 1
         has_last = self._has_last
         meta = self._next_meta()
-        seen = batch["labels"].shape[0] * (self._world() if self.distributed else 1)
+        seen = batch["labels"].shape[0]
+        if self.distributed:  # the global batch, counted as B × world (the ranks' true sizes would cost a host sync)
+            import torch.distributed as dist
+
+            seen *= dist.get_world_size()
         return self._step(batch, meta, has_last, self._advance(seen))
-
-    def _world(self):
-        import torch.distributed as dist
-
-        return dist.get_world_size()
 
     def _advance(self, seen):
         """Counts `seen` examples into the epoch (host state); whether this step ends an epoch."""
-        if self.epoch_size is None:
-            self._seen += seen
-            return False
         self._seen += seen
-        if self._seen >= self.epoch_size:
-            self._seen = 0
-            self._has_last = True
-            return True
-        return False
+        if self.epoch_size is None or self._seen < self.epoch_size:
+            return False
+        self._seen = 0
+        self._has_last = True
+        return True
 
     def _step(self, batch, meta_batch, has_last, ends):
         labels = batch["labels"]
@@ -346,8 +342,8 @@ class CLP(Objective):
         keep = labels >= 0
         idx = labels.clamp_min(0)
         rows = torch.stack([keep.float(), chars[:, 0] * keep, chars[:, 1] * keep], 1).to(self._sums.dtype)
-        if self.distributed:  # the global batch's class statistics, equal on every rank; seen counted as B × world
-            import torch.distributed as dist  # (the ranks' true batch sizes would cost a host sync)
+        if self.distributed:  # the global batch's class statistics, equal on every rank
+            import torch.distributed as dist
 
             rows = torch.zeros_like(self._sums).index_add_(0, idx, rows)
             dist.all_reduce(rows)

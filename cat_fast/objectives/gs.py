@@ -257,14 +257,9 @@ class GradientSupervision(Objective):
             tensors["pairs"] = _random_pairs(labels.shape[0], labels.device, self.generator)
         rng = None
         if self.mode == "first_order" and labels.is_cuda and self.model.training:
-            sig = tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(models.model_inputs(batch).items())
-                        if isinstance(v, torch.Tensor))
-            rng = self._pass_rng.get(sig)
-            if rng is None:
-                rng = self._pass_rng[sig] = models.PassGenerators(labels.device, 2 if self.difference == "central"
-                                                                  else 1)
-        return StepPlan(key=("gs",), state=rng, tensors=tensors, generators=rng.generators if rng is not None else (),
-                        before_replay=rng.before_replay if rng is not None else None)
+            passes = 2 if self.difference == "central" else 1
+            rng = models.PassGenerators.for_batch(self._pass_rng, batch, labels.device, passes)
+        return StepPlan(key=("gs",), state=rng, tensors=tensors, **(rng.plan_fields() if rng is not None else {}))
 
     def planned_step(self, plan, batch, pairs=None):
         """``(loss, info)`` of the step `plan` describes (`plan_step`), eagerly or inside a CUDA-graph capture."""
