@@ -46,7 +46,7 @@ def test_step_graphs_train_as_the_trainer(tmp_path, objective, kwargs):
             kw["meta_batches"] = [{k: torch.tensor(data[k][:4]) for k in ("input_ids", "attention_mask", "labels")}]
             kw["epoch_size"] = 8
         runs.append(_train(tmp_path / str(step_graphs), objective, kw, step_graphs))
-    (_, want, want_params), (trainer, got, got_params) = runs
+    (plain, want, want_params), (trainer, got, got_params) = runs
     assert len(got) == 4 and len(set(got)) > 1
     assert got == pytest.approx(want, rel=1e-5)
     for n in want_params:
@@ -56,6 +56,8 @@ def test_step_graphs_train_as_the_trainer(tmp_path, objective, kwargs):
     assert float(raw.param_groups[0]["lr"]) == 0.0  # 1e-3 at the start: the linear schedule's end, filled in place
     norms = [h["objective/grad_norm"] for h in trainer.state.log_history if "objective/grad_norm" in h]
     assert len(norms) == 4 and all(v > 0 for v in norms)
+    # the norm before clipping, as the Trainer's own step logs it
+    assert norms == pytest.approx([h["grad_norm"] for h in plain.state.log_history if "grad_norm" in h], rel=1e-4)
 
 
 def test_step_graphs_refuse_what_they_cannot_replay(tmp_path):
