@@ -46,6 +46,8 @@ from typing import Callable, Hashable, Mapping, Optional
 
 import torch
 
+from . import models
+
 __all__ = ["CapturedStep", "NotCapturable", "StepPlan"]
 
 
@@ -251,7 +253,7 @@ class CapturedStep:
             gc.collect()
             gc.disable()
             try:
-                with torch.cuda.graph(graph, pool=self._pool):
+                with models.graph_capture(graph, self._pool):
                     box.append(self._eager(static_plan, inputs[0], inputs[1]))
             finally:
                 if gc_was_enabled:

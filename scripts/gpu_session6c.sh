@@ -11,7 +11,7 @@ T="--task nli --method cat --epochs 2 --warmup-epochs 0 --bf16 --seed 0 --no-che
 for mode in plain graphs; do
   extra=""; [ "$mode" = graphs ] && extra="--step-graphs"
   s=$(date +%s)
-  timeout 200 python3 -m cat_fast.cli train $T $extra --out "/tmp/sg-$mode" > "$OUT/train-$mode.log" 2>&1
+  timeout 150 python3 -m cat_fast.cli train $T $extra --out "/tmp/sg-$mode" > "$OUT/train-$mode.log" 2>&1
   echo "$mode rc=$? wall=$(( $(date +%s) - s ))s" | tee -a "$OUT/train.txt"
   grep -h "wrote\|warning\|error" "$OUT/train-$mode.log" | tail -3 | tee -a "$OUT/train.txt"
   python3 -c "import json,sys; m=json.load(open('/tmp/sg-$mode/metrics.json')); print('$mode', 'train_s', m['train_seconds'], 'dev', m['eval']['dev'])" 2>&1 | tee -a "$OUT/train.txt"

@@ -6,6 +6,8 @@
 - `first_token_ready` / `first_token_forward`: the last layer for row 0 only where the head reads nothing else;
 - `model_inputs`, `sync_free_inputs`, `logits_of`: what the forward takes and gives (`inputs`);
 - `intervene(model, layer, component, fn)`: edit a layer's activations on every path (`interventions`);
+- `graph_capture(graph, pool)`: a CUDA-graph capture of a model: autocast's weight cache emptied around it, eager
+  attention masks built without a host copy (`masks`);
 - `load_classifier`: a sequence classifier and its tokenizer from a local directory or the shipped MiniLM
   (`pretrained`, imported on use).
 
@@ -18,6 +20,7 @@ from .capture import Capture, capture, grad_wrt_pooled, head_logits, resume
 from .first_token import first_token_forward, first_token_ok, first_token_ready
 from .inputs import TARGET_KEYS, logits_of, model_inputs, sync_free_inputs
 from .interventions import COMPONENTS, intervene
+from .masks import capture_safe_masks, graph_capture
 from .rng import PassGenerators
 from .rng import get_state as get_rng_state
 from .rng import set_state as set_rng_state
@@ -36,5 +39,6 @@ __all__ = [
     "ModelStructure", "Capture", "structure", "unwrap", "orig_module", "compiled_wrapper", "is_compiled",
     "uncompiled", "num_layers", "capture", "resume", "first_token_ok", "first_token_ready",
     "first_token_forward", "head_logits", "grad_wrt_pooled", "logits_of", "model_inputs", "sync_free_inputs",
-    "TARGET_KEYS", "intervene", "COMPONENTS", "get_rng_state", "set_rng_state", "PassGenerators",
+    "TARGET_KEYS", "intervene", "COMPONENTS", "capture_safe_masks", "graph_capture", "get_rng_state",
+    "set_rng_state", "PassGenerators",
 ]

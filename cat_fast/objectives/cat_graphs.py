@@ -256,10 +256,10 @@ class CALGraphs:
             gc.disable()
             try:
                 cal = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(cal, pool=self._pool):
+                with models.graph_capture(cal, self._pool):
                     cal_step()
                 final = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(final, pool=self._pool):
+                with models.graph_capture(final, self._pool):
                     final_forward()
             finally:
                 if gc_was_enabled:

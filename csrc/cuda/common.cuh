@@ -171,6 +171,14 @@ __device__ __forceinline__ SoftmaxState<A> shfl_xor(const SoftmaxState<A>& x, in
 // Adds element z (at index c) to the state; elements of one thread arrive in increasing c.
 template <typename A>
 __device__ __forceinline__ void softmax_push(SoftmaxState<A>& st, A z, int c) {
+  if (z != z || st.m != st.m) {  // NaN: sticky in m and s (a NaN first in its thread's slice was dropped before)
+    if (st.m == st.m) {
+      st.m = z;
+      st.s = z;
+      st.idx = c;  // torch.argmax's choice: the NaN
+    }
+    return;
+  }
   if (z > st.m) {
     st.s = (st.m == neg_inf<A>() ? A(0) : st.s * acc_exp(st.m - z)) + A(1);
     st.m = z;

@@ -12,8 +12,12 @@ from tests.conftest import TINY_ARCHS, tiny_batch, tiny_model
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _steps(model, batches, graph, seed=7, steps=3, autocast=None, **kw):
-    """`steps` CAT training steps (SGD) of `model` on `batches` (cycled); losses, infos, final parameters."""
+def _steps(model, batches, graph, seed=7, steps=3, autocast=None, wrap_forward=False, **kw):
+    """`steps` CAT training steps (SGD) of `model` on `batches` (cycled); losses, infos, final parameters.
+    ``wrap_forward``: ``model.forward`` runs inside its own bf16 autocast with the weight cache on, as accelerate
+    wraps it for the Trainer under bf16."""
+    if wrap_forward:
+        model.forward = torch.autocast("cuda", dtype=torch.bfloat16)(model.forward)
     torch.manual_seed(seed)
     torch.cuda.manual_seed(seed)
     cat = CAT(model, generator=torch.Generator().manual_seed(seed), cuda_graph=graph, **kw)
@@ -81,11 +85,18 @@ def test_graphs_replayed_inside_the_clean_forward_match_eager_steps(train):
 
 
 @cuda
-@pytest.mark.parametrize("arch", ["bert", "deberta-v2"])
-def test_models_that_cannot_be_captured_run_eagerly_with_a_warning(arch):
-    # Eager attention builds its mask with a pageable host-to-device copy, which CUDA graphs refuse
-    # (DeBERTa-v2 also scripts its relative-position code): CAT falls back to the eager loop, same steps.
-    _compare(arch, True, layers=[1, 2, 3], attn="eager", captured=False)
+def test_models_that_cannot_be_captured_run_eagerly_with_a_warning():
+    # DeBERTa-v2 scripts its relative-position code, which capture refuses: CAT falls back to the eager loop, same
+    # steps.
+    _compare("deberta-v2", True, layers=[1, 2, 3], attn="eager", captured=False)
+
+
+@cuda
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train-dropout"])
+def test_eager_attention_is_captured(train):
+    # Eager attention's mask is built with a host-to-device copy, which capture refuses: models.capture_safe_masks
+    # builds the same mask on the device while CAT captures.
+    _compare("bert", train, layers=[1, 2, 3], attn="eager", captured=True)
 
 
 @cuda
@@ -103,6 +114,13 @@ def test_graph_steps_match_for_question_answering():
 def test_graph_steps_match_at_the_last_layer_and_under_bf16_autocast():
     _compare("bert", True, layers=[4])
     _compare("roberta", True, layers=[2, 3], autocast=torch.bfloat16, tol=1e-5)
+
+
+@cuda
+def test_a_forward_wrapped_in_autocast_replays_the_eager_steps():
+    # The forward's own autocast turns the weight cache on inside the capture: without emptying it around the capture
+    # (models.graph_capture) the replays read the freed bf16 weight copies of an earlier clean forward (NaN λ).
+    _compare("bert", True, autocast=torch.bfloat16, tol=1e-5, layers=[2], steps=5, wrap_forward=True)
 
 
 @cuda

@@ -80,3 +80,15 @@ def test_bad_input_names_the_argument(kwargs, error, words):
     with pytest.raises(error) as caught:
         cal_step_(**args)
     assert words in str(caught.value)
+
+
+@pytest.mark.parametrize("p", [1.0, 2.0])
+def test_a_nan_gradient_gives_nan_lambda_as_the_reference(backend, device, p):
+    # clamp(NaN, lo, hi) is NaN (torch.clamp, the reference): a NaN gradient must not set λ to lo and hide itself.
+    lam, grad = _inputs((4, 3), torch.float32, device, 0)
+    grad[1, 2] = float("nan")
+    expected = run("reference", cal_step_, lam.clone(), grad, 0.05, p, 0.0, 1.0)
+    target = lam.clone()
+    run(backend, cal_step_, target, grad, 0.05, p, 0.0, 1.0)
+    assert torch.equal(target.isnan(), expected.isnan()) and bool(target[1, 2].isnan())
+    torch.testing.assert_close(target, expected, equal_nan=True, rtol=1e-6, atol=1e-6)

@@ -386,3 +386,19 @@ def test_clip_bounds_and_ignore_index_arguments(kwargs, error, words):
             with pytest.raises(error) as caught:
                 run(backend, crm_weights, args["logits"], args["cf_logits"], args.get("a1", 0.0), args.get("a2", 10.0))
             assert words in str(caught.value)
+
+
+@pytest.mark.parametrize("clip", [(0.0, 10.0), (0.9, 1.2)], ids=["paper", "tight"])
+def test_a_nan_counterfactual_row_gives_nan_as_the_reference(backend, device, clip):
+    # A NaN counterfactual must reach the loss (and the Trainer's non-finite check), not become weight a1 (Triton's
+    # minimum/maximum drop NaN unless told to propagate it: a CAT step with NaN counterfactuals trained as plain ERM).
+    logits, cf_logits, labels = _inputs((5, 3), torch.float32, device, 0)
+    cf_logits[2] = float("nan")
+    for reduction in ("none", "mean"):
+        want = run("reference", crm_loss, logits, cf_logits, labels, *clip, True, reduction)
+        got = run(backend, crm_loss, logits, cf_logits, labels, *clip, True, reduction)
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-5, atol=1e-6)
+        assert got.isnan().any()
+    want_w = run("reference", crm_weights, logits, cf_logits, *clip)
+    got_w = run(backend, crm_weights, logits, cf_logits, *clip)
+    assert torch.equal(got_w.isnan(), want_w.isnan()) and bool(got_w[2].isnan())

@@ -50,7 +50,8 @@ def _cal_step_kernel(lam_ptr, grad_ptr, NR, L, lr_hi, lr_lo, p_hi, p_lo, lo_hi, 
         powq = tl.exp((p - 1.0) * tl.log(tl.where(pos, q, 1.0)))
         dn = tl.where(is_p1, sg, tl.where(pos, sg * powq, 0.0))
         new = x + lr * (g - dn)
-        new = tl.minimum(tl.maximum(new, lo), hi)
+        # NaN stays NaN (torch.clamp, the reference and the CUDA kernel): a NaN gradient must not set lambda to lo
+        new = tl.minimum(tl.maximum(new, lo, propagate_nan=tl.PropagateNan.ALL), hi, propagate_nan=tl.PropagateNan.ALL)
         tl.store(lam_ptr + offs, new.to(lam_ptr.dtype.element_ty), mask=m2)
 
 

@@ -48,7 +48,9 @@ def _crm_fwd_kernel(logits_ptr, cf_ptr, labels_ptr, loss_ptr, stats_ptr, part_pt
         zy = tl.load(logits_ptr + rows.to(tl.int64) * C + y, mask=rmask & keep, other=0.0).to(ACC)
         phi = 1.0 / s
         phi_cf = 1.0 / sc
-        w = tl.minimum(tl.maximum(phi / phi_cf, a1), a2)
+        # NaN stays NaN (torch.clamp, the reference and the CUDA kernel): a NaN counterfactual must not give weight a1
+        w = tl.minimum(tl.maximum(phi / phi_cf, a1, propagate_nan=tl.PropagateNan.ALL), a2,
+                       propagate_nan=tl.PropagateNan.ALL)
         ce = tl.where(keep, m + tl.log(s) - zy, 0.0)
         l = tl.where(keep, w * ce, 0.0)
         sp = stats_ptr + rows.to(tl.int64) * 4
