@@ -31,7 +31,9 @@ OP_ORDER = ("cmix", "cal_objective", "cal_step_", "crm_loss", "gs_cosine_loss", 
 BACKEND_ORDER = ("triton", "cuda", "cpp", "reference", "compile")
 METHOD_ORDER = ("plain", "plain_first_token", "plain_training_layers", "naive_cat", "cat", "cat_eager", "cat_full_last",
                 "cat_hf_layers", "cat_hf_clean", "gs_exact", "gs_first_order", "gs_first_order_fwd", "gs_pooled", "gs_pooled_hf_layers",
-                "poe", "reweight", "learned_mixin", "conf_reg", "clp", "clp_all", "plain_compiled", "plain_compiled_ro")
+                "poe", "reweight", "learned_mixin", "conf_reg", "clp", "clp_all", "plain_compiled", "plain_compiled_ro",
+                "plain_captured", "plain_fast_captured", "cat_captured", "gs_first_order_fwd_captured",
+                "gs_pooled_captured")
 METHOD_LABEL = {
     "plain": "(1) plain fine-tuning",
     "plain_first_token": "(1f) plain, first-token last layer",
@@ -55,6 +57,11 @@ METHOD_LABEL = {
     "clp_all": "(8a) CLP, virtual step of every parameter",
     "plain_compiled": "(9) plain, torch.compile(model)",
     "plain_compiled_ro": "(9r) plain, torch.compile(model, mode=\"reduce-overhead\")",
+    "plain_captured": "(10) plain (ERM), CapturedStep",
+    "plain_fast_captured": "(10f) plain, ERM(fast=True), CapturedStep",
+    "cat_captured": "(11) cat_fast.CAT, CapturedStep",
+    "gs_first_order_fwd_captured": "(12f) GS first-order forward (h_0), CapturedStep",
+    "gs_pooled_captured": "(12p) GS exact, pooled, CapturedStep",
 }
 
 

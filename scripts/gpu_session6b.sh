@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false CAT_FAST_BENCH_JSONL="$OUT/
 # the rows issue 23's targets compare, 64x256 first (the deadline skips what is left)
 IDS=()
 for size in 64x256 8x128 32x128; do
-  for m in plain_compiled_ro plain_compiled plain_training_layers plain_captured cat cat_captured \
+  for m in plain_compiled_ro plain_compiled plain_training_layers plain_captured plain_fast_captured cat cat_captured \
            gs_first_order_fwd gs_first_order_fwd_captured gs_pooled gs_pooled_captured; do
     IDS+=("benchmarks/steps/test_bench_step.py::test_step[$size-$m]")
   done

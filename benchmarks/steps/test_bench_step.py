@@ -42,6 +42,8 @@ bf16 autocast, AdamW (fused on CUDA), B x T = 8x128, 32x128, 64x256; each sample
 10. `plain_captured`: `cat_fast.step.CapturedStep(ERM(model), ...)`: the model's own loss, backward and a fused,
                  capturable AdamW (tensor lr) as one hand-captured CUDA graph per batch shape (issue 23; on the CPU
                  the same step eagerly).
+10f. `plain_fast_captured`: the same with `ERM(model, fast=True)`: `first_token_forward` with the training layers
+                 (`plain_training_layers`' forward), cat_fast's fast plain step, as one CUDA graph per shape.
 11. `cat_captured`: `cat`'s CAT through `CapturedStep` with that optimizer: the whole step (clean forward, CAL
                  loop, final pass, backward, AdamW) as one CUDA graph per mixing layer. Its graphs are captured
                  before the warm-up (one eager step and the capture per layer), timed apart as `capture_s`.
@@ -88,8 +90,8 @@ pytestmark = [pytest.mark.benchmark(timer=H.virtual_clock), pytest.mark.bench_st
 METHODS = ("plain", "plain_first_token", "plain_training_layers", "naive_cat", "cat", "cat_eager", "cat_full_last",
            "cat_hf_layers", "cat_hf_clean", "gs_exact", "gs_first_order", "gs_first_order_fwd", "gs_pooled",
            "gs_pooled_hf_layers", "poe", "reweight", "learned_mixin", "conf_reg", "clp", "clp_all",
-           "plain_compiled", "plain_compiled_ro", "plain_captured", "cat_captured", "gs_first_order_fwd_captured",
-           "gs_pooled_captured")
+           "plain_compiled", "plain_compiled_ro", "plain_captured", "plain_fast_captured", "cat_captured",
+           "gs_first_order_fwd_captured", "gs_pooled_captured")
 CAPTURED_GS_METHODS = ("gs_first_order_fwd_captured", "gs_pooled_captured")
 COMPILED_METHODS = ("plain_compiled", "plain_compiled_ro")
 DEBIAS_METHODS = ("poe", "reweight", "learned_mixin", "conf_reg")
@@ -97,7 +99,7 @@ CAT_METHODS = ("cat", "cat_eager", "cat_full_last", "cat_hf_layers", "cat_hf_cle
 # Methods whose passes run the last layer for the first token only (`prune_last_layer=True`, the default).
 FIRST_TOKEN_METHODS = ("plain_first_token", "plain_training_layers", "cat", "cat_eager", "cat_captured", "cat_hf_layers",
                        "cat_hf_clean", "gs_first_order", "gs_first_order_fwd", "gs_pooled", "gs_pooled_hf_layers",
-                       "gs_first_order_fwd_captured", "gs_pooled_captured")
+                       "gs_first_order_fwd_captured", "gs_pooled_captured", "plain_fast_captured")
 FIRST_TOKEN_METHODS += DEBIAS_METHODS
 GS_LONG_METHODS = ("plain", "gs_exact", "gs_first_order", "gs_first_order_fwd")  # the T = 512 size
 CAT_LAYERS = [8, 9, 10]
@@ -250,10 +252,10 @@ def make_step(method, model, optimizer, batch, pairs):
             finish_step(loss)
         return step
 
-    if method == "plain_captured":
+    if method in ("plain_captured", "plain_fast_captured"):
         from cat_fast.objectives import ERM
 
-        captured = captured_step(ERM(model), model)
+        captured = captured_step(ERM(model, fast=method == "plain_fast_captured"), model)
 
         def step():
             captured(batch)

@@ -235,3 +235,16 @@ def test_ignore_index_and_reduction_arguments(kwargs, error, words):
         with pytest.raises(error) as caught:
             run(backend, cal_objective, **args)
         assert words in str(caught.value)
+
+
+@pytest.mark.parametrize("where", ["first", "last", "row"])
+def test_a_nan_logit_gives_nan_as_the_reference(backend, device, where):
+    # A NaN first in a kernel thread's slice of the row was dropped by the CUDA softmax state (its row came out
+    # finite); the reference, torch's softmax, gives NaN for the whole row.
+    logits, labels = _inputs((4, 5), torch.float32, device, 0)
+    cols = {"first": [0], "last": [4], "row": list(range(5))}[where]
+    logits[2, cols] = float("nan")
+    want = run("reference", cal_objective, logits, labels, 10.0, 20.0)
+    got = run(backend, cal_objective, logits, labels, 10.0, 20.0)
+    assert bool(got[2].isnan()) and torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-5, atol=1e-5)

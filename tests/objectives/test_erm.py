@@ -1,0 +1,80 @@
+"""`ERM(fast=True)`: the model's own loss and gradients through `first_token_forward` with the training layers."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cat_fast import models
+from cat_fast.objectives import ERM
+from cat_fast.step import CapturedStep
+from tests.conftest import tiny_batch, tiny_model
+
+
+def _loss_and_grads(model, objective, batch):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(3)  # the same dropout draws for both forwards
+    loss, info = objective(batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+class _PrunedComposition:
+    """The plain composition: the model's own layers with the last one cut to the first token, then cross-entropy."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, batch):
+        logits = models.first_token_forward(self.model, batch, training_layers=False).logits
+        return F.cross_entropy(logits, batch["labels"]), {}
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta", "distilbert"])
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "dropout"])
+def test_fast_erm_is_the_models_own_loss_and_gradients(arch, train):
+    """Without dropout: the model's own loss and gradients. With dropout the cut last layer draws masks for the
+    first token only, so the draws differ from the full forward's: then the same as the model's own layers with that
+    cut, mask for mask."""
+    model = tiny_model(arch, seed=1).train(train)
+    batch = tiny_batch(arch, batch=5)  # padded rows included
+    reference = _PrunedComposition(model) if train else ERM(model)
+    want, want_grads = _loss_and_grads(model, reference, batch)
+    got, got_grads = _loss_and_grads(model, ERM(model, fast=True), batch)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert got_grads.keys() == want_grads.keys()
+    for n in want_grads:
+        torch.testing.assert_close(got_grads[n], want_grads[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_fast_erm_through_captured_step_on_the_cpu_equals_the_loop():
+    batches = [tiny_batch("bert", batch=4, seed=s) for s in range(3)]
+    params = []
+    for captured in (None, False):
+        torch.manual_seed(0)
+        model = tiny_model("bert", seed=1).train()
+        objective = ERM(model, fast=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        step = CapturedStep(objective, opt, cuda_graph=False) if captured is False else None
+        for batch in batches:
+            if step is not None:
+                step(batch)
+            else:
+                objective(batch)[0].backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    for n in params[0]:
+        torch.testing.assert_close(params[1][n], params[0][n], rtol=0, atol=0, msg=n)
+
+
+def test_fast_erm_refuses_what_it_does_not_compute():
+    model = tiny_model("bert", num_labels=1)  # regression: MSE, not cross-entropy
+    batch = tiny_batch("bert")
+    with pytest.raises(ValueError, match="ERM\\(fast=True\\): expected a single-label sequence classifier"):
+        ERM(model, fast=True)(dict(batch, labels=batch["labels"].float()))
+    model = tiny_model("bert")
+    with pytest.raises(ValueError, match="integer labels of shape"):
+        ERM(model, fast=True)({k: v for k, v in batch.items() if k != "labels"})
+    with pytest.raises(ValueError, match="does not combine with extra_optimizer"):
+        ERM(model, fast=True, two_step=True)
+    with pytest.raises(TypeError, match="fast: expected True or False"):
+        ERM(model, fast=1)
