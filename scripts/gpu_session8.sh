@@ -21,3 +21,5 @@ done
 CAT_FAST_BENCH_DEADLINE_STEP=$(( $(date +%s) + 240 )) timeout 270 python3 -m pytest "${IDS[@]}" -q -p no:cacheprovider \
   --benchmark-json "$OUT/step.json" > "$OUT/step.log" 2>&1; echo "rc=$?" >> "$OUT/step.log"
 python3 scripts/paired_summary.py "$OUT/step.json" | tee "$OUT/summary.txt"
+timeout 60 python3 scripts/check_cache_test_power.py > "$OUT/power.log" 2>&1; echo "rc=$?" >> "$OUT/power.log"
+grep -E "power check|rc=" "$OUT/power.log"
