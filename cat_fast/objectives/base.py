@@ -153,8 +153,12 @@ class Objective:
         """The host-side part of the next step, decided before it runs, as a `cat_fast.step.StepPlan` (what
         `cat_fast.step.CapturedStep` replays a graph for); `cat_fast.step.NotCapturable` when the step cannot be
         replayed. Planning a step may advance the objective's host state (its step counter, its generators): run
-        the step with `planned_step`. The default plans nothing but ``capture_key``."""
-        return StepPlan(key=self.capture_key(batch, *args))
+        the step with `planned_step`. The default plans nothing but ``capture_key``; a replayed step counts in
+        ``step`` as a call does."""
+        return StepPlan(key=self.capture_key(batch, *args), before_replay=self._count_replayed_step)
+
+    def _count_replayed_step(self):
+        self.step += 1
 
     def planned_step(self, plan, batch, *args):
         """``(loss, info)`` of the step that `plan` (from `plan_step`) describes. The default is the objective's
