@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 source scripts/device_setup.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false CAT_FAST_BENCH_JSONL="$OUT/step.jsonl"
 timeout 150 python3 -m pytest tests/ops/test_crm_loss.py tests/ops/test_cal_objective.py tests/ops/test_cal_step.py \
-  tests/ops/test_bias_losses.py -q -p no:cacheprovider -k "cuda and (nan or matches_reference)" > "$OUT/ops.log" 2>&1
+  tests/ops/test_bias_losses.py tests/ops/test_nan.py -q -p no:cacheprovider -k "cuda and (nan or matches_reference)" > "$OUT/ops.log" 2>&1
 echo "rc=$?" >> "$OUT/ops.log"; grep -E "passed|failed|FAILED|rc=" "$OUT/ops.log" | tail -12
 timeout 90 python3 -m pytest tests/test_step.py tests/objectives/test_erm.py -q -p no:cacheprovider -k "erm" \
   > "$OUT/tests.log" 2>&1; echo "rc=$?" >> "$OUT/tests.log"; grep -E "passed|failed|FAILED|rc=" "$OUT/tests.log" | tail -8
