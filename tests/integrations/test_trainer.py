@@ -172,6 +172,24 @@ def test_a_non_finite_loss_stops_training(tmp_path):
         trainer.train()
 
 
+def test_a_nan_counterfactual_pass_stops_training(tmp_path, monkeypatch):
+    """NaN counterfactual logits (what CAT's CAL-graph replays gave under the Trainer with bf16 on a GPU) must reach
+    the loss and stop the run, not become CRM weight a1 = 0 and train on as ERM."""
+    from cat_fast.integrations import NonFiniteLossError
+    from cat_fast.objectives import CAT
+
+    real = CAT.counterfactual_logits
+
+    def nan_logits(self, *args, **kwargs):
+        return real(self, *args, **kwargs) * float("nan")
+
+    monkeypatch.setattr(CAT, "counterfactual_logits", nan_logits)
+    trainer = CATTrainer(model=tiny_model("bert", num_labels=2).train(), args=small_args(tmp_path),
+                         train_dataset=tiny_dataset(), cat_kwargs={"layers": [2], "adv_steps": 1})
+    with pytest.raises(NonFiniteLossError, match=r"at step 1 \(in "):
+        trainer.train()
+
+
 def test_resume_restores_the_objectives_random_state(tmp_path):
     args = small_args(tmp_path, save_strategy="steps", save_steps=2, max_steps=4)
     model = tiny_model("bert", num_labels=2).train()
