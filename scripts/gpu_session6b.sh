@@ -6,14 +6,6 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/device_setup.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false CAT_FAST_BENCH_JSONL="$OUT/step.jsonl"
-# the rows issue 23's targets compare, 64x256 first (the deadline skips what is left)
-IDS=()
-for size in 64x256 8x128 32x128; do
-  for m in plain_compiled_ro plain_compiled plain_training_layers plain_captured plain_fast_captured cat cat_captured \
-           gs_first_order_fwd gs_first_order_fwd_captured gs_pooled gs_pooled_captured; do
-    IDS+=("benchmarks/steps/test_bench_step.py::test_step[$size-$m]")
-  done
-done
-CAT_FAST_BENCH_DEADLINE_STEP=$(( $(date +%s) + 420 )) timeout 450 python3 -m pytest "${IDS[@]}" -q -p no:cacheprovider \
-  --benchmark-json "$OUT/step.json" > "$OUT/step.log" 2>&1; echo "rc=$?" >> "$OUT/step.log"
-python3 scripts/paired_summary.py "$OUT/step.json" | tee "$OUT/summary.txt"
+# the rows issue 23's targets compare, 64x256 first
+step_rows 420 "64x256 8x128 32x128" "plain_compiled_ro plain_compiled plain_training_layers plain_captured \
+  plain_fast_captured cat cat_captured gs_first_order_fwd gs_first_order_fwd_captured gs_pooled gs_pooled_captured"

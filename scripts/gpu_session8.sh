@@ -14,12 +14,4 @@ timeout 90 python3 -m pytest tests/test_step.py tests/objectives/test_erm.py -q 
   > "$OUT/tests.log" 2>&1; echo "rc=$?" >> "$OUT/tests.log"; grep -E "passed|failed|FAILED|rc=" "$OUT/tests.log" | tail -8
 timeout 60 python3 scripts/check_cache_test_power.py > "$OUT/power.log" 2>&1; echo "rc=$?" >> "$OUT/power.log"
 grep -E "power check|rc=" "$OUT/power.log"
-IDS=()
-for size in 64x256 32x128 8x128; do
-  for m in plain_compiled_ro plain_fast_captured plain_captured cat_captured; do
-    IDS+=("benchmarks/steps/test_bench_step.py::test_step[$size-$m]")
-  done
-done
-CAT_FAST_BENCH_DEADLINE_STEP=$(( $(date +%s) + 240 )) timeout 270 python3 -m pytest "${IDS[@]}" -q -p no:cacheprovider \
-  --benchmark-json "$OUT/step.json" > "$OUT/step.log" 2>&1; echo "rc=$?" >> "$OUT/step.log"
-python3 scripts/paired_summary.py "$OUT/step.json" | tee "$OUT/summary.txt"
+step_rows 240 "64x256 32x128 8x128" "plain_compiled_ro plain_fast_captured plain_captured cat_captured"

@@ -25,7 +25,9 @@ import inspect
 import torch
 
 
-def _registry():
+def mask_registry():
+    """(transformers' ``masking_utils``, its mask-function mapping by attention implementation), or (None, None)
+    where this transformers has no such registry."""
     try:
         from transformers import masking_utils
     except ImportError:  # pragma: no cover - transformers is a dependency
@@ -72,7 +74,7 @@ def graph_capture(graph, pool=None):
 @contextlib.contextmanager
 def capture_safe_masks():
     """While inside: models with eager attention build their masks without a host-to-device copy (module docstring)."""
-    masking_utils, mapping = _registry()
+    masking_utils, mapping = mask_registry()
     if mapping is None:
         yield
         return

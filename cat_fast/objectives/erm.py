@@ -36,8 +36,15 @@ class ERM(Objective):
         model = self.model
         if not isinstance(fast, bool):
             raise TypeError(f"fast: expected True or False, got {fast!r}")
-        if fast and extra_optimizer is not None or fast and two_step:
+        if fast and (extra_optimizer is not None or two_step):
             raise ValueError("fast=True is the plain step; it does not combine with extra_optimizer / two_step")
+        if fast:
+            config = getattr(model, "config", None)
+            problem = getattr(config, "problem_type", None)
+            if getattr(config, "num_labels", 0) < 2 or problem not in (None, "single_label_classification"):
+                raise ValueError("ERM(fast=True): expected a single-label sequence classifier (num_labels >= 2, "
+                                 "problem_type unset or 'single_label_classification'); got num_labels="
+                                 f"{getattr(config, 'num_labels', None)}, problem_type={problem!r}")
         self.fast = fast
         extra_lr = check_number("extra_lr", extra_lr, low=0.0, low_open=True)
         if two_step and extra_optimizer is None:  # CAT's alternate: AdamW (its defaults) at lr 2e-5
@@ -81,14 +88,9 @@ class ERM(Objective):
         """``fast=True``: the cross-entropy of `models.first_token_forward` with the training layers (the model's
         logits and gradients with the last layer for row 0 only and each other layer one autograd node), for
         single-label sequence classifiers, whose own loss it equals."""
-        config = getattr(self.model, "config", None)
         labels = inputs.get("labels")
-        problem = getattr(config, "problem_type", None)
-        if labels is None or labels.is_floating_point() or labels.dim() != 1 or \
-                getattr(config, "num_labels", 0) < 2 or problem not in (None, "single_label_classification"):
-            raise ValueError("ERM(fast=True): expected a single-label sequence classifier (num_labels >= 2, "
-                             "problem_type unset or 'single_label_classification') and integer labels of shape [B]; "
-                             f"got num_labels={getattr(config, 'num_labels', None)}, problem_type={problem!r}, labels "
+        if labels is None or labels.is_floating_point() or labels.dim() != 1:
+            raise ValueError("ERM(fast=True): expected integer labels of shape [B] in the batch; got "
                              f"{None if labels is None else (tuple(labels.shape), labels.dtype)}")
         outputs = models.first_token_forward(self.model, inputs, training_layers=True)
         return F.cross_entropy(upcast(models.logits_of(outputs)), labels)

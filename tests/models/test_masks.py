@@ -7,7 +7,7 @@ from cat_fast import models
 from cat_fast.models import masks
 from tests.conftest import tiny_batch, tiny_model
 
-masking_utils, mapping = masks._registry()
+masking_utils, mapping = masks.mask_registry()
 pytestmark = pytest.mark.skipif(mapping is None, reason="this transformers has no mask-function registry")
 
 

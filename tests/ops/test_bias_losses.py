@@ -25,7 +25,7 @@ LOSSES = {
 CASES = [(name, reduction) for name, (_, _, reductions) in LOSSES.items() for reduction in reductions]
 
 
-def _inputs(shape, dtype, device, seed):
+def loss_inputs(shape, dtype, device, seed):
     """logits (dtype), the bias's log-probabilities, the gate and the teacher's probabilities (float64 on the CPU,
     float32 on CUDA: as they come from a bias file / a linear head), labels."""
     g = torch.Generator().manual_seed(seed)
@@ -38,7 +38,7 @@ def _inputs(shape, dtype, device, seed):
     return logits, bias, gate, teacher, labels
 
 
-def _call(name, which, logits, bias, gate, teacher, labels, reduction, **extra):
+def call_loss(name, which, logits, bias, gate, teacher, labels, reduction, **extra):
     op, kwargs, _ = LOSSES[name]
     kwargs = dict(kwargs, **extra)
     if reduction is not None:
@@ -53,7 +53,7 @@ def _call(name, which, logits, bias, gate, teacher, labels, reduction, **extra):
 def _outputs(name, which, logits, bias, gate, teacher, labels, reduction, grad_out, **extra):
     z = logits.detach().requires_grad_()
     gt = gate.detach().requires_grad_()
-    out = _call(name, which, z, bias, gt, teacher, labels, reduction, **extra)
+    out = call_loss(name, which, z, bias, gt, teacher, labels, reduction, **extra)
     out.backward(grad_out.to(out.dtype))
     grad_gate = gt.grad if gt.grad is not None else torch.zeros_like(gt)
     return out, z.grad, grad_gate
@@ -73,7 +73,7 @@ def _ignored(labels, pattern, ignore_index=-100):
 @pytest.mark.parametrize("pattern", ["none", "some"])
 def test_matches_reference(backend, device, shape, name, reduction, pattern):
     for seed, dtype in enumerate(dtypes_for(device)):
-        logits, bias, gate, teacher, labels = _inputs(shape, dtype, device, seed)
+        logits, bias, gate, teacher, labels = loss_inputs(shape, dtype, device, seed)
         labels = _ignored(labels, pattern)
         grad_out = torch.randn(shape[0] if reduction == "none" else (), generator=torch.Generator().manual_seed(seed),
                                dtype=torch.float64).to(device)
@@ -90,7 +90,7 @@ def test_matches_reference(backend, device, shape, name, reduction, pattern):
 
 @pytest.mark.parametrize("name", LOSSES)
 def test_every_row_ignored_gives_nan_mean_and_zero_gradients(backend, device, name):
-    logits, bias, gate, teacher, labels = _inputs((5, 3), torch.float32, device, 3)
+    logits, bias, gate, teacher, labels = loss_inputs((5, 3), torch.float32, device, 3)
     reduction = "mean" if LOSSES[name][2][0] else None
     got = _outputs(name, backend, logits, bias, gate, teacher, _ignored(labels, "all"), reduction,
                    torch.ones((), device=device))
@@ -100,7 +100,7 @@ def test_every_row_ignored_gives_nan_mean_and_zero_gradients(backend, device, na
 
 @pytest.mark.parametrize("name, reduction", CASES)
 def test_noncontiguous_inputs(backend, device, name, reduction):
-    logits, bias, gate, teacher, labels = _inputs((6, 3), torch.float32, device, 4)
+    logits, bias, gate, teacher, labels = loss_inputs((6, 3), torch.float32, device, 4)
     grad_out = torch.ones(6 if reduction == "none" else (), device=device)
     got = _outputs(name, backend, noncontiguous(logits), noncontiguous(bias), noncontiguous(gate),
                    noncontiguous(teacher), noncontiguous(labels), reduction, grad_out)
@@ -113,19 +113,19 @@ def test_noncontiguous_inputs(backend, device, name, reduction):
 def test_gradcheck(backend, device, name, reduction):
     if device != "cpu":
         pytest.skip("float64 gradcheck runs on the CPU")
-    logits, bias, gate, teacher, labels = _inputs((6, 3), torch.float64, device, 5)
+    logits, bias, gate, teacher, labels = loss_inputs((6, 3), torch.float64, device, 5)
     labels = _ignored(labels, "some")
     logits.requires_grad_()
     gate.requires_grad_()
 
     def fn(z, gt):
-        return _call(name, backend, z, bias, gt, teacher, labels, reduction)
+        return call_loss(name, backend, z, bias, gt, teacher, labels, reduction)
 
     assert torch.autograd.gradcheck(fn, (logits, gate))
 
 
 def test_double_backward_raises(backend, device):
-    logits, bias, gate, teacher, labels = _inputs((4, 3), torch.float32, device, 6)
+    logits, bias, gate, teacher, labels = loss_inputs((4, 3), torch.float32, device, 6)
     logits.requires_grad_()
     loss = run(backend, poe_loss, logits, bias, labels)
     (grad,) = torch.autograd.grad(loss, logits, create_graph=True)
@@ -138,7 +138,7 @@ def test_known_values(backend, device):
     (g = softplus(gate) ~ 0) makes learned-mixin CE + w log C; a bias certain of the label makes the
     conf-reg target the teacher itself raised to 0 (uniform), one that gives it nothing leaves the teacher."""
     dtype = torch.float64 if device == "cpu" else torch.float32
-    logits, _, _, teacher, labels = _inputs((7, 4), dtype, device, 8)
+    logits, _, _, teacher, labels = loss_inputs((7, 4), dtype, device, 8)
     aux = teacher.dtype
     uniform = torch.full((7, 4), -math.log(4), device=device, dtype=aux)
     ce = F.cross_entropy(logits, labels)
@@ -161,7 +161,7 @@ def test_known_values(backend, device):
 def test_learned_mixin_gate_gradient_is_the_chain_rule(backend, device):
     """d loss / d gate = sigmoid(gate) · Σ_c b_c (q_c − onehot_c − w r_c (log r_c + H)), written out by hand."""
     dtype = torch.float64 if device == "cpu" else torch.float32
-    logits, bias, gate, _, labels = _inputs((5, 3), dtype, device, 9)
+    logits, bias, gate, _, labels = loss_inputs((5, 3), dtype, device, 9)
     gate = gate.to(dtype).requires_grad_()
     run(backend, learned_mixin_loss, logits, bias.to(dtype), labels, gate, 0.2, reduction="sum").backward()
     a = F.softplus(gate.detach())[:, None] * bias.to(dtype)
@@ -187,7 +187,7 @@ def test_large_batch_matches_reference(backend, device, name, monkeypatch):
     _few_triton_programs(backend, device, monkeypatch)
     shapes = [(3000, 3)] if device == "cpu" else [(600_000, 3), (2500, 3), (3000, 300)]
     for shape in shapes:
-        logits, bias, gate, teacher, labels = _inputs(shape, torch.float32, device, 12)
+        logits, bias, gate, teacher, labels = loss_inputs(shape, torch.float32, device, 12)
         labels[torch.arange(shape[0], device=device) % 7 == 2] = -100
         reduction = "mean" if LOSSES[name][2][0] else None
         got = _outputs(name, backend, logits, bias, gate, teacher, labels, reduction, torch.ones((), device=device))
@@ -200,7 +200,7 @@ def test_large_batch_matches_reference(backend, device, name, monkeypatch):
 def test_large_batch_mean_is_bitwise_reproducible(backend, device, monkeypatch):
     _few_triton_programs(backend, device, monkeypatch)
     shape = (600_000, 3) if device == "cuda" else (3000, 3)
-    logits, bias, gate, teacher, labels = _inputs(shape, torch.float32, device, 13)
+    logits, bias, gate, teacher, labels = loss_inputs(shape, torch.float32, device, 13)
     first = run(backend, reweight_loss, logits, bias, labels)
     for rows in (100, shape[0] // 7):
         run(backend, reweight_loss, logits[:rows], bias[:rows], labels[:rows])
@@ -210,7 +210,7 @@ def test_large_batch_mean_is_bitwise_reproducible(backend, device, monkeypatch):
 def test_one_launch_per_direction(backend, device):
     """The loss is its forward kernel op (the reduction inside it: no aten sum or division after it), the gradient
     its backward kernel op (no zero-filled gradients for `denom`, no reduction)."""
-    logits, bias, gate, teacher, labels = _inputs((8, 3), torch.float32, device, 14)
+    logits, bias, gate, teacher, labels = loss_inputs((8, 3), torch.float32, device, 14)
     z = logits.detach().requires_grad_()
     gt = gate.detach().requires_grad_()
     with torch.profiler.profile() as forward:
@@ -228,7 +228,7 @@ def test_one_launch_per_direction(backend, device):
 
 
 def test_opcheck(backend, device):
-    logits, bias, gate, teacher, labels = _inputs((5, 3), torch.float32, device, 15)
+    logits, bias, gate, teacher, labels = loss_inputs((5, 3), torch.float32, device, 15)
     bias, gate, teacher = bias.float(), gate.float(), teacher.float()
     labels[3] = 7
     kernels = cat_fast.ops.registry.kernels(backend)
@@ -246,7 +246,7 @@ def test_opcheck(backend, device):
 
 
 def test_compiles(backend, device):
-    logits, bias, gate, teacher, labels = _inputs((6, 3), torch.float32, device, 16)
+    logits, bias, gate, teacher, labels = loss_inputs((6, 3), torch.float32, device, 16)
     bias, gate = bias.float(), gate.float()
 
     def step(z, gt):

@@ -8,7 +8,7 @@ import torch
 from cat_fast.ops import cmix, gs_cosine_loss
 
 from .conftest import run
-from .test_bias_losses import LOSSES, _call, _inputs
+from .test_bias_losses import LOSSES, call_loss, loss_inputs
 
 PLACES = {"first": [0], "middle": [2], "row": [0, 1, 2, 3, 4]}
 
@@ -28,12 +28,12 @@ def _outputs(which, fn, inputs, grad_index=0):
 @pytest.mark.parametrize("name", [n for n in LOSSES if n in ("poe", "reweight", "learned-mixin", "conf-reg")])
 @pytest.mark.parametrize("place", list(PLACES))
 def test_bias_losses(backend, device, name, place):
-    logits, bias, gate, teacher, labels = _inputs((4, 5), torch.float32, device, 0)
+    logits, bias, gate, teacher, labels = loss_inputs((4, 5), torch.float32, device, 0)
     logits[1, PLACES[place]] = float("nan")
 
     def outputs(which):
         z = logits.detach().clone().requires_grad_(True)
-        out = _call(name, which, z, bias, gate, teacher, labels, "none" if name != "reweight" else None)
+        out = call_loss(name, which, z, bias, gate, teacher, labels, "none" if name != "reweight" else None)
         out.sum().backward()
         return out.detach(), z.grad
 
