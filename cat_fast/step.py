@@ -243,6 +243,9 @@ class CapturedStep:
                                before_replay=plan.before_replay)
         box = []
         gc_was_enabled = gc.isenabled()
+        # the objective's call runs once, on the host, during the capture, but no step happens: the replay that
+        # follows is this batch's step (and `before_replay` counts it), so a counter the call advances is put back
+        counted = getattr(self.objective, "step", None)
         try:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
@@ -258,6 +261,8 @@ class CapturedStep:
             finally:
                 if gc_was_enabled:
                     gc.enable()
+                if isinstance(counted, int):
+                    self.objective.step = counted
         except Exception as error:  # noqa: BLE001 - any capture failure means: run this signature eagerly
             torch.cuda.synchronize(device)
             self.optimizer.zero_grad(set_to_none=True)

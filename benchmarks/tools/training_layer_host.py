@@ -2,8 +2,9 @@
 the model's own layer against `cat_fast.layers.training`, host time (issuing the calls) and GPU time (CUDA events
 around the call, queued behind a spin kernel so that they time the kernels, not the host) per call, medians over
 interleaved calls. ``--compiled`` adds ``torch.compile(layer)`` (default mode, compiled before the timing): what
-the compiler's fusion of the layer's elementwise work gives against the training layer (issue 23); each row also
-gives the layer's matmul FLOPs over the GPU time.
+the compiler's fusion of the layer's elementwise work gives against the training layer (issue 23); the training
+layer runs with its fused Triton elementwise kernels ("training") and without ("unfused", `FUSED = False`); each
+row also gives the layer's matmul FLOPs over the GPU time.
 
     python benchmarks/tools/training_layer_host.py [--sizes 8x128 32x128 64x256] [--calls 30] [--compiled]
 """
@@ -40,7 +41,14 @@ def main():
     def fused(x, mask):
         return training_layer.forward(layer, (x, mask), {})
 
-    versions = [("own", own), ("training", fused)]
+    def unfused(x, mask):
+        training_layer.FUSED = False
+        try:
+            return training_layer.forward(layer, (x, mask), {})
+        finally:
+            training_layer.FUSED = True
+
+    versions = [("own", own), ("unfused", unfused), ("training", fused)]
     if args.compiled:
         compiled_layer = torch.compile(layer)
 

@@ -5,7 +5,13 @@ one autograd node, with less host work than the model's dozen modules (`models.c
 ``forward(layer, args, kwargs)`` returns the layer's output, or None where it does not apply (then the layer runs
 itself). Same arithmetic, order and dropout draws as the layer (equal to 1e-12 in float64, to 16-bit rounding
 under autocast); the query, key and value projections are one matmul, the input is cast once, gradients are
-accumulated in fp32 by the matmuls, and an input-only backward skips the weight-gradient matmuls. Supported: the
+accumulated in fp32 by the matmuls, and an input-only backward skips the weight-gradient matmuls. On CUDA under
+autocast (an fp32 layer, 16-bit matmuls) the elementwise work around the matmuls is fused in Triton kernels:
+residual add + LayerNorm + the cast of its output (`kernels.triton.residual_layer_norm`), and in the backward
+LayerNorm backward + dropout backward + the cast, with the LayerNorm weight and bias gradients and the bias
+gradient of the projection before the dropout summed in the same pass, and GELU backward + the intermediate bias
+gradient (`kernels.triton.gelu_bias_backward`); the dropout draws stay `torch.native_dropout`'s, so they are the
+layer's (`FUSED = False` turns the fusion off, for comparisons). Supported: the
 layers `resumed.supported` accepts, parameters in one dtype on the input's device, an fp32 layer under autocast
 or none; a layer with cat_fast interventions runs a composed version differentiated by autograd. No double
 backward (``once_differentiable``).
@@ -19,10 +25,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ..kernels.triton import optional
 from . import interventions, layout, resumed
 from .layout import bert_parts, dropout, dropout_p, fp32_mm_supported, plain, sdpa_mask
 
-__all__ = ["supported", "forward"]
+__all__ = ["supported", "forward", "FUSED"]
+
+# Whether the fused Triton kernels run where they apply (module docstring); False runs the same arithmetic in
+# PyTorch ops (16-bit roundings may differ), as the benchmarks compare.
+FUSED = True
 
 
 def _weighted(layer):
@@ -91,6 +102,16 @@ def _compute_dtype(hidden, param_dtype):
         fp32 = hidden.dtype == param_dtype == torch.float32
         return torch.get_autocast_dtype(hidden.device.type) if fp32 else None
     return hidden.dtype if hidden.dtype == param_dtype else None
+
+
+def _fusion(hidden, dtype, layer_norm_dtype):
+    """``(residual_layer_norm, gelu_bias_backward)`` kernel modules when the fused path applies (CUDA, an fp32
+    layer under autocast, Triton importable, `FUSED`), else None."""
+    if not (FUSED and hidden.is_cuda and hidden.dtype == torch.float32 and layer_norm_dtype == torch.float32
+            and dtype in (torch.bfloat16, torch.float16)):
+        return None
+    kernels = optional("residual_layer_norm"), optional("gelu_bias_backward")
+    return kernels if None not in kernels else None
 
 
 def forward(layer: nn.Module, args, kwargs) -> torch.Tensor | None:
@@ -182,6 +203,19 @@ def _wanted(needs, params):
     return tuple(n and _will_run(p) for n, p in zip(needs, params))
 
 
+def _fused_norm_backward(rln, grad_y, branch, residual, weight, mean, rstd, keep, p, need):
+    """``(grad_s, grad_branch, grad_weight, grad_bias, grad_branch_bias)`` of ``LayerNorm(dropout(branch) +
+    residual)`` by the fused kernel; `need` says which of the branch's bias, the weight and the bias want gradients
+    (those not wanted are None; none wanted: the input-only kernel)."""
+    scale = 1.0 / (1.0 - p)
+    if not any(need):
+        return (*rln.backward(grad_y, branch, residual, weight, mean, rstd, keep, scale), None, None, None)
+    grad_s, grad_branch, grad_weight, grad_bias, grad_branch_bias = rln.backward_with_params(
+        grad_y, branch, residual, weight, mean, rstd, keep, scale)
+    return (grad_s.view(-1, weight.numel()), grad_branch.view(-1, weight.numel()),
+            grad_weight if need[1] else None, grad_bias if need[2] else None, grad_branch_bias if need[0] else None)
+
+
 class _TrainingLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, mask, layer, dtype, *params):
@@ -192,6 +226,7 @@ class _TrainingLayer(torch.autograd.Function):
         p_attn = sa.dropout.p if sa.training else 0.0
         p1, p2 = dropout_p(so.dropout), dropout_p(out.dropout)
         approximate = _gelu_approximate(inter)
+        fused = _fusion(hidden, dtype, g1.dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             x = hidden.reshape(-1, D)
             x16 = x.to(dtype)
@@ -205,9 +240,14 @@ class _TrainingLayer(torch.autograd.Function):
             rows = context.detach().transpose(1, 2).reshape(-1, heads * width)
             wo16 = wo.to(dtype)
             a, keep1 = dropout(torch.addmm(bo.to(dtype), rows, wo16.t()), p1)
-            s1 = a + x
-            h1, mean1, rstd1 = torch.native_layer_norm(s1, (D,), g1, be1, so.LayerNorm.eps)
-            h1_16 = h1.to(dtype)
+            if fused:  # s1 = a + x is recomputed by the backward from a and x
+                h1, h1_16, mean1, rstd1 = fused[0].forward(a, x, g1, be1, so.LayerNorm.eps, out16_dtype=dtype)
+                first_sum = dict(a=a, x=x)
+            else:
+                s1 = a + x
+                h1, mean1, rstd1 = torch.native_layer_norm(s1, (D,), g1, be1, so.LayerNorm.eps)
+                h1_16 = h1.to(dtype)
+                first_sum = dict(s1=s1)
             wi16 = wi.to(dtype)
             inner = torch.addmm(bi.to(dtype), h1_16, wi16.t())
             if approximate is not None:
@@ -218,14 +258,21 @@ class _TrainingLayer(torch.autograd.Function):
                     activated = inter.intermediate_act_fn(inner)
             wo2_16 = wo2.to(dtype)
             o, keep2 = dropout(torch.addmm(bo2.to(dtype), activated.detach(), wo2_16.t()), p2)
-            s2 = o + h1
-            y, mean2, rstd2 = torch.native_layer_norm(s2, (D,), g2, be2, out.LayerNorm.eps)
+            if fused:
+                y, _, mean2, rstd2 = fused[0].forward(o, h1, g2, be2, out.LayerNorm.eps)
+                second_sum = dict(o=o, h1=h1)
+            else:
+                s2 = o + h1
+                y, mean2, rstd2 = torch.native_layer_norm(s2, (D,), g2, be2, out.LayerNorm.eps)
+                second_sum = dict(s2=s2)
         saved = dict(x16=x16, w_qkv=w_qkv, qkv_leaf=qkv_leaf, context=context, rows=rows, wo16=wo16, keep1=keep1,
-                     s1=s1, mean1=mean1, rstd1=rstd1, h1_16=h1_16, wi16=wi16, inner=inner, activated=activated,
-                     wo2_16=wo2_16, keep2=keep2, s2=s2, mean2=mean2, rstd2=rstd2, g1=g1, be1=be1, g2=g2, be2=be2)
+                     **first_sum, mean1=mean1, rstd1=rstd1, h1_16=h1_16, wi16=wi16, inner=inner,
+                     activated=activated, wo2_16=wo2_16, keep2=keep2, **second_sum, mean2=mean2, rstd2=rstd2, g1=g1,
+                     be1=be1, g2=g2, be2=be2)
         # saved tensors (not ctx attributes) are freed when the backward has run, as the layer's own are
         ctx.save_for_backward(*saved.values())
         ctx.names = tuple(saved)
+        ctx.fused = fused
         ctx.params = params  # leaves that outlive the step: only to ask whether this backward wants their gradients
         ctx.shapes = (B, T, D, heads, width, p1, p2, approximate, hidden.dtype, g1.dtype,
                       (wq.shape[0], wk.shape[0], wv.shape[0]))
@@ -239,26 +286,40 @@ class _TrainingLayer(torch.autograd.Function):
         g1, be1, g2, be2 = t["g1"], t["be1"], t["g2"], t["be2"]
         need = _wanted(ctx.needs_input_grad[4:], ctx.params)
         dtype = t["x16"].dtype
+        fused = ctx.fused
         with torch.autocast(grad_y.device.type, enabled=False):
-            grad_s2, grad_g2, grad_be2 = torch.ops.aten.native_layer_norm_backward(
-                grad_y.reshape(-1, D).to(t["s2"].dtype), t["s2"], (D,), t["mean2"], t["rstd2"], g2, be2,
-                (True, need[14], need[15]))
-            grad_o = _dropout_backward(grad_s2.to(dtype), t["keep2"], p2)
+            if fused:
+                grad_s2, grad_o, grad_g2, grad_be2, grad_bo2 = _fused_norm_backward(
+                    fused[0], grad_y.reshape(-1, D), t["o"], t["h1"], g2, t["mean2"], t["rstd2"], t["keep2"], p2,
+                    need[13:16])
+            else:
+                grad_s2, grad_g2, grad_be2 = torch.ops.aten.native_layer_norm_backward(
+                    grad_y.reshape(-1, D).to(t["s2"].dtype), t["s2"], (D,), t["mean2"], t["rstd2"], g2, be2,
+                    (True, need[14], need[15]))
+                grad_o = _dropout_backward(grad_s2.to(dtype), t["keep2"], p2)
+                grad_bo2 = grad_o.sum(0, dtype=p_dtype) if need[13] else None
             grad_wo2 = _weight_grad(grad_o, t["activated"].detach(), p_dtype) if need[12] else None
-            grad_bo2 = grad_o.sum(0, dtype=p_dtype) if need[13] else None
             grad_activated = torch.mm(grad_o, t["wo2_16"])
-            if approximate is not None:
+            grad_bi = None
+            if fused and approximate == "none":
+                grad_inner, grad_bi = fused[1].backward(grad_activated, t["inner"], want_bias=need[11])
+            elif approximate is not None:
                 grad_inner = torch.ops.aten.gelu_backward(grad_activated, t["inner"], approximate=approximate)
             else:
                 (grad_inner,) = torch.autograd.grad(t["activated"], t["inner"], grad_activated, retain_graph=True)
             grad_wi = _weight_grad(grad_inner, t["h1_16"], p_dtype) if need[10] else None
-            grad_bi = grad_inner.sum(0, dtype=p_dtype) if need[11] else None
+            if grad_bi is None and need[11]:
+                grad_bi = grad_inner.sum(0, dtype=p_dtype)
             grad_h1 = _mm_into(grad_s2, grad_inner, t["wi16"])  # the residual's gradient + the projection's
-            grad_s1, grad_g1, grad_be1 = torch.ops.aten.native_layer_norm_backward(
-                grad_h1, t["s1"], (D,), t["mean1"], t["rstd1"], g1, be1, (True, need[8], need[9]))
-            grad_a = _dropout_backward(grad_s1.to(dtype), t["keep1"], p1)
+            if fused:
+                grad_s1, grad_a, grad_g1, grad_be1, grad_bo = _fused_norm_backward(
+                    fused[0], grad_h1, t["a"], t["x"], g1, t["mean1"], t["rstd1"], t["keep1"], p1, need[7:10])
+            else:
+                grad_s1, grad_g1, grad_be1 = torch.ops.aten.native_layer_norm_backward(
+                    grad_h1, t["s1"], (D,), t["mean1"], t["rstd1"], g1, be1, (True, need[8], need[9]))
+                grad_a = _dropout_backward(grad_s1.to(dtype), t["keep1"], p1)
+                grad_bo = grad_a.sum(0, dtype=p_dtype) if need[7] else None
             grad_wo = _weight_grad(grad_a, t["rows"], p_dtype) if need[6] else None
-            grad_bo = grad_a.sum(0, dtype=p_dtype) if need[7] else None
             grad_context = torch.mm(grad_a, t["wo16"]).view(B, T, heads, width).transpose(1, 2)
             # retained: this one-node graph is freed with the saved tensors (a retain_graph backward can run again)
             (grad_qkv,) = torch.autograd.grad(t["context"], t["qkv_leaf"], grad_context, retain_graph=True)

@@ -90,3 +90,50 @@ def test_reference_is_layer_norm_and_its_gradient():
                                             scale)
     torch.testing.assert_close(grad_s, grad_residual, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(grad_b, grad_branch, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.skipif(not RUNS, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("lead,D", SHAPES + [((37,), 48)])
+@pytest.mark.parametrize("branch_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_keep", [True, False])
+def test_backward_with_params_matches_the_reference(lead, D, branch_dtype, with_keep):
+    # 37 rows: not a multiple of the rows per program, so the last program's run is short
+    branch, residual, weight, bias, keep, grad_y = _inputs(lead, D, branch_dtype, seed=5)
+    keep = keep if with_keep else None
+    _, _, mean, rstd = rln.forward(branch, residual, weight, bias, 1e-12)
+    got = rln.backward_with_params(grad_y, branch, residual, weight, mean, rstd, keep, 1 / 0.7)
+    want = rln.reference_backward_with_params(grad_y, branch, residual, weight, mean, rstd, keep, 1 / 0.7)
+    plain = rln.backward(grad_y, branch, residual, weight, mean, rstd, keep, 1 / 0.7)
+    assert [t.shape for t in got] == [t.shape for t in want] and [t.dtype for t in got] == [t.dtype for t in want]
+    for i, (g, w) in enumerate(zip(got, want)):
+        # fp32: sums over up to 37 rows in another order; 16-bit (the branch gradient, and its sums): the rounding
+        # of values one fp32 rounding apart can land one 16-bit step apart
+        sixteen = g.dtype != torch.float32 or (i == 4 and branch_dtype != torch.float32)
+        tol = 3e-2 if sixteen else 1e-4
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol, msg=f"output {i}")
+    for g, w in zip(got[:2], plain):  # the row gradients are `backward`'s, bit for bit
+        assert torch.equal(g, w)
+    # the branch-bias sum adds the branch gradient as rounded: exactly the rounded gradient's column sums
+    torch.testing.assert_close(got[4], got[1].reshape(-1, D).float().sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_reference_parameter_gradients_are_autograd():
+    # float64: the LayerNorm weight and bias gradients and the branch-bias gradient of the reference are autograd's
+    lead, D = (4, 3), 24
+    g = torch.Generator().manual_seed(7)
+    branch_bias = torch.randn(D, generator=g, dtype=torch.float64, requires_grad=True)
+    pre = torch.randn(*lead, D, generator=g, dtype=torch.float64)
+    residual = torch.randn(*lead, D, generator=g, dtype=torch.float64)
+    weight = (torch.rand(D, generator=g, dtype=torch.float64) + 0.5).requires_grad_(True)
+    bias = torch.randn(D, generator=g, dtype=torch.float64, requires_grad=True)
+    keep = torch.rand(*lead, D, generator=g) > 0.25
+    grad_y = torch.randn(*lead, D, generator=g, dtype=torch.float64)
+    scale = 1 / 0.75
+    branch = pre + branch_bias
+    y = F.layer_norm(torch.where(keep, branch * scale, 0.0) + residual, (D,), weight, bias, 1e-6)
+    want = torch.autograd.grad(y, (weight, bias, branch_bias), grad_y)
+    dropped = torch.where(keep, branch * scale, 0.0).detach()
+    _, _, mean, rstd = rln.reference_forward(dropped, residual, weight.detach(), bias.detach(), 1e-6)
+    got = rln.reference_backward_with_params(grad_y, dropped, residual, weight.detach(), mean, rstd, keep, scale)
+    for g_, w in zip(got[2:], want):
+        torch.testing.assert_close(g_, w, rtol=1e-10, atol=1e-12)

@@ -407,3 +407,66 @@ def test_what_the_backward_needs_is_freed_when_it_has_run():
         del y
     assert kept["training"][0] > 4 * kept["training"][1]  # something was saved, and freed
     assert kept["training"][1] <= kept["own"][1]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("train", [False, True])
+@pytest.mark.parametrize("input_only", [False, True])
+def test_fused_kernels_run_under_autocast_and_agree_with_the_unfused_path(train, input_only, monkeypatch):
+    """bf16 autocast on CUDA: the Triton kernels run (counted), with the dropout draws of the unfused path (the same
+    output and gradients to 16-bit rounding; a different mask would differ by O(1)); an input-only backward
+    (GS's ``g``) uses the input-only kernel and leaves the parameters' gradients alone."""
+    from cat_fast.kernels.triton import gelu_bias_backward, residual_layer_norm
+    _, layer, mask = _layer_and_mask(batch=5, length=37, dtype=torch.float32, device="cuda", hidden_size=96,
+                                     num_attention_heads=4, intermediate_size=200)
+    layer.train(train)
+    calls = []
+    for module, names in ((residual_layer_norm, ("forward", "backward", "backward_with_params")),
+                          (gelu_bias_backward, ("backward",))):
+        for name in names:
+            def counted(*a, _f=getattr(module, name), _n=f"{module.__name__.rsplit('.', 1)[1]}.{name}", **k):
+                calls.append(_n)
+                return _f(*a, **k)
+            monkeypatch.setattr(module, name, counted)
+    x = torch.randn(5, 37, 96, device="cuda", requires_grad=True)
+    g = torch.randn(5, 37, 96, device="cuda")
+    results = []
+    for fused in (False, True):
+        monkeypatch.setattr(training_layer, "FUSED", fused)
+        calls.clear()
+        torch.manual_seed(4)
+        t = x.detach().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = training_layer.forward(layer, (t, mask), {})
+        wrt = [t] if input_only else [t, *layer.parameters()]
+        results.append((y, torch.autograd.grad(y, wrt, g)))
+        if fused:
+            rln = "residual_layer_norm."
+            want = [rln + "forward"] * 2 + ([rln + "backward"] * 2 if input_only else
+                                             [rln + "backward_with_params", "gelu_bias_backward.backward",
+                                              rln + "backward_with_params"])
+            if input_only:
+                want.insert(3, "gelu_bias_backward.backward")
+            assert calls == want
+        else:
+            assert calls == []
+    (y_ref, g_ref), (y, grads) = results
+    torch.testing.assert_close(y, y_ref, rtol=2e-2, atol=2e-2)
+    names = ["input"] + ([] if input_only else [n for n, _ in layer.named_parameters()])
+    for name, a, b in zip(names, grads, g_ref):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        if name.endswith("key.bias"):  # exactly 0 in exact arithmetic: rounding noise on both sides
+            continue
+        assert (a - b).abs().max() / b.abs().max().clamp_min(1e-6) < 2e-2, name
+
+
+def test_fusion_applies_only_to_an_fp32_cuda_layer_under_16_bit_autocast(monkeypatch):
+    x = torch.randn(2, 3)
+    assert training_layer._fusion(x, torch.bfloat16, torch.float32) is None  # CPU
+    if CUDA:
+        xc = x.cuda()
+        assert training_layer._fusion(xc, torch.bfloat16, torch.float32) is not None
+        assert training_layer._fusion(xc, torch.float32, torch.float32) is None
+        assert training_layer._fusion(xc.half(), torch.float16, torch.float16) is None
+        monkeypatch.setattr(training_layer, "FUSED", False)
+        assert training_layer._fusion(xc, torch.bfloat16, torch.float32) is None

@@ -1,10 +1,13 @@
-"""Residual add + LayerNorm over the last dimension, forward and input-only backward, fused for
-`cat_fast.layers.resumed` (a post-LN encoder sublayer: ``y = LayerNorm(branch + residual)``).
+"""Residual add + LayerNorm over the last dimension, forward and backward, fused for `cat_fast.layers.resumed` and
+`cat_fast.layers.training` (a post-LN encoder sublayer: ``y = LayerNorm(branch + residual)``).
 
 Forward: ``s = float(branch) + residual``; ``y = (s - mean) * rstd * weight + bias`` in fp32, optionally also
 written in a 16-bit dtype (the next projection's input). Backward: from ``grad_y`` (fp32), ``grad_s`` — the
 residual's gradient — and, for the branch, ``grad_s * keep * scale`` in the branch's dtype (the branch went
-through dropout with that mask and scale). The same arithmetic as `reference_forward` / `reference_backward`.
+through dropout with that mask and scale). `backward_with_params` also sums, over the rows, the LayerNorm's weight
+and bias gradients and the gradient of the bias the branch's projection added (the sum of the branch's gradient as
+rounded to its dtype), in fp32: each program sums a run of rows, and the programs' partial sums are added by one
+``sum``. The same arithmetic as `reference_forward` / `reference_backward` / `reference_backward_with_params`.
 """
 import torch
 import triton
@@ -12,7 +15,8 @@ import triton.language as tl
 
 from ._common import pow2_at_least
 
-__all__ = ["forward", "backward", "reference_forward", "reference_backward"]
+__all__ = ["forward", "backward", "backward_with_params", "reference_forward", "reference_backward",
+           "reference_backward_with_params"]
 
 
 @triton.jit
@@ -65,6 +69,47 @@ def _backward_kernel(grad_y_ptr, branch_ptr, residual_ptr, weight_ptr, mean_ptr,
     tl.store(grad_branch_ptr + base + cols, grad_branch.to(grad_branch_ptr.dtype.element_ty), mask=inside)
 
 
+@triton.jit
+def _backward_params_kernel(grad_y_ptr, branch_ptr, residual_ptr, weight_ptr, mean_ptr, rstd_ptr, keep_ptr,
+                            grad_s_ptr, grad_branch_ptr, part_ptr, n_rows, D, rows_per_program, n_programs, scale,
+                            BLOCK: tl.constexpr, HAS_KEEP: tl.constexpr):
+    program = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < D
+    w = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    sum_weight = tl.zeros([BLOCK], dtype=tl.float32)
+    sum_bias = tl.zeros([BLOCK], dtype=tl.float32)
+    sum_branch = tl.zeros([BLOCK], dtype=tl.float32)
+    first = program.to(tl.int64) * rows_per_program
+    for i in range(0, rows_per_program):
+        row = first + i
+        m = inside & ((tl.zeros([BLOCK], dtype=tl.int64) + row) < n_rows)
+        base = row * D
+        s = tl.load(branch_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
+        s += tl.load(residual_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + tl.minimum(row, n_rows - 1))  # a row past the end: read, then masked out
+        rstd = tl.load(rstd_ptr + tl.minimum(row, n_rows - 1))
+        x_hat = tl.where(m, (s - mean) * rstd, 0.0)
+        grad_y = tl.load(grad_y_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
+        g_hat = grad_y * w
+        c_hat = tl.sum(x_hat * g_hat, axis=0) / D
+        c_one = tl.sum(g_hat, axis=0) / D
+        grad_s = (g_hat - x_hat * c_hat - c_one) * rstd
+        tl.store(grad_s_ptr + base + cols, grad_s, mask=m)
+        grad_branch = grad_s * scale
+        if HAS_KEEP:
+            keep = tl.load(keep_ptr + base + cols, mask=m, other=0)
+            grad_branch = tl.where(keep != 0, grad_branch, 0.0)
+        rounded = grad_branch.to(grad_branch_ptr.dtype.element_ty)
+        tl.store(grad_branch_ptr + base + cols, rounded, mask=m)
+        sum_weight += grad_y * x_hat
+        sum_bias += grad_y
+        sum_branch += tl.where(m, rounded.to(tl.float32), 0.0)
+    tl.store(part_ptr + program * BLOCK + cols, sum_weight, mask=inside)
+    tl.store(part_ptr + (n_programs + program) * BLOCK + cols, sum_bias, mask=inside)
+    tl.store(part_ptr + (2 * n_programs + program) * BLOCK + cols, sum_branch, mask=inside)
+
+
 def _rows(t, D):
     return t.contiguous().view(-1, D)
 
@@ -104,6 +149,44 @@ def backward(grad_y, branch, residual, weight, mean, rstd, keep, scale):
     return grad_s.view(shape), grad_branch.view(shape)
 
 
+def partial_programs(n_rows: int, device) -> int:
+    """How many programs share `n_rows` rows in the kernels that sum over rows: about four per multiprocessor on a
+    GPU (8 elsewhere), at most one per row."""
+    if device.type == "cuda":
+        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 8
+    return max(1, min(int(n_rows), target))
+
+
+def backward_with_params(grad_y, branch, residual, weight, mean, rstd, keep, scale):
+    """``(grad_s fp32, grad_branch in branch's dtype, grad_weight, grad_bias, grad_branch_bias)``: `backward`'s two
+    gradients and the sums over the rows of ``grad_y * x_hat`` (the LayerNorm weight's gradient), ``grad_y`` (its
+    bias's) and ``grad_branch`` as rounded to the branch's dtype (the gradient of a bias added to the branch
+    before its dropout), all three in fp32."""
+    D = weight.numel()
+    g, b, r = _rows(grad_y, D), _rows(branch, D), _rows(residual, D)
+    n = g.shape[0]
+    grad_s = torch.empty(n, D, device=g.device, dtype=torch.float32)
+    grad_branch = torch.empty(n, D, device=g.device, dtype=branch.dtype)
+    if n == 0:
+        zeros = torch.zeros(D, device=g.device, dtype=torch.float32)
+        shape = tuple(residual.shape)
+        return grad_s.view(shape), grad_branch.view(shape), zeros, zeros.clone(), zeros.clone()
+    k = _rows(keep, D).view(torch.uint8) if keep is not None else grad_s
+    block = pow2_at_least(D)
+    programs = partial_programs(n, g.device)
+    per_program = -(-n // programs)
+    programs = -(-n // per_program)
+    part = torch.empty(3, programs, block, device=g.device, dtype=torch.float32)
+    _backward_params_kernel[(programs,)](g, b, r, weight.contiguous(), mean, rstd, k, grad_s, grad_branch, part, n,
+                                         D, per_program, programs, float(scale), BLOCK=block,
+                                         HAS_KEEP=keep is not None, num_warps=4 if block <= 2048 else 8)
+    sums = [part[i, :, :D].sum(0) for i in range(3)]  # three tensors: each may become a parameter's .grad
+    shape = tuple(residual.shape)
+    return grad_s.view(shape), grad_branch.view(shape), *sums
+
+
 def reference_forward(branch, residual, weight, bias, eps, out16_dtype=None):
     """The same in PyTorch ops (statistics in float32, or float64 for float64 inputs)."""
     acc = torch.promote_types(residual.dtype, torch.float32)
@@ -127,3 +210,13 @@ def reference_backward(grad_y, branch, residual, weight, mean, rstd, keep, scale
     if keep is not None:
         grad_branch = torch.where(keep, grad_branch, 0.0)
     return grad_s, grad_branch.to(branch.dtype)
+
+
+def reference_backward_with_params(grad_y, branch, residual, weight, mean, rstd, keep, scale):
+    grad_s, grad_branch = reference_backward(grad_y, branch, residual, weight, mean, rstd, keep, scale)
+    acc = grad_s.dtype
+    s = branch.to(acc) + residual.to(acc)
+    x_hat = (s - mean.view(*s.shape[:-1], 1)) * rstd.view(*s.shape[:-1], 1)
+    rows = grad_y.to(acc).reshape(-1, s.shape[-1])
+    return (grad_s, grad_branch, (rows * x_hat.reshape(rows.shape)).sum(0), rows.sum(0),
+            grad_branch.reshape(rows.shape).to(acc).sum(0))

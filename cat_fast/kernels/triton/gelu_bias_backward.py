@@ -1,0 +1,75 @@
+"""The backward of ``gelu(inner)`` (exact, erf form) where ``inner = x @ W.T + b``, fused for
+`cat_fast.layers.training`: ``grad_inner = grad * (Φ(inner) + inner · φ(inner))`` computed in fp32 from the
+16-bit inputs and rounded to the input dtype — PyTorch's ``gelu_backward`` (``approximate="none"``) — and the bias
+gradient, the column sums of ``grad_inner`` as rounded, in fp32 (PyTorch's ``grad_inner.sum(0, dtype=float32)``).
+Each program covers a run of rows of one block of columns; the programs' partial sums are added by one ``sum``.
+The same arithmetic as `reference_backward`.
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .residual_layer_norm import partial_programs
+
+__all__ = ["backward", "reference_backward"]
+
+_SQRT1_2 = 1.0 / math.sqrt(2.0)
+_PDF_SCALE = 2.0 / math.sqrt(math.pi) * _SQRT1_2 * 0.5  # 1 / sqrt(2 pi), as PyTorch's kernel spells it
+
+
+@triton.jit
+def _kernel(grad_ptr, inner_ptr, out_ptr, part_ptr, n_rows, N, rows_per_program, sqrt1_2, pdf_scale,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WANT_SUM: tl.constexpr):
+    program = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = cols < N
+    first = program.to(tl.int64) * rows_per_program
+    end = tl.minimum(first + rows_per_program, n_rows)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, rows_per_program, BLOCK_M):
+        rows = first + start + tl.arange(0, BLOCK_M)
+        m = (rows < end)[:, None] & inside[None, :]
+        offsets = rows[:, None] * N + cols[None, :]
+        x = tl.load(inner_ptr + offsets, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(grad_ptr + offsets, mask=m, other=0.0).to(tl.float32)
+        cdf = 0.5 * (1.0 + tl.math.erf(x * sqrt1_2))
+        pdf = tl.exp(-0.5 * x * x) * pdf_scale
+        rounded = (g * (cdf + x * pdf)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offsets, rounded, mask=m)
+        if WANT_SUM:
+            total += tl.sum(tl.where(m, rounded.to(tl.float32), 0.0), axis=0)
+    if WANT_SUM:
+        tl.store(part_ptr + program * N + cols, total, mask=inside)
+
+
+def backward(grad, inner, want_bias=True):
+    """``(grad_inner in inner's dtype, the bias gradient in fp32 or None)`` for 2-D `grad` and `inner` of one shape
+    and dtype on one CUDA device."""
+    if grad.shape != inner.shape or grad.dim() != 2:
+        raise ValueError(f"grad, inner: expected two 2-D tensors of one shape, got {tuple(grad.shape)} and "
+                         f"{tuple(inner.shape)}")
+    g, x = grad.contiguous(), inner.contiguous()
+    n, N = x.shape
+    out = torch.empty_like(x)
+    if n == 0 or N == 0:
+        return out, (torch.zeros(N, device=x.device, dtype=torch.float32) if want_bias else None)
+    block_n = min(triton.next_power_of_2(N), 256)
+    block_m = 16
+    column_blocks = triton.cdiv(N, block_n)
+    # runs of whole row blocks; with the column blocks, about as many programs as `partial_programs` would make
+    programs = max(1, partial_programs(-(-n // block_m), x.device) // column_blocks)
+    per_program = block_m * -(-n // (block_m * programs))
+    programs = -(-n // per_program)
+    part = torch.empty(programs, N, device=x.device, dtype=torch.float32) if want_bias else out
+    _kernel[(programs, column_blocks)](g, x, out, part, n, N, per_program, _SQRT1_2, _PDF_SCALE,
+                                                 BLOCK_M=block_m, BLOCK_N=block_n, WANT_SUM=bool(want_bias),
+                                                 num_warps=4)
+    return out, (part.sum(0) if want_bias else None)
+
+
+def reference_backward(grad, inner, want_bias=True):
+    """The same in PyTorch ops."""
+    out = torch.ops.aten.gelu_backward(grad, inner, approximate="none")
+    return out, (out.sum(0, dtype=torch.float32) if want_bias else None)
