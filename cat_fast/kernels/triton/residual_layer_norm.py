@@ -149,14 +149,15 @@ def backward(grad_y, branch, residual, weight, mean, rstd, keep, scale):
     return grad_s.view(shape), grad_branch.view(shape)
 
 
-def partial_programs(n_rows: int, device) -> int:
+def partial_programs(n_rows: int, device, min_rows: int = 1) -> int:
     """How many programs share `n_rows` rows in the kernels that sum over rows: about four per multiprocessor on a
-    GPU (8 elsewhere), at most one per row."""
+    GPU (8 elsewhere), each with `min_rows` rows or more (fewer, longer runs on small inputs: each program writes a
+    row of partial sums, which must stay small beside the data)."""
     if device.type == "cuda":
         target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
     else:
         target = 8
-    return max(1, min(int(n_rows), target))
+    return max(1, min(-(-int(n_rows) // min_rows), target))
 
 
 def backward_with_params(grad_y, branch, residual, weight, mean, rstd, keep, scale):
@@ -175,7 +176,7 @@ def backward_with_params(grad_y, branch, residual, weight, mean, rstd, keep, sca
         return grad_s.view(shape), grad_branch.view(shape), zeros, zeros.clone(), zeros.clone()
     k = _rows(keep, D).view(torch.uint8) if keep is not None else grad_s
     block = pow2_at_least(D)
-    programs = partial_programs(n, g.device)
+    programs = partial_programs(n, g.device, min_rows=16)
     per_program = -(-n // programs)
     programs = -(-n // per_program)
     part = torch.empty(3, programs, block, device=g.device, dtype=torch.float32)
