@@ -11,7 +11,8 @@ residual add + LayerNorm + the cast of its output (`kernels.triton.residual_laye
 LayerNorm backward + dropout backward + the cast, with the LayerNorm weight and bias gradients and the bias
 gradient of the projection before the dropout summed in the same pass, and GELU backward + the intermediate bias
 gradient (`kernels.triton.gelu_bias_backward`); the dropout draws stay `torch.native_dropout`'s, so they are the
-layer's (`FUSED = False` turns the fusion off, for comparisons). Supported: the
+layer's. The fused path runs from `FUSED_MIN_ROWS` rows (batch × length) up, where it was measured faster; `FUSED =
+False` turns it off, for comparisons. Supported: the
 layers `resumed.supported` accepts, parameters in one dtype on the input's device, an fp32 layer under autocast
 or none; a layer with cat_fast interventions runs a composed version differentiated by autograd. No double
 backward (``once_differentiable``).
@@ -29,11 +30,15 @@ from ..kernels.triton import optional
 from . import interventions, layout, resumed
 from .layout import bert_parts, dropout, dropout_p, fp32_mm_supported, plain, sdpa_mask
 
-__all__ = ["supported", "forward", "FUSED"]
+__all__ = ["supported", "forward", "FUSED", "FUSED_MIN_ROWS"]
 
 # Whether the fused Triton kernels run where they apply (module docstring); False runs the same arithmetic in
 # PyTorch ops (16-bit roundings may differ), as the benchmarks compare.
 FUSED = True
+# The fewest rows (batch × length) the fused path runs for. One BERT-base layer's forward + backward on an H200
+# (`benchmarks/tools/training_layer_host.py`, ms of GPU time, unfused / fused): 1,024 rows 0.343 / 0.383, 4,096 rows
+# 0.727 / 0.719, 16,384 rows 2.458 / 2.219 - at 1,024 rows the row-sum programs are too few or too short to pay.
+FUSED_MIN_ROWS = 4096
 
 
 def _weighted(layer):
@@ -106,9 +111,10 @@ def _compute_dtype(hidden, param_dtype):
 
 def _fusion(hidden, dtype, layer_norm_dtype):
     """``(residual_layer_norm, gelu_bias_backward)`` kernel modules when the fused path applies (CUDA, an fp32
-    layer under autocast, Triton importable, `FUSED`), else None."""
-    if not (FUSED and hidden.is_cuda and hidden.dtype == torch.float32 and layer_norm_dtype == torch.float32
-            and dtype in (torch.bfloat16, torch.float16)):
+    layer under autocast, Triton importable, `FUSED`, `FUSED_MIN_ROWS` rows or more), else None."""
+    rows = hidden.numel() // max(hidden.shape[-1], 1) if hidden.dim() else 0
+    if not (FUSED and rows >= FUSED_MIN_ROWS and hidden.is_cuda and hidden.dtype == torch.float32
+            and layer_norm_dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16)):
         return None
     kernels = optional("residual_layer_norm"), optional("gelu_bias_backward")
     return kernels if None not in kernels else None
