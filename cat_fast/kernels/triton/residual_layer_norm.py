@@ -49,24 +49,37 @@ def _forward_kernel(branch_ptr, residual_ptr, weight_ptr, bias_ptr, y_ptr, y16_p
 
 
 @triton.jit
-def _backward_kernel(grad_y_ptr, branch_ptr, residual_ptr, weight_ptr, mean_ptr, rstd_ptr, keep_ptr, grad_s_ptr,
-                     grad_branch_ptr, D, scale, BLOCK: tl.constexpr, HAS_KEEP: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols, inside, base, s = _row_sum(branch_ptr, residual_ptr, row, D, BLOCK)
-    mean = tl.load(mean_ptr + row)
-    rstd = tl.load(rstd_ptr + row)
-    x_hat = tl.where(inside, (s - mean) * rstd, 0.0)
-    w = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-    g_hat = tl.load(grad_y_ptr + base + cols, mask=inside, other=0.0).to(tl.float32) * w
+def _row_gradients(grad_y_ptr, branch_ptr, residual_ptr, keep_ptr, grad_s_ptr, grad_branch_ptr, base, cols, m, w,
+                   mean, rstd, D, scale, HAS_KEEP: tl.constexpr):
+    """One row's backward (the columns `cols` where `m`): stores grad_s (fp32) and grad_branch (in its dtype);
+    returns (grad_y, x_hat, grad_branch as rounded) in fp32, zero outside `m`."""
+    s = tl.load(branch_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
+    s += tl.load(residual_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
+    x_hat = tl.where(m, (s - mean) * rstd, 0.0)
+    grad_y = tl.load(grad_y_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
+    g_hat = grad_y * w
     c_hat = tl.sum(x_hat * g_hat, axis=0) / D
     c_one = tl.sum(g_hat, axis=0) / D
     grad_s = (g_hat - x_hat * c_hat - c_one) * rstd
-    tl.store(grad_s_ptr + base + cols, grad_s, mask=inside)
+    tl.store(grad_s_ptr + base + cols, grad_s, mask=m)
     grad_branch = grad_s * scale
     if HAS_KEEP:
-        keep = tl.load(keep_ptr + base + cols, mask=inside, other=0)
+        keep = tl.load(keep_ptr + base + cols, mask=m, other=0)
         grad_branch = tl.where(keep != 0, grad_branch, 0.0)
-    tl.store(grad_branch_ptr + base + cols, grad_branch.to(grad_branch_ptr.dtype.element_ty), mask=inside)
+    rounded = grad_branch.to(grad_branch_ptr.dtype.element_ty)
+    tl.store(grad_branch_ptr + base + cols, rounded, mask=m)
+    return grad_y, x_hat, tl.where(m, rounded.to(tl.float32), 0.0)
+
+
+@triton.jit
+def _backward_kernel(grad_y_ptr, branch_ptr, residual_ptr, weight_ptr, mean_ptr, rstd_ptr, keep_ptr, grad_s_ptr,
+                     grad_branch_ptr, D, scale, BLOCK: tl.constexpr, HAS_KEEP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < D
+    w = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    _row_gradients(grad_y_ptr, branch_ptr, residual_ptr, keep_ptr, grad_s_ptr, grad_branch_ptr, row * D, cols,
+                   inside, w, tl.load(mean_ptr + row), tl.load(rstd_ptr + row), D, scale, HAS_KEEP)
 
 
 @triton.jit
@@ -84,27 +97,13 @@ def _backward_params_kernel(grad_y_ptr, branch_ptr, residual_ptr, weight_ptr, me
     for i in range(0, rows_per_program):
         row = first + i
         m = inside & ((tl.zeros([BLOCK], dtype=tl.int64) + row) < n_rows)
-        base = row * D
-        s = tl.load(branch_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
-        s += tl.load(residual_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
-        mean = tl.load(mean_ptr + tl.minimum(row, n_rows - 1))  # a row past the end: read, then masked out
-        rstd = tl.load(rstd_ptr + tl.minimum(row, n_rows - 1))
-        x_hat = tl.where(m, (s - mean) * rstd, 0.0)
-        grad_y = tl.load(grad_y_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
-        g_hat = grad_y * w
-        c_hat = tl.sum(x_hat * g_hat, axis=0) / D
-        c_one = tl.sum(g_hat, axis=0) / D
-        grad_s = (g_hat - x_hat * c_hat - c_one) * rstd
-        tl.store(grad_s_ptr + base + cols, grad_s, mask=m)
-        grad_branch = grad_s * scale
-        if HAS_KEEP:
-            keep = tl.load(keep_ptr + base + cols, mask=m, other=0)
-            grad_branch = tl.where(keep != 0, grad_branch, 0.0)
-        rounded = grad_branch.to(grad_branch_ptr.dtype.element_ty)
-        tl.store(grad_branch_ptr + base + cols, rounded, mask=m)
+        last = tl.minimum(row, n_rows - 1)  # a row past the end reads the last row's statistics, masked out
+        grad_y, x_hat, rounded = _row_gradients(grad_y_ptr, branch_ptr, residual_ptr, keep_ptr, grad_s_ptr,
+                                                grad_branch_ptr, row * D, cols, m, w, tl.load(mean_ptr + last),
+                                                tl.load(rstd_ptr + last), D, scale, HAS_KEEP)
         sum_weight += grad_y * x_hat
         sum_bias += grad_y
-        sum_branch += tl.where(m, rounded.to(tl.float32), 0.0)
+        sum_branch += rounded
     tl.store(part_ptr + program * BLOCK + cols, sum_weight, mask=inside)
     tl.store(part_ptr + (n_programs + program) * BLOCK + cols, sum_bias, mask=inside)
     tl.store(part_ptr + (2 * n_programs + program) * BLOCK + cols, sum_branch, mask=inside)
