@@ -143,10 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "graphs see a handful of shapes; auto = buckets on a GPU, longest on the CPU")
     t.add_argument("--step-graphs", action="store_true",
                    help="each training step (loss, backward, clipping, a fused AdamW step) as one CUDA graph per "
-                        "batch shape and CAT mixing layer (cat_fast.step.CapturedStep; experimental: its GPU tests "
-                        "have not run yet). One process, no --grad-accum; methods whose steps cannot be replayed "
-                        "(a second step of the optimizer inside the step: erm-two-step, CAT's alternating update) are "
-                        "refused")
+                        "batch shape and CAT mixing layer (cat_fast.step.CapturedStep). One process, no --grad-accum; "
+                        "methods whose steps cannot be replayed (a second step of the optimizer inside the step: "
+                        "erm-two-step, CAT's alternating update) are refused")
+    t.add_argument("--ddp-bucket-mb", type=positive_int, metavar="MB",
+                   help="under torchrun: the size of DistributedDataParallel's gradient buckets (default: PyTorch's "
+                        "25). Larger buckets start the all-reduce later in the backward; on 2 H200s CAT scaled "
+                        "1.98x with 200 against 1.92x (benchmarks/RESULTS.md, run AX)")
     t.add_argument("--out", metavar="DIR", help="output directory (default: runs/TASK-METHOD-seedN)")
     t.add_argument("--overwrite", action="store_true", help="replace an existing --out that cat-fast wrote")
     t.add_argument("--no-checkpoint", action="store_true",

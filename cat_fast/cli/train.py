@@ -422,7 +422,8 @@ def train(args) -> Dict:
             seed=args.seed, data_seed=args.seed, bf16=args.bf16, use_cpu=device.type == "cpu",
             report_to=args.report_to or "none", remove_unused_columns=False, dataloader_num_workers=0,
             disable_tqdm=False, log_level="error", save_only_model=False,
-            ddp_find_unused_parameters=getattr(objective, "find_unused_parameters", False) if world > 1 else None)
+            ddp_find_unused_parameters=getattr(objective, "find_unused_parameters", False) if world > 1 else None,
+            ddp_bucket_cap_mb=args.ddp_bucket_mb if world > 1 else None)
         trainer = Run(model=model, args=targs, train_dataset=items, optimizers=(optimizer, scheduler),
                       objective=objective, step_graphs=step_graphs)
         trainer.pending = {}

@@ -33,6 +33,20 @@ if stop:
         real(self, *a, **k)
         self.add_callback(Stop())
     T.ObjectiveTrainer.__init__ = init
+bucket_file = os.environ.get("BUCKET_FILE")
+if bucket_file:  # rank 0 writes the gradient bucket size of the DDP wrapper the Trainer trains through
+    class Bucket(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if os.environ.get("RANK") == "0":
+                with open(bucket_file, "w") as f:
+                    f.write(f"{type(self.trainer.model_wrapped).__name__} {self.trainer.model_wrapped.bucket_bytes_cap}")
+    real_init = T.ObjectiveTrainer.__init__
+    def init_bucket(self, *a, **k):
+        real_init(self, *a, **k)
+        callback = Bucket()
+        callback.trainer = self
+        self.add_callback(callback)
+    T.ObjectiveTrainer.__init__ = init_bucket
 sys.exit(cli.main(sys.argv[1:]))
 """
 
@@ -52,9 +66,10 @@ def test_two_processes_train_write_once_and_resume(tiny, tmp_path):
     dev = write_csv(tmp_path / "dev.csv", make_rows(9, seed=1))
     args = lambda out: own(tiny, train, out, "--epochs", 2, "--group-column", "group", "--save-steps", 2,  # noqa
                            "--device", "cpu", "--warmup-epochs", 0, "--dev", dev, "--cat-layers", "1,2",
-                           method="cat")  # two mixing layers: the shared layer stream is resumed too
-    full = _torchrun(tmp_path, args(tmp_path / "full"))
+                           "--ddp-bucket-mb", 3, method="cat")  # two mixing layers: the shared layer stream is resumed too
+    full = _torchrun(tmp_path, args(tmp_path / "full"), BUCKET_FILE=str(tmp_path / "bucket.txt"))
     assert full.returncode == 0, full.stderr[-3000:]
+    assert (tmp_path / "bucket.txt").read_text() == f"DistributedDataParallel {3 * 1024 * 1024}"  # --ddp-bucket-mb
     m = json.loads((tmp_path / "full" / "metrics.json").read_text())
     # 32 examples in groups of 2, batches of 4: 8 batches per epoch, 4 per rank, so 4 steps per epoch
     assert m["steps"] == 8 and [h["step"] for h in m["history"]] == [4, 8]
