@@ -190,6 +190,16 @@ class Entry:
 _REGISTRY: dict = {}
 
 
+def check_single_label(config, who: str) -> None:
+    """ValueError naming `who` unless `config` (a model's) is a single-label classifier: ``num_labels >= 2`` and
+    ``problem_type`` unset or ``"single_label_classification"``."""
+    problem = getattr(config, "problem_type", None)
+    labels = getattr(config, "num_labels", None)
+    if not isinstance(labels, int) or labels < 2 or problem not in (None, "single_label_classification"):
+        raise ValueError(f"{who}: expected a single-label sequence classifier (num_labels >= 2, problem_type unset or "
+                         f"'single_label_classification'); got num_labels={labels}, problem_type={problem!r}")
+
+
 def register(name: str, cls: type, summary: str, *, data: str = "orig+edits", eager_attention: bool = False,
              warmup: bool = False, **preset) -> Entry:
     """Name an objective class with preset arguments (``register("cat-star", CAT, "...", adv_steps=0)``)."""

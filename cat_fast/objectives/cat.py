@@ -17,7 +17,7 @@ from .. import models
 from ..kernels.dtypes import upcast
 from ..ops import MASK_MODES, cal_objective, cal_step_, cmix, crm_loss, crm_weights, gs_cosine_loss
 from ..step import NotCapturable, StepPlan
-from .base import Objective, check_number
+from .base import Objective, check_number, check_single_label
 from .cat_graphs import CALGraphs
 from .gs import check_double_backward, masked_mean
 
@@ -92,11 +92,8 @@ class CAT(Objective):
             raise ValueError(f"max_graphs must be an integer >= 0, got {max_graphs!r}")
         if gs_weight > 0 and st.task != "sequence_classification":
             raise ValueError("gs_weight > 0 (CAT + GS) is supported for *ForSequenceClassification models only")
-        problem = getattr(model.config, "problem_type", None)
-        if st.task == "sequence_classification" and (problem not in (None, "single_label_classification")
-                                                      or model.config.num_labels < 2):
-            raise ValueError(f"CAT needs single-label classification (num_labels >= 2), got problem_type={problem!r}, "
-                             f"num_labels={model.config.num_labels}")
+        if st.task == "sequence_classification":
+            check_single_label(model.config, "CAT")
         super().__init__(given)
         self.structure = st
         self.layers = layers

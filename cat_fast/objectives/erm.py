@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from .. import models
 from ..kernels.dtypes import upcast
 from ..step import NotCapturable
-from .base import Objective, check_number
+from .base import Objective, check_number, check_single_label
 
 __all__ = ["ERM"]
 
@@ -39,12 +39,7 @@ class ERM(Objective):
         if fast and (extra_optimizer is not None or two_step):
             raise ValueError("fast=True is the plain step; it does not combine with extra_optimizer / two_step")
         if fast:
-            config = getattr(model, "config", None)
-            problem = getattr(config, "problem_type", None)
-            if getattr(config, "num_labels", 0) < 2 or problem not in (None, "single_label_classification"):
-                raise ValueError("ERM(fast=True): expected a single-label sequence classifier (num_labels >= 2, "
-                                 "problem_type unset or 'single_label_classification'); got num_labels="
-                                 f"{getattr(config, 'num_labels', None)}, problem_type={problem!r}")
+            check_single_label(getattr(model, "config", None), "ERM(fast=True)")
         self.fast = fast
         extra_lr = check_number("extra_lr", extra_lr, low=0.0, low_open=True)
         if two_step and extra_optimizer is None:  # CAT's alternate: AdamW (its defaults) at lr 2e-5

@@ -78,3 +78,12 @@ def test_fast_erm_refuses_what_it_does_not_compute():
         ERM(model, fast=True, two_step=True)
     with pytest.raises(TypeError, match="fast: expected True or False"):
         ERM(model, fast=1)
+
+
+@pytest.mark.parametrize("config", [dict(num_labels=1), dict(problem_type="multi_label_classification")])
+def test_cat_and_fast_erm_refuse_other_than_single_label_classifiers(config):
+    from cat_fast.objectives import CAT
+    model = tiny_model("bert", **config)
+    for make, who in ((lambda: ERM(model, fast=True), "ERM\\(fast=True\\)"), (lambda: CAT(model), "CAT")):
+        with pytest.raises(ValueError, match=f"{who}: expected a single-label sequence classifier"):
+            make()
