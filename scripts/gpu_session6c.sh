@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device call on 1 GPU (issue 23), after scripts/gpu_session6.sh passed: cat-fast train with and without
+# Device call on 1 GPU (issue 23), after the GPU tests passed: cat-fast train with and without
 # --step-graphs (MiniLM, NLI, CAT without a warm-up epoch, bf16): the same run through the Trainer's own step and
 # through one CUDA graph per (batch shape, mixing layer); wall time and dev accuracy side by side.
 set -uo pipefail
