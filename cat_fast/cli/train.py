@@ -307,6 +307,9 @@ def train(args) -> Dict:
     cat_active_from = args.warmup_epochs if entry.warmup else 0
     warmup_steps = ends[cat_active_from - 1] if 0 < cat_active_from <= len(ends) else (
         total_steps if cat_active_from > len(ends) else 0)
+    if args.ddp_bucket_mb is not None and world == 1:
+        sys.stderr.write("cat-fast: warning: --ddp-bucket-mb has no effect in one process (it sizes "
+                         "DistributedDataParallel's buckets under torchrun)\n")
     if entry.warmup and cat_active_from >= args.epochs:
         sys.stderr.write(f"cat-fast: warning: --warmup-epochs {args.warmup_epochs} >= --epochs {args.epochs}: "
                          f"{method} trains with plain ERM only\n")

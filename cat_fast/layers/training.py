@@ -112,8 +112,7 @@ def _compute_dtype(hidden, param_dtype):
 def _fusion(hidden, dtype, layer_norm_dtype):
     """``(residual_layer_norm, gelu_bias_backward)`` kernel modules when the fused path applies (CUDA, an fp32
     layer under autocast, Triton importable, `FUSED`, `FUSED_MIN_ROWS` rows or more), else None."""
-    rows = hidden.numel() // max(hidden.shape[-1], 1) if hidden.dim() else 0
-    if not (FUSED and rows >= FUSED_MIN_ROWS and hidden.is_cuda and hidden.dtype == torch.float32
+    if not (FUSED and hidden.shape[:-1].numel() >= FUSED_MIN_ROWS and hidden.is_cuda and hidden.dtype == torch.float32
             and layer_norm_dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16)):
         return None
     kernels = optional("residual_layer_norm"), optional("gelu_bias_backward")
@@ -218,8 +217,8 @@ def _fused_norm_backward(rln, grad_y, branch, residual, weight, mean, rstd, keep
         return (*rln.backward(grad_y, branch, residual, weight, mean, rstd, keep, scale), None, None, None)
     grad_s, grad_branch, grad_weight, grad_bias, grad_branch_bias = rln.backward_with_params(
         grad_y, branch, residual, weight, mean, rstd, keep, scale)
-    return (grad_s.view(-1, weight.numel()), grad_branch.view(-1, weight.numel()),
-            grad_weight if need[1] else None, grad_bias if need[2] else None, grad_branch_bias if need[0] else None)
+    return (grad_s, grad_branch, grad_weight if need[1] else None, grad_bias if need[2] else None,
+            grad_branch_bias if need[0] else None)
 
 
 class _TrainingLayer(torch.autograd.Function):

@@ -136,6 +136,7 @@ def test_resume_matches_an_uninterrupted_run(tiny, tmp_path, capsys, monkeypatch
     (["--cat-layers", "99"], "layers: expected mixing layers within [0, 2]"),
     (["--max-length", "1"], "--max-length must be at least 5"),
     (["--max-length", "100000"], "at most 512"),
+    (["--ddp-bucket-mb", "0"], "--ddp-bucket-mb: expected a positive integer, got '0'"),
 ])
 def test_bad_options_exit_2_with_one_line(tiny, tmp_path, capsys, extra, message):
     train = write_csv(tmp_path / "train.csv", rows())
@@ -143,6 +144,13 @@ def test_bad_options_exit_2_with_one_line(tiny, tmp_path, capsys, extra, message
     code, err = run(own(tiny, train, out, *extra, method="cat"), capsys)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not os.path.exists(out) and not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+
+
+def test_ddp_bucket_size_in_one_process_warns_that_it_does_nothing(tiny, tmp_path, capsys):
+    train = write_csv(tmp_path / "train.csv", rows(8))
+    code, err = run(own(tiny, train, tmp_path / "o", "--ddp-bucket-mb", 8, "--epochs", 1), capsys)
+    assert code == 0, err
+    assert "cat-fast: warning: --ddp-bucket-mb has no effect in one process" in err
 
 
 def test_non_finite_loss_stops_with_exit_3(tiny, tmp_path, capsys):

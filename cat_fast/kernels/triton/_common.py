@@ -1,9 +1,24 @@
 """Helpers shared by the Triton launchers and kernels of cat_fast."""
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def partial_programs(n_rows: int, device, min_rows: int = 1) -> int:
+    """How many programs share `n_rows` rows in the kernels that sum over rows (each program writes a row of
+    partial sums, added by one ``sum`` afterwards): about four per multiprocessor on a GPU (8 elsewhere), each with
+    `min_rows` rows or more (fewer, longer runs on small inputs, so the partial sums stay small beside the data)."""
+    target = 4 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 8
+    return max(1, min(-(-int(n_rows) // min_rows), target))
 
 
 def acc_tl_dtype(t: torch.Tensor):

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .residual_layer_norm import partial_programs
+from ._common import partial_programs
 
 __all__ = ["backward", "reference_backward"]
 
@@ -63,9 +63,8 @@ def backward(grad, inner, want_bias=True):
     per_program = block_m * -(-n // (block_m * programs))
     programs = -(-n // per_program)
     part = torch.empty(programs, N, device=x.device, dtype=torch.float32) if want_bias else out
-    _kernel[(programs, column_blocks)](g, x, out, part, n, N, per_program, _SQRT1_2, _PDF_SCALE,
-                                                 BLOCK_M=block_m, BLOCK_N=block_n, WANT_SUM=bool(want_bias),
-                                                 num_warps=4)
+    _kernel[(programs, column_blocks)](g, x, out, part, n, N, per_program, _SQRT1_2, _PDF_SCALE, BLOCK_M=block_m,
+                                       BLOCK_N=block_n, WANT_SUM=bool(want_bias), num_warps=4)
     return out, (part.sum(0) if want_bias else None)
 
 

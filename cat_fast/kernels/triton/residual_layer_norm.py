@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import pow2_at_least
+from ._common import partial_programs, pow2_at_least
 
 __all__ = ["forward", "backward", "backward_with_params", "reference_forward", "reference_backward",
            "reference_backward_with_params"]
@@ -148,17 +148,6 @@ def backward(grad_y, branch, residual, weight, mean, rstd, keep, scale):
     return grad_s.view(shape), grad_branch.view(shape)
 
 
-def partial_programs(n_rows: int, device, min_rows: int = 1) -> int:
-    """How many programs share `n_rows` rows in the kernels that sum over rows: about four per multiprocessor on a
-    GPU (8 elsewhere), each with `min_rows` rows or more (fewer, longer runs on small inputs: each program writes a
-    row of partial sums, which must stay small beside the data)."""
-    if device.type == "cuda":
-        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        target = 8
-    return max(1, min(-(-int(n_rows) // min_rows), target))
-
-
 def backward_with_params(grad_y, branch, residual, weight, mean, rstd, keep, scale):
     """``(grad_s fp32, grad_branch in branch's dtype, grad_weight, grad_bias, grad_branch_bias)``: `backward`'s two
     gradients and the sums over the rows of ``grad_y * x_hat`` (the LayerNorm weight's gradient), ``grad_y`` (its
@@ -213,6 +202,7 @@ def reference_backward(grad_y, branch, residual, weight, mean, rstd, keep, scale
 
 
 def reference_backward_with_params(grad_y, branch, residual, weight, mean, rstd, keep, scale):
+    """`backward_with_params` in PyTorch ops."""
     grad_s, grad_branch = reference_backward(grad_y, branch, residual, weight, mean, rstd, keep, scale)
     acc = grad_s.dtype
     s = branch.to(acc) + residual.to(acc)
