@@ -1,7 +1,7 @@
 """Where a training step's GPU time goes: torch.profiler over a few steps of each method (the step benchmark's
 model, batch and step closures), kernels summed by name and by kind (matmul, attention, elementwise, ...).
 
-    python benchmarks/tools/profile_step.py [--size 64x256] [--steps 3] [--host] [methods...]
+    python benchmarks/tools/profile_step.py [--size 64x256] [--steps 3] [--host] [--dump DIR] [methods...]
 
 Prints, per method, GPU kernel time per step (sum of kernel durations; overlapping streams would count twice),
 the CUDA-event step time, and the top kernels. CUDA-graph replays are traced kernel by kernel (CUPTI). GPU only.
@@ -85,7 +85,7 @@ class GcPauses:
         gc.callbacks.remove(self)
 
 
-def profile(method, size, steps, trace_dir=None, host=False):
+def profile(method, size, steps, trace_dir=None, host=False, dump=None):
     model, optimizer, step = S.build_step(method, size)
     if hasattr(step, "prime"):  # cat_captured: every mixing layer's graph captured before the timed steps
         step.prime()
@@ -98,7 +98,7 @@ def profile(method, size, steps, trace_dir=None, host=False):
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    by_name, _, by_kind, spans = kernel_times(prof, steps)
+    by_name, count, by_kind, spans = kernel_times(prof, steps)
     launches = len(spans)
     total = sum(by_kind.values()) / 1e3
     busy, window = busy_time(spans)
@@ -115,6 +115,12 @@ def profile(method, size, steps, trace_dir=None, host=False):
     print("   by kind: " + ", ".join(f"{k} {v / 1e3:.2f}" for k, v in by_kind.most_common()))
     for name, us in by_name.most_common(14):
         print(f"   {us / 1e3:7.3f} ms  {name[:150]}")
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        with open(os.path.join(dump, f"kernels-{method}-{size}.tsv"), "w") as f:
+            f.write("us_per_step\tcalls_per_step\tkind\tname\n")
+            for name, us in by_name.most_common():
+                f.write(f"{us:.2f}\t{count[name]:.2f}\t{kind_of(name)}\t{name}\n")
     del model, optimizer, step
     torch.cuda.empty_cache()
 
@@ -126,11 +132,12 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--trace-dir", default=None, help="write a Chrome trace per method there")
     parser.add_argument("--host", action="store_true", help="record the host too and attribute the GPU idle gaps")
+    parser.add_argument("--dump", default=None, help="write every kernel (µs and calls per step, kind) as a TSV there")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_step.py needs a CUDA device")
     for method in args.methods:
-        profile(method, args.size, args.steps, args.trace_dir, args.host)
+        profile(method, args.size, args.steps, args.trace_dir, args.host, args.dump)
 
 
 if __name__ == "__main__":
