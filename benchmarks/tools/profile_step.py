@@ -1,7 +1,8 @@
 """Where a training step's GPU time goes: torch.profiler over a few steps of each method (the step benchmark's
 model, batch and step closures), kernels summed by name and by kind (matmul, attention, elementwise, ...).
 
-    python benchmarks/tools/profile_step.py [--size 64x256] [--steps 3] [--host] [--dump DIR] [methods...]
+    python benchmarks/tools/profile_step.py [--size 64x256] [--steps 3] [--host] [--dump DIR] [--cat-layer M]
+        [methods...]
 
 Prints, per method, GPU kernel time per step (sum of kernel durations; overlapping streams would count twice),
 the CUDA-event step time, and the top kernels. CUDA-graph replays are traced kernel by kernel (CUPTI). GPU only.
@@ -133,9 +134,13 @@ def main():
     parser.add_argument("--trace-dir", default=None, help="write a Chrome trace per method there")
     parser.add_argument("--host", action="store_true", help="record the host too and attribute the GPU idle gaps")
     parser.add_argument("--dump", default=None, help="write every kernel (µs and calls per step, kind) as a TSV there")
+    parser.add_argument("--cat-layer", type=int, default=None,
+                        help="CAT's mixing layer fixed to this one (default: the suite's set, one drawn per step)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_step.py needs a CUDA device")
+    if args.cat_layer is not None:
+        S.LAYERS = [args.cat_layer]
     for method in args.methods:
         profile(method, args.size, args.steps, args.trace_dir, args.host, args.dump)
 

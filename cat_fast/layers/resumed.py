@@ -16,7 +16,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..kernels.triton import optional
-from . import first_token, interventions, layout
+from . import casts, first_token, interventions, layout
 from .layout import bert_parts, dropout, dropout_p, fp32_mm_supported, plain, sdpa_mask
 
 __all__ = ["supported", "forward"]
@@ -32,6 +32,7 @@ def supported(layer: nn.Module) -> bool:
     return (getattr(sa.config, "_attn_implementation", None) == "sdpa"
             and plain(*inner)  # the layer's parts are read, not called: no hooks, plain types
             and all(isinstance(getattr(m, "dense", None), nn.Linear) for m in (so, inter, out))
+            and all(m.bias is not None for m in (sa.query, sa.key, sa.value, so.dense, inter.dense, out.dense))
             and all(isinstance(getattr(m, "LayerNorm", None), nn.LayerNorm) for m in (so, out))
             and all(isinstance(getattr(m, "dropout", None), nn.Dropout) for m in (so, out))
             and callable(getattr(inter, "intermediate_act_fn", None)))
@@ -111,24 +112,26 @@ def forward(layer: nn.Module, args, kwargs) -> torch.Tensor | None:
 
 
 def _composed(layer, hidden, mask, dtype, found=None):
-    """PyTorch ops with `_Fork` at the two layer inputs (any device); the interventions `found` applied."""
+    """PyTorch ops with `_Fork` at the two layer inputs (any device; query, key and value in one matmul); the
+    interventions `found` applied."""
     sa, so, inter, out = bert_parts(layer)
     B, T, _ = hidden.shape
     heads, width = sa.num_attention_heads, sa.attention_head_size
+    w16 = casts.weights(layer, _projections(sa, so, inter, out), dtype)
     with torch.autocast(hidden.device.type, enabled=False):
-        q, k, v, residual = _Fork.apply(hidden, dtype, sa.query.weight, sa.query.bias, sa.key.weight, sa.key.bias,
-                                        sa.value.weight, sa.value.bias)
+        qkv, residual = _Fork.apply(hidden, dtype, w16.qkv, w16.qkv_bias)
+        q, k, v = qkv.split((sa.query.out_features, sa.key.out_features, sa.value.out_features), -1)
         if found:
             q, k, v = (interventions.apply(found, name, t) for name, t in zip(("query", "key", "value"), (q, k, v)))
         q, k, v = (t.view(B, T, heads, width).transpose(1, 2) for t in (q, k, v))
         context = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask(mask, dtype),
                                                  dropout_p=sa.dropout.p if sa.training else 0.0, scale=sa.scaling)
         context = context.transpose(1, 2).reshape(B, T, heads * width)
-        attended = so.dropout(F.linear(context, so.dense.weight.to(dtype), so.dense.bias.to(dtype)))
+        attended = so.dropout(F.linear(context, w16.attention_output, w16.attention_output_bias))
         h1 = interventions.apply(found, "attention_output", so.LayerNorm(attended + residual))
-        inner, residual = _Fork.apply(h1, dtype, inter.dense.weight, inter.dense.bias)
+        inner, residual = _Fork.apply(h1, dtype, w16.intermediate, w16.intermediate_bias)
         activated = interventions.apply(found, "intermediate", inter.intermediate_act_fn(inner))
-        projected = out.dropout(F.linear(activated, out.dense.weight.to(dtype), out.dense.bias.to(dtype)))
+        projected = out.dropout(F.linear(activated, w16.output, w16.output_bias))
         return interventions.apply(found, "output", out.LayerNorm(projected + residual))
 
 
@@ -158,33 +161,39 @@ def _fused_forward(layer, hidden, mask, dtype, saved):
     with torch.autocast("cuda", enabled=False):
         x = hidden.contiguous()
         xb = x.view(-1, D).to(dtype)
-        wq, wk, wv, wo = (m.weight.to(dtype) for m in (sa.query, sa.key, sa.value, so.dense))
-        wi, wo2 = inter.dense.weight.to(dtype), out.dense.weight.to(dtype)
-        q, k, v = (torch.addmm(m.bias.to(dtype), xb, w.t()).view(B, T, heads, width).transpose(1, 2)
-                   for m, w in ((sa.query, wq), (sa.key, wk), (sa.value, wv)))
+        w16 = casts.weights(layer, _projections(sa, so, inter, out), dtype)
+        qkv = torch.addmm(w16.qkv_bias, xb, w16.qkv.t())  # query, key and value in one matmul
         track = saved is not None  # the backward differentiates SDPA and the activation on their own small graphs
         if track:
-            q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+            qkv = qkv.detach().requires_grad_(True)
         with torch.set_grad_enabled(track):
+            q, k, v = (t.view(B, T, heads, width).transpose(1, 2)
+                       for t in qkv.split((sa.query.out_features, sa.key.out_features, sa.value.out_features), 1))
             context = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask(mask, dtype), dropout_p=p_attn,
                                                      scale=sa.scaling)
         rows = context.detach().transpose(1, 2).reshape(-1, D)
-        a, keep1 = dropout(torch.addmm(so.dense.bias.to(dtype), rows, wo.t()), p1)
+        a, keep1 = dropout(torch.addmm(w16.attention_output_bias, rows, w16.attention_output.t()), p1)
         ln1, ln2 = so.LayerNorm, out.LayerNorm
         h1, h1b, mean1, rstd1 = rln.forward(a, x, ln1.weight, ln1.bias, ln1.eps, out16_dtype=dtype)
-        inner = torch.addmm(inter.dense.bias.to(dtype), h1b.view(-1, D), wi.t())
+        inner = torch.addmm(w16.intermediate_bias, h1b.view(-1, D), w16.intermediate.t())
         if track:
             inner = inner.detach().requires_grad_(True)
         with torch.set_grad_enabled(track):
             activated = inter.intermediate_act_fn(inner)
-        o, keep2 = dropout(torch.addmm(out.dense.bias.to(dtype), activated.detach(), wo2.t()), p2)
+        o, keep2 = dropout(torch.addmm(w16.output_bias, activated.detach(), w16.output.t()), p2)
         y, _, mean2, rstd2 = rln.forward(o, h1, ln2.weight, ln2.bias, ln2.eps)
     if track:
-        saved.update(x=x, q=q, k=k, v=v, context=context, a=a, keep1=keep1, scale1=1.0 / (1.0 - p1), h1=h1,
+        saved.update(x=x, qkv=qkv, context=context, a=a, keep1=keep1, scale1=1.0 / (1.0 - p1), h1=h1,
                      mean1=mean1, rstd1=rstd1, inner=inner, activated=activated, o=o, keep2=keep2,
-                     scale2=1.0 / (1.0 - p2), mean2=mean2, rstd2=rstd2, wq=wq, wk=wk, wv=wv, wo=wo, wi=wi, wo2=wo2,
-                     ln1=ln1.weight, ln2=ln2.weight)
+                     scale2=1.0 / (1.0 - p2), mean2=mean2, rstd2=rstd2, w_qkv=w16.qkv, wo=w16.attention_output,
+                     wi=w16.intermediate, wo2=w16.output, ln1=ln1.weight, ln2=ln2.weight)
     return y
+
+
+def _projections(sa, so, inter, out):
+    """The twelve projection parameters in `casts.weights`'s order."""
+    return (sa.query.weight, sa.key.weight, sa.value.weight, sa.query.bias, sa.key.bias, sa.value.bias,
+            so.dense.weight, so.dense.bias, inter.dense.weight, inter.dense.bias, out.dense.weight, out.dense.bias)
 
 
 class _FusedLayer(torch.autograd.Function):
@@ -218,8 +227,7 @@ class _FusedLayer(torch.autograd.Function):
         B, T, _ = x.shape
         context = t["context"]
         grad_context = torch.mm(grad_a.view(-1, D), t["wo"]).view(B, T, context.shape[1], -1).transpose(1, 2)
-        grads = torch.autograd.grad(context, (t["q"], t["k"], t["v"]), grad_context)
+        (grad_qkv,) = torch.autograd.grad(context, t["qkv"], grad_context)
         rows = grad_x.view(-1, D)
-        for g, w in zip(grads, (t["wq"], t["wk"], t["wv"])):
-            torch.addmm(rows, g.transpose(1, 2).reshape(-1, D), w, out_dtype=torch.float32, out=rows)
+        torch.addmm(rows, grad_qkv, t["w_qkv"], out_dtype=torch.float32, out=rows)
         return grad_x, None, None, None

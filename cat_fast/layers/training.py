@@ -27,7 +27,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..kernels.triton import optional
-from . import interventions, layout, resumed
+from . import casts, interventions, layout, resumed
 from .layout import bert_parts, dropout, dropout_p, fp32_mm_supported, plain, sdpa_mask
 
 __all__ = ["supported", "forward", "FUSED", "FUSED_MIN_ROWS"]
@@ -235,16 +235,17 @@ class _TrainingLayer(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             x = hidden.reshape(-1, D)
             x16 = x.to(dtype)
-            w_qkv = torch.cat((wq, wk, wv)).to(dtype)
-            qkv = torch.addmm(torch.cat((bq, bk, bv)).to(dtype), x16, w_qkv.t())
+            w16 = casts.weights(layer, (wq, wk, wv, bq, bk, bv, wo, bo, wi, bi, wo2, bo2), dtype)
+            w_qkv = w16.qkv
+            qkv = torch.addmm(w16.qkv_bias, x16, w_qkv.t())
             qkv_leaf = qkv.detach().requires_grad_(True)
             with torch.enable_grad():
                 q, k, v = (t.view(B, T, heads, width).transpose(1, 2) for t in qkv_leaf.split(heads * width, dim=1))
                 context = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask(mask, dtype),
                                                          dropout_p=p_attn, scale=sa.scaling)
             rows = context.detach().transpose(1, 2).reshape(-1, heads * width)
-            wo16 = wo.to(dtype)
-            a, keep1 = dropout(torch.addmm(bo.to(dtype), rows, wo16.t()), p1)
+            wo16 = w16.attention_output
+            a, keep1 = dropout(torch.addmm(w16.attention_output_bias, rows, wo16.t()), p1)
             if fused:  # s1 = a + x is recomputed by the backward from a and x
                 h1, h1_16, mean1, rstd1 = fused[0].forward(a, x, g1, be1, so.LayerNorm.eps, out16_dtype=dtype)
                 first_sum = dict(a=a, x=x)
@@ -253,16 +254,16 @@ class _TrainingLayer(torch.autograd.Function):
                 h1, mean1, rstd1 = torch.native_layer_norm(s1, (D,), g1, be1, so.LayerNorm.eps)
                 h1_16 = h1.to(dtype)
                 first_sum = dict(s1=s1)
-            wi16 = wi.to(dtype)
-            inner = torch.addmm(bi.to(dtype), h1_16, wi16.t())
+            wi16 = w16.intermediate
+            inner = torch.addmm(w16.intermediate_bias, h1_16, wi16.t())
             if approximate is not None:
                 activated = F.gelu(inner, approximate=approximate)
             else:
                 inner = inner.requires_grad_(True)
                 with torch.enable_grad():
                     activated = inter.intermediate_act_fn(inner)
-            wo2_16 = wo2.to(dtype)
-            o, keep2 = dropout(torch.addmm(bo2.to(dtype), activated.detach(), wo2_16.t()), p2)
+            wo2_16 = w16.output
+            o, keep2 = dropout(torch.addmm(w16.output_bias, activated.detach(), wo2_16.t()), p2)
             if fused:
                 y, _, mean2, rstd2 = fused[0].forward(o, h1, g2, be2, out.LayerNorm.eps)
                 second_sum = dict(o=o, h1=h1)

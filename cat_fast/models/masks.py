@@ -24,6 +24,8 @@ import inspect
 
 import torch
 
+from ..layers import casts
+
 
 def mask_registry():
     """(transformers' ``masking_utils``, its mask-function mapping by attention implementation), or (None, None)
@@ -61,14 +63,17 @@ def capture_safe_eager_mask(original, sdpa_mask):
 
 @contextlib.contextmanager
 def graph_capture(graph, pool=None):
-    """``torch.cuda.graph(graph, pool=pool)`` with autocast's weight cache emptied before and after and eager
+    """``torch.cuda.graph(graph, pool=pool)`` with autocast's weight cache and the fast layers' shared 16-bit weights
+    (`layers.casts`) emptied before and after and eager
     attention masks built on the device (module docstring)."""
     torch.clear_autocast_cache()
+    casts.clear()
     try:
         with capture_safe_masks(), torch.cuda.graph(graph, pool=pool):
             yield graph
     finally:
         torch.clear_autocast_cache()
+        casts.clear()
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from .. import models
 from ..kernels.dtypes import upcast
+from ..layers import casts
 from ..ops import MASK_MODES, cal_objective, cal_step_, cmix, crm_loss, crm_weights, gs_cosine_loss
 from ..step import NotCapturable, StepPlan
 from .base import Objective, check_number, check_single_label
@@ -211,7 +212,12 @@ class CAT(Objective):
     def _losses(self, batch, plan=None):
         """One CAT step's losses. With a `plan` (`plan_step`): its layer, partners and λ, no CAL graphs of its own
         (the whole step is the graph, or runs eagerly), and inside a capture the counterfactual passes redraw the
-        clean forward's dropout from the plan's generators."""
+        clean forward's dropout from the plan's generators. The passes share the 16-bit weight copies of the fast
+        layers (`layers.casts.shared`)."""
+        with casts.shared():
+            return self._step_losses(batch, plan)
+
+    def _step_losses(self, batch, plan):
         if plan is None:
             m = self._draw_layer()
         else:

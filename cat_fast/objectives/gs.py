@@ -19,6 +19,7 @@ from ..kernels.dtypes import upcast
 from ..kernels.reference.pooled_gs_loss import partners as _partners
 from ..kernels.reference.pooled_gs_loss import weighted_cosine_loss as _weighted_cosine_loss
 from ..kernels.triton import optional
+from ..layers import casts
 from ..ops import gs_cosine_loss
 from ..step import NotCapturable, StepPlan
 from .base import Objective, check_number
@@ -269,6 +270,10 @@ class GradientSupervision(Objective):
         return self._step(batch, pairs, None)
 
     def _step(self, batch, pairs, plan):
+        with casts.shared():  # the clean forward and the perturbed passes share the fast layers' 16-bit weights
+            return self._step_in_scope(batch, pairs, plan)
+
+    def _step_in_scope(self, batch, pairs, plan):
         labels = batch["labels"]
         if pairs is None and not self.random_pairs:
             pairs = batch.get("pairs")

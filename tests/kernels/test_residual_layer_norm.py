@@ -117,6 +117,26 @@ def test_backward_with_params_matches_the_reference(lead, D, branch_dtype, with_
     torch.testing.assert_close(got[4], got[1].reshape(-1, D).float().sum(0), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not RUNS, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("rows,min_rows", [(1, 1), (2, 3), (8, 1), (4, 16)])
+def test_launch_settings_give_the_same_results(rows, min_rows):
+    # 37 rows: runs of rows that are not whole iterations; each setting sums in its own order, but the row
+    # gradients are the same bits, and the sums agree with the reference
+    branch, residual, weight, bias, keep, grad_y = _inputs((37,), 48, torch.bfloat16, seed=9)
+    _, _, mean, rstd = rln.forward(branch, residual, weight, bias, 1e-12)
+    args = (grad_y, branch, residual, weight, mean, rstd, keep, 1 / 0.7)
+    got = rln.backward_with_params(*args, rows=rows, min_rows=min_rows, per_sm=1)
+    plain = rln.backward(*args)
+    for g, w in zip(got[:2], plain):
+        assert torch.equal(g, w)
+    for g, w in zip(rln.backward(*args, rows=rows), plain):
+        assert torch.equal(g, w)
+    want = rln.reference_backward_with_params(*args)
+    for i in (2, 3):
+        torch.testing.assert_close(got[i], want[i], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[4], got[1].float().sum(0), rtol=1e-5, atol=1e-5)
+
+
 def test_reference_parameter_gradients_are_autograd():
     # float64: the LayerNorm weight and bias gradients and the branch-bias gradient of the reference are autograd's
     lead, D = (4, 3), 24

@@ -12,13 +12,46 @@ def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def partial_programs(n_rows: int, device, min_rows: int = 1) -> int:
+def partial_programs(n_rows: int, device, min_rows: int = 1, per_sm: float = 4) -> int:
     """How many programs share `n_rows` rows in the kernels that sum over rows (each program writes a row of
-    partial sums, added by one ``sum`` afterwards): about four per multiprocessor on a GPU (8 elsewhere), each with
-    `min_rows` rows or more (fewer, longer runs on small inputs, so the partial sums stay small beside the data)."""
-    target = 4 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 8
+    partial sums, added by `column_sums` afterwards): about `per_sm` per multiprocessor on a GPU (8 elsewhere), each
+    with `min_rows` rows or more (fewer, longer runs on small inputs, so the partial sums stay small beside the
+    data)."""
+    target = max(1, int(per_sm * _multiprocessors(device.index if device.index is not None
+                                                  else torch.cuda.current_device()))) if device.type == "cuda" else 8
     return max(1, min(-(-int(n_rows) // min_rows), target))
+
+
+@triton.jit
+def _column_sums_kernel(part_ptr, out_ptr, P, N, stride_group, stride_row, BLOCK_P: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    group = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = cols < N
+    base = part_ptr + group * stride_group
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=part_ptr.dtype.element_ty)
+    for start in range(0, P, BLOCK_P):
+        rows = start + tl.arange(0, BLOCK_P)
+        m = (rows < P)[:, None] & inside[None, :]
+        acc += tl.load(base + rows.to(tl.int64)[:, None] * stride_row + cols[None, :], mask=m, other=0.0)
+    tl.store(out_ptr + group * N + cols, tl.sum(acc, axis=0), mask=inside)
+
+
+def column_sums(part: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """``part[:, :, :n_cols].sum(1)`` of a ``[groups, rows, >= n_cols]`` tensor with unit column stride (the
+    partial sums the row-sum kernels write, one row per program): one launch for every group, in a fixed order."""
+    groups, rows, _ = part.shape
+    out = torch.empty(groups, n_cols, device=part.device, dtype=part.dtype)
+    if rows == 0 or n_cols == 0 or groups == 0:
+        return out.zero_()
+    if part.stride(2) != 1:
+        part = part.contiguous()
+    block_n = min(pow2_at_least(n_cols), 128)
+    block_p = max(1, min(pow2_at_least(rows), 4096 // block_n))
+    _column_sums_kernel[(triton.cdiv(n_cols, block_n), groups)](part, out, rows, n_cols, part.stride(0),
+                                                               part.stride(1), BLOCK_P=block_p, BLOCK_N=block_n,
+                                                               num_warps=4)
+    return out
 
 
 def acc_tl_dtype(t: torch.Tensor):

@@ -2,7 +2,8 @@
 `cat_fast.layers.training`: ``grad_inner = grad * (Φ(inner) + inner · φ(inner))`` computed in fp32 from the
 16-bit inputs and rounded to the input dtype — PyTorch's ``gelu_backward`` (``approximate="none"``) — and the bias
 gradient, the column sums of ``grad_inner`` as rounded, in fp32 (PyTorch's ``grad_inner.sum(0, dtype=float32)``).
-Each program covers a run of rows of one block of columns; the programs' partial sums are added by one ``sum``.
+Each program covers a run of rows of one block of columns; one more launch adds the programs' partial sums
+(`_common.column_sums`).
 The same arithmetic as `reference_backward`.
 """
 import math
@@ -11,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import partial_programs
+from ._common import column_sums, partial_programs
 
 __all__ = ["backward", "reference_backward"]
 
@@ -44,9 +45,15 @@ def _kernel(grad_ptr, inner_ptr, out_ptr, part_ptr, n_rows, N, rows_per_program,
         tl.store(part_ptr + program * N + cols, total, mask=inside)
 
 
-def backward(grad, inner, want_bias=True):
+# Launch settings: rows and columns of a tile, row-sum programs per multiprocessor along the rows (each covering
+# whole tiles of rows, over all column blocks) and warps (`benchmarks/tools/row_kernels.py` sweeps them).
+LAUNCH = {"block_m": 16, "block_n": 256, "per_sm": 4, "num_warps": 4}
+
+
+def backward(grad, inner, want_bias=True, *, block_m=None, block_n=None, per_sm=None, num_warps=None):
     """``(grad_inner in inner's dtype, the bias gradient in fp32 or None)`` for 2-D `grad` and `inner` of one shape
-    and dtype on one CUDA device."""
+    and dtype on one CUDA device. `block_m`, `block_n`, `per_sm`, `num_warps`: launch settings (`LAUNCH` by
+    default), for the benchmarks."""
     if grad.shape != inner.shape or grad.dim() != 2:
         raise ValueError(f"grad, inner: expected two 2-D tensors of one shape, got {tuple(grad.shape)} and "
                          f"{tuple(inner.shape)}")
@@ -55,17 +62,18 @@ def backward(grad, inner, want_bias=True):
     out = torch.empty_like(x)
     if n == 0 or N == 0:
         return out, (torch.zeros(N, device=x.device, dtype=torch.float32) if want_bias else None)
-    block_n = min(triton.next_power_of_2(N), 256)
-    block_m = 16
+    block_m, per_sm = block_m or LAUNCH["block_m"], per_sm or LAUNCH["per_sm"]
+    block_n = min(triton.next_power_of_2(N), block_n or LAUNCH["block_n"])
     column_blocks = triton.cdiv(N, block_n)
-    # runs of whole row blocks; with the column blocks, about as many programs as `partial_programs` would make
-    programs = max(1, partial_programs(-(-n // block_m), x.device) // column_blocks)
+    # each program covers a run of whole row tiles of one column block
+    programs = partial_programs(-(-n // block_m), x.device, per_sm=per_sm)
     per_program = block_m * -(-n // (block_m * programs))
     programs = -(-n // per_program)
     part = torch.empty(programs, N, device=x.device, dtype=torch.float32) if want_bias else out
     _kernel[(programs, column_blocks)](g, x, out, part, n, N, per_program, _SQRT1_2, _PDF_SCALE, BLOCK_M=block_m,
-                                       BLOCK_N=block_n, WANT_SUM=bool(want_bias), num_warps=4)
-    return out, (part.sum(0) if want_bias else None)
+                                       BLOCK_N=block_n, WANT_SUM=bool(want_bias),
+                                       num_warps=num_warps or LAUNCH["num_warps"])
+    return out, (column_sums(part.unsqueeze(0), N)[0] if want_bias else None)
 
 
 def reference_backward(grad, inner, want_bias=True):

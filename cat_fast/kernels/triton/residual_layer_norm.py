@@ -6,14 +6,14 @@ written in a 16-bit dtype (the next projection's input). Backward: from ``grad_y
 residual's gradient — and, for the branch, ``grad_s * keep * scale`` in the branch's dtype (the branch went
 through dropout with that mask and scale). `backward_with_params` also sums, over the rows, the LayerNorm's weight
 and bias gradients and the gradient of the bias the branch's projection added (the sum of the branch's gradient as
-rounded to its dtype), in fp32: each program sums a run of rows, and the programs' partial sums are added by one
-``sum``. The same arithmetic as `reference_forward` / `reference_backward` / `reference_backward_with_params`.
+rounded to its dtype), in fp32: each program sums a run of rows, a few rows at a time, and one more launch adds the
+programs' partial sums (`_common.column_sums`). The same arithmetic as `reference_forward` / `reference_backward` / `reference_backward_with_params`.
 """
 import torch
 import triton
 import triton.language as tl
 
-from ._common import partial_programs, pow2_at_least
+from ._common import column_sums, partial_programs, pow2_at_least
 
 __all__ = ["forward", "backward", "backward_with_params", "reference_forward", "reference_backward",
            "reference_backward_with_params"]
@@ -49,43 +49,49 @@ def _forward_kernel(branch_ptr, residual_ptr, weight_ptr, bias_ptr, y_ptr, y16_p
 
 
 @triton.jit
-def _row_gradients(grad_y_ptr, branch_ptr, residual_ptr, keep_ptr, grad_s_ptr, grad_branch_ptr, base, cols, m, w,
-                   mean, rstd, D, scale, HAS_KEEP: tl.constexpr):
-    """One row's backward (the columns `cols` where `m`): stores grad_s (fp32) and grad_branch (in its dtype);
-    returns (grad_y, x_hat, grad_branch as rounded) in fp32, zero outside `m`."""
-    s = tl.load(branch_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
-    s += tl.load(residual_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
+def _tile_gradients(grad_y_ptr, branch_ptr, residual_ptr, keep_ptr, grad_s_ptr, grad_branch_ptr, mean_ptr, rstd_ptr,
+                    rows, n_rows, cols, w, D, scale, HAS_KEEP: tl.constexpr):
+    """The backward of the rows `rows` ([R] int64; those at or past `n_rows` masked out), columns `cols`: stores
+    grad_s (fp32) and grad_branch (in its dtype); returns (grad_y, x_hat, grad_branch as rounded), [R, BLOCK] in
+    fp32, zero where masked."""
+    inside = rows < n_rows
+    m = inside[:, None] & (cols < D)[None, :]
+    offsets = rows[:, None] * D + cols[None, :]
+    mean = tl.load(mean_ptr + rows, mask=inside, other=0.0)[:, None]
+    rstd = tl.load(rstd_ptr + rows, mask=inside, other=0.0)[:, None]
+    s = tl.load(branch_ptr + offsets, mask=m, other=0.0).to(tl.float32)
+    s += tl.load(residual_ptr + offsets, mask=m, other=0.0).to(tl.float32)
     x_hat = tl.where(m, (s - mean) * rstd, 0.0)
-    grad_y = tl.load(grad_y_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
-    g_hat = grad_y * w
-    c_hat = tl.sum(x_hat * g_hat, axis=0) / D
-    c_one = tl.sum(g_hat, axis=0) / D
+    grad_y = tl.load(grad_y_ptr + offsets, mask=m, other=0.0).to(tl.float32)
+    g_hat = grad_y * w[None, :]
+    c_hat = tl.sum(x_hat * g_hat, axis=1)[:, None] / D
+    c_one = tl.sum(g_hat, axis=1)[:, None] / D
     grad_s = (g_hat - x_hat * c_hat - c_one) * rstd
-    tl.store(grad_s_ptr + base + cols, grad_s, mask=m)
+    tl.store(grad_s_ptr + offsets, grad_s, mask=m)
     grad_branch = grad_s * scale
     if HAS_KEEP:
-        keep = tl.load(keep_ptr + base + cols, mask=m, other=0)
+        keep = tl.load(keep_ptr + offsets, mask=m, other=0)
         grad_branch = tl.where(keep != 0, grad_branch, 0.0)
     rounded = grad_branch.to(grad_branch_ptr.dtype.element_ty)
-    tl.store(grad_branch_ptr + base + cols, rounded, mask=m)
+    tl.store(grad_branch_ptr + offsets, rounded, mask=m)
     return grad_y, x_hat, tl.where(m, rounded.to(tl.float32), 0.0)
 
 
 @triton.jit
 def _backward_kernel(grad_y_ptr, branch_ptr, residual_ptr, weight_ptr, mean_ptr, rstd_ptr, keep_ptr, grad_s_ptr,
-                     grad_branch_ptr, D, scale, BLOCK: tl.constexpr, HAS_KEEP: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+                     grad_branch_ptr, n_rows, D, scale, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                     HAS_KEEP: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    inside = cols < D
-    w = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-    _row_gradients(grad_y_ptr, branch_ptr, residual_ptr, keep_ptr, grad_s_ptr, grad_branch_ptr, row * D, cols,
-                   inside, w, tl.load(mean_ptr + row), tl.load(rstd_ptr + row), D, scale, HAS_KEEP)
+    w = tl.load(weight_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    _tile_gradients(grad_y_ptr, branch_ptr, residual_ptr, keep_ptr, grad_s_ptr, grad_branch_ptr, mean_ptr, rstd_ptr,
+                    rows, n_rows, cols, w, D, scale, HAS_KEEP)
 
 
 @triton.jit
 def _backward_params_kernel(grad_y_ptr, branch_ptr, residual_ptr, weight_ptr, mean_ptr, rstd_ptr, keep_ptr,
                             grad_s_ptr, grad_branch_ptr, part_ptr, n_rows, D, rows_per_program, n_programs, scale,
-                            BLOCK: tl.constexpr, HAS_KEEP: tl.constexpr):
+                            ROWS: tl.constexpr, BLOCK: tl.constexpr, HAS_KEEP: tl.constexpr):
     program = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     inside = cols < D
@@ -93,20 +99,27 @@ def _backward_params_kernel(grad_y_ptr, branch_ptr, residual_ptr, weight_ptr, me
     sum_weight = tl.zeros([BLOCK], dtype=tl.float32)
     sum_bias = tl.zeros([BLOCK], dtype=tl.float32)
     sum_branch = tl.zeros([BLOCK], dtype=tl.float32)
-    first = program.to(tl.int64) * rows_per_program
-    for i in range(0, rows_per_program):
-        row = first + i
-        m = inside & ((tl.zeros([BLOCK], dtype=tl.int64) + row) < n_rows)
-        last = tl.minimum(row, n_rows - 1)  # a row past the end reads the last row's statistics, masked out
-        grad_y, x_hat, rounded = _row_gradients(grad_y_ptr, branch_ptr, residual_ptr, keep_ptr, grad_s_ptr,
-                                                grad_branch_ptr, row * D, cols, m, w, tl.load(mean_ptr + last),
-                                                tl.load(rstd_ptr + last), D, scale, HAS_KEEP)
-        sum_weight += grad_y * x_hat
-        sum_bias += grad_y
-        sum_branch += rounded
+    first = program.to(tl.int64) * rows_per_program  # rows_per_program: a multiple of ROWS
+    for start in range(0, rows_per_program, ROWS):
+        rows = first + start + tl.arange(0, ROWS)
+        grad_y, x_hat, rounded = _tile_gradients(grad_y_ptr, branch_ptr, residual_ptr, keep_ptr, grad_s_ptr,
+                                                 grad_branch_ptr, mean_ptr, rstd_ptr, rows, n_rows, cols, w, D,
+                                                 scale, HAS_KEEP)
+        sum_weight += tl.sum(grad_y * x_hat, axis=0)
+        sum_bias += tl.sum(grad_y, axis=0)
+        sum_branch += tl.sum(rounded, axis=0)
     tl.store(part_ptr + program * BLOCK + cols, sum_weight, mask=inside)
     tl.store(part_ptr + (n_programs + program) * BLOCK + cols, sum_bias, mask=inside)
     tl.store(part_ptr + (2 * n_programs + program) * BLOCK + cols, sum_branch, mask=inside)
+
+
+# Launch settings of the backward kernels: rows per program (per iteration, for the row-sum kernel), the fewest rows
+# a row-sum program covers and row-sum programs per multiprocessor (`benchmarks/tools/row_kernels.py` sweeps them).
+LAUNCH = {"backward_rows": 1, "params_rows": 4, "params_min_rows": 16, "params_per_sm": 4}
+
+
+def _warps(block, rows):
+    return 4 if block * rows <= 2048 else 8
 
 
 def _rows(t, D):
@@ -131,9 +144,10 @@ def forward(branch, residual, weight, bias, eps, out16_dtype=None):
     return y.view(shape), (y16.view(shape) if out16_dtype is not None else None), mean, rstd
 
 
-def backward(grad_y, branch, residual, weight, mean, rstd, keep, scale):
+def backward(grad_y, branch, residual, weight, mean, rstd, keep, scale, *, rows=None, num_warps=None):
     """``(grad_s fp32, grad_branch in branch's dtype)``; `keep` is the dropout mask (bool) or None, `scale` its
-    rescale factor ``1 / (1 - p)`` (1 without dropout)."""
+    rescale factor ``1 / (1 - p)`` (1 without dropout). `rows`, `num_warps`: launch settings (rows per program;
+    `LAUNCH` by default), for the benchmarks."""
     D = weight.numel()
     g, b, r = _rows(grad_y, D), _rows(branch, D), _rows(residual, D)
     n = g.shape[0]
@@ -142,17 +156,22 @@ def backward(grad_y, branch, residual, weight, mean, rstd, keep, scale):
     k = _rows(keep, D).view(torch.uint8) if keep is not None else grad_s
     if n:
         block = pow2_at_least(D)
-        _backward_kernel[(n,)](g, b, r, weight.contiguous(), mean, rstd, k, grad_s, grad_branch, D, float(scale),
-                               BLOCK=block, HAS_KEEP=keep is not None, num_warps=4 if block <= 2048 else 8)
+        rows = rows or LAUNCH["backward_rows"]
+        _backward_kernel[(triton.cdiv(n, rows),)](g, b, r, weight.contiguous(), mean, rstd, k, grad_s, grad_branch, n,
+                                                  D, float(scale), ROWS=rows, BLOCK=block, HAS_KEEP=keep is not None,
+                                                  num_warps=num_warps or _warps(block, rows))
     shape = tuple(residual.shape)
     return grad_s.view(shape), grad_branch.view(shape)
 
 
-def backward_with_params(grad_y, branch, residual, weight, mean, rstd, keep, scale):
+def backward_with_params(grad_y, branch, residual, weight, mean, rstd, keep, scale, *, rows=None, min_rows=None,
+                         per_sm=None, num_warps=None):
     """``(grad_s fp32, grad_branch in branch's dtype, grad_weight, grad_bias, grad_branch_bias)``: `backward`'s two
     gradients and the sums over the rows of ``grad_y * x_hat`` (the LayerNorm weight's gradient), ``grad_y`` (its
     bias's) and ``grad_branch`` as rounded to the branch's dtype (the gradient of a bias added to the branch
-    before its dropout), all three in fp32."""
+    before its dropout), all three in fp32 (views of one [3, D] buffer). `rows` (per iteration), `min_rows` (per
+    program), `per_sm` (programs per multiprocessor), `num_warps`: launch settings (`LAUNCH` by default), for the
+    benchmarks."""
     D = weight.numel()
     g, b, r = _rows(grad_y, D), _rows(branch, D), _rows(residual, D)
     n = g.shape[0]
@@ -164,16 +183,18 @@ def backward_with_params(grad_y, branch, residual, weight, mean, rstd, keep, sca
         return grad_s.view(shape), grad_branch.view(shape), zeros, zeros.clone(), zeros.clone()
     k = _rows(keep, D).view(torch.uint8) if keep is not None else grad_s
     block = pow2_at_least(D)
-    programs = partial_programs(n, g.device, min_rows=16)
-    per_program = -(-n // programs)
+    rows = rows or LAUNCH["params_rows"]
+    programs = partial_programs(n, g.device, min_rows=min_rows or LAUNCH["params_min_rows"],
+                                per_sm=per_sm or LAUNCH["params_per_sm"])
+    per_program = rows * -(-n // (rows * programs))  # whole iterations of `rows` rows
     programs = -(-n // per_program)
     part = torch.empty(3, programs, block, device=g.device, dtype=torch.float32)
     _backward_params_kernel[(programs,)](g, b, r, weight.contiguous(), mean, rstd, k, grad_s, grad_branch, part, n,
-                                         D, per_program, programs, float(scale), BLOCK=block,
-                                         HAS_KEEP=keep is not None, num_warps=4 if block <= 2048 else 8)
-    sums = [part[i, :, :D].sum(0) for i in range(3)]  # three tensors: each may become a parameter's .grad
+                                         D, per_program, programs, float(scale), ROWS=rows, BLOCK=block,
+                                         HAS_KEEP=keep is not None, num_warps=num_warps or _warps(block, rows))
+    sums = column_sums(part, D)
     shape = tuple(residual.shape)
-    return grad_s.view(shape), grad_branch.view(shape), *sums
+    return grad_s.view(shape), grad_branch.view(shape), sums[0], sums[1], sums[2]
 
 
 def reference_forward(branch, residual, weight, bias, eps, out16_dtype=None):

@@ -1,0 +1,42 @@
+"""cat_fast.kernels.triton._common.column_sums (adds the row-sum kernels' partial sums) against torch.sum. On the CPU
+the Triton kernel runs under the interpreter."""
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from cat_fast.kernels.triton._common import column_sums  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+RUNS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(not RUNS, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("groups,rows,width,n", [(3, 37, 1024, 768), (1, 1, 8, 5), (1, 300, 3072, 3072),
+                                                 (2, 5, 130, 129)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_matches_torch_sum(groups, rows, width, n, dtype):
+    g = torch.Generator().manual_seed(rows)
+    part = torch.randn(groups, rows, width, generator=g, dtype=dtype).to(DEVICE)
+    part[..., n:] = float("nan")  # past n: never read
+    got = column_sums(part, n)
+    assert got.shape == (groups, n) and got.dtype == dtype
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(got, part[:, :, :n].sum(1), rtol=tol, atol=tol * rows)
+
+
+@pytest.mark.skipif(not RUNS, reason="needs CUDA or TRITON_INTERPRET=1")
+def test_strided_groups_nan_and_empty():
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(6, 9, 40, generator=g).to(DEVICE)
+    part = base[::2]  # groups 2 apart: not contiguous, unit column stride
+    assert not part.is_contiguous()
+    torch.testing.assert_close(column_sums(part, 33), part[:, :, :33].sum(1), rtol=1e-5, atol=1e-5)
+    part = base.transpose(1, 2)  # column stride not 1: copied first
+    torch.testing.assert_close(column_sums(part, 7), part[:, :, :7].sum(1), rtol=1e-5, atol=1e-5)
+    nan = base.clone()
+    nan[1, 4, 3] = float("nan")
+    out = column_sums(nan, 40)
+    assert torch.isnan(out[1, 3]) and torch.isfinite(out[0]).all() and torch.isfinite(out[1, 4:]).all()
+    assert column_sums(base[:, :0], 40).eq(0).all() and column_sums(base, 0).shape == (6, 0)

@@ -1,0 +1,115 @@
+"""cat_fast.layers.casts: the 16-bit weight copies of the fast layers, made in one launch and shared by the passes of
+a step while they are still valid."""
+import pytest
+import torch
+
+from cat_fast import models
+from cat_fast.layers import casts, resumed, training
+from cat_fast.objectives import CAT
+from tests.conftest import tiny_batch, tiny_model
+
+CUDA = torch.cuda.is_available()
+
+
+def _layer(dtype=torch.float32, device="cpu"):
+    model = tiny_model("bert", attn="sdpa", dtype=dtype, num_layers=2).to(device)
+    layer = models.structure(model).layer_modules[1]
+    sa, so, inter, out = (layer.attention.self, layer.attention.output, layer.intermediate, layer.output)
+    params = (sa.query.weight, sa.key.weight, sa.value.weight, sa.query.bias, sa.key.bias, sa.value.bias,
+              so.dense.weight, so.dense.bias, inter.dense.weight, inter.dense.bias, out.dense.weight, out.dense.bias)
+    return model, layer, params
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_copies_are_the_casts(dtype):
+    _, layer, p = _layer()
+    w = casts.weights(layer, p, dtype)
+    want = (torch.cat(p[0:3]), torch.cat(p[3:6])) + p[6:]
+    for got, ref in zip(w, want):
+        assert got.dtype == dtype and got.shape == ref.shape and not got.requires_grad
+        assert torch.equal(got, ref.to(dtype))
+    # one buffer, each view starting on a 64-element boundary
+    base = w.qkv.untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == base for t in w)
+    assert all((t.data_ptr() - base) % (64 * t.element_size()) == 0 for t in w)
+
+
+def test_same_dtype_gives_the_parameters_without_a_copy():
+    _, layer, p = _layer(torch.float64)
+    w = casts.weights(layer, p, torch.float64)
+    for got, param in zip(w[2:], p[6:]):
+        assert got.data_ptr() == param.data_ptr() and not got.requires_grad
+    assert torch.equal(w.qkv, torch.cat(p[0:3]))
+
+
+def test_shared_reuses_until_a_parameter_changes():
+    _, layer, p = _layer()
+    assert casts.weights(layer, p, torch.bfloat16) is not casts.weights(layer, p, torch.bfloat16)  # no scope
+    with casts.shared():
+        first = casts.weights(layer, p, torch.bfloat16)
+        assert casts.weights(layer, p, torch.bfloat16) is first
+        assert casts.weights(layer, p, torch.float16) is not first  # another dtype, its own copies
+        with casts.shared():  # nested: the outer scope's copies
+            assert casts.weights(layer, p, torch.bfloat16) is first
+        with torch.no_grad():
+            p[8].mul_(2)  # the intermediate weight changes in place: its version moves
+        again = casts.weights(layer, p, torch.bfloat16)
+        assert again is not first and torch.equal(again.intermediate, p[8].to(torch.bfloat16))
+        assert casts.weights(layer, p, torch.bfloat16) is again
+        with torch.no_grad():
+            p[0].data = p[0].data.clone()  # new storage, same values
+        assert casts.weights(layer, p, torch.bfloat16) is not again
+        kept = casts.weights(layer, p, torch.bfloat16)
+        casts.clear()
+        assert casts.weights(layer, p, torch.bfloat16) is not kept
+    # the scope is gone: nothing is kept
+    assert casts.weights(layer, p, torch.bfloat16) is not casts.weights(layer, p, torch.bfloat16)
+
+
+def test_cat_step_casts_each_layer_once_per_step(monkeypatch):
+    """Under bf16 autocast on the CPU, CAT's clean forward (training layers) makes each layer's copies; the CAL
+    steps' passes run the model's own layers here (the resumed layer's fused path needs CUDA), so the copies of
+    the CPU step are the clean forward's: one per layer per step."""
+    model = tiny_model("bert", attn="sdpa", num_layers=3).train()
+    batch = tiny_batch("bert", batch=4, length=9)
+    made = []
+    real = casts._cast
+    monkeypatch.setattr(casts, "_cast", lambda params, dtype: made.append(params[0]) or real(params, dtype))
+    cat = CAT(model, layers=[1], adv_steps=2, warmup_steps=0, generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = cat(batch)
+    loss.backward()
+    layers = models.structure(model).layer_modules
+    trained = [m for m in layers if training.supported(m)]
+    assert trained and len(made) == len({id(w) for w in made})  # no layer cast twice in the step
+    assert not hasattr(casts._state, "entries") or casts._state.entries is None
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cat_passes_reuse_the_clean_forwards_copies_on_cuda(monkeypatch):
+    """On CUDA the counterfactual passes (the resumed layer's fused path) read the copies the clean forward made:
+    each layer is cast once in a CAT step, not once per pass; and inside a graph capture, copies made outside are
+    not read (`models.graph_capture` empties them)."""
+    model = tiny_model("bert", attn="sdpa", num_layers=3).cuda().train()
+    batch = {k: v.cuda() for k, v in tiny_batch("bert", batch=4, length=9).items()}
+    made = []
+    real = casts._cast
+    monkeypatch.setattr(casts, "_cast", lambda params, dtype: made.append(id(params[0])) or real(params, dtype))
+    cat = CAT(model, layers=[1], adv_steps=2, warmup_steps=0, cuda_graph=False)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss, _ = cat(batch)
+    loss.backward()
+    layers = models.structure(model).layer_modules
+    assert resumed.supported(layers[1]) and len(made) == len(set(made)) >= 2
+    _, layer, p = _layer(device="cuda")
+    with casts.shared():
+        outside = casts.weights(layer, p, torch.bfloat16)
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), models.graph_capture(graph):
+            inside = casts.weights(layer, p, torch.bfloat16)
+        torch.cuda.current_stream().wait_stream(side)
+        graph.replay()
+        assert inside is not outside and torch.equal(inside.qkv, outside.qkv)
+        assert casts.weights(layer, p, torch.bfloat16) is not inside  # emptied after the capture too
