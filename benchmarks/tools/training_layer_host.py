@@ -3,7 +3,8 @@ the model's own layer against `cat_fast.layers.training`, host time (issuing the
 around the call, queued behind a spin kernel so that they time the kernels, not the host) per call, medians over
 interleaved calls. ``--compiled`` adds ``torch.compile(layer)`` (default mode, compiled before the timing): what
 the compiler's fusion of the layer's elementwise work gives against the training layer (issue 23); the training
-layer runs with its fused Triton elementwise kernels ("training") and without ("unfused", `FUSED = False`); each
+layer runs with its fused Triton elementwise kernels ("training", at every size: `FUSED_MIN_ROWS` set to 0) and
+without ("unfused", `FUSED = False`); each
 row also gives the layer's matmul FLOPs over the GPU time.
 
     python benchmarks/tools/training_layer_host.py [--sizes 8x128 32x128 64x256] [--calls 30] [--compiled]
@@ -38,8 +39,12 @@ def main():
         out = layer(x, mask)
         return out[0] if isinstance(out, tuple) else out
 
-    def fused(x, mask):
-        return training_layer.forward(layer, (x, mask), {})
+    def fused(x, mask):  # at every size: the row threshold (`FUSED_MIN_ROWS`) is what this measures
+        threshold, training_layer.FUSED_MIN_ROWS = training_layer.FUSED_MIN_ROWS, 0
+        try:
+            return training_layer.forward(layer, (x, mask), {})
+        finally:
+            training_layer.FUSED_MIN_ROWS = threshold
 
     def unfused(x, mask):
         training_layer.FUSED = False
