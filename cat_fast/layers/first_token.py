@@ -76,10 +76,12 @@ def supported(layer: nn.Module) -> bool:
     return parts is not None and _layout_ok(parts)
 
 
-def forward(layer: nn.Module, args, kwargs, fill: float | None = None):
+def forward(layer: nn.Module, args, kwargs, fill: float | None = None, row_only: bool = False):
     """Row 0 of `layer(*args, **kwargs)`, as a [B, T, D] tensor whose rows 1.. are the layer's input rows
-    (detached; nothing reads them) or, with `fill`, that constant; None when the layer or this call cannot be
-    handled (then run the layer itself)."""
+    (detached; nothing reads them) or, with `fill`, that constant; with `row_only`, as a [B, 1, D] tensor (for
+    passes whose only reader is a head that reads row 0: no copy of the other rows, and the head's gradient is
+    one row, not a zero-filled sequence). None when the layer or this call cannot be handled (then run the layer
+    itself)."""
     parts = _layout(layer)
     if parts is None or not _layout_ok(parts):
         return None
@@ -101,5 +103,7 @@ def forward(layer: nn.Module, args, kwargs, fill: float | None = None):
     p = attention.dropout.p if attention.training else 0.0
     context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=attention.scaling)
     row = parts.finish(context.transpose(1, 2).reshape(B, 1, heads * width), first)
+    if row_only:
+        return row
     rest = x[:, 1:].detach() if fill is None else torch.full_like(x[:, 1:], fill)
     return torch.cat([row, rest.to(row.dtype)], dim=1)

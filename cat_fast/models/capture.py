@@ -147,14 +147,16 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
 
 
 def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, same_dropout: bool = True,
-           first_token: bool = False, first_token_fill: float | None = None, input_grad_only: bool = False,
-           training_layers: bool = False, repeat: int = 1):
+           first_token: bool = False, first_token_fill: float | None = None, first_token_row_only: bool = False,
+           input_grad_only: bool = False, training_layers: bool = False, repeat: int = 1):
     """Run layers ``m+1..L`` and the model's own head on `h_tilde` in place of ``h_m``; return the model output.
 
     The lower layers are not recomputed (see the module docstring). `attention_mask` (2-D, optional)
     replaces the batch's mask for the resumed layers (CMIX mask modes). Differentiable w.r.t. `h_tilde` and
     the parameters of layers ``m+1..L`` and the head. ``first_token=True``: the last layer computes row 0
-    only (module docstring; check `first_token_ok` first); `first_token_fill` sets its other rows (the probe).
+    only (module docstring; check `first_token_ok` first); `first_token_fill` sets its other rows (the probe);
+    ``first_token_row_only=True`` hands the head a last hidden state of one row, ``[B, 1, D]`` (passes whose output
+    only the head reads: CAT's counterfactual passes, GS's perturbed passes).
     ``input_grad_only=True`` promises that no parameter gradient is taken through this pass (CAT's CAL steps and
     its detached final pass): layers ``m+1..L`` with the Bert layout then run `layers.resumed` (same values and
     dropout draws; the input gradient summed in fp32 under autocast). ``training_layers=True`` (without
@@ -208,7 +210,7 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
                 if cap.rng_marker is not None:
                     cap.rng_marker()
             if k == L - 1 and first_token:
-                out = layers.first_token.forward(mod, args, kwargs, first_token_fill)
+                out = layers.first_token.forward(mod, args, kwargs, first_token_fill, first_token_row_only)
                 if out is not None:
                     return replace_first(cap.last_output, out)
             elif input_grad_only and cap.last_output is not None:

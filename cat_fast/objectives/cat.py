@@ -394,8 +394,10 @@ class CAT(Objective):
     def counterfactual_logits(self, cap, h, lam, partner, mask, allow, input_grad_only=True):
         coef = lam if allow is None else lam.unsqueeze(1) * allow
         h_mix, mask_mix = cmix(h, coef, partner, mask, self.mask_mode)
+        first = self.first_token(cap)
         out = models.resume(self.model, cap, h_mix, attention_mask=None if self.mask_mode == "self" else mask_mix,
-                            first_token=self.first_token(cap), input_grad_only=input_grad_only and self.fast_resume)
+                            first_token=first, first_token_row_only=first,
+                            input_grad_only=input_grad_only and self.fast_resume)
         return models.logits_of(out)
 
     def _qa_allow(self, batch, targets, T, device):

@@ -411,6 +411,7 @@ class GradientSupervision(Objective):
                     out = models.head_logits(self.model, capture, x_new)
                 else:
                     out = models.logits_of(models.resume(self.model, capture, x_new, first_token=prune,
+                                                         first_token_row_only=prune,
                                                          training_layers=self.training_layers))
                 return (self._score(out, labels, partner) / denom).sum()
             return score_at

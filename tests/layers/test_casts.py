@@ -66,41 +66,40 @@ def test_shared_reuses_until_a_parameter_changes():
     assert casts.weights(layer, p, torch.bfloat16) is not casts.weights(layer, p, torch.bfloat16)
 
 
-def test_cat_step_casts_each_layer_once_per_step(monkeypatch):
-    """Under bf16 autocast on the CPU, CAT's clean forward (training layers) makes each layer's copies; the CAL
-    steps' passes run the model's own layers here (the resumed layer's fused path needs CUDA), so the copies of
-    the CPU step are the clean forward's: one per layer per step."""
-    model = tiny_model("bert", attn="sdpa", num_layers=3).train()
-    batch = tiny_batch("bert", batch=4, length=9)
+def _cat_casts(device, cuda_graph=False):
+    """The layers (indices) whose copies `casts` made in CAT's second step (the first records the layers' output
+    format with the model's own layers) under bf16 autocast: 3 layers, mixing layer 1, 2 CAL steps."""
+    model = tiny_model("bert", attn="sdpa", num_layers=3).to(device).train()
+    batch = {k: v.to(device) for k, v in tiny_batch("bert", batch=4, length=9).items()}
+    layers = models.structure(model).layer_modules
+    index = {id(m.attention.self.query.weight): i for i, m in enumerate(layers)}
     made = []
     real = casts._cast
-    monkeypatch.setattr(casts, "_cast", lambda params, dtype: made.append(params[0]) or real(params, dtype))
-    cat = CAT(model, layers=[1], adv_steps=2, warmup_steps=0, generator=torch.Generator().manual_seed(0))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss, _ = cat(batch)
-    loss.backward()
-    layers = models.structure(model).layer_modules
-    trained = [m for m in layers if training.supported(m)]
-    assert trained and len(made) == len({id(w) for w in made})  # no layer cast twice in the step
-    assert not hasattr(casts._state, "entries") or casts._state.entries is None
+    cat = CAT(model, layers=[1], adv_steps=2, warmup_steps=0, cuda_graph=cuda_graph,
+              generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        made.clear()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss, _ = cat(batch)
+        loss.backward()
+        casts._cast = lambda params, dtype: made.append(index[id(params[0])]) or real(params, dtype)
+    casts._cast = real
+    assert all(training.supported(m) and resumed.supported(m) for m in layers)
+    return made
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if CUDA else []))
+def test_cat_step_casts_each_layer_once(device, monkeypatch):
+    """The clean forward (training layers) casts layers 1 and 2 (layer 3 runs for the first token, with the model's
+    own modules); the counterfactual passes of the CAL steps and the final pass resume from layer 1 and read layer
+    2's copies from the clean forward instead of casting it again (3 passes: it would be cast 4 times)."""
+    monkeypatch.setattr(casts, "_cast", casts._cast)  # restored even if the step fails
+    assert _cat_casts(device) == [0, 1]
+    assert getattr(casts._state, "entries", None) is None  # the step's scope is closed
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_cat_passes_reuse_the_clean_forwards_copies_on_cuda(monkeypatch):
-    """On CUDA the counterfactual passes (the resumed layer's fused path) read the copies the clean forward made:
-    each layer is cast once in a CAT step, not once per pass; and inside a graph capture, copies made outside are
-    not read (`models.graph_capture` empties them)."""
-    model = tiny_model("bert", attn="sdpa", num_layers=3).cuda().train()
-    batch = {k: v.cuda() for k, v in tiny_batch("bert", batch=4, length=9).items()}
-    made = []
-    real = casts._cast
-    monkeypatch.setattr(casts, "_cast", lambda params, dtype: made.append(id(params[0])) or real(params, dtype))
-    cat = CAT(model, layers=[1], adv_steps=2, warmup_steps=0, cuda_graph=False)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss, _ = cat(batch)
-    loss.backward()
-    layers = models.structure(model).layer_modules
-    assert resumed.supported(layers[1]) and len(made) == len(set(made)) >= 2
+def test_copies_made_outside_a_capture_are_not_read_inside():
     _, layer, p = _layer(device="cuda")
     with casts.shared():
         outside = casts.weights(layer, p, torch.bfloat16)

@@ -207,6 +207,11 @@ def test_first_token_last_layer_gives_the_full_logits_and_gradients(arch, attn):
             (g_pruned,) = torch.autograd.grad(pruned.square().sum(), h)
             torch.testing.assert_close(pruned, full, rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(g_pruned, g_full, rtol=1e-10, atol=1e-12)
+            # the head handed one row (CAT's and GS's passes): the same logits and input gradient
+            out = models.resume(model, cap, h, attention_mask=mask, first_token=True, first_token_row_only=True)
+            (g_row,) = torch.autograd.grad(out.logits.square().sum(), h)
+            torch.testing.assert_close(out.logits, full, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(g_row, g_full, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("arch", ["bert", "distilbert"])

@@ -46,8 +46,10 @@ def column_sums(part: torch.Tensor, n_cols: int) -> torch.Tensor:
         return out.zero_()
     if part.stride(2) != 1:
         part = part.contiguous()
-    block_n = min(pow2_at_least(n_cols), 128)
-    block_p = max(1, min(pow2_at_least(rows), 4096 // block_n))
+    # narrow column blocks: many programs (the sums are short, a launch is latency-bound); 32 columns at 64 rows a
+    # load, 9.6 µs a call with 128 columns on an H200 in a 32x128 step (2026-11-27)
+    block_n = min(pow2_at_least(n_cols), 32)
+    block_p = max(1, min(pow2_at_least(rows), 2048 // block_n))
     _column_sums_kernel[(triton.cdiv(n_cols, block_n), groups)](part, out, rows, n_cols, part.stride(0),
                                                                part.stride(1), BLOCK_P=block_p, BLOCK_N=block_n,
                                                                num_warps=4)
