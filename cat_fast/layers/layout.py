@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 __all__ = ["Layout", "LAYOUTS", "MODEL_TYPES", "COMPONENTS", "BertParts", "family", "component", "bert_parts",
-           "call_arguments", "plain", "sdpa_mask", "dropout", "dropout_p", "fp32_mm_supported"]
+           "call_arguments", "plain", "sdpa_mask", "dropout", "dropout_p", "fp32_mm_supported", "attach_copy16",
+           "copy16"]
 
 # The activations a layer exposes to interventions (`layers.interventions`), in the order a forward computes them:
 # the query, key and value projections, the attention block's output (after its LayerNorm), the feed-forward
@@ -178,3 +179,19 @@ def dropout(x, p):
 def fp32_mm_supported(device) -> bool:
     """Whether matmuls of 16-bit inputs can write an fp32 output (``out_dtype``) on `device`."""
     return device.type == "cuda"
+
+
+def attach_copy16(out: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+    """Hand `copy` — `out` rounded to a 16-bit dtype, written by the kernel that wrote `out` — to the next fast
+    layer, whose input `out` is (`copy16`): it then skips its own cast. Returns `out`."""
+    out._cat_fast_copy16 = (copy, out._version)
+    return out
+
+
+def copy16(x: torch.Tensor, dtype) -> torch.Tensor:
+    """``x.to(dtype)``: the copy a fast layer attached to its output `x` (`attach_copy16`) while x is unchanged
+    since (its version counter) and the copy has x's shape and `dtype`, else a cast."""
+    found = getattr(x, "_cat_fast_copy16", None)
+    if found is not None and found[1] == x._version and found[0].dtype == dtype and found[0].shape == x.shape:
+        return found[0]
+    return x.to(dtype)

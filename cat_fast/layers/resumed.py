@@ -17,7 +17,7 @@ from torch.autograd.function import once_differentiable
 
 from ..kernels.triton import optional
 from . import casts, first_token, interventions, layout
-from .layout import bert_parts, dropout, dropout_p, fp32_mm_supported, plain, sdpa_mask
+from .layout import attach_copy16, bert_parts, copy16, dropout, dropout_p, fp32_mm_supported, plain, sdpa_mask
 
 __all__ = ["supported", "forward"]
 
@@ -160,7 +160,7 @@ def _fused_forward(layer, hidden, mask, dtype, saved):
     p1, p2 = dropout_p(so.dropout), dropout_p(out.dropout)
     with torch.autocast("cuda", enabled=False):
         x = hidden.contiguous()
-        xb = x.view(-1, D).to(dtype)
+        xb = copy16(hidden, dtype).reshape(-1, D)  # the previous fast layer's 16-bit copy, or a cast
         w16 = casts.weights(layer, _projections(sa, so, inter, out), dtype)
         qkv = torch.addmm(w16.qkv_bias, xb, w16.qkv.t())  # query, key and value in one matmul
         track = saved is not None  # the backward differentiates SDPA and the activation on their own small graphs
@@ -181,13 +181,13 @@ def _fused_forward(layer, hidden, mask, dtype, saved):
         with torch.set_grad_enabled(track):
             activated = inter.intermediate_act_fn(inner)
         o, keep2 = dropout(torch.addmm(w16.output_bias, activated.detach(), w16.output.t()), p2)
-        y, _, mean2, rstd2 = rln.forward(o, h1, ln2.weight, ln2.bias, ln2.eps)
+        y, y16, mean2, rstd2 = rln.forward(o, h1, ln2.weight, ln2.bias, ln2.eps, out16_dtype=dtype)
     if track:
         saved.update(x=x, qkv=qkv, context=context, a=a, keep1=keep1, scale1=1.0 / (1.0 - p1), h1=h1,
                      mean1=mean1, rstd1=rstd1, inner=inner, activated=activated, o=o, keep2=keep2,
                      scale2=1.0 / (1.0 - p2), mean2=mean2, rstd2=rstd2, w_qkv=w16.qkv, wo=w16.attention_output,
                      wi=w16.intermediate, wo2=w16.output, ln1=ln1.weight, ln2=ln2.weight)
-    return y
+    return attach_copy16(y, y16)  # the next layer's input cast
 
 
 def _projections(sa, so, inter, out):

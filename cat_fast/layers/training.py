@@ -28,7 +28,7 @@ from torch.autograd.function import once_differentiable
 
 from ..kernels.triton import optional
 from . import casts, interventions, layout, resumed
-from .layout import bert_parts, dropout, dropout_p, fp32_mm_supported, plain, sdpa_mask
+from .layout import attach_copy16, bert_parts, copy16, dropout, dropout_p, fp32_mm_supported, plain, sdpa_mask
 
 __all__ = ["supported", "forward", "FUSED", "FUSED_MIN_ROWS"]
 
@@ -234,7 +234,7 @@ class _TrainingLayer(torch.autograd.Function):
         fused = _fusion(hidden, dtype, g1.dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             x = hidden.reshape(-1, D)
-            x16 = x.to(dtype)
+            x16 = copy16(hidden, dtype).reshape(-1, D)  # the previous fast layer's 16-bit copy, or a cast
             w16 = casts.weights(layer, (wq, wk, wv, bq, bk, bv, wo, bo, wi, bi, wo2, bo2), dtype)
             w_qkv = w16.qkv
             qkv = torch.addmm(w16.qkv_bias, x16, w_qkv.t())
@@ -264,8 +264,8 @@ class _TrainingLayer(torch.autograd.Function):
                     activated = inter.intermediate_act_fn(inner)
             wo2_16 = w16.output
             o, keep2 = dropout(torch.addmm(w16.output_bias, activated.detach(), wo2_16.t()), p2)
-            if fused:
-                y, _, mean2, rstd2 = fused[0].forward(o, h1, g2, be2, out.LayerNorm.eps)
+            if fused:  # the output's 16-bit copy too: the next layer's input cast
+                y, y16, mean2, rstd2 = fused[0].forward(o, h1, g2, be2, out.LayerNorm.eps, out16_dtype=dtype)
                 second_sum = dict(o=o, h1=h1)
             else:
                 s2 = o + h1
@@ -282,7 +282,7 @@ class _TrainingLayer(torch.autograd.Function):
         ctx.params = params  # leaves that outlive the step: only to ask whether this backward wants their gradients
         ctx.shapes = (B, T, D, heads, width, p1, p2, approximate, hidden.dtype, g1.dtype,
                       (wq.shape[0], wk.shape[0], wv.shape[0]))
-        return y.view(B, T, D)
+        return attach_copy16(y.view(B, T, D), y16.view(B, T, D)) if fused else y.view(B, T, D)
 
     @staticmethod
     @once_differentiable
@@ -331,7 +331,13 @@ class _TrainingLayer(torch.autograd.Function):
             (grad_qkv,) = torch.autograd.grad(t["context"], t["qkv_leaf"], grad_context, retain_graph=True)
             grad_x = _mm_into(grad_s1.to(torch.promote_types(x_dtype, grad_s1.dtype)), grad_qkv, t["w_qkv"])
             grad_w_qkv = _weight_grad(grad_qkv, t["x16"], p_dtype) if any(need[0:6:2]) else None
-            grad_b_qkv = grad_qkv.sum(0, dtype=p_dtype) if any(need[1:6:2]) else None
+            grad_b_qkv = None
+            if any(need[1:6:2]) and fused and p_dtype == torch.float32:
+                from ..kernels.triton._common import column_sums  # fused: Triton is there
+
+                grad_b_qkv = column_sums(grad_qkv.unsqueeze(0), grad_qkv.shape[1])[0]  # fp32 sums, one launch
+            elif any(need[1:6:2]):
+                grad_b_qkv = grad_qkv.sum(0, dtype=p_dtype)
         wq_wk_wv = grad_w_qkv.split(qkv_sizes) if grad_w_qkv is not None else (None,) * 3
         bq_bk_bv = grad_b_qkv.split(qkv_sizes) if grad_b_qkv is not None else (None,) * 3
         qkv_grads = [g if need[i] else None for i, g in enumerate(

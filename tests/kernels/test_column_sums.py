@@ -40,3 +40,17 @@ def test_strided_groups_nan_and_empty():
     out = column_sums(nan, 40)
     assert torch.isnan(out[1, 3]) and torch.isfinite(out[0]).all() and torch.isfinite(out[1, 4:]).all()
     assert column_sums(base[:, :0], 40).eq(0).all() and column_sums(base, 0).shape == (6, 0)
+
+
+@pytest.mark.skipif(not RUNS, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("rows,n", [(4096, 40), (3001, 70)])
+def test_long_sums_split_over_programs_and_16_bit_input(rows, n):
+    # many rows: summed in two launches (the rows split over programs, then the partial sums); 16-bit input
+    # (a bias gradient) accumulated in fp32
+    g = torch.Generator().manual_seed(rows)
+    part = torch.randn(1, rows, n, generator=g).to(DEVICE)
+    torch.testing.assert_close(column_sums(part, n), part.sum(1), rtol=1e-5, atol=1e-4)
+    half = part.to(torch.bfloat16)
+    got = column_sums(half, n)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, half.float().sum(1), rtol=1e-5, atol=1e-4)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cat_fast import models
-from cat_fast.layers import casts, resumed, training
+from cat_fast.layers import casts, layout, resumed, training
 from cat_fast.objectives import CAT
 from tests.conftest import tiny_batch, tiny_model
 
@@ -112,3 +112,44 @@ def test_copies_made_outside_a_capture_are_not_read_inside():
         graph.replay()
         assert inside is not outside and torch.equal(inside.qkv, outside.qkv)
         assert casts.weights(layer, p, torch.bfloat16) is not inside  # emptied after the capture too
+
+
+def test_a_layers_16_bit_output_copy_is_the_next_layers_input_cast():
+    x = torch.randn(2, 5, 8)
+    copy = x.to(torch.bfloat16)
+    assert layout.copy16(x, torch.bfloat16) is not copy  # nothing attached: a cast
+    assert layout.attach_copy16(x, copy) is x
+    assert layout.copy16(x, torch.bfloat16) is copy
+    assert layout.copy16(x, torch.float16) is not copy  # another dtype: a cast
+    assert torch.equal(layout.copy16(x, torch.float16), x.to(torch.float16))
+    x.mul_(2)  # changed in place after the copy was made: the copy is stale
+    again = layout.copy16(x, torch.bfloat16)
+    assert again is not copy and torch.equal(again, x.to(torch.bfloat16))
+    assert layout.copy16(x.view(10, 8), torch.bfloat16).shape == (10, 8)  # a view is another tensor: a cast
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_fused_layers_hand_their_16_bit_output_to_the_next(monkeypatch):
+    """Two fused training layers and two fused resumed layers in a row: the second of each reads the first's
+    16-bit copy instead of casting its input."""
+    model = tiny_model("bert", attn="sdpa", num_layers=2).cuda().train()
+    first, second = models.structure(model).layer_modules
+    monkeypatch.setattr(training, "FUSED_MIN_ROWS", 0)
+    reused = []
+    real = layout.copy16
+
+    def spy(x, dtype):
+        out = real(x, dtype)
+        reused.append(getattr(x, "_cat_fast_copy16", (None,))[0] is out)
+        return out
+
+    monkeypatch.setattr(training, "copy16", spy)
+    monkeypatch.setattr(resumed, "copy16", spy)
+    x = torch.randn(3, 7, 32, device="cuda", requires_grad=True)
+    mask = None
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = training.forward(second, (training.forward(first, (x, mask), {}), mask), {})
+        z = resumed.forward(second, (resumed.forward(first, (x.detach().requires_grad_(True), mask), {}), mask), {})
+    assert reused == [False, True, False, True]
+    y.sum().backward()
+    z.sum().backward()
