@@ -462,13 +462,13 @@ def test_fused_kernels_run_under_autocast_and_agree_with_the_unfused_path(train,
 
 
 def test_fusion_applies_only_to_an_fp32_cuda_layer_under_16_bit_autocast(monkeypatch):
-    x = torch.randn(64, 64, 3)  # 4,096 rows: the threshold
-    assert training_layer.FUSED_MIN_ROWS == 4096
+    x = torch.randn(32, 32, 3)  # 1,024 rows: the threshold
+    assert training_layer.FUSED_MIN_ROWS == 1024
     assert training_layer._fusion(x, torch.bfloat16, torch.float32) is None  # CPU
     if CUDA:
         xc = x.cuda()
         assert training_layer._fusion(xc, torch.bfloat16, torch.float32) is not None
-        assert training_layer._fusion(xc[:, :63], torch.bfloat16, torch.float32) is None  # 4,032 rows
+        assert training_layer._fusion(xc[:, :31], torch.bfloat16, torch.float32) is None  # 992 rows
         assert training_layer._fusion(xc, torch.float32, torch.float32) is None
         assert training_layer._fusion(xc.half(), torch.float16, torch.float16) is None
         monkeypatch.setattr(training_layer, "FUSED", False)
