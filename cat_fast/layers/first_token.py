@@ -7,6 +7,14 @@ not apply. The layer's own submodules compute the projections and blocks, so for
 rows computed. Supported: the Bert and DistilBERT layouts (`layout.family`), post-LN, SDPA or eager attention,
 absolute positions. `models.first_token_ok` checks once per model that the head reads only row 0 and that this
 layer gives the full layer's row 0.
+
+Input-only passes (``input_only=True``: CAT's counterfactual passes, where no parameter gradient is taken) of a Bert
+layout whose key and value projections are plain modules can compute keys and values in one matmul on the step's
+shared 16-bit weight copies (`casts.weights`), reading the previous fast layer's 16-bit copy of the input
+(`layout.copy16`), with the input's gradient in one product accumulated at the input's precision and row 0's added
+in place (no per-projection casts, no zero-filled gradient of the first row). The same values and dropout draws (the
+attention is the same SDPA call); the input gradient is summed in fp32 under autocast (the modules round each
+projection's to 16 bits first). `INPUT_ONLY_KEY_VALUE` turns it on: off until it is timed on a GPU.
 """
 from __future__ import annotations
 
@@ -16,12 +24,74 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
-from . import layout
+from . import casts, layout
 
-__all__ = ["supported", "forward"]
+__all__ = ["supported", "forward", "INPUT_ONLY_KEY_VALUE"]
 
 _ATTENTION = ("sdpa", "eager")
+
+# Whether input-only passes compute keys and values in one matmul (module docstring).
+INPUT_ONLY_KEY_VALUE = False
+
+
+class _KeyValueFirst(torch.autograd.Function):
+    """``x -> (x W_kvᵀ + b_kv, x[:, :1])`` with the product in `dtype` from x's 16-bit copy (`layout.copy16`); no
+    parameter gradients. Backward: ``g_x = g_kv W_kv`` accumulated at x's precision (fp32 by the matmul on CUDA),
+    with row 0's gradient added in place."""
+
+    @staticmethod
+    def forward(ctx, x, dtype, w_kv, b_kv):
+        B, T, D = x.shape
+        x16 = layout.copy16(x, dtype).reshape(B * T, D)
+        kv = torch.addmm(b_kv, x16, w_kv.t()).view(B, T, w_kv.shape[0])
+        ctx.save_for_backward(w_kv)
+        ctx.x_dtype, ctx.x_shape = x.dtype, x.shape
+        return kv, x[:, :1].clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_kv, grad_first):
+        (w_kv,) = ctx.saved_tensors
+        acc = torch.promote_types(ctx.x_dtype, torch.float32)
+        if grad_kv is None:
+            grad_x = torch.zeros(ctx.x_shape, device=w_kv.device, dtype=acc)
+        else:
+            rows = grad_kv.reshape(-1, grad_kv.shape[-1])
+            if (layout.fp32_mm_supported(rows.device) and acc == torch.float32
+                    and rows.dtype in (torch.bfloat16, torch.float16)):
+                grad_x = torch.mm(rows, w_kv, out_dtype=torch.float32)
+            else:
+                grad_x = (rows @ w_kv).to(acc)
+            grad_x = grad_x.view(ctx.x_shape)
+        if grad_first is not None:
+            grad_x[:, :1] += grad_first.to(acc)
+        return grad_x.to(ctx.x_dtype), None, None, None
+
+
+def _key_value_weights(layer, parts, x):
+    """``(dtype, W_kv, b_kv)`` for the one-matmul keys and values of an input-only pass, or None where the layer or
+    the call does not allow it (not the Bert layout, hooked or non-plain key/value modules, missing biases,
+    parameters of another dtype or device, an autocast setting other than an fp32 layer under 16-bit autocast)."""
+    if not INPUT_ONLY_KEY_VALUE or layout.family(layer) != "bert" or parts.attention is not layer.attention.self:
+        return None
+    params = layout.bert_projections(layer)
+    if (any(p is None for p in params) or not layout.plain(parts.key, parts.value)
+            or type(parts.key) is not nn.Linear or type(parts.value) is not nn.Linear
+            or any(p.device != x.device or p.dtype != params[0].dtype for p in params)):
+        return None
+    if torch.is_autocast_enabled(x.device.type):
+        if not (x.dtype == params[0].dtype == torch.float32):
+            return None
+        dtype = torch.get_autocast_dtype(x.device.type)
+    elif x.dtype == params[0].dtype:
+        dtype = x.dtype
+    else:
+        return None
+    w16 = casts.weights(layer, params, dtype)
+    n_q = parts.query.out_features
+    return dtype, w16.qkv[n_q:], w16.qkv_bias[n_q:]
 
 
 @dataclass(frozen=True)
@@ -76,12 +146,14 @@ def supported(layer: nn.Module) -> bool:
     return parts is not None and _layout_ok(parts)
 
 
-def forward(layer: nn.Module, args, kwargs, fill: float | None = None, row_only: bool = False):
+def forward(layer: nn.Module, args, kwargs, fill: float | None = None, row_only: bool = False,
+            input_only: bool = False):
     """Row 0 of `layer(*args, **kwargs)`, as a [B, T, D] tensor whose rows 1.. are the layer's input rows
     (detached; nothing reads them) or, with `fill`, that constant; with `row_only`, as a [B, 1, D] tensor (for
     passes whose only reader is a head that reads row 0: no copy of the other rows, and the head's gradient is
-    one row, not a zero-filled sequence). None when the layer or this call cannot be handled (then run the layer
-    itself)."""
+    one row, not a zero-filled sequence). `input_only`: no parameter gradient will be taken through this call (the
+    module docstring's one-matmul keys and values, where on). None when the layer or this call cannot be handled
+    (then run the layer itself)."""
     parts = _layout(layer)
     if parts is None or not _layout_ok(parts):
         return None
@@ -91,10 +163,18 @@ def forward(layer: nn.Module, args, kwargs, fill: float | None = None, row_only:
     x, mask = found
     B, T, _ = x.shape
     heads, width = parts.heads, parts.width
-    first = x[:, :1]
+    fast = _key_value_weights(layer, parts, x) if input_only else None
+    if fast is not None:
+        dtype, w_kv, b_kv = fast
+        with torch.autocast(x.device.type, enabled=False):
+            kv, first = _KeyValueFirst.apply(x, dtype, w_kv, b_kv)
+        k, v = kv.split((parts.key.out_features, parts.value.out_features), -1)
+    else:
+        first = x[:, :1]
+        k, v = parts.key(x), parts.value(x)
     q = parts.query(first).view(B, 1, heads, width).transpose(1, 2)
-    k = parts.key(x).view(B, T, heads, width).transpose(1, 2)
-    v = parts.value(x).view(B, T, heads, width).transpose(1, 2)
+    k = k.view(B, T, heads, width).transpose(1, 2)
+    v = v.view(B, T, heads, width).transpose(1, 2)
     if mask is not None and mask.shape[-2] != 1:
         mask = mask[:, :, :1]
     if mask is not None and mask.dtype != torch.bool:

@@ -15,7 +15,7 @@ from torch import nn
 
 __all__ = ["Layout", "LAYOUTS", "MODEL_TYPES", "COMPONENTS", "BertParts", "family", "component", "bert_parts",
            "call_arguments", "plain", "sdpa_mask", "dropout", "dropout_p", "fp32_mm_supported", "attach_copy16",
-           "copy16"]
+           "copy16", "bert_projections"]
 
 # The activations a layer exposes to interventions (`layers.interventions`), in the order a forward computes them:
 # the query, key and value projections, the attention block's output (after its LayerNorm), the feed-forward
@@ -109,6 +109,14 @@ def bert_parts(layer: nn.Module) -> BertParts | None:
         return BertParts(layer.attention.self, layer.attention.output, layer.intermediate, layer.output)
     except AttributeError:
         return None
+
+
+def bert_projections(layer: nn.Module) -> tuple:
+    """A Bert-layout layer's twelve projection parameters in `casts.weights`'s order: query, key and value weights,
+    their biases, then the attention output, intermediate and output projections' weight and bias."""
+    sa, so, inter, out = bert_parts(layer)
+    return (sa.query.weight, sa.key.weight, sa.value.weight, sa.query.bias, sa.key.bias, sa.value.bias,
+            so.dense.weight, so.dense.bias, inter.dense.weight, inter.dense.bias, out.dense.weight, out.dense.bias)
 
 
 def call_arguments(args, kwargs):

@@ -117,7 +117,7 @@ def _composed(layer, hidden, mask, dtype, found=None):
     sa, so, inter, out = bert_parts(layer)
     B, T, _ = hidden.shape
     heads, width = sa.num_attention_heads, sa.attention_head_size
-    w16 = casts.weights(layer, _projections(sa, so, inter, out), dtype)
+    w16 = casts.weights(layer, layout.bert_projections(layer), dtype)
     with torch.autocast(hidden.device.type, enabled=False):
         qkv, residual = _Fork.apply(hidden, dtype, w16.qkv, w16.qkv_bias)
         q, k, v = qkv.split((sa.query.out_features, sa.key.out_features, sa.value.out_features), -1)
@@ -161,7 +161,7 @@ def _fused_forward(layer, hidden, mask, dtype, saved):
     with torch.autocast("cuda", enabled=False):
         x = hidden.contiguous()
         xb = copy16(hidden, dtype).reshape(-1, D)  # the previous fast layer's 16-bit copy, or a cast
-        w16 = casts.weights(layer, _projections(sa, so, inter, out), dtype)
+        w16 = casts.weights(layer, layout.bert_projections(layer), dtype)
         qkv = torch.addmm(w16.qkv_bias, xb, w16.qkv.t())  # query, key and value in one matmul
         track = saved is not None  # the backward differentiates SDPA and the activation on their own small graphs
         if track:
@@ -189,11 +189,6 @@ def _fused_forward(layer, hidden, mask, dtype, saved):
                      wi=w16.intermediate, wo2=w16.output, ln1=ln1.weight, ln2=ln2.weight)
     return attach_copy16(y, y16)  # the next layer's input cast
 
-
-def _projections(sa, so, inter, out):
-    """The twelve projection parameters in `casts.weights`'s order."""
-    return (sa.query.weight, sa.key.weight, sa.value.weight, sa.query.bias, sa.key.bias, sa.value.bias,
-            so.dense.weight, so.dense.bias, inter.dense.weight, inter.dense.bias, out.dense.weight, out.dense.bias)
 
 
 class _FusedLayer(torch.autograd.Function):

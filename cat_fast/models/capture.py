@@ -210,7 +210,8 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
                 if cap.rng_marker is not None:
                     cap.rng_marker()
             if k == L - 1 and first_token:
-                out = layers.first_token.forward(mod, args, kwargs, first_token_fill, first_token_row_only)
+                out = layers.first_token.forward(mod, args, kwargs, first_token_fill, first_token_row_only,
+                                                 input_only=input_grad_only)
                 if out is not None:
                     return replace_first(cap.last_output, out)
             elif input_grad_only and cap.last_output is not None:

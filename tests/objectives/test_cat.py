@@ -94,8 +94,8 @@ def _count_first_token_calls(monkeypatch):
     calls = []
     real = first_token_layer.forward
 
-    def spy(mod, args, kwargs, fill=None, row_only=False):
-        out = real(mod, args, kwargs, fill, row_only)
+    def spy(mod, args, kwargs, fill=None, row_only=False, input_only=False):
+        out = real(mod, args, kwargs, fill, row_only, input_only=input_only)
         calls.append(out is not None)
         if out is not None:  # a counterfactual pass hands the head one row; the clean forward a whole sequence
             assert (out.shape[1] == 1) == row_only and out.shape[1] == (1 if row_only else args[0].shape[1])
