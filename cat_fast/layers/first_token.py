@@ -52,21 +52,11 @@ class _KeyValueFirst(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_kv, grad_first):
+    def backward(ctx, grad_kv, grad_first):  # both materialized (zeros where unused)
         (w_kv,) = ctx.saved_tensors
         acc = torch.promote_types(ctx.x_dtype, torch.float32)
-        if grad_kv is None:
-            grad_x = torch.zeros(ctx.x_shape, device=w_kv.device, dtype=acc)
-        else:
-            rows = grad_kv.reshape(-1, grad_kv.shape[-1])
-            if (layout.fp32_mm_supported(rows.device) and acc == torch.float32
-                    and rows.dtype in (torch.bfloat16, torch.float16)):
-                grad_x = torch.mm(rows, w_kv, out_dtype=torch.float32)
-            else:
-                grad_x = (rows @ w_kv).to(acc)
-            grad_x = grad_x.view(ctx.x_shape)
-        if grad_first is not None:
-            grad_x[:, :1] += grad_first.to(acc)
+        grad_x = layout.mm_at(grad_kv.reshape(-1, grad_kv.shape[-1]), w_kv, acc).view(ctx.x_shape)
+        grad_x[:, :1] += grad_first.to(acc)
         return grad_x.to(ctx.x_dtype), None, None, None
 
 
@@ -74,20 +64,15 @@ def _key_value_weights(layer, parts, x):
     """``(dtype, W_kv, b_kv)`` for the one-matmul keys and values of an input-only pass, or None where the layer or
     the call does not allow it (not the Bert layout, hooked or non-plain key/value modules, missing biases,
     parameters of another dtype or device, an autocast setting other than an fp32 layer under 16-bit autocast)."""
-    if not INPUT_ONLY_KEY_VALUE or layout.family(layer) != "bert" or parts.attention is not layer.attention.self:
+    if not INPUT_ONLY_KEY_VALUE or layout.family(layer) != "bert":
         return None
     params = layout.bert_projections(layer)
     if (any(p is None for p in params) or not layout.plain(parts.key, parts.value)
             or type(parts.key) is not nn.Linear or type(parts.value) is not nn.Linear
             or any(p.device != x.device or p.dtype != params[0].dtype for p in params)):
         return None
-    if torch.is_autocast_enabled(x.device.type):
-        if not (x.dtype == params[0].dtype == torch.float32):
-            return None
-        dtype = torch.get_autocast_dtype(x.device.type)
-    elif x.dtype == params[0].dtype:
-        dtype = x.dtype
-    else:
+    dtype = layout.compute_dtype(x, params[0].dtype)
+    if dtype is None:
         return None
     w16 = casts.weights(layer, params, dtype)
     n_q = parts.query.out_features

@@ -15,7 +15,7 @@ from torch import nn
 
 __all__ = ["Layout", "LAYOUTS", "MODEL_TYPES", "COMPONENTS", "BertParts", "family", "component", "bert_parts",
            "call_arguments", "plain", "sdpa_mask", "dropout", "dropout_p", "fp32_mm_supported", "attach_copy16",
-           "copy16", "bert_projections"]
+           "copy16", "bert_projections", "compute_dtype", "mm_at"]
 
 # The activations a layer exposes to interventions (`layers.interventions`), in the order a forward computes them:
 # the query, key and value projections, the attention block's output (after its LayerNorm), the feed-forward
@@ -203,3 +203,21 @@ def copy16(x: torch.Tensor, dtype) -> torch.Tensor:
     if found is not None and found[1] == x._version and found[0].dtype == dtype and found[0].shape == x.shape:
         return found[0]
     return x.to(dtype)
+
+
+def compute_dtype(hidden: torch.Tensor, param_dtype) -> torch.dtype | None:
+    """The matmul dtype of a fast layer's pass: autocast's for an fp32 layer under autocast (the mixed-precision
+    setting, where the layer norms run in fp32 as autocast runs them), else the one dtype of input and parameters;
+    None otherwise (other autocast combinations run the layer itself)."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        fp32 = hidden.dtype == param_dtype == torch.float32
+        return torch.get_autocast_dtype(hidden.device.type) if fp32 else None
+    return hidden.dtype if hidden.dtype == param_dtype else None
+
+
+def mm_at(a: torch.Tensor, b: torch.Tensor, dtype) -> torch.Tensor:
+    """``a @ b`` in `dtype`: 16-bit factors accumulated into an fp32 result by the matmul itself where the device
+    can (`fp32_mm_supported`), else the product rounded to `dtype`."""
+    if fp32_mm_supported(a.device) and dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).to(dtype)

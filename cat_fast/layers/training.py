@@ -102,23 +102,13 @@ def supported(layer: nn.Module) -> bool:
     return _checked(layer) is not None
 
 
-def _compute_dtype(hidden, param_dtype):
-    """The matmul dtype: autocast's for an fp32 layer under autocast (the mixed-precision setting, where the layer
-    norms run in fp32 as autocast runs them), else the one dtype of input and parameters; None otherwise (other
-    autocast combinations run the layer itself)."""
-    if torch.is_autocast_enabled(hidden.device.type):
-        fp32 = hidden.dtype == param_dtype == torch.float32
-        return torch.get_autocast_dtype(hidden.device.type) if fp32 else None
-    return hidden.dtype if hidden.dtype == param_dtype else None
-
-
 def _fusion(hidden, dtype, layer_norm_dtype):
-    """``(residual_layer_norm, gelu_bias_backward)`` kernel modules when the fused path applies (CUDA, an fp32
-    layer under autocast, Triton importable, `FUSED`, `FUSED_MIN_ROWS` rows or more), else None."""
+    """``(residual_layer_norm, gelu_bias_backward, column_sums)`` kernel modules when the fused path applies (CUDA,
+    an fp32 layer under autocast, Triton importable, `FUSED`, `FUSED_MIN_ROWS` rows or more), else None."""
     if not (FUSED and hidden.shape[:-1].numel() >= FUSED_MIN_ROWS and hidden.is_cuda and hidden.dtype == torch.float32
             and layer_norm_dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16)):
         return None
-    kernels = optional("residual_layer_norm"), optional("gelu_bias_backward")
+    kernels = optional("residual_layer_norm"), optional("gelu_bias_backward"), optional("column_sums")
     return kernels if None not in kernels else None
 
 
@@ -137,7 +127,7 @@ def forward(layer: nn.Module, args, kwargs) -> torch.Tensor | None:
     if (not hidden.is_floating_point() or hidden.device != first.device
             or any(p.dtype != first.dtype or p.device != first.device for p in params)):
         return None
-    dtype = _compute_dtype(hidden, first.dtype)
+    dtype = layout.compute_dtype(hidden, first.dtype)
     if dtype is None or not (hidden.requires_grad or any(p.requires_grad for p in params)):
         return None
     edits = interventions.active(layer)
@@ -188,10 +178,7 @@ def _mm_into(acc, a, b):
 
 def _weight_grad(grad_rows, input_rows, dtype):
     """``grad_rowsᵀ @ input_rows`` in the parameter dtype, accumulated in fp32 (or wider)."""
-    if (fp32_mm_supported(grad_rows.device) and dtype == torch.float32
-            and grad_rows.dtype in (torch.bfloat16, torch.float16)):
-        return torch.mm(grad_rows.t(), input_rows, out_dtype=torch.float32)
-    return (grad_rows.t() @ input_rows).to(dtype)
+    return layout.mm_at(grad_rows.t(), input_rows, dtype)
 
 
 def _will_run(param) -> bool:
@@ -335,12 +322,9 @@ class _TrainingLayer(torch.autograd.Function):
             grad_x = _mm_into(grad_s1.to(torch.promote_types(x_dtype, grad_s1.dtype)), grad_qkv, t["w_qkv"])
             grad_w_qkv = _weight_grad(grad_qkv, t["x16"], p_dtype) if any(need[0:6:2]) else None
             grad_b_qkv = None
-            if any(need[1:6:2]) and fused and p_dtype == torch.float32:
-                from ..kernels.triton._common import column_sums  # fused: Triton is there
-
-                grad_b_qkv = column_sums(grad_qkv.unsqueeze(0), grad_qkv.shape[1])[0]  # fp32 sums, one launch
-            elif any(need[1:6:2]):
-                grad_b_qkv = grad_qkv.sum(0, dtype=p_dtype)
+            if any(need[1:6:2]):  # fused (fp32 parameters): Triton's column sums, PyTorch's are latency-bound here
+                grad_b_qkv = (fused[2].column_sums(grad_qkv.unsqueeze(0), grad_qkv.shape[1])[0] if fused
+                              else grad_qkv.sum(0, dtype=p_dtype))
         wq_wk_wv = grad_w_qkv.split(qkv_sizes) if grad_w_qkv is not None else (None,) * 3
         bq_bk_bv = grad_b_qkv.split(qkv_sizes) if grad_b_qkv is not None else (None,) * 3
         qkv_grads = [g if need[i] else None for i, g in enumerate(

@@ -64,8 +64,7 @@ def capture_safe_eager_mask(original, sdpa_mask):
 @contextlib.contextmanager
 def graph_capture(graph, pool=None):
     """``torch.cuda.graph(graph, pool=pool)`` with autocast's weight cache and the fast layers' shared 16-bit weights
-    (`layers.casts`) emptied before and after and eager
-    attention masks built on the device (module docstring)."""
+    (`layers.casts`) emptied before and after, and eager attention masks built on the device (module docstring)."""
     torch.clear_autocast_cache()
     casts.clear()
     try:

@@ -1,4 +1,4 @@
-"""cat_fast.kernels.triton._common.column_sums (adds the row-sum kernels' partial sums) against torch.sum. On the CPU
+"""cat_fast.kernels.triton.column_sums (adds the row-sum kernels' partial sums) against torch.sum. On the CPU
 the Triton kernel runs under the interpreter."""
 import os
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from cat_fast.kernels.triton._common import column_sums  # noqa: E402
+from cat_fast.kernels.triton.column_sums import column_sums  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 RUNS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
@@ -54,3 +54,8 @@ def test_long_sums_split_over_programs_and_16_bit_input(rows, n):
     got = column_sums(half, n)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, half.float().sum(1), rtol=1e-5, atol=1e-4)
+
+
+def test_a_tensor_that_is_not_3_d_is_refused():
+    with pytest.raises(ValueError, match=r"part: expected a 3-D tensor \[groups, rows, columns\], got shape \(3, 4\)"):
+        column_sums(torch.randn(3, 4), 4)

@@ -3,7 +3,7 @@
 16-bit inputs and rounded to the input dtype — PyTorch's ``gelu_backward`` (``approximate="none"``) — and the bias
 gradient, the column sums of ``grad_inner`` as rounded, in fp32 (PyTorch's ``grad_inner.sum(0, dtype=float32)``).
 Each program covers a run of rows of one block of columns; one more launch adds the programs' partial sums
-(`_common.column_sums`).
+(`column_sums`).
 The same arithmetic as `reference_backward`.
 """
 import math
@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import column_sums, partial_programs
+from ._common import partial_programs
+from .column_sums import column_sums
 
 __all__ = ["backward", "reference_backward"]
 

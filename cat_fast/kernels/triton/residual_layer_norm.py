@@ -6,14 +6,16 @@ written in a 16-bit dtype (the next projection's input). Backward: from ``grad_y
 residual's gradient — and, for the branch, ``grad_s * keep * scale`` in the branch's dtype (the branch went
 through dropout with that mask and scale). `backward_with_params` also sums, over the rows, the LayerNorm's weight
 and bias gradients and the gradient of the bias the branch's projection added (the sum of the branch's gradient as
-rounded to its dtype), in fp32: each program sums a run of rows, a few rows at a time, and one more launch adds the
-programs' partial sums (`_common.column_sums`). The same arithmetic as `reference_forward` / `reference_backward` / `reference_backward_with_params`.
+rounded to its dtype), in fp32: each program sums a run of rows, and one more launch adds the programs' partial
+sums (`column_sums`). The same arithmetic as `reference_forward` / `reference_backward` /
+`reference_backward_with_params`.
 """
 import torch
 import triton
 import triton.language as tl
 
-from ._common import column_sums, partial_programs, pow2_at_least
+from ._common import partial_programs, pow2_at_least
+from .column_sums import column_sums
 
 __all__ = ["forward", "backward", "backward_with_params", "reference_forward", "reference_backward",
            "reference_backward_with_params"]
