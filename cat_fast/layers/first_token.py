@@ -13,8 +13,10 @@ layout whose key and value projections are plain modules can compute keys and va
 shared 16-bit weight copies (`casts.weights`), reading the previous fast layer's 16-bit copy of the input
 (`layout.copy16`), with the input's gradient in one product accumulated at the input's precision and row 0's added
 in place (no per-projection casts, no zero-filled gradient of the first row). The same values and dropout draws (the
-attention is the same SDPA call); the input gradient is summed in fp32 under autocast (the modules round each
-projection's to 16 bits first). `INPUT_ONLY_KEY_VALUE` turns it on: off until it is timed on a GPU.
+attention is the same `attention.first_row` call, given the keys and values as one tensor: their gradient is
+written as one); the input gradient is summed in fp32 under autocast (the modules round each projection's to 16
+bits first). `INPUT_ONLY_KEY_VALUE` (on) turns it off: CAT's captured step at 64x256 took 37.94 ms with it, 38.26
+without, on one H200 (2026-11-27, run BF in benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -22,18 +24,17 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from . import casts, layout
+from . import attention, casts, interventions, layout
 
 __all__ = ["supported", "forward", "INPUT_ONLY_KEY_VALUE"]
 
 _ATTENTION = ("sdpa", "eager")
 
 # Whether input-only passes compute keys and values in one matmul (module docstring).
-INPUT_ONLY_KEY_VALUE = False
+INPUT_ONLY_KEY_VALUE = True
 
 
 class _KeyValueFirst(torch.autograd.Function):
@@ -146,28 +147,27 @@ def forward(layer: nn.Module, args, kwargs, fill: float | None = None, row_only:
     if found is None:
         return None
     x, mask = found
-    B, T, _ = x.shape
-    heads, width = parts.heads, parts.width
+    heads = parts.heads
     fast = _key_value_weights(layer, parts, x) if input_only else None
     if fast is not None:
         dtype, w_kv, b_kv = fast
         with torch.autocast(x.device.type, enabled=False):
-            kv, first = _KeyValueFirst.apply(x, dtype, w_kv, b_kv)
-        k, v = kv.split((parts.key.out_features, parts.value.out_features), -1)
+            keys_values, first = _KeyValueFirst.apply(x, dtype, w_kv, b_kv)  # keys then values, one tensor
+        found = interventions.active(layer)  # on the key / value modules: applied here, as their hooks would
+        if found and ("key" in found or "value" in found):
+            k, v = keys_values.split((parts.key.out_features, parts.value.out_features), -1)
+            keys_values = interventions.apply(found, "key", k), interventions.apply(found, "value", v)
     else:
         first = x[:, :1]
-        k, v = parts.key(x), parts.value(x)
-    q = parts.query(first).view(B, 1, heads, width).transpose(1, 2)
-    k = k.view(B, T, heads, width).transpose(1, 2)
-    v = v.view(B, T, heads, width).transpose(1, 2)
+        keys_values = parts.key(x), parts.value(x)
+    q = parts.query(first)
     if mask is not None and mask.shape[-2] != 1:
         mask = mask[:, :, :1]
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(q.dtype)
-    attention = parts.attention
-    p = attention.dropout.p if attention.training else 0.0
-    context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=attention.scaling)
-    row = parts.finish(context.transpose(1, 2).reshape(B, 1, heads * width), first)
+    a = parts.attention
+    context = attention.first_row(q, keys_values, mask, heads, a.dropout.p if a.training else 0.0, a.scaling)
+    row = parts.finish(context, first)
     if row_only:
         return row
     rest = x[:, 1:].detach() if fill is None else torch.full_like(x[:, 1:], fill)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cat_fast import models
-from cat_fast.layers import casts, layout, resumed, training
+from cat_fast.layers import casts, first_token, layout, resumed, training
 from cat_fast.objectives import CAT
 from tests.conftest import tiny_batch, tiny_model
 
@@ -92,8 +92,11 @@ def _cat_casts(device, cuda_graph=False):
 def test_cat_step_casts_each_layer_once(device, monkeypatch):
     """The clean forward (training layers) casts layers 1 and 2 (layer 3 runs for the first token, with the model's
     own modules); the counterfactual passes of the CAL steps and the final pass resume from layer 1 and read layer
-    2's copies from the clean forward instead of casting it again (3 passes: it would be cast 4 times)."""
+    2's copies from the clean forward instead of casting it again (3 passes: it would be cast 4 times), and share
+    one copy of layer 3's keys and values (`first_token.INPUT_ONLY_KEY_VALUE`; off, layer 3 is never cast)."""
     monkeypatch.setattr(casts, "_cast", casts._cast)  # restored even if the step fails
+    assert _cat_casts(device) == [0, 1, 2]
+    monkeypatch.setattr(first_token, "INPUT_ONLY_KEY_VALUE", False)
     assert _cat_casts(device) == [0, 1]
     assert getattr(casts._state, "entries", None) is None  # the step's scope is closed
 

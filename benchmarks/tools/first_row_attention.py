@@ -1,0 +1,119 @@
+"""The first-token layer's attention (one query per sequence, `cat_fast.layers.attention.first_row`) forward +
+backward, side by side: the fused Triton kernels, SDPA as the layer called it before (PyTorch picks its
+memory-efficient kernel for one query with a mask), and the plain composition (scores, softmax, keep mask, values)
+eager and compiled by ``torch.compile`` (Inductor). BERT-base heads (12 x 64), bf16, HF's float padding mask, at
+the batch x length of the step suite, with the attention dropout of training (0.1) and without. Each version runs
+20 times inside one CUDA graph (no host in the timing), median of 7 replays; µs per forward + backward, and the
+bytes the pair must move (keys and values read twice, their gradients written once) over the time as a fraction of
+the GPU's memory bandwidth (``--peak-tbs``, the H200's 4.8 TB/s by default). Each version is checked against the
+fused one first (the same keep mask for the composition; SDPA without dropout).
+
+    python benchmarks/tools/first_row_attention.py [--sizes 8x128 32x128 64x256] [--sweep]
+
+``--sweep`` also times the kernels (keep mask given) under each tile length and warp count.
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
+from benchmarks.tools.row_kernels import graph_time_us  # noqa: E402
+from cat_fast.kernels.triton import first_row_attention as kernels  # noqa: E402
+from cat_fast.layers import attention  # noqa: E402
+
+HEADS, WIDTH = 12, 64
+
+
+def composition(q, k, v, bias, keep, p, scale):
+    B, T, HD = k.shape
+    qh = q.view(B, 1, HEADS, WIDTH).transpose(1, 2)
+    kh, vh = (t.view(B, T, HEADS, WIDTH).transpose(1, 2) for t in (k, v))
+    probs = torch.softmax((qh @ kh.transpose(-1, -2)).float() * scale + bias.float().unsqueeze(2), -1)
+    if keep is not None:
+        probs = probs * keep.unsqueeze(2) / (1.0 - p)
+    return (probs.to(q.dtype) @ vh).transpose(1, 2).reshape(B, 1, HD)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", default=["8x128", "32x128", "64x256"])
+    parser.add_argument("--peak-tbs", type=float, default=4.8)
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    dtype, scale = torch.bfloat16, WIDTH ** -0.5
+    compiled = torch.compile(composition, dynamic=False)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; µs per forward + backward (CUDA graph)")
+    for size in args.sizes:
+        B, T = (int(x) for x in size.split("x"))
+        HD = HEADS * WIDTH
+        q = torch.randn(B, 1, HD, device="cuda", dtype=dtype, requires_grad=True)
+        kv = torch.randn(B, T, 2 * HD, device="cuda", dtype=dtype, requires_grad=True)
+        k, v = kv[..., :HD], kv[..., HD:]
+        mask = torch.zeros(B, 1, 1, T, device="cuda", dtype=dtype)
+        for i in range(B):
+            mask[i, ..., T - (i * 7) % (T // 2):] = torch.finfo(dtype).min  # padding, as HF's mask has it
+        grad = torch.randn(B, 1, HD, device="cuda", dtype=dtype)
+        nbytes = 2 * (2 * B * T * HD * 2) + B * HEADS * T * (4 + 4 + 1)  # kv read twice, dkv written; scores, keep
+        for p in (0.1, 0.0):
+            keep = (torch.rand(B, HEADS, T, device="cuda") >= p).to(torch.uint8) if p else None
+            bias = mask[:, :, 0]
+
+            def fused_fixed():  # the keep mask given: comparable with the composition
+                out = attention.fused_first_row(q, kv, bias, HEADS, keep, scale, p)
+                return torch.autograd.grad(out, (q, kv), grad)
+
+            def fused():  # as the first-token layer calls it: the keep mask drawn (bernoulli_) each call
+                return torch.autograd.grad(attention.first_row(q, kv, mask, HEADS, p, scale), (q, kv), grad)
+
+            def sdpa(p=p):
+                attention.FUSED = False
+                try:
+                    out = attention.first_row(q, (k, v), mask, HEADS, p, scale)
+                finally:
+                    attention.FUSED = True
+                return torch.autograd.grad(out, (q, kv), grad)
+
+            def eager(fn=composition):
+                return torch.autograd.grad(fn(q, k, v, bias, keep.float() if keep is not None else None, p, scale),
+                                           (q, kv), grad)
+
+            def inductor():
+                return eager(compiled)
+
+            want = fused_fixed()
+            checks = {"eager composition": eager, "torch.compile composition": inductor}
+            if not p:
+                checks["SDPA (memory-efficient)"] = sdpa
+            for name, fn in checks.items():
+                got = fn()
+                ok = all(torch.allclose(a.float(), b.float(), rtol=3e-2, atol=3e-2) for a, b in zip(got, want))
+                assert ok, f"{size} p={p}: {name} differs from the fused kernels"
+            print(f"{size} (B={B}, T={T}), dropout {p}:")
+            base = None
+            for name, fn in (("fused (Triton)", fused), ("SDPA (memory-efficient)", sdpa),
+                             ("eager composition", eager), ("torch.compile composition", inductor)):
+                us = graph_time_us(fn)
+                base = base or us
+                tbs = nbytes / (us * 1e-6) / 1e12
+                print(f"  {name:28s} {us:8.2f} µs  x{us / base:5.2f}  {tbs:5.2f} TB/s "
+                      f"({100 * tbs / args.peak_tbs:4.1f} % of peak)", flush=True)
+            if args.sweep:
+                default = kernels.BLOCK_T, kernels.NUM_WARPS
+                for block_t in (32, 64, 128):
+                    for warps in (2, 4, 8):
+                        kernels.BLOCK_T, kernels.NUM_WARPS = block_t, warps
+                        try:
+                            got = fused_fixed()
+                            ok = all(torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+                                     for a, b in zip(got, want))
+                            print(f"    BLOCK_T {block_t:3d} warps {warps}: {graph_time_us(fused_fixed):8.2f} µs"
+                                  f"{'' if ok else '  (differs!)'}", flush=True)
+                        finally:
+                            kernels.BLOCK_T, kernels.NUM_WARPS = default
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""cat_fast.layers.attention: one query per sequence. The fused kernel (on the CPU under the Triton interpreter)
+against a plain composition of its formula, in float64 to rounding, with gradients (gradcheck), masks, dropout,
+odd shapes, B = 1, all-padding rows and non-contiguous inputs; the dispatcher against SDPA; on CUDA, fp32 / bf16
+against SDPA and the composition, and the dropout draws."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cat_fast.layers import attention
+
+pytest.importorskip("triton")
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+RUNS = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+needs_kernel = pytest.mark.skipif(not RUNS, reason="needs CUDA or TRITON_INTERPRET=1")
+
+
+def _reference(q, k, v, bias, heads, keep, scale, p):
+    """softmax(scale q.k + bias) (0 where every score is -inf) * keep / (1 - p) @ v, per head, as [B, 1, H*D]."""
+    B, T, HD = k.shape
+    D = HD // heads
+    qh = q.view(B, 1, heads, D).transpose(1, 2)
+    kh, vh = (t.reshape(B, T, heads, D).transpose(1, 2) for t in (k, v))
+    s = (qh @ kh.transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias.expand(B, heads, T).unsqueeze(2)
+    empty = torch.isneginf(s).all(-1, keepdim=True)  # no key: p = 0 and no gradient (SDPA's safe softmax)
+    probs = torch.where(empty, 0.0, torch.softmax(torch.where(empty, 0.0, s), -1))
+    if keep is not None:
+        probs = probs * keep.view(B, heads, 1, T).to(probs.dtype) / (1.0 - p)
+    return (probs @ vh).transpose(1, 2).reshape(B, 1, HD)
+
+
+def _inputs(B, T, heads, D, dtype=torch.float64, device=DEVICE, seed=0, packed=False, strided=False):
+    g = torch.Generator().manual_seed(seed)
+    HD = heads * D
+    q = torch.randn(B, 1, HD, generator=g, dtype=dtype)
+    kv = torch.randn(B, T, 2 * HD + (5 if strided else 0), generator=g, dtype=dtype)
+    q, kv = q.to(device), kv.to(device)
+    if strided:  # q a column slice, k and v slices of a wider tensor: no tensor contiguous
+        q = torch.randn(B, 1, HD + 3, generator=g, dtype=dtype).to(device)[..., 3:]
+        kv = kv[..., 5:]
+    if packed:
+        return q, kv.contiguous() if not strided else kv
+    return q, kv[..., :HD], kv[..., HD:]
+
+
+def _grads(out, tensors, seed=1):
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype).to(out.device)
+    return torch.autograd.grad(out, tensors, g)
+
+
+def _padding_bias(B, T, dtype, all_padding_row=None, device=DEVICE):
+    lengths = torch.arange(B) % max(T, 1) + 1
+    bias = torch.zeros(B, 1, T, dtype=dtype)
+    for i, n in enumerate(lengths.tolist()):
+        bias[i, :, n:] = torch.finfo(dtype).min
+    if all_padding_row is not None:
+        bias[all_padding_row] = torch.finfo(dtype).min
+    return bias.to(device)
+
+
+@needs_kernel
+@pytest.mark.parametrize("B,T,heads,D", [(3, 37, 2, 24), (1, 1, 1, 8), (2, 130, 3, 16), (4, 64, 2, 64)])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_matches_the_composition_in_float64(B, T, heads, D, masked, p):
+    q, k, v = (t.requires_grad_(True) for t in _inputs(B, T, heads, D, seed=B * T))
+    bias = _padding_bias(B, T, torch.float64) if masked else None
+    keep = None
+    if p:
+        keep = torch.rand(B, heads, T, generator=torch.Generator().manual_seed(5)).ge(p).to(DEVICE)
+    scale = D ** -0.5
+    got = attention.fused_first_row(q, (k, v), bias, heads, keep, scale, p)
+    want = _reference(q, k, v, bias, heads, keep, scale, p)
+    assert got.shape == (B, 1, heads * D) and got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(_grads(got, (q, k, v)), _grads(want, (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@needs_kernel
+@pytest.mark.parametrize("packed", [False, True])
+def test_gradcheck_with_mask_and_dropout(packed):
+    B, T, heads, D = 2, 5, 2, 3
+    inputs = [t.requires_grad_(True) for t in _inputs(B, T, heads, D, packed=packed, seed=7)]
+    bias = _padding_bias(B, T, torch.float64)
+    keep = torch.tensor([[1, 0, 1, 1, 1], [1, 1, 0, 1, 0]], dtype=torch.uint8).repeat(B, 1, 1).to(DEVICE)
+    if packed:
+        fn = lambda q, kv: attention.fused_first_row(q, kv, bias, heads, keep, 0.7, 0.25)  # noqa: E731
+    else:
+        fn = lambda q, k, v: attention.fused_first_row(q, (k, v), bias, heads, keep, 0.7, 0.25)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, tuple(inputs), eps=1e-6, atol=1e-9)
+
+
+@needs_kernel
+def test_packed_keys_values_give_one_gradient_and_the_pair_s_values():
+    q, kv = (t.requires_grad_(True) for t in _inputs(3, 19, 2, 8, packed=True, seed=3))
+    bias = _padding_bias(3, 19, torch.float64)
+    out = attention.fused_first_row(q, kv, bias, 2, None, 0.5)
+    dq, dkv = _grads(out, (q, kv))
+    want = _reference(q, kv[..., :16], kv[..., 16:], bias, 2, None, 0.5, 0.0)
+    wq, wkv = _grads(want, (q, kv))
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dq, wq, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dkv, wkv, rtol=1e-12, atol=1e-12)
+    assert dkv.shape == kv.shape and dkv.is_contiguous()
+
+
+@needs_kernel
+@pytest.mark.parametrize("mask_kind", ["float", "bool"])
+def test_all_padding_rows_and_non_contiguous_inputs(mask_kind):
+    B, T, heads, D = 3, 21, 2, 8
+    q, k, v = (t.requires_grad_(True) for t in _inputs(B, T, heads, D, strided=True, seed=11))
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    if mask_kind == "float":  # every key padded in row 1: HF's finite minimum, a uniform softmax
+        bias = _padding_bias(B, T, torch.float64, all_padding_row=1)
+        want_bias = bias
+    else:  # a bool mask with no key in row 1: SDPA's math path gives 0 there, as the kernel does
+        allowed = torch.ones(B, 1, 1, T, dtype=torch.bool, device=DEVICE)
+        allowed[0, ..., 15:] = False
+        allowed[1] = False
+        bias = attention._bias(allowed, B, heads, T, q.device)
+        want_bias = bias
+    got = attention.fused_first_row(q, (k, v), bias, heads, None, 0.3)
+    want = _reference(q, k, v, want_bias, heads, None, 0.3, 0.0)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    grads = _grads(got, (q, k, v))
+    for a, b in zip(grads, _grads(want, (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    if mask_kind == "bool":
+        assert got[1].eq(0).all() and all(t[1].eq(0).all() for t in grads)
+    else:
+        assert got[1].isfinite().all() and not got[1].eq(0).all()
+
+
+def test_the_dispatcher_is_sdpa_where_the_kernel_does_not_run():
+    # CPU (or a mask the kernel does not take): the SDPA call itself, bit for bit
+    q, k, v = _inputs(2, 9, 3, 4, device="cpu")
+    mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    mask[1, ..., 6:] = False
+    got = attention.first_row(q, (k, v), mask, 3, 0.0, 0.5)
+    want = F.scaled_dot_product_attention(q.view(2, 1, 3, 4).transpose(1, 2), k.reshape(2, 9, 3, 4).transpose(1, 2),
+                                          v.reshape(2, 9, 3, 4).transpose(1, 2), attn_mask=mask, scale=0.5)
+    assert torch.equal(got, want.transpose(1, 2).reshape(2, 1, 12))
+    assert attention._bias(torch.zeros(2, 1, 3, 9), 2, 3, 9, q.device) is False  # several query rows
+    assert attention._bias(torch.zeros(2, 1, 1, 9, requires_grad=True), 2, 3, 9, q.device) is False
+
+
+def test_bad_shapes_are_refused_with_the_argument_named():
+    q, k, v = _inputs(2, 9, 3, 4, device="cpu")
+    with pytest.raises(ValueError, match=r"expected q \[B, 1, H\*D\] and k, v \[B, T, H\*D\] with H = heads = 5"):
+        attention.fused_first_row(q, (k, v), None, 5, None, 1.0)
+    with pytest.raises(ValueError, match=r"keys_values: expected \[B, T, 2\*H\*D\] with H\*D = 12"):
+        attention.fused_first_row(q, k, None, 3, None, 1.0)
+    with pytest.raises(ValueError, match=r"k: expected a 3-D tensor with unit column stride"):
+        attention.fused_first_row(q, (k.transpose(1, 2), v), None, 3, None, 1.0)
+    with pytest.raises(ValueError, match=r"q, k, v: expected one floating dtype"):
+        attention.fused_first_row(q.float(), (k, v), None, 3, None, 1.0)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("B,T", [(1, 1), (8, 128), (5, 77), (64, 256)])
+def test_cuda_matches_sdpa_and_the_composition(dtype, tol, B, T):
+    heads, D = 12, 64
+    q, k, v = (t.requires_grad_(True) for t in _inputs(B, T, heads, D, dtype=dtype, seed=T))
+    mask = _padding_bias(B, T, dtype).unsqueeze(2)  # [B, 1, 1, T], as the first-token layer passes it
+    got = attention.first_row(q, (k, v), mask, heads, 0.0, D ** -0.5)
+    attention.FUSED = False
+    try:
+        sdpa = attention.first_row(q, (k, v), mask, heads, 0.0, D ** -0.5)
+    finally:
+        attention.FUSED = True
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    exact = _reference(q64, k64, v64, mask[:, :, 0].double(), heads, None, D ** -0.5, 0.0)
+    torch.testing.assert_close(got.double(), exact, rtol=tol, atol=tol)
+    torch.testing.assert_close(sdpa.double(), exact, rtol=tol, atol=tol)
+    for a, b in zip(_grads(got, (q, k, v)), _grads(exact, (q64, k64, v64))):
+        torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_dropout_draws_one_bernoulli_keep_mask_from_torch_s_generator():
+    B, T, heads, D, p = 16, 100, 12, 64, 0.1
+    q, k, v = (t.requires_grad_(True) for t in _inputs(B, T, heads, D, dtype=torch.float32, seed=2))
+    mask = _padding_bias(B, T, torch.float32).unsqueeze(2)
+    torch.manual_seed(123)
+    got = attention.first_row(q, (k, v), mask, heads, p, 0.125)
+    torch.manual_seed(123)
+    keep = torch.empty(B, heads, T, device="cuda", dtype=torch.uint8).bernoulli_(1.0 - p)
+    assert 0.85 < keep.float().mean().item() < 0.95
+    want = _reference(q, k, v, mask[:, :, 0], heads, keep, 0.125, p)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    for a, b in zip(_grads(got, (q, k, v)), _grads(want, (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_graph_replays_draw_new_masks():
+    B, T, heads, D = 4, 50, 2, 32
+    q, k, v = _inputs(B, T, heads, D, dtype=torch.float32, seed=4)
+    static = [t.clone() for t in (q, k, v)]
+    attention.first_row(static[0], tuple(static[1:]), None, heads, 0.5, 1.0)  # warm-up (Triton compile)
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        attention.first_row(static[0], tuple(static[1:]), None, heads, 0.5, 1.0)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        out = attention.first_row(static[0], tuple(static[1:]), None, heads, 0.5, 1.0)
+    graph.replay()
+    first = out.clone()
+    graph.replay()
+    assert out.isfinite().all() and not torch.equal(first, out)  # other keep masks each replay
