@@ -49,9 +49,8 @@ def main():
     for size in args.sizes:
         B, T = (int(x) for x in size.split("x"))
         HD = HEADS * WIDTH
-        q = torch.randn(B, 1, HD, device="cuda", dtype=dtype, requires_grad=True)
-        kv = torch.randn(B, T, 2 * HD, device="cuda", dtype=dtype, requires_grad=True)
-        k, v = kv[..., :HD], kv[..., HD:]
+        q = torch.randn(B, 1, HD, device="cuda", dtype=dtype)
+        kv = torch.randn(B, T, 2 * HD, device="cuda", dtype=dtype)
         mask = torch.zeros(B, 1, 1, T, device="cuda", dtype=dtype)
         for i in range(B):
             mask[i, ..., T - (i * 7) % (T // 2):] = torch.finfo(dtype).min  # padding, as HF's mask has it
@@ -61,24 +60,34 @@ def main():
             keep = (torch.rand(B, HEADS, T, device="cuda") >= p).to(torch.uint8) if p else None
             bias = mask[:, :, 0]
 
+            # each call differentiates w.r.t. new leaves (views of q and kv): no gradient accumulator made outside
+            # the capture, whose stream would make the capture depend on the legacy stream
+            def leaves():
+                q1, kv1 = q.detach().requires_grad_(True), kv.detach().requires_grad_(True)
+                return q1, kv1, kv1[..., :HD], kv1[..., HD:]
+
             def fused_fixed():  # the keep mask given: comparable with the composition
-                out = attention.fused_first_row(q, kv, bias, HEADS, keep, scale, p)
-                return torch.autograd.grad(out, (q, kv), grad)
+                q1, kv1, _, _ = leaves()
+                out = attention.fused_first_row(q1, kv1, bias, HEADS, keep, scale, p)
+                return torch.autograd.grad(out, (q1, kv1), grad)
 
             def fused():  # as the first-token layer calls it: the keep mask drawn (bernoulli_) each call
-                return torch.autograd.grad(attention.first_row(q, kv, mask, HEADS, p, scale), (q, kv), grad)
+                q1, kv1, _, _ = leaves()
+                return torch.autograd.grad(attention.first_row(q1, kv1, mask, HEADS, p, scale), (q1, kv1), grad)
 
             def sdpa(p=p):
+                q1, kv1, k1, v1 = leaves()
                 attention.FUSED = False
                 try:
-                    out = attention.first_row(q, (k, v), mask, HEADS, p, scale)
+                    out = attention.first_row(q1, (k1, v1), mask, HEADS, p, scale)
                 finally:
                     attention.FUSED = True
-                return torch.autograd.grad(out, (q, kv), grad)
+                return torch.autograd.grad(out, (q1, kv1), grad)
 
             def eager(fn=composition):
-                return torch.autograd.grad(fn(q, k, v, bias, keep.float() if keep is not None else None, p, scale),
-                                           (q, kv), grad)
+                q1, kv1, k1, v1 = leaves()
+                return torch.autograd.grad(fn(q1, k1, v1, bias, keep.float() if keep is not None else None, p, scale),
+                                           (q1, kv1), grad)
 
             def inductor():
                 return eager(compiled)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import acc_tl_dtype, pow2_at_least
+from ._common import acc_tl_dtype, pow2_at_least, scalar_acc, split_scalar
 
 __all__ = ["forward", "backward", "BLOCK_T", "NUM_WARPS"]
 
@@ -30,12 +30,14 @@ NUM_WARPS = 4
 
 @triton.jit
 def _forward_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, keep_ptr, out_ptr, out_acc_ptr, scores_ptr, stats_ptr,
-                    T, H, scale, inv_keep,
+                    T, H, scale_hi, scale_lo, keep_hi, keep_lo,
                     sq_b, sk_b, sk_t, sv_b, sv_t, sb_b, sb_h, sb_t, so_b,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
                     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, ACC: tl.constexpr):
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    scale = scalar_acc(scale_hi, scale_lo, ACC)  # Triton passes floats as fp32: float64 needs both halves
+    inv_keep = scalar_acc(keep_hi, keep_lo, ACC)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     col = h * D + d
@@ -81,12 +83,14 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, keep_ptr, out_ptr, out_acc_pt
 
 @triton.jit
 def _backward_kernel(grad_ptr, q_ptr, k_ptr, v_ptr, keep_ptr, out_acc_ptr, scores_ptr, stats_ptr,
-                     dq_ptr, dk_ptr, dv_ptr, T, H, scale, inv_keep,
+                     dq_ptr, dk_ptr, dv_ptr, T, H, scale_hi, scale_lo, keep_hi, keep_lo,
                      sg_b, sq_b, sk_b, sk_t, sv_b, sv_t, sdq_b, sdk_b, sdk_t, sdv_b, sdv_t,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
                      HAS_DROPOUT: tl.constexpr, ACC: tl.constexpr):
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    scale = scalar_acc(scale_hi, scale_lo, ACC)  # Triton passes floats as fp32: float64 needs both halves
+    inv_keep = scalar_acc(keep_hi, keep_lo, ACC)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     col = h * D + d
@@ -141,7 +145,7 @@ def forward(q, k, v, bias, keep, heads: int, scale: float, inv_keep: float):
     sb = bias.stride() if bias is not None else (0, 0, 0)
     _forward_kernel[(heads, B)](
         q, k, v, bias if bias is not None else q, keep if keep is not None else q, out, out_acc, scores, stats,
-        T, heads, scale, inv_keep, q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        T, heads, *split_scalar(scale), *split_scalar(inv_keep), q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         sb[0], sb[1], sb[2], out.stride(0),
         D=D, BLOCK_D=block_d, BLOCK_T=block_t, HAS_BIAS=bias is not None, HAS_DROPOUT=keep is not None,
         ACC=acc_tl_dtype(q), num_warps=NUM_WARPS)
@@ -162,7 +166,8 @@ def backward(grad, q, k, v, keep, saved, heads: int, scale: float, inv_keep: flo
     dv = torch.empty(B, T, HD, device=v.device, dtype=v.dtype) if dv is None else dv
     block_t, block_d = _tiles(T, D)
     _backward_kernel[(heads, B)](
-        grad, q, k, v, keep if keep is not None else q, out_acc, scores, stats, dq, dk, dv, T, heads, scale, inv_keep,
+        grad, q, k, v, keep if keep is not None else q, out_acc, scores, stats, dq, dk, dv, T, heads,
+        *split_scalar(scale), *split_scalar(inv_keep),
         grad.stride(0), q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dq.stride(0),
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         D=D, BLOCK_D=block_d, BLOCK_T=block_t, HAS_DROPOUT=keep is not None, ACC=acc_tl_dtype(q), num_warps=NUM_WARPS)
