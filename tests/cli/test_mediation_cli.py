@@ -138,7 +138,12 @@ def test_mediation_under_torchrun_equals_one_process(tiny, tmp_path, capsys):
     model = _trained(tiny, tmp_path, capsys)
     common = ["mediation", "--model", str(model), "--task", "nli", "--per-class", "2", "--max-length", "32",
               "--device", "cpu", "--top-k", "5"]
-    code, err = run(common + ["--out", tmp_path / "one"], capsys)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank below: a reduction split over threads sums in another order
+    try:
+        code, err = run(common + ["--out", tmp_path / "one"], capsys)
+    finally:
+        torch.set_num_threads(threads)
     assert code == 0, err
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

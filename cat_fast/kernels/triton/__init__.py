@@ -13,9 +13,10 @@ the kernel-op schemas (``csrc/cpu/<op>.cpp``; contracts: ``docs/KERNELS.md``):
 and kernels that are not op backends: ``residual_layer_norm`` (residual add + LayerNorm forward and backward, the
 latter optionally with the LayerNorm and branch-bias gradients, for `cat_fast.layers.resumed` and
 `cat_fast.layers.training`), ``gelu_bias_backward`` (GELU backward + the bias gradient, for `layers.training`),
-``column_sums`` (the partial sums of those two; a bias gradient's sums) and ``pooled_gs_loss`` (gradient
-supervision on the pooled representation of a linear head, loss and weight gradient in one launch, for
-`cat_fast.objectives.gs`).
+``column_sums`` (the partial sums of those two; a bias gradient's sums), ``first_row_attention`` (attention of one
+query per sequence, forward and backward, for `cat_fast.layers.attention`, the first-token layer's) and
+``pooled_gs_loss`` (gradient supervision on the pooled representation of a linear head, loss and weight gradient in
+one launch, for `cat_fast.objectives.gs`).
 
 Importing a submodule imports triton; this package file itself does not (`optional` imports one on demand).
 """

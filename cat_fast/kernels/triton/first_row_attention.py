@@ -22,10 +22,26 @@ from ._common import acc_tl_dtype, pow2_at_least, scalar_acc, split_scalar
 
 __all__ = ["forward", "backward", "BLOCK_T", "NUM_WARPS"]
 
-# key rows per tile (the loop over keys), at most; warps per program (`benchmarks/tools/first_row_attention.py
-# --sweep` times the alternatives)
-BLOCK_T = 64
+# key rows per tile (the loop over keys), at most; warps per program. From `benchmarks/tools/first_row_attention.py
+# --sweep` (H200, 2026-11-27, forward + backward with dropout, µs): 128 keys x 4 warps 7.5 / 12.2 / 54.3 at 8x128 /
+# 32x128 / 64x256 (64 x 4: 13.5 / 17.3 / 68.4; 128 x 2: 9.4 / 12.4 / 51.3; 32 x 4: 14.3 / 20.1 / 71.2)
+BLOCK_T = 128
 NUM_WARPS = 4
+
+
+@triton.jit
+def _program(q_ptr, sq_b, H, scale_hi, scale_lo, keep_hi, keep_lo, D: tl.constexpr, BLOCK_D: tl.constexpr,
+             ACC: tl.constexpr):
+    """This program's sequence b, its (sequence, head) row of scores / keep / stats / out_acc, the head's columns
+    (d, their mask, col), its query at ACC, and the scale and keep factor at ACC (Triton passes floats as fp32:
+    float64 needs both halves)."""
+    h = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    col = h * D + d
+    q = tl.load(q_ptr + b * sq_b + col, mask=dm, other=0.0).to(ACC)
+    return (b, b * H + h, d, dm, col, q, scalar_acc(scale_hi, scale_lo, ACC), scalar_acc(keep_hi, keep_lo, ACC))
 
 
 @triton.jit
@@ -34,15 +50,8 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, keep_ptr, out_ptr, out_acc_pt
                     sq_b, sk_b, sk_t, sv_b, sv_t, sb_b, sb_h, sb_t, so_b,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
                     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, ACC: tl.constexpr):
-    h = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    scale = scalar_acc(scale_hi, scale_lo, ACC)  # Triton passes floats as fp32: float64 needs both halves
-    inv_keep = scalar_acc(keep_hi, keep_lo, ACC)
-    d = tl.arange(0, BLOCK_D)
-    dm = d < D
-    col = h * D + d
-    q = tl.load(q_ptr + b * sq_b + col, mask=dm, other=0.0).to(ACC)
-    row = b * H + h  # the (sequence, head) row of scores / keep / stats / out_acc
+    b, row, d, dm, col, q, scale, inv_keep = _program(q_ptr, sq_b, H, scale_hi, scale_lo, keep_hi, keep_lo, D,
+                                                      BLOCK_D, ACC)
     m = tl.full([1], float("-inf"), ACC)
     l_sum = tl.zeros([1], ACC)
     acc = tl.zeros([BLOCK_D], ACC)
@@ -54,7 +63,7 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, keep_ptr, out_ptr, out_acc_pt
                      other=0.0).to(ACC)
         s = tl.sum(kt * q[None, :], axis=1) * scale
         if HAS_BIAS:
-            s += tl.load(bias_ptr + b * sb_b + h * sb_h + t64 * sb_t, mask=tm, other=0.0).to(ACC)
+            s += tl.load(bias_ptr + b * sb_b + tl.program_id(0) * sb_h + t64 * sb_t, mask=tm, other=0.0).to(ACC)
         s = tl.where(tm, s, float("-inf"))
         tl.store(scores_ptr + row * T + t64, s, mask=tm)
         m_new = tl.maximum(m, tl.max(s, axis=0))
@@ -87,16 +96,9 @@ def _backward_kernel(grad_ptr, q_ptr, k_ptr, v_ptr, keep_ptr, out_acc_ptr, score
                      sg_b, sq_b, sk_b, sk_t, sv_b, sv_t, sdq_b, sdk_b, sdk_t, sdv_b, sdv_t,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
                      HAS_DROPOUT: tl.constexpr, ACC: tl.constexpr):
-    h = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    scale = scalar_acc(scale_hi, scale_lo, ACC)  # Triton passes floats as fp32: float64 needs both halves
-    inv_keep = scalar_acc(keep_hi, keep_lo, ACC)
-    d = tl.arange(0, BLOCK_D)
-    dm = d < D
-    col = h * D + d
-    row = b * H + h
+    b, row, d, dm, col, q, scale, inv_keep = _program(q_ptr, sq_b, H, scale_hi, scale_lo, keep_hi, keep_lo, D,
+                                                      BLOCK_D, ACC)
     do = tl.load(grad_ptr + b * sg_b + col, mask=dm, other=0.0).to(ACC)
-    q = tl.load(q_ptr + b * sq_b + col, mask=dm, other=0.0).to(ACC)
     delta = tl.sum(tl.load(out_acc_ptr + row * D + d, mask=dm, other=0.0) * do, axis=0)
     m = tl.load(stats_ptr + 2 * row + tl.arange(0, 1))
     inv_l = tl.load(stats_ptr + 2 * row + 1 + tl.arange(0, 1))
