@@ -10,6 +10,10 @@ still what a new cast would give: the same parameters, unchanged since (version 
 CUDA-graph capture state. `models.graph_capture` empties the shared copies before and after a capture, as it does
 autocast's cache: a graph must not read memory that eager code made (a replay would read whatever is there then),
 and eager code must not read memory that a graph owns.
+
+``additive_mask(mask, dtype)`` is the same for a boolean attention mask: SDPA's additive form of it (0 where a query
+attends a key, -inf elsewhere), which SDPA would otherwise build inside every call (a `where` over [B, 1, T, T]: 12
+µs a call at 64x256 on an H200, 19 calls in a CAT step), made once per step inside ``shared()``.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Weights16", "weights", "shared", "clear"]
+__all__ = ["Weights16", "weights", "additive_mask", "shared", "clear"]
 
 
 class Weights16(NamedTuple):
@@ -82,6 +86,27 @@ def weights(layer, params, dtype) -> Weights16:
         return hit[2]
     made = _cast(params, dtype)
     entries[key] = (stamp, layer, made)
+    return made
+
+
+def _additive(mask, dtype):
+    return torch.full(mask.shape, float("-inf"), dtype=dtype, device=mask.device).masked_fill_(mask, 0.0)
+
+
+def additive_mask(mask: torch.Tensor, dtype) -> torch.Tensor:
+    """SDPA's additive form of the boolean attention `mask` (True attends) in `dtype`: SDPA gives the same with it
+    as with the mask itself. Made now, or inside `shared` reused while the mask is unchanged (its version counter
+    and storage) and in the same capture state (module docstring)."""
+    entries = getattr(_state, "entries", None)
+    if entries is None:
+        return _additive(mask, dtype)
+    key = ("mask", id(mask), dtype)
+    stamp = (mask.is_cuda and torch.cuda.is_current_stream_capturing(), mask._version, mask.data_ptr())
+    hit = entries.get(key)
+    if hit is not None and hit[0] == stamp and hit[1] is mask:
+        return hit[2]
+    made = _additive(mask, dtype)
+    entries[key] = (stamp, mask, made)
     return made
 
 

@@ -13,6 +13,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from . import casts
+
 __all__ = ["Layout", "LAYOUTS", "MODEL_TYPES", "COMPONENTS", "BertParts", "family", "component", "bert_parts",
            "call_arguments", "plain", "sdpa_mask", "dropout", "dropout_p", "fp32_mm_supported", "attach_copy16",
            "copy16", "bert_projections", "compute_dtype", "mm_at"]
@@ -163,7 +165,11 @@ def plain(*modules: nn.Module) -> bool:
 
 
 def sdpa_mask(mask, dtype):
-    return mask if mask is None or mask.dtype == torch.bool else mask.to(dtype)
+    """The attention mask as the fast layers hand it to SDPA: a boolean mask in its additive form (`casts.additive_mask`:
+    the same attention, converted once per step instead of inside every SDPA call), another one in `dtype`."""
+    if mask is None:
+        return None
+    return casts.additive_mask(mask, dtype) if mask.dtype == torch.bool else mask.to(dtype)
 
 
 def dropout_p(module):

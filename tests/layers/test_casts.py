@@ -156,3 +156,60 @@ def test_fused_layers_hand_their_16_bit_output_to_the_next(monkeypatch):
     assert reused == [False, True, False, True]
     y.sum().backward()
     z.sum().backward()
+
+
+def _sdpa_pair(mask, dtype, device):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(mask.shape[0], 3, mask.shape[-1], 8, generator=g, dtype=torch.float64).to(device, dtype)
+               for _ in range(3))
+    F = torch.nn.functional
+    return (F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+            F.scaled_dot_product_attention(q, k, v, attn_mask=casts.additive_mask(mask, dtype)))
+
+
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.float64)] + ([("cuda", torch.bfloat16), ("cuda", torch.float32)]
+                                                                      if CUDA else []))
+def test_the_additive_mask_gives_sdpa_s_attention_bit_for_bit(device, dtype):
+    lengths = torch.tensor([7, 3, 5, 1])
+    padding = torch.arange(7)[None, :] < lengths[:, None]
+    mask = models.inputs._padding_mask_4d(padding.long()).to(device)  # bool [B, 1, T, T], as the fast layers get it
+    additive = casts.additive_mask(mask, dtype)
+    assert additive.dtype == dtype and additive.shape == mask.shape
+    assert torch.equal(additive == 0, mask) and torch.isneginf(additive[~mask]).all()
+    own, ours = _sdpa_pair(mask, dtype, device)
+    assert torch.equal(own, ours)
+    assert layout.sdpa_mask(mask, dtype).dtype == dtype and layout.sdpa_mask(None, dtype) is None
+    if device == "cpu":  # a sequence with no key at all: 0 both ways (SDPA's safe softmax)
+        mask[1] = False
+        own, ours = _sdpa_pair(mask, dtype, device)
+        assert torch.equal(own, ours) and own[1].eq(0).all()
+
+
+def test_the_additive_mask_is_made_once_per_step_while_the_mask_is_unchanged():
+    mask = torch.ones(2, 1, 4, 4, dtype=torch.bool)
+    assert casts.additive_mask(mask, torch.float32) is not casts.additive_mask(mask, torch.float32)  # no scope
+    with casts.shared():
+        first = casts.additive_mask(mask, torch.float32)
+        assert casts.additive_mask(mask, torch.float32) is first
+        assert casts.additive_mask(mask, torch.bfloat16) is not first
+        assert casts.additive_mask(mask.clone(), torch.float32) is not first  # another tensor
+        mask[0, ..., 3] = False  # in place: the version moves
+        again = casts.additive_mask(mask, torch.float32)
+        assert again is not first and torch.isneginf(again[0, ..., 3]).all() and first[0, ..., 3].eq(0).all()
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if CUDA else []))
+def test_a_cat_step_converts_its_mask_once(device, monkeypatch):
+    # the clean forward's training layers, the CAL steps' and the final pass's resumed layers: one `where` in all
+    model = tiny_model("bert", attn="sdpa", num_layers=3).to(device).train()
+    batch = {k: v.to(device) for k, v in tiny_batch("bert", batch=4, length=9).items()}
+    made = []
+    real = casts._additive
+    monkeypatch.setattr(casts, "_additive", lambda mask, dtype: made.append(mask.shape) or real(mask, dtype))
+    cat = CAT(model, layers=[1], adv_steps=2, warmup_steps=0, generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        made.clear()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss, _ = cat(batch)
+        loss.backward()
+        assert made == [(4, 1, 9, 9)]

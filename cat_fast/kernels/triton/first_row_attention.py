@@ -45,7 +45,7 @@ def _program(q_ptr, sq_b, H, scale_hi, scale_lo, keep_hi, keep_lo, D: tl.constex
 
 
 @triton.jit
-def _forward_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, keep_ptr, out_ptr, out_acc_ptr, scores_ptr, stats_ptr,
+def _first_row_forward_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, keep_ptr, out_ptr, out_acc_ptr, scores_ptr, stats_ptr,
                     T, H, scale_hi, scale_lo, keep_hi, keep_lo,
                     sq_b, sk_b, sk_t, sv_b, sv_t, sb_b, sb_h, sb_t, so_b,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -91,7 +91,7 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, keep_ptr, out_ptr, out_acc_pt
 
 
 @triton.jit
-def _backward_kernel(grad_ptr, q_ptr, k_ptr, v_ptr, keep_ptr, out_acc_ptr, scores_ptr, stats_ptr,
+def _first_row_backward_kernel(grad_ptr, q_ptr, k_ptr, v_ptr, keep_ptr, out_acc_ptr, scores_ptr, stats_ptr,
                      dq_ptr, dk_ptr, dv_ptr, T, H, scale_hi, scale_lo, keep_hi, keep_lo,
                      sg_b, sq_b, sk_b, sk_t, sv_b, sv_t, sdq_b, sdk_b, sdk_t, sdv_b, sdv_t,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -145,7 +145,7 @@ def forward(q, k, v, bias, keep, heads: int, scale: float, inv_keep: float):
     stats = torch.empty(B, heads, 2, device=q.device, dtype=acc)
     block_t, block_d = _tiles(T, D)
     sb = bias.stride() if bias is not None else (0, 0, 0)
-    _forward_kernel[(heads, B)](
+    _first_row_forward_kernel[(heads, B)](
         q, k, v, bias if bias is not None else q, keep if keep is not None else q, out, out_acc, scores, stats,
         T, heads, *split_scalar(scale), *split_scalar(inv_keep), q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         sb[0], sb[1], sb[2], out.stride(0),
@@ -167,7 +167,7 @@ def backward(grad, q, k, v, keep, saved, heads: int, scale: float, inv_keep: flo
     dk = torch.empty(B, T, HD, device=k.device, dtype=k.dtype) if dk is None else dk
     dv = torch.empty(B, T, HD, device=v.device, dtype=v.dtype) if dv is None else dv
     block_t, block_d = _tiles(T, D)
-    _backward_kernel[(heads, B)](
+    _first_row_backward_kernel[(heads, B)](
         grad, q, k, v, keep if keep is not None else q, out_acc, scores, stats, dq, dk, dv, T, heads,
         *split_scalar(scale), *split_scalar(inv_keep),
         grad.stride(0), q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dq.stride(0),
