@@ -50,6 +50,10 @@ bf16 autocast, AdamW (fused on CUDA), B x T = 8x128, 32x128, 64x256; each sample
 12. `gs_first_order_fwd_captured`, `gs_pooled_captured`: `gs_first_order_fwd` (with ``low_memory=False``, which a
                  captured step needs) and `gs_pooled` through `CapturedStep` with that optimizer: one CUDA graph per
                  batch shape, captured within the warm-up.
+13. `gs_exact_captured`, `poe_captured`, `reweight_captured`, `learned_mixin_captured`, `conf_reg_captured`,
+                 `clp_captured`: `gs_exact`, the bias-model objectives and `clp` through `CapturedStep` the same way
+                 (learned-mixin's gate in that optimizer; CLP's virtual step at its tensor learning rate), so that
+                 every objective has a row against `plain_compiled_ro` (issue 23).
 8. `clp`, `clp_all`: `cat_fast.CLP` (causal logit perturbation) with `virtual="head"` / `"all"`: the model's own
                  forward (so `plain` is their ERM step), the characteristics op, Ω's meta step on a metadata batch
                  of the same shape (another draw of ids), the perturbed loss; `clp_all` runs eager attention (its
@@ -91,8 +95,12 @@ METHODS = ("plain", "plain_first_token", "plain_training_layers", "naive_cat", "
            "cat_hf_layers", "cat_hf_clean", "gs_exact", "gs_first_order", "gs_first_order_fwd", "gs_pooled",
            "gs_pooled_hf_layers", "poe", "reweight", "learned_mixin", "conf_reg", "clp", "clp_all",
            "plain_compiled", "plain_compiled_ro", "plain_captured", "plain_fast_captured", "cat_captured",
-           "gs_first_order_fwd_captured", "gs_pooled_captured")
+           "gs_first_order_fwd_captured", "gs_pooled_captured", "gs_exact_captured", "poe_captured",
+           "reweight_captured", "learned_mixin_captured", "conf_reg_captured", "clp_captured")
 CAPTURED_GS_METHODS = ("gs_first_order_fwd_captured", "gs_pooled_captured")
+# the other objectives through CapturedStep: the method without "_captured", one graph per batch shape
+CAPTURED_OTHER_METHODS = ("gs_exact_captured", "poe_captured", "reweight_captured", "learned_mixin_captured",
+                          "conf_reg_captured", "clp_captured")
 COMPILED_METHODS = ("plain_compiled", "plain_compiled_ro")
 DEBIAS_METHODS = ("poe", "reweight", "learned_mixin", "conf_reg")
 CAT_METHODS = ("cat", "cat_eager", "cat_full_last", "cat_hf_layers", "cat_hf_clean", "cat_captured")
@@ -100,7 +108,7 @@ CAT_METHODS = ("cat", "cat_eager", "cat_full_last", "cat_hf_layers", "cat_hf_cle
 FIRST_TOKEN_METHODS = ("plain_first_token", "plain_training_layers", "cat", "cat_eager", "cat_captured", "cat_hf_layers",
                        "cat_hf_clean", "gs_first_order", "gs_first_order_fwd", "gs_pooled", "gs_pooled_hf_layers",
                        "gs_first_order_fwd_captured", "gs_pooled_captured", "plain_fast_captured")
-FIRST_TOKEN_METHODS += DEBIAS_METHODS
+FIRST_TOKEN_METHODS += DEBIAS_METHODS + tuple(m + "_captured" for m in DEBIAS_METHODS)
 GS_LONG_METHODS = ("plain", "gs_exact", "gs_first_order", "gs_first_order_fwd")  # the T = 512 size
 CAT_LAYERS = [8, 9, 10]
 NAIVE_LAYER = 9
@@ -215,13 +223,37 @@ def autocast():
 
 def captured_step(objective, model, **kwargs):
     """`cat_fast.step.CapturedStep` of `objective` under bf16 autocast with its own AdamW (fused and capturable,
-    a tensor lr, on a GPU): the `*_captured` rows."""
+    a tensor lr, on a GPU) over the model's and the objective's parameters: the `*_captured` rows."""
     from cat_fast.step import CapturedStep
 
     cuda = DEVICE == "cuda"
-    own = torch.optim.AdamW(model.parameters(), lr=torch.tensor(2e-5, device=DEVICE) if cuda else 2e-5,
-                            fused=cuda, capturable=cuda)
+    params = list(model.parameters()) + list(objective.parameters())
+    own = torch.optim.AdamW(params, lr=torch.tensor(2e-5, device=DEVICE) if cuda else 2e-5, fused=cuda,
+                            capturable=cuda)
+    objective.set_optimizer(own)
     return CapturedStep(objective, own, autocast=torch.bfloat16, **kwargs)
+
+
+def debias_objective(method, model, batch):
+    """(objective, batch with a fixed bias [B, C] (log-probabilities) and teacher probabilities) of a bias-model
+    method, as the CLI's batches carry them."""
+    from cat_fast.objectives import debias
+
+    objective = {"poe": debias.PoE, "reweight": debias.Reweight, "learned_mixin": debias.LearnedMixin,
+                 "conf_reg": debias.ConfidenceRegularization}[method](model)
+    gen = torch.Generator().manual_seed(7)
+    shape = (batch["labels"].shape[0], model.config.num_labels)
+    return objective, dict(batch, bias=torch.log_softmax(2 * torch.randn(shape, generator=gen), -1).to(DEVICE),
+                           teacher_probs=torch.softmax(2 * torch.randn(shape, generator=gen), -1).to(DEVICE))
+
+
+def metadata_batch(model, batch):
+    """CLP's metadata batch: `batch`'s shape, another draw of ids and labels."""
+    gen = torch.Generator().manual_seed(11)
+    ids = batch["input_ids"]
+    return dict(batch, input_ids=torch.randint(0, model.config.vocab_size, tuple(ids.shape), generator=gen).to(ids.device),
+                labels=torch.randint(0, model.config.num_labels, tuple(batch["labels"].shape),
+                                     generator=gen).to(ids.device))
 
 
 def make_step(method, model, optimizer, batch, pairs):
@@ -275,17 +307,29 @@ def make_step(method, model, optimizer, batch, pairs):
     if method == "naive_cat":
         return naive_cat_step(model, batch, finish_step)
 
-    if method in DEBIAS_METHODS:
-        from cat_fast.objectives import debias
+    if method in CAPTURED_OTHER_METHODS:
+        base = method[:-len("_captured")]
+        args = ()
+        if base in DEBIAS_METHODS:
+            objective, batch = debias_objective(base, model, batch)
+        elif base == "gs_exact":
+            objective = cat_fast.GradientSupervision(model, weight=1.0, representation=0, mode="exact")
+            args = (pairs,)
+        else:  # clp: the virtual step at the captured optimizer's (tensor) learning rate
+            from cat_fast.objectives.clp import CLP
 
-        objective = {"poe": debias.PoE, "reweight": debias.Reweight, "learned_mixin": debias.LearnedMixin,
-                     "conf_reg": debias.ConfidenceRegularization}[method](model)
+            objective = CLP(model, [metadata_batch(model, batch)], virtual="head")
+        captured = captured_step(objective, model, warmup_steps=2)
+
+        def step():
+            captured(batch, *args)
+        step.captured = captured
+        return step
+
+    if method in DEBIAS_METHODS:
+        objective, batch = debias_objective(method, model, batch)
         if objective.parameters():
             optimizer.add_param_group({"params": objective.parameters()})
-        gen = torch.Generator().manual_seed(7)
-        shape = (batch["labels"].shape[0], model.config.num_labels)
-        batch = dict(batch, bias=torch.log_softmax(2 * torch.randn(shape, generator=gen), -1).to(DEVICE),
-                     teacher_probs=torch.softmax(2 * torch.randn(shape, generator=gen), -1).to(DEVICE))
 
         def step():
             with autocast():
@@ -296,12 +340,7 @@ def make_step(method, model, optimizer, batch, pairs):
     if method in ("clp", "clp_all"):
         from cat_fast.objectives.clp import CLP
 
-        gen = torch.Generator().manual_seed(11)
-        ids = batch["input_ids"]
-        meta = dict(batch, input_ids=torch.randint(0, model.config.vocab_size, tuple(ids.shape), generator=gen).to(ids.device),
-                    labels=torch.randint(0, model.config.num_labels, tuple(batch["labels"].shape),
-                                         generator=gen).to(ids.device))
-        objective = CLP(model, [meta], virtual="all" if method == "clp_all" else "head")
+        objective = CLP(model, [metadata_batch(model, batch)], virtual="all" if method == "clp_all" else "head")
         objective.set_optimizer(optimizer)
 
         def step():
@@ -541,7 +580,7 @@ def time_paired(step, plain_step, warmup, steps, rounds=20):
 
 
 def _attn_for(method):
-    return "eager" if method in ("gs_exact", "clp_all") else "sdpa"
+    return "eager" if method in ("gs_exact", "gs_exact_captured", "clp_all") else "sdpa"
 
 
 def measure_step(method, size):
@@ -608,8 +647,9 @@ def measure_step(method, size):
                 mean = layer_mean(per_layer)
                 if mean is not None:
                     extra["step_layer_mean_ms"] = mean
-            if method in ("plain", "naive_cat", "plain_captured") + CAT_METHODS + FIRST_TOKEN_METHODS + COMPILED_METHODS:
-                flop_method = "gs_first_order_fwd" if method == "gs_first_order_fwd_captured" else method
+            flop_method = method[:-len("_captured")] if method in CAPTURED_OTHER_METHODS + CAPTURED_GS_METHODS else method
+            if flop_method in ("plain", "naive_cat", "plain_captured", "clp") + CAT_METHODS \
+                    + FIRST_TOKEN_METHODS + COMPILED_METHODS:
                 m = NAIVE_M if method == "naive_cat" else sum(LAYERS) / len(LAYERS)
                 extra["flops"] = model_flops(config, batch_size, tokens, flop_method, m)
                 extra["flops_final_backward"] = model_flops(config, batch_size, tokens, flop_method, m,
