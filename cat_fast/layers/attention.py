@@ -91,6 +91,8 @@ def _checked(q, k, v, heads):
     if q.shape != (B, 1, HD) or v.shape != (B, T, HD) or HD % heads:
         raise ValueError(f"expected q [B, 1, H*D] and k, v [B, T, H*D] with H = heads = {heads}, got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if B == 0 or T == 0:
+        raise ValueError(f"k, v: expected at least one sequence and one key, got shape {tuple(k.shape)}")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
         raise ValueError(f"q, k, v: expected one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
 
@@ -134,7 +136,7 @@ def first_row(q, keys_values, mask, heads: int, dropout_p: float, scale: float):
     autocast_keeps = (not torch.is_autocast_enabled("cuda")
                       or q.dtype in (torch.get_autocast_dtype("cuda"), torch.float64))
     fused = (FUSED and q.is_cuda and q.dtype == k.dtype == v.dtype and q.dtype in _DTYPES and autocast_keeps
-             and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and 0.0 <= dropout_p < 1.0)
+             and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and 0.0 <= dropout_p < 1.0 and B * T > 0)
     bias = _bias(mask, B, heads, T, q.device) if fused else False
     if bias is False or optional("first_row_attention") is None:
         return _sdpa(q, k, v, mask, heads, dropout_p, scale)

@@ -159,6 +159,8 @@ def test_bad_shapes_are_refused_with_the_argument_named():
         attention.fused_first_row(q, k, None, 3, None, 1.0)
     with pytest.raises(ValueError, match=r"k: expected a 3-D tensor with unit column stride"):
         attention.fused_first_row(q, (k.transpose(1, 2), v), None, 3, None, 1.0)
+    with pytest.raises(ValueError, match=r"k, v: expected at least one sequence and one key, got shape \(2, 0, 12\)"):
+        attention.fused_first_row(q, (k[:, :0], v[:, :0]), None, 3, None, 1.0)
     with pytest.raises(ValueError, match=r"q, k, v: expected one floating dtype"):
         attention.fused_first_row(q.float(), (k, v), None, 3, None, 1.0)
 

@@ -133,9 +133,9 @@ def _tiles(T, D):
 
 def forward(q, k, v, bias, keep, heads: int, scale: float, inv_keep: float):
     """``(out [B, 1, H*D] in q's dtype, saved)``; `saved` = (out_acc [B, H, D], scores [B, H, T], stats [B, H, 2]:
-    the scores' maximum and the softmax's inverse denominator) at the accumulation precision, for `backward`. `bias`: None or ``[B, H or 1, T]`` (broadcast strides allowed);
-    `keep`: None or a uint8 ``[B, H, T]`` contiguous tensor. Shapes and strides are checked by the caller
-    (`cat_fast.layers.attention`)."""
+    the scores' maximum and the softmax's inverse denominator) at the accumulation precision, for `backward`.
+    `bias`: None or ``[B, H or 1, T]`` (broadcast strides allowed); `keep`: None or a uint8 ``[B, H, T]`` contiguous
+    tensor. Shapes and strides are checked by the caller (`cat_fast.layers.attention`)."""
     B, T, HD = k.shape
     D = HD // heads
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -147,8 +147,8 @@ def forward(q, k, v, bias, keep, heads: int, scale: float, inv_keep: float):
     sb = bias.stride() if bias is not None else (0, 0, 0)
     _first_row_forward_kernel[(heads, B)](
         q, k, v, bias if bias is not None else q, keep if keep is not None else q, out, out_acc, scores, stats,
-        T, heads, *split_scalar(scale), *split_scalar(inv_keep), q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        sb[0], sb[1], sb[2], out.stride(0),
+        T, heads, *split_scalar(scale), *split_scalar(inv_keep), q.stride(0), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), sb[0], sb[1], sb[2], out.stride(0),
         D=D, BLOCK_D=block_d, BLOCK_T=block_t, HAS_BIAS=bias is not None, HAS_DROPOUT=keep is not None,
         ACC=acc_tl_dtype(q), num_warps=NUM_WARPS)
     return out, (out_acc, scores, stats)
@@ -172,5 +172,6 @@ def backward(grad, q, k, v, keep, saved, heads: int, scale: float, inv_keep: flo
         *split_scalar(scale), *split_scalar(inv_keep),
         grad.stride(0), q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dq.stride(0),
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        D=D, BLOCK_D=block_d, BLOCK_T=block_t, HAS_DROPOUT=keep is not None, ACC=acc_tl_dtype(q), num_warps=NUM_WARPS)
+        D=D, BLOCK_D=block_d, BLOCK_T=block_t, HAS_DROPOUT=keep is not None, ACC=acc_tl_dtype(q),
+        num_warps=NUM_WARPS)
     return dq, dk, dv
