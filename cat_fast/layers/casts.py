@@ -67,6 +67,21 @@ def _cast(params, dtype) -> Weights16:
     return Weights16(qkv, qkv_bias, *views[6:])
 
 
+def _reused(key, owner, stamp, make):
+    """``make()``; inside `shared`, the result stored under `key` while `owner` and ``stamp()`` are what they were
+    when it was made (else made again and stored)."""
+    entries = getattr(_state, "entries", None)
+    if entries is None:
+        return make()
+    now = stamp()
+    hit = entries.get(key)
+    if hit is not None and hit[0] == now and hit[1] is owner:
+        return hit[2]
+    made = make()
+    entries[key] = (now, owner, made)
+    return made
+
+
 def _stamp(params):
     capturing = params[0].is_cuda and torch.cuda.is_current_stream_capturing()
     return capturing, tuple((p._version, p.data_ptr()) for p in params)
@@ -76,17 +91,7 @@ def weights(layer, params, dtype) -> Weights16:
     """The `dtype` copies of `params` — ``(query W, key W, value W, query b, key b, value b, attention output W, b,
     intermediate W, b, output W, b)`` of `layer`, one dtype and device — made now, or inside `shared` reused from an
     earlier pass of the step when still valid (module docstring). Detached: no gradient flows through them."""
-    entries = getattr(_state, "entries", None)
-    if entries is None:
-        return _cast(params, dtype)
-    key = (id(layer), dtype)
-    stamp = _stamp(params)
-    hit = entries.get(key)
-    if hit is not None and hit[0] == stamp and hit[1] is layer:
-        return hit[2]
-    made = _cast(params, dtype)
-    entries[key] = (stamp, layer, made)
-    return made
+    return _reused((id(layer), dtype), layer, lambda: _stamp(params), lambda: _cast(params, dtype))
 
 
 def _additive(mask, dtype):
@@ -97,17 +102,7 @@ def additive_mask(mask: torch.Tensor, dtype) -> torch.Tensor:
     """SDPA's additive form of the boolean attention `mask` (True attends) in `dtype`: SDPA gives the same with it
     as with the mask itself. Made now, or inside `shared` reused while the mask is unchanged (its version counter
     and storage) and in the same capture state (module docstring)."""
-    entries = getattr(_state, "entries", None)
-    if entries is None:
-        return _additive(mask, dtype)
-    key = ("mask", id(mask), dtype)
-    stamp = (mask.is_cuda and torch.cuda.is_current_stream_capturing(), mask._version, mask.data_ptr())
-    hit = entries.get(key)
-    if hit is not None and hit[0] == stamp and hit[1] is mask:
-        return hit[2]
-    made = _additive(mask, dtype)
-    entries[key] = (stamp, mask, made)
-    return made
+    return _reused(("mask", id(mask), dtype), mask, lambda: _stamp((mask,)), lambda: _additive(mask, dtype))
 
 
 @contextlib.contextmanager

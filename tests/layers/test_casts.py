@@ -66,23 +66,31 @@ def test_shared_reuses_until_a_parameter_changes():
     assert casts.weights(layer, p, torch.bfloat16) is not casts.weights(layer, p, torch.bfloat16)
 
 
-def _cat_casts(device, cuda_graph=False):
-    """The layers (indices) whose copies `casts` made in CAT's second step (the first records the layers' output
-    format with the model's own layers) under bf16 autocast: 3 layers, mixing layer 1, 2 CAL steps."""
+def _cat_step(device):
+    """(model, a closure running one CAT step under bf16 autocast: 3 layers, mixing layer 1, 2 eager CAL steps)."""
     model = tiny_model("bert", attn="sdpa", num_layers=3).to(device).train()
     batch = {k: v.to(device) for k, v in tiny_batch("bert", batch=4, length=9).items()}
+    cat = CAT(model, layers=[1], adv_steps=2, warmup_steps=0, cuda_graph=False,
+              generator=torch.Generator().manual_seed(0))
+
+    def step():
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss, _ = cat(batch)
+        loss.backward()
+    return model, step
+
+
+def _cat_casts(device):
+    """The layers (indices) whose copies `casts` made in CAT's second step (the first records the layers' output
+    format with the model's own layers)."""
+    model, step = _cat_step(device)
     layers = models.structure(model).layer_modules
     index = {id(m.attention.self.query.weight): i for i, m in enumerate(layers)}
     made = []
     real = casts._cast
-    cat = CAT(model, layers=[1], adv_steps=2, warmup_steps=0, cuda_graph=cuda_graph,
-              generator=torch.Generator().manual_seed(0))
-    for _ in range(2):
-        made.clear()
-        with torch.autocast(device, dtype=torch.bfloat16):
-            loss, _ = cat(batch)
-        loss.backward()
-        casts._cast = lambda params, dtype: made.append(index[id(params[0])]) or real(params, dtype)
+    step()
+    casts._cast = lambda params, dtype: made.append(index[id(params[0])]) or real(params, dtype)
+    step()
     casts._cast = real
     assert all(training.supported(m) and resumed.supported(m) for m in layers)
     return made
@@ -203,16 +211,11 @@ def test_a_cat_step_converts_its_mask_once(device, monkeypatch):
     # the clean forward's training layers, the CAL steps' and the final pass's resumed layers: one `where` in all
     # (eager CAL steps; a CUDA graph of the CAL loop converts once inside itself: the copies are emptied around a
     # capture)
-    model = tiny_model("bert", attn="sdpa", num_layers=3).to(device).train()
-    batch = {k: v.to(device) for k, v in tiny_batch("bert", batch=4, length=9).items()}
+    _, step = _cat_step(device)
     made = []
     real = casts._additive
     monkeypatch.setattr(casts, "_additive", lambda mask, dtype: made.append(mask.shape) or real(mask, dtype))
-    cat = CAT(model, layers=[1], adv_steps=2, warmup_steps=0, cuda_graph=False,
-              generator=torch.Generator().manual_seed(0))
     for _ in range(2):
         made.clear()
-        with torch.autocast(device, dtype=torch.bfloat16):
-            loss, _ = cat(batch)
-        loss.backward()
+        step()
         assert made == [(4, 1, 9, 9)]
