@@ -2,7 +2,7 @@
 program per (sequence, head) reads that head's keys and values once in the forward (an online softmax over key
 tiles) and once in the backward, which writes the key and value gradients directly. SDPA's memory-efficient kernel
 spent 180 µs a call on this shape's backward in a 64x256 BERT-base CAT step on an H200 (2026-11-27), for about
-100 MB of traffic.
+100 MB of traffic; these take 60 µs for forward + backward (`benchmarks/tools/first_row_attention.py`).
 
 Layout: ``q [B, 1, H*D]``, ``k``/``v`` ``[B, T, H*D]`` (head h in columns ``h*D .. h*D+D-1``, unit column stride,
 any batch and row strides: ``k`` and ``v`` may be the two halves of one ``[B, T, 2*H*D]`` tensor), an additive
@@ -11,8 +11,9 @@ score bias ``[B, H or 1, T]`` of any strides (stride 0 for broadcast), an option
 
 ``s_t = scale * q.k_t + bias_t``; ``p = softmax(s)`` (0 where every score is -inf); ``out = sum_t p_t keep_t inv_keep
 v_t``. The forward saves the scores, their maximum, the softmax's inverse denominator and the output at the
-accumulation precision (fp32; float64 for float64) for the backward: ``dp_t = keep_t inv_keep (v_t.do)``, ``ds_t = p_t (dp_t - out.do)``, ``dq = scale
-sum_t ds_t k_t``, ``dk_t = scale ds_t q``, ``dv_t = p_t keep_t inv_keep do``.
+accumulation precision (fp32; float64 for float64) for the backward: ``dp_t = keep_t inv_keep (v_t.do)``,
+``ds_t = p_t (dp_t - out.do)``, ``dq = scale sum_t ds_t k_t``, ``dk_t = scale ds_t q``, ``dv_t = p_t keep_t
+inv_keep do``.
 """
 import torch
 import triton
@@ -45,11 +46,11 @@ def _program(q_ptr, sq_b, H, scale_hi, scale_lo, keep_hi, keep_lo, D: tl.constex
 
 
 @triton.jit
-def _first_row_forward_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, keep_ptr, out_ptr, out_acc_ptr, scores_ptr, stats_ptr,
-                    T, H, scale_hi, scale_lo, keep_hi, keep_lo,
-                    sq_b, sk_b, sk_t, sv_b, sv_t, sb_b, sb_h, sb_t, so_b,
-                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, ACC: tl.constexpr):
+def _first_row_forward_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, keep_ptr, out_ptr, out_acc_ptr, scores_ptr,
+                              stats_ptr, T, H, scale_hi, scale_lo, keep_hi, keep_lo,
+                              sq_b, sk_b, sk_t, sv_b, sv_t, sb_b, sb_h, sb_t, so_b,
+                              D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+                              HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, ACC: tl.constexpr):
     b, row, d, dm, col, q, scale, inv_keep = _program(q_ptr, sq_b, H, scale_hi, scale_lo, keep_hi, keep_lo, D,
                                                       BLOCK_D, ACC)
     m = tl.full([1], float("-inf"), ACC)
@@ -92,10 +93,10 @@ def _first_row_forward_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, keep_ptr, out_ptr, 
 
 @triton.jit
 def _first_row_backward_kernel(grad_ptr, q_ptr, k_ptr, v_ptr, keep_ptr, out_acc_ptr, scores_ptr, stats_ptr,
-                     dq_ptr, dk_ptr, dv_ptr, T, H, scale_hi, scale_lo, keep_hi, keep_lo,
-                     sg_b, sq_b, sk_b, sk_t, sv_b, sv_t, sdq_b, sdk_b, sdk_t, sdv_b, sdv_t,
-                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-                     HAS_DROPOUT: tl.constexpr, ACC: tl.constexpr):
+                               dq_ptr, dk_ptr, dv_ptr, T, H, scale_hi, scale_lo, keep_hi, keep_lo,
+                               sg_b, sq_b, sk_b, sk_t, sv_b, sv_t, sdq_b, sdk_b, sdk_t, sdv_b, sdv_t,
+                               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+                               HAS_DROPOUT: tl.constexpr, ACC: tl.constexpr):
     b, row, d, dm, col, q, scale, inv_keep = _program(q_ptr, sq_b, H, scale_hi, scale_lo, keep_hi, keep_lo, D,
                                                       BLOCK_D, ACC)
     do = tl.load(grad_ptr + b * sg_b + col, mask=dm, other=0.0).to(ACC)
