@@ -15,8 +15,8 @@ shared 16-bit weight copies (`casts.weights`), reading the previous fast layer's
 in place (no per-projection casts, no zero-filled gradient of the first row). The same values and dropout draws (the
 attention is the same `attention.first_row` call, given the keys and values as one tensor: their gradient is
 written as one); the input gradient is summed in fp32 under autocast (the modules round each projection's to 16
-bits first). `INPUT_ONLY_KEY_VALUE` (on) turns it off: CAT's captured step at 64x256 took 37.94 ms with it, 38.26
-without, on one H200 (2026-11-27, run BF in benchmarks/RESULTS.md).
+bits first). `INPUT_ONLY_KEY_VALUE` (True by default; False turns it off): CAT's captured step at 64x256 took
+37.94 ms with it, 38.26 without, on one H200 (2026-11-27, run BF in benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
