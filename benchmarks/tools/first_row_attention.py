@@ -36,9 +36,17 @@ def composition(q, k, v, bias, keep, p, scale):
     return (probs.to(q.dtype) @ vh).transpose(1, 2).reshape(B, 1, HD)
 
 
+def _size(text):
+    parts = text.split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected BxT with positive integers, e.g. 8x128, got {text!r}")
+    return text
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", nargs="+", default=["8x128", "32x128", "64x256"])
+    parser.add_argument("--sizes", nargs="+", default=["8x128", "32x128", "64x256"], type=_size,
+                        help="batch x length, e.g. 8x128")
     parser.add_argument("--peak-tbs", type=float, default=4.8)
     parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()

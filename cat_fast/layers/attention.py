@@ -4,10 +4,10 @@ keys and values of every token.
 ``first_row(q, keys_values, mask, heads, dropout_p, scale)`` is ``F.scaled_dot_product_attention`` of the heads of
 ``q [B, 1, H*D]`` over ``keys_values`` (a pair ``(k, v)`` of ``[B, T, H*D]`` tensors, or one ``[B, T, 2*H*D]``
 tensor holding keys then values), returned as ``[B, 1, H*D]``. On CUDA with Triton (`FUSED`) it is one kernel
-each way (`kernels.triton.first_row_attention`): SDPA's memory-efficient kernel, which is what SDPA picks for one
-query with a mask, spent 180 µs a call on the backward of a 64x256 BERT-base first-token layer on an H200
-(2026-11-27). Elsewhere, and for what the kernel does not take (a mask of another shape or with a gradient, mixed
-dtypes), it is SDPA itself.
+each way (`kernels.triton.first_row_attention`), in place of SDPA's memory-efficient kernels, which SDPA picks for
+one query with a mask and which are several times slower on this shape (benchmarks/RESULTS.md, "The first-token
+layer's attention"). Elsewhere, and for what the kernel does not take (a mask of another shape or with a
+gradient, mixed dtypes), it is SDPA itself.
 
 Attention dropout: the kernel path draws its keep mask with ``torch.Tensor.bernoulli_`` (one uint8 per
 (sequence, head, key), from torch's generator, so CUDA-graph safe) instead of inside SDPA's kernel: the same

@@ -15,8 +15,8 @@ shared 16-bit weight copies (`casts.weights`), reading the previous fast layer's
 in place (no per-projection casts, no zero-filled gradient of the first row). The same values and dropout draws (the
 attention is the same `attention.first_row` call, given the keys and values as one tensor: their gradient is
 written as one); the input gradient is summed in fp32 under autocast (the modules round each projection's to 16
-bits first). `INPUT_ONLY_KEY_VALUE` (True by default; False turns it off): CAT's captured step at 64x256 took
-37.94 ms with it, 38.26 without, on one H200 (2026-11-27, run BF in benchmarks/RESULTS.md).
+bits first). `INPUT_ONLY_KEY_VALUE` (True by default) turns it off when False (its timing: benchmarks/RESULTS.md,
+run BF).
 """
 from __future__ import annotations
 
@@ -153,10 +153,10 @@ def forward(layer: nn.Module, args, kwargs, fill: float | None = None, row_only:
         dtype, w_kv, b_kv = fast
         with torch.autocast(x.device.type, enabled=False):
             keys_values, first = _KeyValueFirst.apply(x, dtype, w_kv, b_kv)  # keys then values, one tensor
-        found = interventions.active(layer)  # on the key / value modules: applied here, as their hooks would
-        if found and ("key" in found or "value" in found):
+        edits = interventions.active(layer)  # on the key / value modules: applied here, as their hooks would
+        if edits and ("key" in edits or "value" in edits):
             k, v = keys_values.split((parts.key.out_features, parts.value.out_features), -1)
-            keys_values = interventions.apply(found, "key", k), interventions.apply(found, "value", v)
+            keys_values = interventions.apply(edits, "key", k), interventions.apply(edits, "value", v)
     else:
         first = x[:, :1]
         keys_values = parts.key(x), parts.value(x)

@@ -35,12 +35,9 @@ __all__ = ["supported", "forward", "FUSED", "FUSED_MIN_ROWS"]
 # Whether the fused Triton kernels run where they apply (module docstring); False runs the same arithmetic in
 # PyTorch ops (16-bit roundings may differ), as the benchmarks compare.
 FUSED = True
-# The fewest rows (batch × length) the fused path runs for: 1,024, the smallest size the step suite times (8x128);
-# fewer rows keep the unfused path (not measured). With the row-sum kernels' launch settings of 2026-11-27 one
-# BERT-base layer's forward + backward on an H200 (`benchmarks/tools/training_layer_host.py`, ms of GPU time,
-# unfused / fused) took 0.336 / 0.300 at 1,024 rows and 0.712 / 0.635 at 4,096, and at 8x128 the fused path made
-# the captured fast plain step 4.28 ms against 4.75 and CAT 6.29 against 6.74 (runs BB, BD). Before those settings
-# the fused layer was slower at 1,024 rows (0.383 against 0.343) and the threshold was 4,096.
+# The fewest rows (batch × length) the fused path runs for: 1,024, the smallest size the step suite times (8x128),
+# where the fused layer is faster than the unfused one (benchmarks/RESULTS.md, runs BB and BD); fewer rows keep the
+# unfused path (not measured).
 FUSED_MIN_ROWS = 1024
 
 

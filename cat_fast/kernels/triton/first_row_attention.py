@@ -1,8 +1,7 @@
 """Attention for one query row per sequence (the first-token layer's attention, `cat_fast.layers.attention`): one
 program per (sequence, head) reads that head's keys and values once in the forward (an online softmax over key
-tiles) and once in the backward, which writes the key and value gradients directly. SDPA's memory-efficient kernel
-spent 180 µs a call on this shape's backward in a 64x256 BERT-base CAT step on an H200 (2026-11-27), for about
-100 MB of traffic; these take 60 µs for forward + backward (`benchmarks/tools/first_row_attention.py`).
+tiles) and once in the backward, which writes the key and value gradients directly (timings against SDPA:
+`benchmarks/tools/first_row_attention.py`, benchmarks/RESULTS.md).
 
 Layout: ``q [B, 1, H*D]``, ``k``/``v`` ``[B, T, H*D]`` (head h in columns ``h*D .. h*D+D-1``, unit column stride,
 any batch and row strides: ``k`` and ``v`` may be the two halves of one ``[B, T, 2*H*D]`` tensor), an additive
@@ -23,9 +22,8 @@ from ._common import acc_tl_dtype, pow2_at_least, scalar_acc, split_scalar
 
 __all__ = ["forward", "backward", "BLOCK_T", "NUM_WARPS"]
 
-# key rows per tile (the loop over keys), at most; warps per program. From `benchmarks/tools/first_row_attention.py
-# --sweep` (H200, 2026-11-27, forward + backward with dropout, µs): 128 keys x 4 warps 7.5 / 12.2 / 54.3 at 8x128 /
-# 32x128 / 64x256 (64 x 4: 13.5 / 17.3 / 68.4; 128 x 2: 9.4 / 12.4 / 51.3; 32 x 4: 14.3 / 20.1 / 71.2)
+# key rows per tile (the loop over keys), at most; warps per program: the fastest or within 1 µs of it at the step
+# suite's sizes in `benchmarks/tools/first_row_attention.py --sweep` (benchmarks/RESULTS.md, run BH)
 BLOCK_T = 128
 NUM_WARPS = 4
 
