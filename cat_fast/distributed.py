@@ -1,13 +1,20 @@
 """Training on several processes with PyTorch's own DistributedDataParallel (DDP), one process per GPU (torchrun).
 
-Wrap the Hugging Face model in DDP as usual, build the objective on the model (or on the DDP wrapper: objectives
-unwrap ``.module``), and call the objective through `DistributedObjective`::
+Wrap the Hugging Face model in DDP as usual and build the objective on the DDP module::
 
     device, rank, world = cat_fast.distributed.init_from_env(torch.device("cuda"))   # under torchrun
     ddp = torch.nn.parallel.DistributedDataParallel(model.to(device), device_ids=[device.index])
-    objective = cat_fast.distributed.DistributedObjective(cat_fast.CAT(model, generator=g), ddp)
+    objective = cat_fast.CAT(ddp, generator=g)   # prepared on construction: g re-seeded with seed + rank
+    objective.load_state_dict(state)         # (a resumed run: each rank's own generator state, after construction)
     loss, info = objective(batch)            # the objective's passes run INSIDE ddp's forward
     loss.backward(); opt.step(); opt.zero_grad()   # DDP averages the gradients once, during this backward
+
+An objective built on a DDP module (or on torch.compile's wrapper of one, or on DDP of a compiled model) remembers
+it (``objective.ddp``) and runs every call inside its forward. The same, for an objective built on the model
+inside: ``DistributedObjective(objective, ddp)`` (what `cat_fast.integrations.ObjectiveTrainer` makes under
+torchrun); over an objective built on that DDP module it only delegates (no second preparation or re-seeding).
+A step under DDP is not replayable as a CUDA graph: `cat_fast.step.CapturedStep` refuses it (``strict``) or runs
+it eagerly.
 
 The objective's passes call the model's layers directly (captures, hooks, resumed layers), not ``model.forward``;
 `run_in_forward` runs them as the DDP module's forward, so DDP's reducer sees the one backward of the returned loss
@@ -20,8 +27,9 @@ averaged by DDP, so parameters stay identical on every rank. Inner optimizer ste
 Refused, with the reason: GS ``low_memory=True`` (it writes ``.grad`` from a hook, outside DDP's reducer).
 
 Compiled models: ``DDP(torch.compile(model))``, ``DDP(model)`` of a model compiled in place, and
-``torch.compile(DDP(model))`` (what accelerate makes; give it or the DDP module inside to `DistributedObjective`).
-DDP's own forward runs eagerly into the objective, whose passes run the original model uncompiled (`Objective`).
+``torch.compile(DDP(model))`` (what accelerate makes; build the objective on it, or give it or the DDP module
+inside to `DistributedObjective`). DDP's own forward runs eagerly into the objective, whose passes run the original
+model uncompiled (`Objective`).
 """
 from __future__ import annotations
 
@@ -33,8 +41,8 @@ import torch.distributed as dist
 
 from .models.structure import orig_module, unwrap
 
-__all__ = ["init_from_env", "world", "rank", "rank_seed", "unwrap", "run_in_forward", "all_reduce_mean_",
-           "broadcast_", "DistributedObjective"]
+__all__ = ["init_from_env", "world", "rank", "rank_seed", "unwrap", "ddp_module", "run_in_forward",
+           "all_reduce_mean_", "broadcast_", "prepare_objective", "DistributedObjective"]
 
 
 def init_from_env(device: torch.device) -> Tuple[torch.device, int, int]:
@@ -64,6 +72,13 @@ def rank() -> int:
 def rank_seed(seed: int) -> int:
     """``seed + rank``: each rank's own reproducible random stream (partners, λ, dropout)."""
     return int(seed) + rank()
+
+
+def ddp_module(model):
+    """The DistributedDataParallel module among `model`'s wrappers (`model` itself, the DDP module inside
+    torch.compile's wrapper, or DDP around a compiled model), else None."""
+    model = orig_module(model)
+    return model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
 
 
 _NONE = object()  # no forward set on the instance
@@ -137,14 +152,40 @@ def broadcast_(tensors: Iterable[torch.Tensor], src: int = 0, group=None) -> Non
             dist.broadcast(t.data, src, group=group)
 
 
+def prepare_objective(objective, reseed: bool = True) -> None:
+    """Ready `objective` to train under DDP, once (later calls do nothing): `Objective.check_distributed` (a
+    refused option raises a ValueError naming it), the objective's own parameters and state broadcast from rank 0
+    (a learned gate, CLP's Ω), gradient hooks that average those parameters' gradients, CAT's mixing-layer stream
+    seeded alike on every rank, and ``objective.distributed = True`` (its inner updates all-reduce). ``reseed``:
+    re-seed the objective's CPU generator with its seed + rank (a fresh run; a resumed one loads each rank's
+    generator state afterwards). An objective built on a DDP module is prepared so on construction."""
+    if getattr(objective, "_ddp_prepared", False):
+        return
+    objective.check_distributed()
+    objective.distributed = True
+    objective._ddp_prepared = True
+    own = [p for p in objective.parameters() if isinstance(p, torch.Tensor)]
+    broadcast_(own + list(objective.distributed_state()))
+    for p in own:
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(_average_grad)
+    generator = getattr(objective, "generator", None)
+    if hasattr(objective, "layer_generator") and objective.layer_generator is None:
+        # CAT: one mixing-layer stream on every rank (rank 0's seed); a resumed run restored its state already
+        seed = [generator.initial_seed() if isinstance(generator, torch.Generator) else torch.initial_seed()]
+        if world() > 1:
+            dist.broadcast_object_list(seed, src=0)
+        objective.layer_generator = torch.Generator().manual_seed(int(seed[0]) % 2**63)
+    if reseed and isinstance(generator, torch.Generator):
+        generator.manual_seed(generator.initial_seed() + rank())
+
+
 class DistributedObjective:
     """``loss, info = DistributedObjective(objective, ddp)(batch[, pairs])``: the objective run inside `ddp`'s
-    forward (module docstring). On construction: `Objective.check_distributed` (a refused option raises a
-    ValueError naming it), the objective's own parameters and state broadcast from rank 0 (a learned gate, CLP's
-    Ω), gradient hooks that average those parameters' gradients, and ``objective.distributed = True`` (its inner
-    updates all-reduce). ``reseed``: re-seed the objective's CPU generator with its seed + rank (a fresh run; a
-    resumed one loads each rank's generator state instead). `ddp` may be torch.compile's wrapper of the DDP module
-    (the DDP module inside is used: its forward is the objective's)."""
+    forward (module docstring), for an objective built on the model inside `ddp`; on construction
+    `prepare_objective(objective, reseed)`. Over an objective built on `ddp` itself (prepared already, and running
+    inside its forward by itself) it delegates. `ddp` may be torch.compile's wrapper of the DDP module (the DDP
+    module inside is used: its forward is the objective's)."""
 
     def __init__(self, objective, ddp, reseed: bool = True):
         ddp = orig_module(ddp)
@@ -152,31 +193,26 @@ class DistributedObjective:
             raise TypeError(f"ddp: expected a torch.nn.parallel.DistributedDataParallel, got {type(ddp).__name__}")
         if objective.model is not unwrap(ddp):
             raise ValueError("objective: expected an objective built on the model that `ddp` wraps (ddp.module)")
-        objective.check_distributed()
+        if getattr(objective, "ddp", None) not in (None, ddp):
+            raise ValueError("objective: built on another DistributedDataParallel module than `ddp`; build it on "
+                             "`ddp` (and call it directly) or on the model inside (ddp.module)")
+        prepare_objective(objective, reseed)
         self.objective = objective
         self.ddp = ddp
-        objective.distributed = True
-        own = [p for p in objective.parameters() if isinstance(p, torch.Tensor)]
-        broadcast_(own + list(objective.distributed_state()))
-        for p in own:
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(_average_grad)
-        generator = getattr(objective, "generator", None)
-        if hasattr(objective, "layer_generator") and objective.layer_generator is None:
-            # CAT: one mixing-layer stream on every rank (rank 0's seed); a resumed run restored its state already
-            seed = [generator.initial_seed() if isinstance(generator, torch.Generator) else torch.initial_seed()]
-            if world() > 1:
-                dist.broadcast_object_list(seed, src=0)
-            objective.layer_generator = torch.Generator().manual_seed(int(seed[0]) % 2**63)
-        if reseed and isinstance(generator, torch.Generator):
-            generator.manual_seed(generator.initial_seed() + rank())
 
     @property
     def model(self):
         return self.objective.model
 
     def __call__(self, batch, *args, **kwargs):
+        if getattr(self.objective, "ddp", None) is self.ddp:
+            return self.objective(batch, *args, **kwargs)  # it runs inside ddp's forward by itself
         return run_in_forward(self.ddp, self.objective, batch, *args, **kwargs)
+
+    def plan_step(self, batch, *args):
+        """What `cat_fast.step.CapturedStep` asks: the objective's answer, `cat_fast.step.NotCapturable` (a step
+        under DDP is not replayable: `Objective.plan_step`)."""
+        return self.objective.plan_step(batch, *args)
 
 
 def _average_grad(param):

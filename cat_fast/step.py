@@ -1,4 +1,4 @@
-"""A whole training step as one CUDA graph per batch signature (issue 23, first part; not yet run on a GPU).
+"""A whole training step as one CUDA graph per batch signature (timings: benchmarks/RESULTS.md).
 
 ``step = CapturedStep(objective, optimizer, max_grad_norm=1.0, autocast=torch.bfloat16)`` and then, in a plain
 loop, ``loss, info = step(batch)`` (``step(batch, pairs)`` for objectives with pairs). One step is the objective's
@@ -23,7 +23,8 @@ What it refuses or runs eagerly, with the reason:
   (``lr=torch.tensor(2e-5)``, updated in place by PyTorch's schedulers), otherwise such a change raises;
 - the objective: `Objective.plan_step` says whether its step can be replayed (a second step of the main
   optimizer inside the step or gradients written from a hook cannot: ERM's two-step control, CAT's alternating
-  update, first-order GS with ``low_memory=True``, CLP under DDP raise `NotCapturable` with the reason);
+  update, first-order GS with ``low_memory=True``, and every objective under DistributedDataParallel, whose
+  replayed step would skip DDP's forward and gradient averaging, raise `NotCapturable` with the reason);
   ``CapturedStep(..., cuda_graph=False)`` runs any objective eagerly;
 - a step whose capture fails (a host synchronisation inside the model, an operation CUDA graphs do not
   support): that signature runs eagerly, with one warning naming the error; the results are the same.

@@ -1,5 +1,6 @@
-"""Device check (issue 23): the GPU test of CAT's CAL graphs under a forward wrapped in autocast must fail when
-`models.graph_capture` leaves autocast's weight cache alone (the bug it guards). Exit 0 when it fails so."""
+"""Device check of a test's power: the GPU test of CAT's CAL graphs under a forward wrapped in autocast must fail
+when `models.graph_capture` leaves autocast's weight cache alone (the bug it guards). Exit 0 when it fails so.
+On a GPU machine: python scripts/check_cache_test_power.py"""
 import contextlib
 import os
 import sys

@@ -1,4 +1,4 @@
-"""The neuron mediation sweep in the suite (issue 19): MiniLM-L6 on 300 class-balanced CAD NLI dev pairs, the exact
+"""The neuron mediation sweep in the suite: MiniLM-L6 on 300 class-balanced CAD NLI dev pairs, the exact
 batched sweep of all 20,736 neurons in fp32 and under bf16 autocast, side by side with the paper's looped method on a
 spread subset of neurons (extrapolated per neuron) and the first-order estimate; `benchmarks/tools/mediation_bench.py`
 has the measurement (and the BERT-base case, too long for the suite's budget). GPU only. The recorded time is the
@@ -21,7 +21,7 @@ def test_mediation_sweep_minilm(benchmark):
     def measure():
         from cat_fast.models.pretrained import load_classifier
 
-        model, tokenizer = load_classifier("minilm", 3)
+        model, tokenizer = load_classifier("minilm", 3, new_head=True)
         samples, treat = MB.samples_and_treatment(tokenizer)
         args = argparse.Namespace(minilm_layers=None, bert_layers=[], looped_neurons=36, max_tokens=131072,
                                   batch_tokens=8192)

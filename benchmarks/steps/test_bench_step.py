@@ -37,10 +37,10 @@ bf16 autocast, AdamW (fused on CUDA), B x T = 8x128, 32x128, 64x256; each sample
                  pooled vector for its gate), so `plain_first_token` is their ERM step.
 9. `plain_compiled`, `plain_compiled_ro`: `plain` with `torch.compile(model)` (default mode) and
                  `torch.compile(model, mode="reduce-overhead")` (CUDA graphs; the fused AdamW step stays eager): the
-                 baseline a performance-minded user compares against (issue 23). The first step (the compilation)
+                 baseline a performance-minded user compares against. The first step (the compilation)
                  is timed apart as `compile_s`; GPU only (the CPU smoke run skips them).
 10. `plain_captured`: `cat_fast.step.CapturedStep(ERM(model), ...)`: the model's own loss, backward and a fused,
-                 capturable AdamW (tensor lr) as one hand-captured CUDA graph per batch shape (issue 23; on the CPU
+                 capturable AdamW (tensor lr) as one hand-captured CUDA graph per batch shape (on the CPU
                  the same step eagerly).
 10f. `plain_fast_captured`: the same with `ERM(model, fast=True)`: `first_token_forward` with the training layers
                  (`plain_training_layers`' forward), cat_fast's fast plain step, as one CUDA graph per shape.
@@ -53,7 +53,7 @@ bf16 autocast, AdamW (fused on CUDA), B x T = 8x128, 32x128, 64x256; each sample
 13. `gs_exact_captured`, `poe_captured`, `reweight_captured`, `learned_mixin_captured`, `conf_reg_captured`,
                  `clp_captured`: `gs_exact`, the bias-model objectives and `clp` through `CapturedStep` the same way
                  (learned-mixin's gate in that optimizer; CLP's virtual step at its tensor learning rate), so that
-                 every objective has a row against `plain_compiled_ro` (issue 23).
+                 every objective has a row against `plain_compiled_ro`.
 8. `clp`, `clp_all`: `cat_fast.CLP` (causal logit perturbation) with `virtual="head"` / `"all"`: the model's own
                  forward (so `plain` is their ERM step), the characteristics op, Ω's meta step on a metadata batch
                  of the same shape (another draw of ids), the perturbed loss; `clp_all` runs eager attention (its

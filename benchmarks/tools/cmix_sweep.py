@@ -16,7 +16,7 @@ At the end: per dtype, the best measured plan by fwd+bwd time, the best forward 
 variants, and their union, which is measured too when it is a new plan (--no-combine: not). The
 default plan runs first and last (the spread shows the run-to-run noise).
 
-Usage on a GPU (after building the extension, e.g. `source scripts/device_setup.sh`):
+Usage on a GPU (after building the extension: `python setup.py build_ext --inplace`):
     python benchmarks/tools/cmix_sweep.py                    # built-in plans
     python benchmarks/tools/cmix_sweep.py "" "fwd_w=16" "bwd_rows=8,bwd_w=32"   # these plans ("" = default)
 Options: --full-check (all kernel_only.CHECK_CASES), --no-check, --no-combine, --budget-s S (default 150:

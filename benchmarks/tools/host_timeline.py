@@ -52,7 +52,7 @@ def wrap(owner, attr, label):
 def instrument():
     import cat_fast
     from cat_fast import models
-    from cat_fast.objectives import cat, cat_graphs, gs
+    from cat_fast.objectives import cat, cat_graphs, cat_tasks, gs, gs_first_order
 
     wrap(models, "capture", "models.capture")
     wrap(models, "first_token_forward", "models.first_token_forward")
@@ -60,9 +60,10 @@ def instrument():
     wrap(cat.CAT, "_draw_partner", "CAT._draw_partner")
     wrap(cat_graphs.CALGraphs, "run", "CALGraphs.run")
     wrap(cat_graphs.CALGraphs, "_replay", "CALGraphs._replay")
-    wrap(cat, "crm_loss", "crm_loss")
-    wrap(gs, "gs_cosine_loss", "gs_cosine_loss")
-    wrap(gs, "masked_mean", "masked_mean")
+    wrap(cat_tasks, "crm_loss", "crm_loss")
+    for module in (gs, gs_first_order):  # the exact and the first-order pass
+        wrap(module, "gs_cosine_loss", "gs_cosine_loss")
+        wrap(module, "masked_mean", "masked_mean")
     wrap(gs.GradientSupervision, "_linear_head_gradient", "GS._linear_head_gradient")
     wrap(torch.Tensor, "backward", "loss.backward")
     wrap(torch.optim.AdamW, "step", "optimizer.step")

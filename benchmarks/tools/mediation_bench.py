@@ -155,7 +155,7 @@ def main():
 
     from cat_fast.models.pretrained import load_classifier
 
-    minilm, tokenizer = load_classifier("minilm", 3)
+    minilm, tokenizer = load_classifier("minilm", 3, new_head=True)
     samples, treat = samples_and_treatment(tokenizer, args.per_class)
     results = []
     for name in args.models:

@@ -1,4 +1,4 @@
-"""A whole exact mediation sweep, timed, on one GPU or several (issues 19 and 21).
+"""A whole exact mediation sweep, timed, on one GPU or several.
 
     python benchmarks/tools/mediation_sweep_time.py --model bert-base --precision bf16 --save one.pt
     torchrun --standalone --nproc_per_node 2 benchmarks/tools/mediation_sweep_time.py --model bert-base \
@@ -55,7 +55,7 @@ def main():
     from cat_fast.models.pretrained import load_classifier
 
     torch.manual_seed(0)  # the same fresh head in every process
-    minilm, tokenizer = load_classifier("minilm", 3)
+    minilm, tokenizer = load_classifier("minilm", 3, new_head=True)
     samples, treat = MB.samples_and_treatment(tokenizer, args.per_class)
     if args.model == "minilm":
         model = minilm

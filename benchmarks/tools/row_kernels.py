@@ -1,4 +1,4 @@
-"""The training layer's row-sum Triton kernels (issue 23) under their launch settings, beside the same work in
+"""The training layer's row-sum Triton kernels under their launch settings, beside the same work in
 eager PyTorch and compiled by ``torch.compile`` (Inductor): LayerNorm backward with the parameter sums
 (`residual_layer_norm.backward_with_params`, D = 768), its input-only form (`residual_layer_norm.backward`), and
 GELU backward with the bias sum (`gelu_bias_backward.backward`, N = 3072), at the rows of BERT-base steps 8x128,

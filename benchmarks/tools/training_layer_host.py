@@ -2,7 +2,7 @@
 the model's own layer against `cat_fast.layers.training`, host time (issuing the calls) and GPU time (CUDA events
 around the call, queued behind a spin kernel so that they time the kernels, not the host) per call, medians over
 interleaved calls. ``--compiled`` adds ``torch.compile(layer)`` (default mode, compiled before the timing): what
-the compiler's fusion of the layer's elementwise work gives against the training layer (issue 23); the training
+the compiler's fusion of the layer's elementwise work gives against the training layer; the training
 layer runs with its fused Triton elementwise kernels ("training", at every size: `FUSED_MIN_ROWS` set to 0) and
 without ("unfused", `FUSED = False`); each
 row also gives the layer's matmul FLOPs over the GPU time.

@@ -4,12 +4,19 @@
     top = nie.top(k)                                       # [(layer, component, neuron, NIE), ...]
     masking.mask_neurons(model, top, factor=0.0)           # every forward of `model` now masks them
     model.save_pretrained(DIR); tokenizer.save_pretrained(DIR)
+    masking.write_readme(DIR, model)                       # README.md: how to load it masked
     model, tokenizer = masking.load_masked(DIR)            # the one-line load: the mask comes back with the model
 
 The mask is an intervention (`cat_fast.models.intervene`), so the model's own layers and cat_fast's fast layers all
 apply it, in training too (it is differentiable). It acts on position 0 only, as the NIE was measured. The mask is
-recorded in ``model.config.cat_fast_neuron_mask`` (saved in config.json by ``save_pretrained``); a model loaded
-without `load_masked` / `apply_saved_mask` runs unmasked. Folding the factor into the weights instead (scaling the
+recorded in ``model.config.cat_fast_neuron_mask`` (saved in config.json by ``save_pretrained``).
+`cat_fast.models.pretrained.load_classifier` (every ``cat-fast`` command) applies it, or refuses the model where a
+command must not train or re-mask a masked one (``saved_mask="refuse"``: ``train --model``, ``mask``); a model loaded
+with ``from_pretrained`` alone runs unmasked until `apply_saved_mask`. transformers has no hook by which a
+config.json can mask a model, or even warn, in plain ``from_pretrained`` / ``pipeline`` (``auto_map`` runs code from
+the directory under ``trust_remote_code`` only; another ``architectures`` entry breaks the plain load), so a masked
+directory says it in its README.md (`write_readme`, written by ``cat-fast mask`` and ``unlearn``) and in the
+documented config key. Folding the factor into the weights instead (scaling the
 weight row and bias that produce the neuron, or the LayerNorm element of attention_output / output) would scale the
 neuron at EVERY position, and for query / key / value change the attention of every token: a different
 intervention from the one the NIE measured; it is not offered.
@@ -24,7 +31,7 @@ import torch
 from .. import models
 
 __all__ = ["mask_neurons", "unmask_neurons", "masked_neurons", "apply_saved_mask", "load_masked", "normalise_neurons",
-           "CONFIG_KEY"]
+           "component_width", "write_readme", "CONFIG_KEY", "README"]
 
 CONFIG_KEY = "cat_fast_neuron_mask"
 _ATTR = "_cat_fast_neuron_masks"  # the open intervention blocks of a masked model
@@ -47,14 +54,15 @@ def normalise_neurons(model, neurons) -> List[Tuple[int, str, int]]:
             raise ValueError(f"neurons: component {comp!r} is not one of {models.COMPONENTS}")
         key = (layer, comp)
         if key not in widths:
-            widths[key] = _width(model, layer, comp)
+            widths[key] = component_width(model, layer, comp)
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < widths[key]:
             raise ValueError(f"neurons: index {index!r} of layer {layer} {comp} is not in [0, {widths[key]})")
         out.append((layer, comp, index))
     return sorted(set(out))
 
 
-def _width(model, layer, comp):
+def component_width(model, layer: int, comp: str) -> int:
+    """The number of neurons of `comp` in encoder layer `layer` (1-indexed) of `model`."""
     from ..layers import layout
 
     module = layout.component(models.structure(model).layer_modules[layer - 1], comp)
@@ -101,7 +109,7 @@ def mask_neurons(model, neurons: Iterable[Sequence], factor: float = 0.0, rescal
     for layer, comp, index in chosen:
         by_key.setdefault((layer, comp), []).append(index)
     for (layer, comp), idx in by_key.items():
-        width = _width(model, layer, comp)
+        width = component_width(model, layer, comp)
         if rescale and len(idx) == width:
             raise ValueError(f"rescale: every neuron of layer {layer} {comp} is masked (p = 0)")
         rest = width / (width - len(idx)) if rescale else 1.0
@@ -142,9 +150,62 @@ def apply_saved_mask(model):
 
 
 def load_masked(model_dir: str, **kwargs):
-    """``(model, tokenizer)`` from a directory a masked model was saved to, with its mask applied
-    (`cat_fast.models.pretrained.load_classifier` arguments in `kwargs`)."""
+    """``(model, tokenizer)`` from a directory a masked model was saved to, with its mask applied: what
+    `cat_fast.models.pretrained.load_classifier` (its arguments in `kwargs`) does by default."""
     from ..models.pretrained import load_classifier
 
-    model, tokenizer = load_classifier(model_dir, **kwargs)
-    return apply_saved_mask(model), tokenizer
+    return load_classifier(model_dir, **kwargs)
+
+
+README = "README.md"
+
+_README = """# A classifier with a neuron mask (cat_fast)
+
+This directory holds a text classifier with {n} neurons masked at the first token ({where}): their activation is
+multiplied by {factor}{rescaled}. The mask is applied while the model runs: the weights in this directory are the
+unmasked model's, and the mask is recorded in config.json under `{key}`.
+
+## Load it masked
+
+```python
+from cat_fast.analysis.masking import load_masked
+
+model, tokenizer = load_masked("path/to/this/directory")
+```
+
+Every `cat-fast` command (`cat-fast eval --model DIR`, ...) applies the mask too.
+
+## Without cat_fast it runs UNMASKED
+
+`AutoModelForSequenceClassification.from_pretrained(DIR)` and `transformers.pipeline("text-classification",
+model=DIR)` load the weights without the mask and say nothing: their predictions are the unmasked model's. To mask
+a model loaded that way:
+
+```python
+from cat_fast.analysis.masking import apply_saved_mask
+
+model = apply_saved_mask(model)  # the mask recorded in config.json's {key}
+```
+"""
+
+
+def write_readme(directory: str, model) -> bool:
+    """Write ``README.md`` into `directory` (where a masked `model` was saved): the mask, and how to load the model
+    masked (`load_masked`), since ``from_pretrained`` and ``pipeline`` load it unmasked. Returns whether `model` is
+    masked (nothing is written for an unmasked one)."""
+    import os
+
+    spec = masked_neurons(model)
+    if spec is None:
+        return False
+    neurons = [tuple(n) for n in spec.get("neurons", ())]
+    counts = {}
+    for layer, comp, _ in neurons:
+        counts[(layer, comp)] = counts.get((layer, comp), 0) + 1
+    where = "; ".join(f"layer {layer} {comp}: {k}" for (layer, comp), k in sorted(counts.items())) or "none"
+    rescaled = (", the component's other first-token activations rescaled by 1/p (p: the fraction left unmasked)"
+                if spec.get("rescale") else "")
+    text = _README.format(n=len(neurons), factor=spec.get("factor"), rescaled=rescaled, where=where, key=CONFIG_KEY)
+    with open(os.path.join(directory, README), "w", encoding="utf-8") as f:
+        f.write(text)
+    return True

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -128,16 +128,35 @@ def _target(model, target_class):
     return target_class
 
 
+def _joined(batches):
+    """Tokenised batches as one: 2-D tensors right-padded with 0 (masked out) to the longest, then concatenated."""
+    longest = max(b["input_ids"].shape[1] for b in batches)
+    out = {}
+    for k in batches[0]:
+        parts = [torch.as_tensor(b[k]) for b in batches]
+        if parts[0].dim() == 2:
+            parts = [F.pad(p, (0, longest - p.shape[1])) for p in parts]
+        out[k] = torch.cat(parts)
+    return out
+
+
 def _check_samples(name, samples):
+    """(samples as one dict, N): a tokenised batch (a dict or a tokenizer's BatchEncoding) or a list of them."""
+    if isinstance(samples, (list, tuple)) and samples and all(isinstance(b, Mapping) for b in samples):
+        if all("input_ids" in b and "attention_mask" in b for b in samples):
+            samples = _joined(samples)
+    if isinstance(samples, Mapping):
+        samples = dict(samples)
     if not isinstance(samples, dict) or "input_ids" not in samples or "attention_mask" not in samples:
-        raise ValueError(f"{name}: expected a tokenised batch, a dict with 'input_ids' and 'attention_mask' [N, T]")
+        raise ValueError(f"{name}: expected a tokenised batch (a dict or BatchEncoding with 'input_ids' and "
+                         "'attention_mask' [N, T]) or a list of them")
     n = samples["input_ids"].shape[0]
     if n == 0:
         raise ValueError(f"{name}: expected at least one sample")
     for k, v in samples.items():
         if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] != n:
             raise ValueError(f"{name}[{k!r}]: expected {n} rows like input_ids, got {tuple(v.shape)}")
-    return n
+    return samples, n
 
 
 def length_batches(samples: dict, max_tokens: int, max_rows: Optional[int] = None) -> Iterable[dict]:
@@ -176,7 +195,7 @@ def treatment_means(model, treatment: dict, components=models.COMPONENTS, layers
     """z̄: the mean first-token activation of every neuron over the treatment samples (summed in float64; float32,
     or float64 for a float64 model) on the model's device, {(layer, component): [width]}."""
     components, layers = _check(model, components, layers)
-    _check_samples("treatment", treatment)
+    treatment, _ = _check_samples("treatment", treatment)
     device = next(model.parameters()).device
     was = model.training
     model.eval()
@@ -254,7 +273,7 @@ def neuron_effects(model, samples: dict, zbar: Dict[Key, torch.Tensor], target_c
     (`all_gather_object`); each table is computed by one rank exactly as one process would."""
     components, layers = _from_zbar(model, zbar, components, layers)
     target = _target(model, target_class)
-    n = _check_samples("samples", samples)
+    samples, n = _check_samples("samples", samples)
     keys = [(layer, c) for layer in layers for c in components]
     for key in keys:
         if key not in zbar:
@@ -631,7 +650,7 @@ def neuron_effects_looped(model, samples: dict, zbar: Dict[Key, torch.Tensor], t
     neurons per (layer, component) (the others are NaN): for timing a subset."""
     components, layers = _from_zbar(model, zbar, components, layers)
     target = _target(model, target_class)
-    n = _check_samples("samples", samples)
+    samples, n = _check_samples("samples", samples)
     device = next(model.parameters()).device
     was = model.training
     model.eval()
@@ -673,7 +692,7 @@ def attribution_effects(model, samples: dict, zbar: Dict[Key, torch.Tensor], tar
     forward and one backward per batch of samples."""
     components, layers = _from_zbar(model, zbar, components, layers)
     target = _target(model, target_class)
-    n = _check_samples("samples", samples)
+    samples, n = _check_samples("samples", samples)
     device = next(model.parameters()).device
     was = model.training
     model.eval()

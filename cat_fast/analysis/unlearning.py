@@ -109,11 +109,17 @@ def advantaged_rows(model, batches: Iterable[dict], candidate_class: Optional[in
     return out
 
 
+def _bar(total: int, shown: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="unlearning", unit="step", disable=not shown, leave=False)
+
+
 def unlearn(model, neurons, batches: Iterable[dict], lr: float = 1e-5, epochs: int = 1, weight_decay: float = 0.1,
-            advantaged: bool = True, candidate_class: Optional[int] = None) -> Dict[str, float]:
+            advantaged: bool = True, candidate_class: Optional[int] = None, progress: bool = False) -> Dict[str, float]:
     """Gradient unlearning (module docstring) over `batches` (dicts of model inputs, ``labels`` and, with
     `advantaged`, ``bias``) for `epochs` passes. Returns {"steps", "rows_used", "mean_loss"}; the model is left in
-    the train/eval mode it had."""
+    the train/eval mode it had. ``progress``: a progress bar over the steps (epoch and running loss) on stderr."""
     for name, value, low in (("lr", lr, 0.0), ("weight_decay", weight_decay, 0.0)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low:
             raise ValueError(f"{name}: expected a finite number >= {low}, got {value!r}")
@@ -138,8 +144,10 @@ def unlearn(model, neurons, batches: Iterable[dict], lr: float = 1e-5, epochs: i
         for p in params:
             p.requires_grad_(True)
         model.train()
-        for _ in range(epochs):
+        bar = _bar(epochs * len(batches), progress)
+        for epoch in range(epochs):
             for batch, keep in zip(batches, keeps):
+                bar.update(1)
                 if "labels" not in batch:
                     raise ValueError("batches: each batch needs 'labels'")
                 labels = batch["labels"]
@@ -164,6 +172,8 @@ def unlearn(model, neurons, batches: Iterable[dict], lr: float = 1e-5, epochs: i
                 steps += 1
                 used += n
                 total += float(loss.detach())
+                bar.set_postfix({"epoch": epoch + 1, "loss": f"{total / steps:.4f}"}, refresh=False)
+        bar.close()
     finally:
         for p, flag in frozen.items():
             p.requires_grad_(flag)

@@ -16,8 +16,8 @@ Typical use::
     train, dev = data.load_builtin("nli"), data.load_builtin("nli", "dev")
     ob = bias.OverlapBias().fit(train)
     for name, d in (("train", train), ("dev", dev)):
-        bias.save_bias(f"bias/{name}.jsonl", d.ids, ob.log_probs(d), d.label_names, ob.meta())
-    b = bias.load_bias("bias/train.jsonl", ids=train.ids, label_names=train.label_names)   # [N, 3]
+        bias.save_bias(f"bias/{name}.jsonl", d.ids, ob.log_probs(d), d.label_names, ob.meta(), data=d)
+    b = bias.load_bias("bias/train.jsonl", label_names=train.label_names, data=train)   # [N, 3], fingerprint checked
 """
 from . import column, features, files, labels, logistic, overlap
 from .column import *  # noqa: F401,F403  (the public names are listed in each module's __all__)

@@ -52,6 +52,7 @@ infinite stops the run with status 3.
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import sys
 from typing import Optional, Sequence
@@ -61,6 +62,12 @@ from .common import DATA_MODES, CliError, Parser, fail, float_pair, int_list, no
 __all__ = ["main", "build_parser", "CliError"]
 
 
+def _scheduler_types():
+    from transformers.trainer_utils import SchedulerType
+
+    return [t.value for t in SchedulerType if t.value not in ("reduce_lr_on_plateau", "greedy")]
+
+
 def _methods():
     from ..objectives import names  # imports torch and transformers: only when the parser is built
 
@@ -68,8 +75,10 @@ def _methods():
 
 
 def _columns(parser) -> None:
-    c = parser.add_argument_group("your own data (instead of --task: CSV, TSV, JSON Lines, a save_to_disk directory "
-                                  "or a local Hugging Face dataset)")
+    c = parser.add_argument_group("your own data", "Instead of --task: CSV, TSV, JSON Lines or a JSON array, a "
+                                  "save_to_disk directory or a local Hugging Face dataset; PATH@SPLIT chooses a split. "
+                                  "Columns not given are found by name: text / sentence / review, sentence1 + "
+                                  "sentence2, premise + hypothesis, question + sentence; label / labels.")
     c.add_argument("--text-column", metavar="NAME", help="column of the text (the premise for text pairs)")
     c.add_argument("--text-pair-column", metavar="NAME", help="column of the second text of a pair (the hypothesis)")
     c.add_argument("--label-column", metavar="NAME", help="column of the label (strings or integers)")
@@ -87,6 +96,29 @@ def _names(s: str):
     return names
 
 
+SEED_MAX = 2**32 - 1  # numpy's seeds (the Trainer seeds numpy with --seed)
+
+
+def _seed(s: str) -> int:
+    try:
+        value = int(s)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, {SEED_MAX}], got {s!r}")
+    return value
+
+
+def _positive_float(s: str) -> float:
+    try:
+        value = float(s)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {s!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
@@ -95,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
                description="Train and evaluate text classifiers with counterfactual and debiasing objectives (CAT, "
                            "gradient supervision) on the built-in CAD data or your own files.")
     p.add_argument("--version", action="version", version=f"cat-fast {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="{train,eval,bias,mediation,mask,unlearn}", parser_class=Parser)
+    sub = p.add_subparsers(dest="command", metavar="{train,eval,predict,bias,mediation,mask,unlearn}",
+                           parser_class=Parser)
     sub.required = True
 
     t = sub.add_parser("train", help="train a classifier", formatter_class=fmt,
@@ -104,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--task", choices=("sentiment", "nli"),
                    help="built-in CAD data (and CAD-format --train files): a preset of the columns and labels")
     t.add_argument("--method", required=True, choices=_methods(), help="the objective (cat_fast.objectives registry)")
-    t.add_argument("--train", nargs="+", metavar="FILE", help="training data (default with --task: the built-in CAD "
+    t.add_argument("--train", "--train_file", nargs="+", metavar="FILE", help="training data (default with --task: the built-in CAD "
                    "train split; CAD sentiment: a paired file with batch_id or plain files; CAD nli: originals, then "
                    "revised files paired by position; your own data: one file or directory)")
     t.add_argument("--dev", metavar="FILE", help="dev file scored after every epoch as 'dev' (default with --task: "
@@ -114,15 +147,23 @@ def build_parser() -> argparse.ArgumentParser:
     _columns(t)
     t.add_argument("--data", choices=DATA_MODES, help="training data: originals only or originals + edits "
                    "(default: the method's: erm-orig originals, the others originals + edits)")
-    t.add_argument("--model", default="minilm", help="model directory, or 'minilm' (the shipped all-MiniLM-L6-v2)")
-    t.add_argument("--epochs", type=positive_int, default=3, help="training epochs")
-    t.add_argument("--batch-size", type=positive_int, default=8,
+    t.add_argument("--model", "--model_name_or_path", default="minilm", help="model directory, a hub name cached locally (org/name[@revision]; "
+                   "nothing is downloaded), or 'minilm' (the shipped all-MiniLM-L6-v2)")
+    t.add_argument("--epochs", "--num_train_epochs", type=positive_int, default=3, help="training epochs")
+    t.add_argument("--batch-size", "--per_device_train_batch_size", type=positive_int, default=8,
                    help="examples per batch (per rank under torchrun: a step sees N x this many)")
     t.add_argument("--grad-accum", type=positive_int, default=1, help="batches per optimizer step (gradient accumulation)")
-    t.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (linear decay to 0)")
-    t.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (not on biases and norms)")
+    t.add_argument("--lr", "--learning_rate", type=float, default=5e-5, help="AdamW learning rate (linear decay to 0)")
+    t.add_argument("--weight-decay", "--weight_decay", type=float, default=0.01, help="AdamW weight decay (not on biases and norms)")
     t.add_argument("--lr-warmup-ratio", type=float, default=0.0, help="fraction of the steps with a linear lr warm-up")
-    t.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0 = off)")
+    t.add_argument("--warmup-steps", type=nonneg_int, metavar="N", help="optimizer steps of the lr warm-up (instead "
+                   "of --lr-warmup-ratio)")
+    t.add_argument("--lr-scheduler-type", default="linear", choices=_scheduler_types(),
+                   help="the Trainer's learning-rate schedule after the warm-up")
+    t.add_argument("--optim", default="adamw_torch", metavar="NAME", help="the Trainer's optimizer "
+                   "(TrainingArguments.optim: adamw_torch, adamw_torch_fused, sgd, adafactor, ...); the captured step "
+                   "(--step-graphs) needs an AdamW")
+    t.add_argument("--max-grad-norm", "--max_grad_norm", type=float, default=1.0, help="gradient clipping (0 = off)")
     t.add_argument("--max-length", type=positive_int, default=128, help="tokens per example (truncation)")
     t.add_argument("--label-noise", type=float, metavar="P", help="replace a fraction P of the training labels by "
                    "another class drawn at random (seeded by --seed; the noisy-label scenario)")
@@ -130,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "class LABEL (seeded by --seed; the long-tail scenario)")
     t.add_argument("--per-class", type=positive_int, metavar="K", help="few-shot: K original examples per class (+ "
                    "their edits)")
-    t.add_argument("--seed", type=int, default=0, help="seed of the head's initialisation, the batches and the draws")
+    t.add_argument("--seed", type=_seed, default=0, help="seed of the head's initialisation, the batches and the draws "
+                   f"(0 to {SEED_MAX})")
     t.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when available")
     t.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision")
     t.add_argument("--attn", default="auto", choices=("auto", "eager", "sdpa"),
@@ -141,24 +183,43 @@ def build_parser() -> argparse.ArgumentParser:
                    help="padding of the training batches: longest = to the batch's longest sequence; buckets = to "
                         "the next of a few lengths (32, 64, 96, 128, 192, 256, ... up to --max-length), so that CUDA "
                         "graphs see a handful of shapes; auto = buckets on a GPU, longest on the CPU")
-    t.add_argument("--step-graphs", action="store_true",
+    t.add_argument("--step-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="each training step (loss, backward, clipping, a fused AdamW step) as one CUDA graph per "
-                        "batch shape and CAT mixing layer (cat_fast.step.CapturedStep). One process, no --grad-accum; "
-                        "methods whose steps cannot be replayed (a second step of the optimizer inside the step: "
-                        "erm-two-step, CAT's alternating update) are refused")
+                        "batch shape and CAT mixing layer (cat_fast.step.CapturedStep). Default: on a GPU wherever "
+                        "the run allows it (one process, no --grad-accum, a method whose steps can be replayed), "
+                        "else the eager step with one line saying why; --step-graphs requires it (an error naming "
+                        "what prevents it: several processes, --grad-accum, a second optimizer step inside the step "
+                        "as in erm-two-step and CAT's alternating update); --no-step-graphs turns it off")
     t.add_argument("--ddp-bucket-mb", type=positive_int, metavar="MB",
                    help="under torchrun: the size of DistributedDataParallel's gradient buckets (default: PyTorch's "
                         "25). Larger buckets start the all-reduce later in the backward; on 2 H200s CAT scaled "
                         "1.98x with 200 against 1.92x (benchmarks/RESULTS.md, run AX)")
-    t.add_argument("--out", metavar="DIR", help="output directory (default: runs/TASK-METHOD-seedN)")
+    t.add_argument("--out", "--output_dir", metavar="DIR", help="output directory (default: runs/TASK-METHOD-seedN)")
     t.add_argument("--overwrite", action="store_true", help="replace an existing --out that cat-fast wrote")
     t.add_argument("--no-checkpoint", action="store_true",
                    help="write metrics and curves but not the model weights (for seed sweeps)")
+    lo = t.add_argument_group("LoRA (peft: pip install 'cat_fast[lora]')")
+    lo.add_argument("--lora", type=positive_int, metavar="R", help="train LoRA adapters of rank R on the encoder's "
+                    "projections and the classification head, the rest frozen; the checkpoint holds the merged model. "
+                    "The fast layers do not run adapter-wrapped projections (a warning says so)")
+    lo.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA scaling numerator (default: 2 x R)")
+    lo.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the LoRA branch's input")
+    lo.add_argument("--lora-target-modules", metavar="NAME,...", help="the projections to adapt (default: peft's "
+                    "for the model type, e.g. query,value for BERT)")
     r = t.add_argument_group("checkpoints and logs")
     r.add_argument("--save-steps", type=nonneg_int, default=0, help="write a resumable checkpoint every N optimizer "
-                   "steps to DIR.checkpoints (0 = none; removed when the run completes)")
+                   "steps to DIR.checkpoints (0 = none; removed when the run completes unless --keep-checkpoints)")
     r.add_argument("--save-total-limit", type=positive_int, default=2, help="checkpoints kept in DIR.checkpoints")
-    r.add_argument("--resume", action="store_true", help="continue from the last checkpoint in DIR.checkpoints")
+    r.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in "
+                   "DIR.checkpoints (the same options and data: a difference is refused, naming it)")
+    r.add_argument("--keep-checkpoints", action="store_true", help="keep DIR.checkpoints when the run completes "
+                   "(the newest --save-total-limit of them); default: removed")
+    r.add_argument("--eval-steps", type=positive_int, metavar="N", help="also score the dev set every N optimizer "
+                   "steps (default: at the end of each epoch only)")
+    r.add_argument("--keep-best", action="store_true", help="the final model is the one with the best dev accuracy "
+                   "among the evaluations (epoch ends and --eval-steps), not the last one")
+    r.add_argument("--early-stopping-patience", type=positive_int, metavar="N", help="stop when the dev accuracy "
+                   "has not improved for N evaluations")
     r.add_argument("--dev-split", choices=("all", "tune", "report"), default="all",
                    help="score on half of the built-in CAD dev set: tune (for choosing hyper-parameters) or report "
                    "(for the chosen configuration), split by counterfactual group with a fixed seed; default all")
@@ -231,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--model", metavar="DIR", help="--kind column: the classifier trained on that column")
     f.add_argument("--column", default="text_pair", help="--kind column: the column it reads (text, text_pair or a "
                    "column name)")
-    f.add_argument("--C", type=float, default=100.0, help="--kind overlap: inverse L2 strength (Clark's C)")
+    f.add_argument("--C", type=_positive_float, default=100.0, help="--kind overlap: inverse L2 strength (Clark's C; "
+                   "a finite number > 0)")
     f.add_argument("--batch-size", type=positive_int, default=64, help="--kind column: examples per batch")
     f.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when available")
     f.add_argument("--out", required=True, metavar="DIR", help="output directory (bias.jsonl, bias_meta.json)")
@@ -251,6 +313,23 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
     e.add_argument("--out", metavar="DIR", help="write DIR/metrics.json (default: print JSON)")
     e.add_argument("--overwrite", action="store_true", help="replace an existing --out that cat-fast wrote")
+    pr = sub.add_parser("predict", help="every example's prediction and class probabilities", formatter_class=fmt,
+                        description="Write a checkpoint's predicted label and class probabilities for every example "
+                                    "of --data, with its gold label when the data has one (see `python -m pydoc "
+                                    "cat_fast.cli.predict`).")
+    pr.add_argument("--model", required=True, metavar="DIR", help="a checkpoint directory")
+    pr.add_argument("--data", required=True, metavar="FILE", help="the examples, read as `cat-fast eval` reads "
+                    "them (a label column is optional)")
+    pr.add_argument("--task", choices=("sentiment", "nli"), help="CAD-format --data (default: the data the "
+                    "checkpoint was trained on)")
+    _columns(pr)
+    pr.add_argument("--max-length", type=positive_int, help="default: the checkpoint's training max length, else 128")
+    pr.add_argument("--eval-batch-size", type=positive_int, default=64, help="examples per batch")
+    pr.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when available")
+    pr.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
+    pr.add_argument("--out", required=True, metavar="FILE", help="FILE.csv (columns id, prediction, prob_LABEL..., "
+                    "gold) or FILE.jsonl (id, prediction, probs, gold)")
+    pr.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     md = sub.add_parser("mediation", help="the NIE of every neuron (causal mediation analysis)", formatter_class=fmt,
                         description="Causal mediation analysis of a trained NLI classifier's neurons (see `python -m "
                                     "pydoc cat_fast.cli.mediation`).")
@@ -258,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     md.add_argument("--task", choices=("nli",), help="the built-in CAD NLI dev set as samples")
     md.add_argument("--samples", metavar="FILE", help="samples from your own file (with the column options)")
     _columns(md)
-    md.add_argument("--per-class", type=positive_int, default=100, help="samples per class (class-balanced)")
+    md.add_argument("--per-class", type=positive_int, default=100, help="samples per class (class-balanced; more "
+                    "than the samples hold of a class is refused)")
     md.add_argument("--treatment-quantile", type=float, default=0.95, help="treatment: pairs at or above this "
                     "quantile of hypothesis-word overlap")
     md.add_argument("--target-class", default="entailment", help="label name or index whose probability is mediated")
@@ -268,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     md.add_argument("--components", nargs="+", help="components to sweep (default: all six)")
     md.add_argument("--top-k", type=positive_int, help="top neurons listed (default: 700 of 82,944, scaled)")
     md.add_argument("--max-length", type=positive_int, default=128, help="tokens per pair (truncation)")
-    md.add_argument("--seed", type=int, default=0, help="seed of the class-balanced draws")
+    md.add_argument("--seed", type=_seed, default=0, help=f"seed of the class-balanced draws (0 to {SEED_MAX})")
     md.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when available")
     md.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
     md.add_argument("--out", required=True, metavar="DIR", help="output directory (nie.pt, nie_summary.tsv, "
@@ -281,10 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--model", required=True, metavar="DIR", help="the classifier the analysis was run on")
     mk.add_argument("--nie", required=True, metavar="DIR", help="a cat-fast mediation output (or its nie.pt)")
     mk.add_argument("--top-k", type=positive_int, help="neurons to mask (default: the analysis' top-k)")
-    mk.add_argument("--factor", type=float, default=0.0, help="activation scale (0: hard mask)")
+    mk.add_argument("--factor", type=float, default=0.0, help="activation scale in [0, 1] (0: hard mask)")
     mk.add_argument("--random-neurons", action="store_true", help="the paper's control: --top-k neurons drawn at "
                     "random (with --seed) instead of the top ones")
-    mk.add_argument("--seed", type=int, default=0, help="seed of --random-neurons")
+    mk.add_argument("--seed", type=_seed, default=0, help=f"seed of --random-neurons (0 to {SEED_MAX})")
     mk.add_argument("--rescale", action="store_true", help="the paper's inverted-dropout form: the component's other "
                     "first-token activations times 1/p (p: the fraction left unmasked)")
     mk.add_argument("--out", required=True, metavar="DIR", help="output model directory")
@@ -313,7 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     ul.add_argument("--candidate-class", metavar="LABEL", help="advantaged examples of this gold class only (the "
                     "released code: entailment for NLI); default: every class (the paper's text)")
     ul.add_argument("--max-length", type=positive_int, default=128, help="tokens per example (truncation)")
-    ul.add_argument("--seed", type=int, default=0, help="seed of the batch order and of the random draws")
+    ul.add_argument("--seed", type=_seed, default=0, help=f"seed of the batch order and of the random draws (0 to "
+                    f"{SEED_MAX})")
     ul.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when available")
     ul.add_argument("--out", required=True, metavar="DIR", help="output model directory")
     ul.add_argument("--overwrite", action="store_true", help="replace an existing --out that cat-fast wrote")
@@ -336,6 +417,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from .bias import fit
 
             fit(args)
+        elif args.command == "predict":
+            from .predict import predict
+
+            predict(args)
         elif args.command in ("mediation", "mask", "unlearn"):
             from . import mediation
 

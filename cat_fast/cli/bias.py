@@ -3,8 +3,9 @@
 
 ``--kind overlap``: word-overlap features and a logistic regression fitted on the training split (text pairs:
 NLI); ``--kind column``: a classifier trained on one column (``--model DIR``, ``--column text_pair`` for a
-hypothesis-only bias). Writes ``DIR/bias.jsonl`` (per-example log-probabilities keyed by example id,
-`cat_fast.bias.save_bias`) and ``DIR/bias_meta.json``, atomically.
+hypothesis-only bias). Writes ``DIR/bias.jsonl`` (per-example log-probabilities keyed by example id, with the
+fingerprint of each example's texts and label that ``train --bias`` checks, `cat_fast.bias.save_bias`) and
+``DIR/bias_meta.json``, atomically.
 """
 from __future__ import annotations
 
@@ -29,11 +30,13 @@ def fit(args) -> Dict:
     import torch
 
     from ..bias import ColumnBias, OverlapBias, save_bias
+    from ..data import require_classes
 
     source = Source.from_args(args)
     AtomicDir.check(args.out, args.overwrite, inputs=list(args.train or []) + [args.model or ""])
     train = source.read_train(args.train)
     labels = list(source.label_names(train))
+    require_classes(train)
     if args.kind == "overlap":
         if train.text_pair is None:
             raise CliError("--kind overlap needs text pairs (premise and hypothesis: --task nli or --text-pair-column)")
@@ -53,7 +56,7 @@ def fit(args) -> Dict:
     meta = dict(meta, task=source.name, n=len(train), train_accuracy=accuracy)
     atomic = AtomicDir(args.out, args.overwrite)
     with atomic as tmp:
-        save_bias(os.path.join(tmp, BIAS_FILE), train.ids, log_probs, labels, meta)
+        save_bias(os.path.join(tmp, BIAS_FILE), train.ids, log_probs, labels, meta, data=train)
         write_json(os.path.join(tmp, "bias_meta.json"), meta)
         atomic.commit()
     sys.stderr.write(f"cat-fast: wrote {args.out} ({len(train)} examples; the bias model's training accuracy "

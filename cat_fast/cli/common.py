@@ -6,7 +6,6 @@ import argparse
 import json
 import math
 import os
-import random
 import re
 import shutil
 import sys
@@ -14,7 +13,7 @@ import tempfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["CliError", "TrainingFailed", "float_pair", "PRESETS", "MARKER", "mark_output", "Parser", "fail", "AtomicDir", "CHECKPOINT_META", "DATA_MODES", "parse_evals", "get_device", "encode_batches",
-           "setup_device", "seed_everything", "autocast", "to_device", "predict", "predict_logits", "predict_probs", "accuracy", "EvalSet",
+           "setup_device", "seed_everything", "autocast", "to_device", "predict", "predict_logits", "predict_probs", "accuracy", "confusion", "EvalSet",
            "plot", "write_json", "save_checkpoint", "int_at_least", "positive_int", "nonneg_int", "int_list"]
 
 
@@ -134,6 +133,28 @@ def _within(inner: str, outer: str) -> bool:
     return inner == outer or inner.startswith(outer.rstrip(os.sep) + os.sep)
 
 
+def _input_path(path) -> str:
+    """An input as the file system names it: ``DIR@SPLIT`` (a split of a dataset folder) is DIR."""
+    path = str(path)
+    if "@" in path and not os.path.exists(path):
+        head = path.rpartition("@")[0]
+        if head and os.path.isdir(head):
+            return head
+    return path
+
+
+def _resolve_out(path: str) -> str:
+    """The absolute output path, a symbolic link to a directory followed; a dangling link is refused."""
+    path = os.path.abspath(path)
+    if os.path.islink(path):
+        target = os.path.realpath(path)
+        if not os.path.exists(target):
+            raise CliError(f"--out {path} is a symbolic link to {target}, which does not exist: create the target "
+                           "directory or choose another --out")
+        return target
+    return path
+
+
 class AtomicDir:
     """Write into a temporary sibling of ``path``; ``commit()`` renames it into place.
 
@@ -142,23 +163,26 @@ class AtomicDir:
     """
 
     def __init__(self, path: str, overwrite: bool):
-        self.path = os.path.abspath(path)
+        self.path = _resolve_out(path)
         self.overwrite = overwrite
         self.tmp: Optional[str] = None
         self.created: List[str] = []
 
     @staticmethod
-    def check(path: str, overwrite: bool, inputs: Sequence[str] = ()) -> None:
+    def check(path: str, overwrite: bool, inputs: Sequence[str] = ()) -> str:
         """An existing non-empty `path` is replaced only with `overwrite`, only when cat-fast wrote it (its marker
-        file), and never when it is or holds the working directory or one of the run's `inputs`."""
+        file), and never when it is or holds the working directory or one of the run's `inputs`. Returns the path
+        written: a symbolic link to a directory is followed (the link stays, its target is replaced)."""
+        path = _resolve_out(path)
         if os.path.exists(path) and not os.path.isdir(path):
             raise CliError(f"--out {path} exists and is not a directory")
         if not (os.path.isdir(path) and os.listdir(path)):
-            return
+            return path
         if not overwrite:
             raise CliError(f"--out {path} exists and is not empty; pass --overwrite to replace it")
         real = os.path.realpath(path)
-        for inside in [os.getcwd()] + [p for p in inputs if p and os.path.exists(p)]:
+        inputs = [_input_path(p) for p in inputs if p]
+        for inside in [os.getcwd()] + [p for p in inputs if os.path.exists(p)]:
             if _within(os.path.realpath(inside), real):
                 what = "the working directory" if inside == os.getcwd() else f"the input {inside}"
                 raise CliError(f"--out {path} holds {what}; --overwrite replaces only a directory cat-fast wrote, "
@@ -166,6 +190,7 @@ class AtomicDir:
         if not os.path.isfile(os.path.join(path, MARKER)):
             raise CliError(f"--out {path} was not written by cat-fast (no {MARKER} file in it); --overwrite "
                            "replaces only a directory cat-fast wrote, choose another --out or remove it yourself")
+        return path
 
     def __enter__(self) -> str:
         parent = os.path.dirname(self.path)
@@ -235,14 +260,10 @@ def setup_device(device) -> None:
 
 
 def seed_everything(seed: int) -> None:
-    import numpy as np
-    import torch
+    """Python's, numpy's and torch's generators (every device): `transformers.set_seed`."""
+    from transformers import set_seed
 
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
+    set_seed(seed % 2**32)  # numpy's range (seed + rank under torchrun may pass it)
 
 
 def autocast(device, bf16: bool):
@@ -316,26 +337,52 @@ def accuracy(preds: Sequence[int], labels: Sequence[int], mask: Optional[Sequenc
     return {"accuracy": (sum(p == y for p, y in pairs) / n) if n else float("nan"), "n": n}
 
 
+def confusion(preds: Sequence[int], labels: Sequence[int], names: Sequence[str],
+              mask: Optional[Sequence[bool]] = None) -> Dict:
+    """``{"labels": names, "matrix": counts}``: ``matrix[gold][predicted]`` over the examples `mask` keeps."""
+    matrix = [[0] * len(names) for _ in names]
+    for k, (p, y) in enumerate(zip(preds, labels)):
+        if mask is None or mask[k]:
+            matrix[y][p] += 1
+    return {"labels": list(names), "matrix": matrix}
+
+
 class EvalSet:
-    def __init__(self, name: str, data, tokenizer, max_length: int, split_orig_edit: bool = False):
+    """One scored set: accuracy (HANS: by heuristic and label), with ``confusion=True`` also its confusion matrix
+    (`confusion`, under the key ``confusion`` of each score)."""
+
+    def __init__(self, name: str, data, tokenizer, max_length: int, split_orig_edit: bool = False,
+                 confusion: bool = False):
         from ..data import TokenizedData
 
         self.name = name
         self.data = data
         self.tokenized = TokenizedData(data, tokenizer, max_length)
         self.split_orig_edit = split_orig_edit
+        self.confusion = confusion
 
     def evaluate(self, model, batch_size, device, bf16) -> Dict[str, Dict]:
         preds = predict(model, self.tokenized, batch_size, device, bf16)
+        names = [model.config.id2label[i] for i in range(model.config.num_labels)]
         if self.name == "hans" and hasattr(self.data, "heuristic"):  # accuracy by heuristic x label, as HANS reports
-            from ..data import score_hans
+            from ..data import HANS_LABELS, score_hans
 
-            names = [model.config.id2label[i] for i in range(model.config.num_labels)]
-            return score_hans(preds, self.data, names)
-        out = {self.name: accuracy(preds, self.data.labels)}
+            out = score_hans(preds, self.data, names)
+            if self.confusion:  # entailment / non-entailment, as HANS scores
+                two = [int(names[p] != HANS_LABELS[0]) for p in preds]
+                gold = [int(self.data.label_names[y] != HANS_LABELS[0]) for y in self.data.labels]
+                out[self.name]["confusion"] = confusion(two, gold, HANS_LABELS)
+            return out
+        if len(self.data.label_names) == len(names):  # a model with unnamed labels: the data's names, in id order
+            names = list(self.data.label_names)
+        parts = [(self.name, None)]
         if self.split_orig_edit:
-            out[f"{self.name}_orig"] = accuracy(preds, self.data.labels, self.data.is_orig)
-            out[f"{self.name}_edit"] = accuracy(preds, self.data.labels, [not o for o in self.data.is_orig])
+            parts += [(f"{self.name}_orig", self.data.is_orig), (f"{self.name}_edit", [not o for o in self.data.is_orig])]
+        out = {}
+        for key, mask in parts:
+            out[key] = accuracy(preds, self.data.labels, mask)
+            if self.confusion:
+                out[key]["confusion"] = confusion(preds, self.data.labels, names, mask)
         return out
 
 

@@ -8,10 +8,18 @@ directory with the top neurons masked (`cat_fast.analysis`, docs/METHODS.md §3)
 Samples: ``--per-class`` pairs of each class from the built-in dev set (``--task nli``) or from ``--samples FILE``
 (with the column options); treatment: the samples' pool at or above the ``--treatment-quantile`` of the share of
 hypothesis words found in the premise, class-balanced. ``--method first-order`` is the one-backward screen.
+A ``--per-class`` larger than the samples hold of some class is refused rather than cut down: the NIE is a mean
+over the samples, and a run quietly measured on fewer than asked would not compare with the runs it is set against.
+
+Models are loaded by `cat_fast.models.pretrained.load_classifier`: a masked model (written by ``mask``) runs masked
+in ``mediation`` (its masked neurons then have no effect) and in ``unlearn`` (whose output keeps the mask); ``mask``
+refuses one. ``nie.pt`` records the analysed model's shape, weights fingerprint and mask (`cat_fast.analysis.nie_file`);
+``mask`` and ``unlearn`` refuse it for any other model.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -52,16 +60,19 @@ def mediation(args) -> Dict:
     import torch
 
     from ..analysis import mediation as M
+    from ..analysis import nie_file
     from ..bias.features import FEATURE_NAMES, overlap_features
     from ..models import COMPONENTS
     from ..models.pretrained import load_classifier, resolve_model_dir
+    from .train import check_max_length
 
     directory = resolve_model_dir(args.model)
     AtomicDir.check(args.out, args.overwrite, inputs=[directory] + ([args.samples] if args.samples else []))
     if not 0 < args.treatment_quantile < 1:
         raise CliError(f"--treatment-quantile: expected a number in (0, 1), got {args.treatment_quantile}")
     source = Source.from_args(args, _meta(directory))
-    model, tokenizer = load_classifier(directory, None)
+    model, tokenizer = load_classifier(directory, None)  # a masked model runs masked
+    check_max_length(args.max_length, model, pairs=True)
     if args.samples:
         data = source.read(args.samples, labels=source.labels)
     elif source.task:
@@ -70,6 +81,7 @@ def mediation(args) -> Dict:
         raise CliError("--samples FILE (with --text-column/--text-pair-column/--label-column) or --task nli is needed")
     if data.text_pair is None:
         raise CliError("mediation needs text pairs (premise, hypothesis): the treatment set is chosen by word overlap")
+    _check_per_class(args.per_class, data, args.samples or "the dev set")
     target = args.target_class
     if target.isdigit():
         target = int(target)
@@ -97,6 +109,9 @@ def mediation(args) -> Dict:
     try:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
             zbar = M.treatment_means(model, tok(treat), components=components or COMPONENTS, layers=layers)
+            swept = sum(v.numel() for v in zbar.values())
+            if args.top_k is not None and args.top_k > swept:
+                raise CliError(f"--top-k {args.top_k} is larger than the {swept} neurons swept")
             if args.method == "exact":
                 effects = M.neuron_effects(model, tok(chosen), zbar, target_class=target, progress=True,
                                            distributed=world > 1)
@@ -119,8 +134,7 @@ def mediation(args) -> Dict:
             "seconds": round(seconds, 3), "device": str(device), "processes": world}
     atomic = AtomicDir(args.out, args.overwrite)
     with atomic as tmp:
-        torch.save({"effects": {f"{layer}.{comp}": v for (layer, comp), v in effects.effects.items()}, **meta},
-                   os.path.join(tmp, NIE_FILE))
+        nie_file.save(os.path.join(tmp, NIE_FILE), effects, model, meta)
         with open(os.path.join(tmp, "nie_summary.tsv"), "w") as f:
             f.write("layer\tcomponent\twidth\tmax\tmean\targmax\n")
             for (layer, comp), v in sorted(effects.effects.items(), key=lambda kv: (kv[0][0], kv[0][1])):
@@ -178,12 +192,15 @@ def mask(args) -> Dict:
     from ..analysis import masking
     from ..models.pretrained import load_classifier, resolve_model_dir
 
+    if not (math.isfinite(args.factor) and 0 <= args.factor <= 1):
+        raise CliError(f"--factor must be a finite number in [0, 1] (0: the hard mask; between: the activation "
+                       f"weakened), got {args.factor}")
     directory = resolve_model_dir(args.model)
     AtomicDir.check(args.out, args.overwrite, inputs=[directory, args.nie])
-    effects, saved, path = _read_nie(args.nie)
-    model, tokenizer = load_classifier(directory, None)
+    model, tokenizer = load_classifier(directory, None, saved_mask="refuse")  # masking replaces a mask: refused
+    effects, saved, path = _read_nie(args.nie, model)
     k = args.top_k or int(saved.get("top_k", 1))
-    chosen = _neurons(effects, k, args)
+    chosen = _neurons(effects, k, args, path)
     try:
         masking.mask_neurons(model, chosen, args.factor, rescale=args.rescale)
     except ValueError as error:
@@ -208,23 +225,25 @@ def unlearn(args) -> Dict:
     from ..bias import load_bias
     from ..models.pretrained import load_classifier, resolve_model_dir
     from .bias import resolve
+    from .train import check_max_length
 
     directory = resolve_model_dir(args.model)
     AtomicDir.check(args.out, args.overwrite, inputs=[directory, args.nie, args.bias] + list(args.train or []))
-    effects, saved, path = _read_nie(args.nie)
     source = Source.from_args(args, _meta(directory))
     train = source.read_train(args.train)
-    model, tokenizer = load_classifier(directory, None)
+    model, tokenizer = load_classifier(directory, None)  # a masked model unlearns masked; its output keeps the mask
+    check_max_length(args.max_length, model, pairs=train.text_pair is not None)
+    effects, saved, path = _read_nie(args.nie, model)  # before any step: the fingerprint is of the analysed weights
+    k = args.top_k or int(saved.get("top_k", 1))
+    chosen = _neurons(effects, k, args, path)
     labels = tuple(model.config.id2label[i] for i in range(model.config.num_labels))
     try:
-        bias = load_bias(resolve(args.bias), ids=train.ids, label_names=list(labels), extra="ignore")
+        bias = load_bias(resolve(args.bias), data=train, label_names=list(labels), extra="ignore")
     except (ValueError, OSError) as error:
         raise CliError(f"--bias {args.bias}: {error}") from error
     device = get_device(args.device)
     setup_device(device)
     model.to(device)
-    k = args.top_k or int(saved.get("top_k", 1))
-    chosen = _neurons(effects, k, args)
     g = torch.Generator().manual_seed(args.seed)
 
     def batches_of(rows):
@@ -260,7 +279,7 @@ def unlearn(args) -> Dict:
     rows = rows[torch.randperm(rows.numel(), generator=g)].tolist()
     try:
         stats = unlearning.unlearn(model, chosen, batches_of(rows), lr=args.lr, epochs=args.epochs,
-                                   weight_decay=args.weight_decay, advantaged=False)
+                                   weight_decay=args.weight_decay, advantaged=False, progress=True)
     except ValueError as error:
         raise CliError(str(error)) from error
     if not all(torch.isfinite(p).all() for p in model.parameters()):
@@ -274,19 +293,36 @@ def unlearn(args) -> Dict:
     return meta
 
 
-def _neurons(effects, k, args):
+def _neurons(effects, k, args, path):
     """--top-k neurons of the analysis, or (--random-neurons) as many drawn uniformly with --seed."""
+    n = effects.flat()[0].numel()
+    if k > n:
+        raise CliError(f"--top-k {k} is larger than the {n} neurons in --nie {path}")
     return effects.random(k, args.seed) if args.random_neurons else effects.top(k)
 
 
+def _check_per_class(per_class, data, where):
+    """--per-class must not ask for more samples of a class than `data` holds (refused, not cut down)."""
+    counts = {c: data.labels.count(c) for c in sorted(set(data.labels))}
+    fewest = min(counts, key=lambda c: (counts[c], c)) if counts else None
+    if fewest is not None and counts[fewest] < per_class:
+        raise CliError(f"--per-class {per_class}: {where} has {counts[fewest]} examples of class "
+                       f"{data.label_names[fewest]} (the fewest of its classes); pass --per-class {counts[fewest]} "
+                       "or less")
+
+
 def _write_model_dir(args, model, tokenizer, source_dir, meta_name, meta):
-    """--out: the model and tokenizer, the source checkpoint's cat-fast metadata and `meta`, atomically."""
+    """--out: the model and tokenizer, the source checkpoint's cat-fast metadata and `meta`, atomically; a masked
+    model also its README.md, saying how to load it masked (`masking.write_readme`)."""
     import shutil
+
+    from ..analysis import masking
 
     atomic = AtomicDir(args.out, args.overwrite)
     with atomic as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        masking.write_readme(tmp, model)
         src = os.path.join(source_dir, CHECKPOINT_META)
         if os.path.isfile(src):
             shutil.copy(src, os.path.join(tmp, CHECKPOINT_META))
@@ -294,18 +330,12 @@ def _write_model_dir(args, model, tokenizer, source_dir, meta_name, meta):
         atomic.commit()
 
 
-def _read_nie(nie):
-    import torch
+def _read_nie(nie, model):
+    """(effects, record, path) of --nie, checked against `model` (`cat_fast.analysis.nie_file.load`)."""
+    from ..analysis import nie_file
 
-    from ..analysis.mediation import NeuronEffects
-
-    path = os.path.join(nie, NIE_FILE) if os.path.isdir(nie) else nie
-    if not os.path.isfile(path):
-        raise CliError(f"--nie {nie}: no {NIE_FILE} (write it with cat-fast mediation)")
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        effects = NeuronEffects({(int(key.split(".")[0]), key.split(".", 1)[1]): v
-                                 for key, v in saved["effects"].items()})
-    except Exception as error:
-        raise CliError(f"--nie {path}: cannot read it ({type(error).__name__}: {error})") from error
-    return effects, saved, path
+        effects, saved = nie_file.load(nie, model)
+    except nie_file.NieFileError as error:
+        raise CliError(f"--nie {error}") from error
+    return effects, saved, nie_file.resolve(nie)

@@ -13,7 +13,7 @@ writes metrics.json, the plot and the checkpoint; every rank resumes from the sa
 """
 from __future__ import annotations
 
-import glob
+import contextlib
 import inspect
 import math
 import os
@@ -30,7 +30,6 @@ from .common import (
     TrainingFailed,
     encode_batches,
     get_device,
-    mark_output,
     parse_evals,
     plot,
     predict_probs,
@@ -39,6 +38,8 @@ from .common import (
     setup_device,
     write_json,
 )
+from .dev_eval import DevEvaluation
+from .resume import CheckpointFolder, data_fingerprint
 from .sources import Source
 
 __all__ = ["train"]
@@ -50,7 +51,8 @@ FLOAT_OPTIONS = {  # option dest -> (flag, lowest allowed, open at the low end)
     "eta": ("--eta", None, False), "adv_lr": ("--adv-lr", 0.0, False), "crm_lr": ("--crm-lr", 0.0, False),
     "gs_weight": ("--gs-weight", 0.0, False), "entropy_weight": ("--entropy-weight", 0.0, False),
     "meta_lr": ("--meta-lr", 0.0, True), "clp_scale": ("--clp-scale", 0.0, True),
-    "virtual_lr": ("--virtual-lr", 0.0, True),
+    "virtual_lr": ("--virtual-lr", 0.0, True), "lora_alpha": ("--lora-alpha", 0.0, True),
+    "lora_dropout": ("--lora-dropout", 0.0, False),
 }
 
 
@@ -60,7 +62,7 @@ DEV_SPLIT_SEED = 20261127  # fixed: the same two halves for every run, whatever 
 def dev_half(dev, half: str):
     """Half of `dev` by counterfactual group (an original and its edits stay together): ``"tune"`` or ``"report"``,
     the groups shuffled with a fixed seed and cut in two, so that hyper-parameters chosen on one half are scored on
-    the other (issue 22's equal tuning budget)."""
+    the other (the equal tuning budget of docs/RESULTS-quality.md)."""
     import random
 
     groups = sorted(set(dev.group), key=str)
@@ -93,7 +95,8 @@ def fit_cat_graphs(objective, epoch_batches, buckets) -> None:
 
 
 def check_options(args) -> None:
-    """Every number finite and in its range (one-line errors naming the option)."""
+    """Every number finite and in its range, the weight decay one that AdamW can apply, the logging integrations
+    known and installed (one-line errors naming the option)."""
     for dest, (flag, low, open_low) in FLOAT_OPTIONS.items():
         value = getattr(args, dest, None)
         if value is None:
@@ -101,8 +104,34 @@ def check_options(args) -> None:
         if not math.isfinite(value) or (low is not None and (value < low or (open_low and value == low))):
             where = "" if low is None else (f" > {low:g}" if open_low else f" >= {low:g}")
             raise CliError(f"{flag} must be a finite number{where}, got {value}")
+    from transformers.training_args import OptimizerNames
+
+    names = [o.value for o in OptimizerNames]
+    if args.optim not in names:
+        raise CliError(f"--optim: expected one of the Trainer's optimizers ({', '.join(names[:6])}, ...), got "
+                       f"{args.optim!r}")
+    if getattr(args, "lora_dropout", 0.0) >= 1:
+        raise CliError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
     if args.lr_warmup_ratio > 1:
         raise CliError(f"--lr-warmup-ratio must be in [0, 1], got {args.lr_warmup_ratio}")
+    if args.lr * args.weight_decay >= 1:  # AdamW's decoupled decay scales the weights by 1 - lr * weight_decay
+        raise CliError(f"--weight-decay {args.weight_decay:g} with --lr {args.lr:g}: AdamW scales the weights by "
+                       f"1 - lr x weight_decay = {1 - args.lr * args.weight_decay:g} each step; expected --lr x "
+                       f"--weight-decay < 1")
+    names = list(getattr(args, "report_to", None) or [])
+    if names and names not in (["none"], ["all"]):
+        from transformers.integrations import integration_utils as hf
+
+        known = list(hf.INTEGRATION_TO_CALLBACK)
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise CliError(f"--report-to: {unknown[0]!r} is not a logging integration of the Hugging Face Trainer; "
+                           f"expected 'none' or 'all' alone, or names among {', '.join(known)}")
+        installed = hf.get_available_reporting_integrations()
+        missing = [n for n in names if n not in installed]
+        if missing:
+            raise CliError(f"--report-to: {missing[0]} is not available (its package is not installed); installed "
+                           f"integrations: {', '.join(installed) or 'none'}")
 
 
 def check_max_length(max_length: int, model, pairs: bool, flag: str = "--max-length") -> None:
@@ -170,10 +199,11 @@ def _stream_parts(tokenized, tokenizer, epoch_batches, partners, rows=None, buck
 
 def train(args) -> Dict:
     import torch
-    from transformers import TrainerCallback, TrainingArguments
+    from transformers import TrainingArguments
     from transformers.trainer_callback import ProgressCallback
 
     from .. import data as D
+    from ..integrations.checkpoints import CheckpointError
     from ..integrations.trainer import NonFiniteLossError, ObjectiveTrainer, StepGraphsError
     from ..models.pretrained import load_classifier
 
@@ -186,10 +216,9 @@ def train(args) -> Dict:
     check_options(args)
     evals = parse_evals(args.eval, ("dev", "dev_orig", "dev_edit"))
     inputs = list(args.train or []) + ([args.dev] if args.dev else []) + [p for _, p in evals] + [args.model]
-    AtomicDir.check(out, args.overwrite, inputs=inputs)
-    checkpoints = os.path.abspath(out) + ".checkpoints"
-    if args.resume and not glob.glob(os.path.join(checkpoints, "checkpoint-*")):
-        raise CliError(f"--resume: no checkpoint in {checkpoints} (checkpoints are written with --save-steps)")
+    out = AtomicDir.check(out, args.overwrite, inputs=inputs)
+    saving = args.save_steps > 0
+    folder = CheckpointFolder(out, saving, args.resume, args.overwrite)
     from ..distributed import init_from_env
 
     device, rank, world = init_from_env(get_device(args.device))
@@ -214,6 +243,7 @@ def train(args) -> Dict:
             before = len(train_data)
             train_data = D.long_tail(train_data, label, fraction, seed=args.seed)
             shift["long_tail"] = {"label": label, "fraction": fraction, "removed": before - len(train_data)}
+        clean = train_data  # the rows a bias model was fitted on: --label-noise changes labels only
         if args.label_noise:
             train_data, flipped = D.with_label_noise(train_data, args.label_noise, seed=args.seed)
             shift["label_noise"] = {"rate": args.label_noise, "flipped": len(flipped)}
@@ -226,6 +256,9 @@ def train(args) -> Dict:
                "revised files after the originals")
         raise CliError(f"--method {method} needs counterfactual pairs in the training data, found none ({why})")
     label_names = source.label_names(train_data)
+    D.require_classes(train_data)  # one class would build a one-label (regression) head
+    record = dict(vars(args), processes=world, data_fingerprint=data_fingerprint(train_data))
+    folder.check(record)  # the checkpoint folder is cat-fast's, and a --resume continues this very run
     rows = {}
     if getattr(entry.cls, "needs_bias", False):
         if not args.bias:
@@ -236,7 +269,7 @@ def train(args) -> Dict:
         try:
             from .bias import resolve
 
-            rows["bias"] = load_bias(resolve(args.bias), ids=train_data.ids, label_names=list(label_names), extra="ignore")
+            rows["bias"] = load_bias(resolve(args.bias), data=clean, label_names=list(label_names), extra="ignore")
         except (ValueError, OSError) as error:
             raise CliError(f"--bias {args.bias}: {error}") from error
     elif args.bias:
@@ -264,6 +297,9 @@ def train(args) -> Dict:
         if dev_data is None:
             raise CliError("--dev-split needs a dev set (the built-in CAD dev set, or --dev FILE)")
         dev_data = dev_half(dev_data, args.dev_split)
+    if (args.keep_best or args.early_stopping_patience) and dev_data is None:
+        raise CliError("--keep-best and --early-stopping-patience choose by dev accuracy: they need a dev set (--dev "
+                       "FILE, or --task for the built-in one)")
     eval_data = [(name, source.read(path, labels=label_names)) for name, path in evals]
     for name, d in ([("dev", dev_data)] if dev_data is not None else []) + eval_data:
         _report_skipped(name, d)
@@ -272,9 +308,10 @@ def train(args) -> Dict:
     attn = args.attn if args.attn != "auto" else ("eager" if entry.eager_attention else None)
     seed_everything(args.seed)  # the fresh head's initialisation depends on the seed only
     model, tokenizer = load_classifier(args.model, len(label_names), attn_implementation=attn,
-                                       label_names=tuple(label_names))
+                                       label_names=tuple(label_names), new_head=True, saved_mask="refuse")
     check_max_length(args.max_length, model, pairs=train_data.text_pair is not None)
     model.to(device)
+    lora = with_lora(model, args) if args.lora else None  # the model keeps its class; LoRA layers inside
     if getattr(entry.cls, "needs_teacher", False):
         if not args.teacher:
             raise CliError(f"--method {method} needs --teacher DIR: a classifier trained on the same labels (e.g. by "
@@ -330,30 +367,15 @@ def train(args) -> Dict:
     except (ValueError, TypeError) as error:
         raise CliError(f"--method {method}: {error}") from error
 
-    decay, no_decay = [], []
-    for p in list(model.parameters()) + list(objective.parameters()):  # an objective's own (a learned gate) too
-        if p.requires_grad:
-            (no_decay if p.ndim < 2 else decay).append(p)
-    step_graphs = getattr(args, "step_graphs", False)
+    step_graphs = getattr(args, "step_graphs", None)  # None: on a GPU where the run allows it (ObjectiveTrainer)
     if step_graphs and world > 1:
         raise CliError("--step-graphs: one process only (under torchrun the objective runs inside DDP's forward)")
     if step_graphs and args.grad_accum != 1:
         raise CliError(f"--step-graphs: --grad-accum must be 1 (one captured step per optimizer step), got "
                        f"{args.grad_accum}")
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if step_graphs:  # fused (a non-finite step is skipped on the device), its lr a tensor the schedule fills in place
-        optimizer = torch.optim.AdamW(groups, lr=torch.tensor(float(args.lr), device=device), fused=True,
-                                      capturable=device.type == "cuda")
-    else:
-        optimizer = torch.optim.AdamW(groups, lr=args.lr)
-    lr_warm = int(round(args.lr_warmup_ratio * total_steps))
-
-    def lr_lambda(step):
-        if step < lr_warm:
-            return (step + 1) / lr_warm
-        return max(0.0, (total_steps - step) / max(1, total_steps - lr_warm))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    # the optimizer (AdamW by default: no weight decay on biases and norms; the objective's own parameters too) and
+    # the schedule are the Trainer's (ObjectiveTrainer.create_optimizer)
+    lr_warm = args.warmup_steps if args.warmup_steps is not None else int(round(args.lr_warmup_ratio * total_steps))
     partners = (lambda epoch: train_data.choose_partners(args.seed + epoch)) if use_pairs else None
     buckets = train_buckets(args.pad, args.max_length, device)
     items, stream, collate = _stream_parts(train_tok, tokenizer, epoch_batches, partners, rows, buckets)
@@ -367,6 +389,10 @@ def train(args) -> Dict:
                       dev_examples=None if dev_data is None else len(dev_data))
     ckpt_meta = dict(source.meta(train_data), method=method, max_length=args.max_length, base_model=args.model,
                      seed=args.seed)
+    if lora is not None:  # saved merged: a plain model of the base's class
+        used = lora.peft_config["default"]
+        ckpt_meta["lora"] = {"r": args.lora, "alpha": used.lora_alpha, "dropout": args.lora_dropout,
+                             "target_modules": sorted(used.target_modules), "merged": True}
 
     class Run(ObjectiveTrainer):
         pending: Dict = {}  # the last epoch's dev accuracy, logged with that step's loss
@@ -380,27 +406,6 @@ def train(args) -> Dict:
                 logs, self.pending = {**logs, **self.pending}, {}
             return super().log(logs, *a, **k)
 
-    class EpochEnd(TrainerCallback):
-        """Dev accuracy at the end of each epoch, logged with that step's loss (so a resumed run has it too)."""
-
-        def __init__(self):
-            self.next = 0
-
-        def on_train_begin(self, targs, state, control, **kw):
-            self.next = sum(1 for e in ends if e <= state.global_step)
-
-        def on_step_end(self, targs, state, control, **kw):
-            while self.next < len(ends) and state.global_step >= ends[self.next]:
-                self.next += 1
-                logs = {"cat_fast_epoch": float(self.next)}
-                if dev_set is not None and rank == 0:  # rank 0 alone evaluates (and logs)
-                    for name, value in dev_set.evaluate(model, args.eval_batch_size, device, args.bf16).items():
-                        logs[f"eval/{name}/accuracy"] = value["accuracy"]
-                        logs[f"eval/{name}/n"] = float(value["n"])
-                trainer.pending = {**trainer.pending, **logs}
-                control.should_log = True
-            return control
-
     class Quiet(ProgressCallback):
         """The Trainer's progress bar, without printing every log line."""
 
@@ -412,14 +417,14 @@ def train(args) -> Dict:
 
     atomic = AtomicDir(out, args.overwrite) if rank == 0 else _Scratch()
     with atomic as tmp:
-        saving = args.save_steps > 0
-        if saving:
-            os.makedirs(checkpoints, exist_ok=True)
-            mark_output(checkpoints)
+        if rank == 0:
+            folder.open(record)
         targs = TrainingArguments(
-            output_dir=checkpoints if saving else tmp, max_steps=total_steps, num_train_epochs=1,
+            output_dir=folder.path if saving else tmp, max_steps=total_steps, num_train_epochs=1,
             per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=accum,
             max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else 0.0,
+            learning_rate=args.lr, weight_decay=args.weight_decay, lr_scheduler_type=args.lr_scheduler_type,
+            warmup_steps=lr_warm, optim=args.optim,
             logging_steps=args.logging_steps, save_strategy="steps" if saving else "no",
             save_steps=args.save_steps if saving else 500, save_total_limit=args.save_total_limit,
             seed=args.seed, data_seed=args.seed, bf16=args.bf16, use_cpu=device.type == "cpu",
@@ -427,27 +432,44 @@ def train(args) -> Dict:
             disable_tqdm=False, log_level="error", save_only_model=False,
             ddp_find_unused_parameters=getattr(objective, "find_unused_parameters", False) if world > 1 else None,
             ddp_bucket_cap_mb=args.ddp_bucket_mb if world > 1 else None)
-        trainer = Run(model=model, args=targs, train_dataset=items, optimizers=(optimizer, scheduler),
-                      objective=objective, step_graphs=step_graphs)
+        with _step_graph_warnings():
+            trainer = Run(model=model, args=targs, train_dataset=items, objective=objective, step_graphs=step_graphs)
         trainer.pending = {}
         trainer.remove_callback(ProgressCallback)
         trainer.add_callback(Quiet)
-        trainer.add_callback(EpochEnd())
+        dev_eval = DevEvaluation(
+            ends, lambda: None if dev_set is None else dev_set.evaluate(model, args.eval_batch_size, device, args.bf16),
+            lambda logs: setattr(trainer, "pending", {**trainer.pending, **logs}), model, eval_steps=args.eval_steps,
+            keep_best=args.keep_best, patience=args.early_stopping_patience, rank=rank, world=world)
+        dev_eval.restore(folder.resume_from)
+        trainer.add_callback(dev_eval)
+        trainer.checkpoint_extras.append(dev_eval.save)
         if world > 1:
             seed_everything(args.seed + rank)  # each rank's own dropout stream (the Trainer seeded all alike)
         t0 = time.time()
         try:
-            trainer.train(resume_from_checkpoint=True if args.resume else None)
+            with _step_graph_warnings():
+                trainer.train(resume_from_checkpoint=folder.resume_from)
         except NonFiniteLossError as error:
-            raise TrainingFailed(f"{error}; no output written (check the hyper-parameters, or lower --lr)") from error
+            kept = folder.close(failed=True) if rank == 0 else None
+            where = f" (the checkpoints it resumed from are kept in {kept})" if kept else ""
+            raise TrainingFailed(f"{error}; no output written{where} (check the hyper-parameters, or lower --lr)"
+                                 ) from error
         except StepGraphsError as error:
+            if rank == 0:
+                folder.close(failed=True)
             raise CliError(f"--step-graphs --method {method}: {error.reason}") from error
+        except CheckpointError as error:
+            raise CliError(f"--resume: {error}") from error
         except KeyboardInterrupt:
-            if saving and glob.glob(os.path.join(checkpoints, "checkpoint-*")):
-                sys.stderr.write(f"cat-fast: checkpoints kept in {checkpoints}: run the same command with --resume "
+            if rank == 0 and folder.has_checkpoint():
+                sys.stderr.write(f"cat-fast: checkpoints kept in {folder.path}: run the same command with --resume "
                                  "to continue\n")
+            elif rank == 0:
+                folder.close()
             raise
         train_seconds = time.time() - t0
+        config["step_graphs"] = bool(trainer.step_graphs)  # as run: None (the default) resolved
         if rank != 0:  # rank 0 evaluates and writes; the others are done
             steps = trainer.state.global_step
             trainer = None  # the DDP reducer goes before the process group (see _finish)
@@ -456,13 +478,21 @@ def train(args) -> Dict:
         if trainer.pending:
             trainer.state.log_history.append({**trainer.pending, "step": trainer.state.global_step})
         logs = trainer.state.log_history
-        history = _history(logs, ends, cat_active_from, method)
+        final = trainer.state.global_step
+        ran = [e for e in ends if e <= final] + ([final] if dev_eval.stopped_at and final not in ends else [])
+        history = _history(logs, ran, cat_active_from, method)
         results = dict(history[-1]["eval"]) if history and history[-1]["eval"] else {}
+        best = None
+        if dev_eval.best is not None:
+            best = {"step": dev_eval.best_step, "dev_accuracy": dev_eval.best, "kept": bool(args.keep_best),
+                    "early_stopped_at": dev_eval.stopped_at}
+        if args.keep_best and dev_eval.load_best():  # the final model is the best one: its scores
+            results = dev_set.evaluate(model, args.eval_batch_size, device, args.bf16)
         for s in eval_sets:
             results.update(s.evaluate(model, args.eval_batch_size, device, args.bf16))
 
         if not args.no_checkpoint:
-            save_checkpoint(tmp, model, tokenizer, ckpt_meta)
+            save_checkpoint(tmp, model if lora is None else lora.merge_and_unload(), tokenizer, ckpt_meta)
         metrics = {
             "method": method,
             "task": source.name,
@@ -478,6 +508,9 @@ def train(args) -> Dict:
                      "n_edits": len(train_data) - train_data.n_orig, "classes": train_data.class_counts(),
                      "groups": len(train_data.groups), "skipped": getattr(train_data, "skipped", 0), **shift},
             "history": history,
+            "evaluations": [{"step": h.get("step"), "dev_accuracy": h["eval/dev/accuracy"]} for h in logs
+                            if "eval/dev/accuracy" in h],
+            "best": best,
             "config": config,
         }
         plot(os.path.join(tmp, "curves.png"), logs, history, warmup_steps,
@@ -487,12 +520,60 @@ def train(args) -> Dict:
         atomic.commit()
     trainer = None  # the DDP reducer goes before the process group (see _finish)
     _finish(world)
-    if saving:
-        shutil.rmtree(checkpoints, ignore_errors=True)  # the run is complete: its checkpoints are not needed
+    if args.keep_checkpoints and folder.has_checkpoint():
+        sys.stderr.write(f"cat-fast: checkpoints kept in {folder.path} (--keep-checkpoints)\n")
+    else:
+        folder.close()  # the run is complete: its checkpoints are not needed
     scores = ", ".join(f"{name} accuracy {r['accuracy']:.4f}" for name, r in results.items()
                        if "/" not in name and isinstance(r, dict) and "accuracy" in r)
     sys.stderr.write(f"cat-fast: wrote {out} ({scores or 'no dev or --eval set scored'})\n")
     return metrics
+
+
+def with_lora(model, args):
+    """``--lora R``: LoRA adapters of rank R (peft) on the target projections, trained with the classification
+    head; everything else frozen. The model object stays the Hugging Face model (its projections wrapped in place),
+    so the objectives drive it as before; the returned PeftModel merges the adapters into it for the checkpoint."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise CliError("--lora needs peft: pip install 'cat_fast[lora]'") from None
+    from .. import models
+
+    targets = [t for t in (args.lora_target_modules or "").split(",") if t] or None
+    config = LoraConfig(r=args.lora, lora_alpha=args.lora_alpha if args.lora_alpha is not None else 2 * args.lora,
+                        lora_dropout=args.lora_dropout, target_modules=targets)
+    try:
+        wrapped = get_peft_model(model, config)
+    except ValueError as error:
+        raise CliError(f"--lora-target-modules {args.lora_target_modules or '(peft default)'}: "
+                       f"{' '.join(str(error).split())[:200]}") from error
+    for p in models.structure(model).head.parameters():
+        p.requires_grad_(True)
+    return wrapped
+
+
+@contextlib.contextmanager
+def _step_graph_warnings():
+    """The trainer's `StepGraphsWarning` as one ``cat-fast: warning:`` line naming the CLI's flag."""
+    import warnings
+
+    from ..integrations.trainer import StepGraphsWarning
+
+    shown = warnings.showwarning
+
+    def show(message, category, *args, **kwargs):
+        if isinstance(message, StepGraphsWarning):
+            sys.stderr.write(f"cat-fast: warning: the eager training step runs: {message.reason} (--no-step-graphs "
+                             "silences this)\n")
+        else:
+            shown(message, category, *args, **kwargs)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 class _Scratch:

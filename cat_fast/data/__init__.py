@@ -24,12 +24,15 @@ Your own data instead of the built-in files::
 
     train = data.load_table("train.csv", text_column="text", label_column="label", group_column="pair_id")
 """
-from . import batching, core, tables
+from . import batching, cad_readers, core, sampling, tables, text_files
 from .batching import *  # noqa: F401,F403  (the public names are listed in each module's __all__)
+from .cad_readers import *  # noqa: F401,F403
 from .core import *  # noqa: F401,F403
 from .hans import *  # noqa: F401,F403
 from .hans import __all__ as _hans_all
+from .sampling import *  # noqa: F401,F403
 from .tables import *  # noqa: F401,F403
+from .text_files import *  # noqa: F401,F403
 
-__all__ = core.__all__ + batching.__all__ + tables.__all__
+__all__ = core.__all__ + text_files.__all__ + cad_readers.__all__ + sampling.__all__ + batching.__all__ + tables.__all__
 __all__ += _hans_all

@@ -10,6 +10,8 @@
   with ``labels`` (int64 [B]) and, when asked, ``pairs`` (int64 [B]): ``pairs[i]`` is the position in
   the batch of a counterfactual of sample i with a different label, -1 when none is in the batch.
   Pop ``pairs`` before calling the model.
+* :class:`IntegerGroupIds` wraps any collate function so that ``pair_group`` ids of any hashable type (strings)
+  reach it as integers (the Trainer classes wrap theirs).
 * :func:`group_batches` is the same packing over a plain list of group ids (one per example, e.g. a
   ``datasets.Dataset`` column): the batches for one epoch, for a ``DataLoader(batch_sampler=...)`` or a
   ``Trainer`` that builds its own loader. ``group_batches(ids, B, seed=s, epoch=e)`` equals
@@ -27,7 +29,7 @@ import torch
 
 from .core import CadData
 
-__all__ = ["TokenizedData", "GroupBatchSampler", "Collator", "length_buckets", "make_batches", "group_batches", "pad_batches",
+__all__ = ["TokenizedData", "GroupBatchSampler", "Collator", "IntegerGroupIds", "length_buckets", "make_batches", "group_batches", "pad_batches",
            "shard_batches"]
 
 
@@ -152,6 +154,31 @@ def shard_batches(batches: Sequence[List[int]], world: int, rank: int) -> List[L
     if not 0 <= rank < world:
         raise ValueError(f"rank must be in [0, {world}), got {rank}")
     return pad_batches(batches, world)[rank::world]
+
+
+class IntegerGroupIds:
+    """Wraps a collate function so that ``pair_group`` ids of any hashable type (strings, tuples) reach it as
+    integers: each batch's ids are numbered in order of first appearance, which keeps equal ids equal within the
+    batch (all that `pair_by_group` compares). Items with integer ids pass through as they are. Other attributes
+    are the wrapped collator's (e.g. ``tokenizer``)."""
+
+    def __init__(self, collate_fn, key: str = "pair_group"):
+        self.collate_fn = collate_fn
+        self.key = key
+
+    def __getattr__(self, name):
+        if name in ("collate_fn", "key"):  # not set yet (unpickling): no recursion into the wrapped collator
+            raise AttributeError(name)
+        return getattr(self.collate_fn, name)
+
+    def __call__(self, items):
+        key = self.key
+        ids = [it[key] for it in items if isinstance(it, dict) and key in it]
+        if ids and not all(isinstance(g, int) or (isinstance(g, torch.Tensor) and not g.is_floating_point())
+                           for g in ids):
+            codes: Dict[Hashable, int] = {}
+            items = [{**it, key: codes.setdefault(it[key], len(codes))} if key in it else it for it in items]
+        return self.collate_fn(items)
 
 
 def length_buckets(max_length: int, smallest: int = 32) -> Tuple[int, ...]:

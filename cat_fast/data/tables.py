@@ -1,19 +1,27 @@
-"""Your own data: :func:`load_table` reads a CSV, TSV or JSON Lines file, or a Hugging Face dataset folder, into a
-:class:`~cat_fast.data.core.CadData` with its own label set (a :class:`~cat_fast.data.core.TaskSpec` of its own).
+"""Your own data: :func:`load_table` reads a CSV, TSV, JSON Lines or JSON file, a Hugging Face dataset folder or a
+``datasets.Dataset`` / ``DatasetDict`` into a :class:`~cat_fast.data.core.CadData` with its own label set (a
+:class:`~cat_fast.data.core.TaskSpec` of its own).
 
 Typical use::
 
     from cat_fast import data
     train = data.load_table("train.csv", text_column="review", label_column="label", group_column="pair_id")
+    train = data.load_table("train.jsonl")                       # columns found by name: text / label, ...
     print(train.describe(), train.label_names, train.skipped)   # label names for the checkpoint's id2label
     ds = data.TokenizedData(train, tokenizer, max_length=128)    # then make_batches / Collator as for CAD data
 
 What ``path`` is decides the format: ``.csv`` (comma, standard quoting: fields with commas, quotes or newlines in
-double quotes); ``.tsv`` / ``.tab`` / ``.txt`` (tab, no quoting: the CAD files' convention); ``.jsonl`` / ``.json``
-(JSON Lines: one object per line); a folder written by ``datasets.Dataset.save_to_disk`` or
-``DatasetDict.save_to_disk`` (split ``"train"`` unless ``split=``); any other folder goes to
+double quotes); ``.tsv`` / ``.tab`` / ``.txt`` (tab, no quoting: the CAD files' convention); ``.jsonl`` (JSON Lines:
+one object per line); ``.json`` (JSON Lines, or one JSON array of objects); a folder written by
+``datasets.Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``, or a ``Dataset`` / ``DatasetDict`` object (a
+``DatasetDict``: ``split=``, else its only split, else ``default_split``, ``"train"``); any other folder goes to
 ``datasets.load_dataset(path)`` offline (a folder of data files). Every CSV/TSV cell is text ("NA" stays "NA"); a
 UTF-8 byte-order mark is ignored; blank lines are not rows.
+
+Columns not given are found by the names of ``run_glue.py`` and the datasets hub (:func:`find_columns`): the text
+from ``text`` / ``sentence`` / ``review``, a text pair from ``sentence1`` + ``sentence2``, ``premise`` +
+``hypothesis`` or ``question`` + ``sentence``, the label from ``label`` / ``labels``; none or several candidates is
+a :class:`~cat_fast.data.readers.ChoiceError`. A given ``text_column`` also decides the pair (none unless given).
 
 Rows whose text (or pair text) is empty or only whitespace are skipped and counted (``CadData.skipped``,
 ``CadData.skipped_where``). Labels: the names in ``labels=``, else every distinct value (integers in numeric order,
@@ -21,232 +29,58 @@ other strings alphabetically; a ``ClassLabel`` column keeps its own names and or
 rows sharing an id are counterfactuals of each other, the first in file order is the original, and any two members
 with different labels are partners (``pairing="all"``); a row with an empty group id is a group of its own.
 Every problem raises :class:`~cat_fast.data.core.DataError` on one line: the file, the line (CSV/TSV: the header is
-line 1; JSONL: the line; a dataset: the 0-based row), what is wrong and what was expected.
+line 1; JSONL: the line; a dataset: the 0-based row; a JSON array: the 0-based item), what is wrong and what was
+expected.
 """
 from __future__ import annotations
 
-import csv
-import json
 import math
-import os
 import re
-import sys
-from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .core import CadData, DataError, TaskSpec, _cache_dir, _one_line, clean
+from .core import CadData, DataError, TaskSpec, clean
+from .readers import TABLE_FORMATS, ChoiceError, Table, listed, read_rows  # noqa: F401  (read_rows: for .hans)
 
-__all__ = ["load_table", "TABLE_FORMATS"]
+__all__ = ["load_table", "find_columns", "ChoiceError", "TABLE_FORMATS", "TEXT_NAMES", "PAIR_NAMES", "LABEL_NAMES"]
 
-TABLE_FORMATS = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".txt": "tsv", ".jsonl": "jsonl", ".json": "jsonl"}
-_EXPECTED = ("a .csv, .tsv/.tab/.txt or .jsonl/.json file, a folder written by datasets' save_to_disk, "
-             "or a local dataset folder")
+# the column names of run_glue.py and the datasets hub, in the order a message lists them
+TEXT_NAMES = ("text", "sentence", "review")
+PAIR_NAMES = (("sentence1", "sentence2"), ("premise", "hypothesis"), ("question", "sentence"))
+LABEL_NAMES = ("label", "labels")
+
 _SHOW_SKIPPED = 10  # how many "file:line" of skipped rows CadData.skipped_where keeps
 _INT = re.compile(r"[+-]?\d+")
 
 
-@dataclass
-class _Table:
-    """The needed columns of a table, one value per row, and where each row is (for messages)."""
-
-    name: str  # the path, or "path[split]" for a dataset split
-    unit: str  # "line" (files) or "row" (datasets: the 0-based index)
-    found: List[str]  # every column of the source
-    cols: Dict[str, List[Any]]
-    where: List[int]  # line (files) or row index (datasets) of each row
-    class_names: Dict[str, List[str]] = field(default_factory=dict)  # ClassLabel columns: their names
-
-    def loc(self, r: int) -> str:
-        return f"{self.name}: {self.unit} {self.where[r]}"
-
-
-def _list(names: Sequence[str]) -> str:
-    return ", ".join(names) if names else "none"
-
-
-# --------------------------------------------------------------------------------------------
-# readers
-
-
-def _lines(path: str) -> Iterator[str]:
-    """The file's lines, decoded as UTF-8 (a byte-order mark at the start is dropped), one physical line each."""
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, start=1):
-            try:
-                yield raw.decode("utf-8-sig" if n == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}: line {n}: not valid UTF-8 (byte {raw[e.start]:#04x} at byte {e.start + 1} "
-                                f"of the line); expected a UTF-8 text file") from None
-
-
-def _check_header(path: str, header: List[str], needed: Sequence[str], what: str) -> None:
-    missing = [c for c in needed if c not in header]
-    if missing:
-        raise DataError(f"{path}: line 1: missing column(s) {_list(missing)}; expected {what} {_list(needed)}, "
-                        f"found {_list([h for h in header if h])}")
-    for c in needed:
-        if header.count(c) > 1:
-            raise DataError(f"{path}: line 1: column {c!r} appears {header.count(c)} times in the header; "
-                            f"expected each column once")
-
-
-def _read_delimited(path: str, needed: Sequence[str], tsv: bool) -> _Table:
-    kind = "a tab-separated file (no quoting)" if tsv else "a comma-separated file (standard CSV quoting)"
-    fmt = dict(delimiter="\t", quoting=csv.QUOTE_NONE) if tsv else dict(delimiter=",", quotechar='"', doublequote=True)
-    header: Optional[List[str]] = None
-    rows: List[List[str]] = []
-    where: List[int] = []
-    limit = csv.field_size_limit()
-    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # long documents
-    reader = csv.reader(_lines(path), strict=not tsv, **fmt)
-    start = 1
-    try:
-        while True:
-            start = reader.line_num + 1
-            try:
-                rec = next(reader)
-            except StopIteration:
-                break
-            if not rec or (len(rec) == 1 and not rec[0].strip()):
-                continue  # a blank line is not a row
-            if header is None:
-                header = [h.strip() for h in rec]
-                _check_header(path, header, needed, "columns")
-                continue
-            if len(rec) != len(header):
-                hint = ("a tab inside a text?" if tsv else "a comma inside an unquoted text? quote the field") \
-                    if len(rec) > len(header) else "a missing field?"
-                raise DataError(f"{path}: line {start}: {len(rec)} field(s), expected {len(header)} "
-                                f"(columns {_list(header)}; {hint})")
-            rows.append(rec)
-            where.append(start)
-    except csv.Error as e:
-        runs = f" (the record starting there runs to line {reader.line_num})" if reader.line_num > start else ""
-        raise DataError(f"{path}: line {start}: cannot be parsed as {kind}: {e}{runs}") from None
-    finally:
-        csv.field_size_limit(limit)
-    if header is None:
-        raise DataError(f"{path}: file is empty; expected a header row (line 1) with columns {_list(needed)}, "
-                        f"then one row per example")
-    if not rows:
-        raise DataError(f"{path}: no data rows (only the header, line 1); expected one row per example after it")
-    index = {c: header.index(c) for c in needed}
-    return _Table(path, "line", header, {c: [r[k] for r in rows] for c, k in index.items()}, where)
-
-
-def _read_jsonl(path: str, needed: Sequence[str]) -> _Table:
-    cols: Dict[str, List[Any]] = {c: [] for c in needed}
-    where: List[int] = []
-    found: Optional[List[str]] = None
-    for n, line in enumerate(_lines(path), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            if n == 1 and line.lstrip().startswith("["):
-                hint = "the file starts a JSON array; expected JSON Lines (one JSON object per line)"
-            else:
-                hint = "expected JSON Lines (one JSON object per line)"
-            raise DataError(f"{path}: line {n}: not valid JSON: {e.msg} (column {e.colno}); {hint}") from None
-        if not isinstance(obj, dict):
-            raise DataError(f"{path}: line {n}: a JSON {type(obj).__name__}, expected an object with keys "
-                            f"{_list(needed)} (JSON Lines: one object per line)")
-        if found is None:
-            found = list(obj)
-        missing = [c for c in needed if c not in obj]
-        if missing:
-            raise DataError(f"{path}: line {n}: missing column(s) {_list(missing)}; expected keys {_list(needed)}, "
-                            f"found {_list(list(obj))}")
-        for c in needed:
-            cols[c].append(obj[c])
-        where.append(n)
-    if found is None:
-        raise DataError(f"{path}: file is empty; expected JSON Lines (one object per line) with keys {_list(needed)}")
-    return _Table(path, "line", found, cols, where)
-
-
-def _datasets():
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    import datasets
-
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
-    return datasets
-
-
-def _pick_split(path: str, dd, split: Optional[str]):
-    want = split or "train"
-    if want not in dd:
-        raise DataError(f"{path}: no split {want!r}; splits found: {_list(list(dd))} (choose one with split=)")
-    return dd[want], f"{path}[{want}]"
-
-
-def _read_dataset(ds, name: str, needed: Sequence[str]) -> _Table:
-    datasets = _datasets()
-    found = list(ds.column_names)
-    missing = [c for c in needed if c not in found]
-    if missing:
-        raise DataError(f"{name}: missing column(s) {_list(missing)}; expected columns {_list(needed)}, "
-                        f"found {_list(found)}")
-    if ds.num_rows == 0:
-        raise DataError(f"{name}: no rows; expected one row per example")
-    class_names = {c: list(ds.features[c].names) for c in needed if isinstance(ds.features[c], datasets.ClassLabel)}
-    cols = {c: list(ds[c]) for c in needed}
-    return _Table(name, "row", found, cols, list(range(ds.num_rows)), class_names)
-
-
-def _read_folder(path: str, needed: Sequence[str], split: Optional[str]) -> _Table:
-    datasets = _datasets()
-    if os.path.isfile(os.path.join(path, "dataset_dict.json")) or os.path.isfile(os.path.join(path, "state.json")):
-        try:
-            obj = datasets.load_from_disk(path)
-        except Exception as e:
-            raise DataError(f"{path}: cannot be loaded with datasets.load_from_disk: {_one_line(e)}") from e
-        if isinstance(obj, datasets.DatasetDict):
-            ds, name = _pick_split(path, obj, split)
-        else:
-            if split is not None:
-                raise DataError(f"{path}: a single dataset (save_to_disk of a Dataset) has no splits, got "
-                                f"split={split!r}; expected split=None")
-            ds, name = obj, path
-        return _read_dataset(ds, name, needed)
-    # a folder of data files (or a dataset script, which recent `datasets` refuse): datasets.load_dataset, offline
-    exts = {os.path.splitext(f)[1].lower() for _, _, files in os.walk(path) for f in files if not f.startswith(".")}
-    data_exts = exts - {".md", ".py", ".yaml", ".yml", ".lock"}
-    kwargs: Dict[str, Any] = {}
-    if data_exts and data_exts <= {".csv", ".tsv"}:
-        kwargs["keep_default_na"] = False  # every cell is text: "NA" stays "NA"
-        if data_exts == {".tsv"}:
-            kwargs["quoting"] = csv.QUOTE_NONE
-    verbosity = datasets.logging.get_verbosity()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a failure is reported once, in the DataError
-    try:
-        obj = datasets.load_dataset(path, cache_dir=_cache_dir(), keep_in_memory=True, **kwargs)
-    except Exception as e:
-        raise DataError(f"{path}: cannot be loaded with datasets.load_dataset (a local dataset folder, offline): "
-                        f"{_one_line(e)}; expected {_EXPECTED}") from e
-    finally:
-        datasets.logging.set_verbosity(verbosity)
-    ds, name = _pick_split(path, obj, split) if isinstance(obj, datasets.DatasetDict) else (obj, path)
-    return _read_dataset(ds, name, needed)
-
-
-def read_rows(path: str, needed: Sequence[str], split: Optional[str]) -> _Table:
-    """The raw rows of any file or folder `load_table` reads (every cell text), with the columns `needed` checked."""
-    if not os.path.exists(path):
-        raise DataError(f"{path}: file or folder not found; expected {_EXPECTED}")
-    if os.path.isdir(path):
-        return _read_folder(path, needed, split)
-    ext = os.path.splitext(path)[1].lower()
-    fmt = TABLE_FORMATS.get(ext)
-    if fmt is None:
-        raise DataError(f"{path}: unknown file type {ext or '(no extension)'!r}; expected {_EXPECTED}")
-    if split is not None:
-        raise DataError(f"{path}: split={split!r} applies to dataset folders only; expected split=None for a file")
-    if fmt == "jsonl":
-        return _read_jsonl(path, needed)
-    return _read_delimited(path, needed, tsv=fmt == "tsv")
+def find_columns(found: Sequence[str], text_column: Optional[str] = None, text_pair_column: Optional[str] = None,
+                 label_column: Optional[str] = None, name: str = "the data") -> Tuple[str, Optional[str], str]:
+    """``(text_column, text_pair_column, label_column)``: those given, the others found among the columns ``found``
+    by name (:data:`TEXT_NAMES`, :data:`PAIR_NAMES`, :data:`LABEL_NAMES`). A complete pair is one candidate (its
+    members are not single-text candidates: ``question`` + ``sentence`` is QNLI's pair); a given ``text_column``
+    decides the pair too. No candidate, or several, raises :class:`ChoiceError` naming them (``name``: the source)."""
+    if text_pair_column is not None and text_column is None:
+        raise DataError(f"text_pair_column={text_pair_column!r} needs text_column= (the first text of the pair)")
+    have = set(found)
+    if text_column is None:
+        pairs: List[Tuple[str, Optional[str]]] = [p for p in PAIR_NAMES if p[0] in have and p[1] in have]
+        in_pairs = {c for p in pairs for c in p}
+        candidates = pairs + [(c, None) for c in TEXT_NAMES if c in have and c not in in_pairs]
+        if len(candidates) != 1:
+            shown = [" + ".join(c for c in p if c) for p in candidates]
+            said = (f"several text columns found by name: {listed(shown)}" if candidates else
+                    f"no text column found by name (looked for {listed(TEXT_NAMES)} and the pairs "
+                    f"{listed([' + '.join(p) for p in PAIR_NAMES])}); found columns {listed(list(found))}")
+            raise ChoiceError(f"{name}: {said}", ["text_column", "text_pair_column"])
+        text_column, text_pair_column = candidates[0]
+    if label_column is None:
+        candidates = [c for c in LABEL_NAMES if c in have and c not in (text_column, text_pair_column)]
+        if len(candidates) != 1:
+            said = (f"several label columns found by name: {listed(candidates)}" if candidates else
+                    f"no label column found by name (looked for {listed(LABEL_NAMES)}); found columns "
+                    f"{listed(list(found))}")
+            raise ChoiceError(f"{name}: {said}", ["label_column"])
+        label_column = candidates[0]
+    return text_column, text_pair_column, label_column
 
 
 # --------------------------------------------------------------------------------------------
@@ -312,6 +146,31 @@ def _given_labels(labels: Sequence[Any]) -> Tuple[str, ...]:
     return tuple(out)
 
 
+def _cell(t: Table, r: int, col: str, fn):
+    try:
+        return fn(t.cols[col][r])
+    except _Bad as e:
+        raise DataError(f"{t.loc(r)}: column {col!r} holds {e}; expected text, a string or an integer") from None
+
+
+def _label(t: Table, r: int, column: str, allowed: Optional[Tuple[str, ...]]) -> str:
+    class_names = t.class_names.get(column)
+    v = t.cols[column][r]
+    if class_names is not None and isinstance(v, int) and not isinstance(v, bool):
+        if not 0 <= v < len(class_names):
+            raise DataError(f"{t.loc(r)}: label {v} in column {column!r} is not a class of its ClassLabel "
+                            f"(0..{len(class_names) - 1}: {listed(class_names)}; -1 marks an unlabelled row)")
+        y = class_names[v]
+    else:
+        y = _cell(t, r, column, _name)
+    if y is None:
+        raise DataError(f"{t.loc(r)}: empty label in column {column!r}; expected "
+                        f"{'one of ' + listed(allowed) if allowed else 'a label (a string or an integer)'}")
+    if allowed is not None and y not in allowed:
+        raise DataError(f"{t.loc(r)}: unknown label {y!r} in column {column!r}; allowed labels: {listed(allowed)}")
+    return y
+
+
 # --------------------------------------------------------------------------------------------
 # the loader
 
@@ -319,47 +178,64 @@ def _given_labels(labels: Sequence[Any]) -> Tuple[str, ...]:
 def load_table(
     path,
     *,
-    text_column: str,
-    label_column: str,
+    text_column: Optional[str] = None,
+    label_column: Optional[str] = None,
     text_pair_column: Optional[str] = None,
     group_column: Optional[str] = None,
     labels: Optional[Sequence[Any]] = None,
     clean_text: bool = True,
     id_column: Optional[str] = None,
     split: Optional[str] = None,
+    default_split: str = "train",
 ) -> CadData:
-    """Examples from a user's file or dataset folder (see the module docstring for formats).
+    """Examples from a user's file, dataset folder or ``datasets`` object (see the module docstring for formats).
 
     * ``text_column`` (and ``text_pair_column`` for text pairs, e.g. NLI premise / hypothesis): the texts;
       a row whose text or pair text is empty or only whitespace is skipped and counted (``skipped``,
       ``skipped_where``: "file:line" of the first few). ``clean_text``: :func:`~cat_fast.data.core.clean`.
-    * ``label_column``: strings or integers. ``labels``: the label names in id order (a row with another label is
-      an error); default: every distinct value (integers numerically, other strings in Python's string order, upper
-      case first; a ``ClassLabel`` column: its names). ``CadData.label_names`` are strings (for a checkpoint's id2label).
+      Not given: found by name (:func:`find_columns`); ``CadData.spec.text_columns`` says which.
+    * ``label_column``: strings or integers (not given: found by name, ``CadData.spec.label_column``). ``labels``:
+      the label names in id order (a row with another label is an error); default: every distinct value (integers
+      numerically, other strings in Python's string order, upper case first; a ``ClassLabel`` column: its names).
+      ``CadData.label_names`` are strings (for a checkpoint's id2label).
     * ``group_column``: rows sharing an id are counterfactuals of each other; the first row of a group (file order)
       is its original, the rest its edits; partners = members of a group with different labels. Without it every
       row is its own group (no pairs).
     * ``id_column``: a unique example id per row (default: the 0-based row index, blank-text rows counted), in
       ``CadData.ids`` as strings.
-    * ``split``: the split of a ``DatasetDict`` folder (default ``"train"``).
+    * ``split``: the split of a ``DatasetDict`` (default: its only split, else ``default_split``).
 
-    Raises :class:`~cat_fast.data.core.DataError` (one line: file, line, cause, what was expected).
+    Raises :class:`~cat_fast.data.core.DataError` (one line: file, line, cause, what was expected); a choice left
+    open (columns by name, a split) is its subclass :class:`ChoiceError`.
     """
-    path = os.fspath(path)
-    roles = [("text_column", text_column), ("text_pair_column", text_pair_column), ("label_column", label_column),
-             ("group_column", group_column), ("id_column", id_column)]
-    for role, c in roles:
+    given = {"text_column": text_column, "text_pair_column": text_pair_column, "label_column": label_column,
+             "group_column": group_column, "id_column": id_column}
+    for role, c in given.items():
         if c is not None and (not isinstance(c, str) or not c):
             raise DataError(f"{role}={c!r}: expected a column name")
-    texts_and_label = [c for _, c in roles[:3] if c is not None]
-    if len(set(texts_and_label)) != len(texts_and_label):
-        raise DataError(f"text_column={text_column!r}, text_pair_column={text_pair_column!r} and "
-                        f"label_column={label_column!r}: expected different columns")
-    needed = list(dict.fromkeys(c for _, c in roles if c is not None))
+    if text_pair_column is not None and text_column is None:
+        find_columns([], text_column, text_pair_column)  # raises: a pair needs its first text
     allowed = None if labels is None else _given_labels(labels)
+    roles: Dict[str, Optional[str]] = {}
 
-    t = read_rows(path, needed, split)
-    class_names = t.class_names.get(label_column)
+    def needed(found: List[str], name: str) -> List[str]:
+        text, pair, label = find_columns(found, text_column, text_pair_column, label_column, name)
+        chosen = [c for c in (text, pair, label) if c is not None]
+        if len(set(chosen)) != len(chosen):
+            raise DataError(f"text_column={text!r}, text_pair_column={pair!r} and label_column={label!r}: expected "
+                            f"different columns")
+        roles.update(text=text, pair=pair, label=label)
+        return list(dict.fromkeys(c for c in (text, pair, label, group_column, id_column) if c is not None))
+
+    given_all = text_column is not None and label_column is not None  # nothing to find: the list, for messages
+    t = read_rows(path, needed([], "") if given_all else needed, split, default_split)
+    return _examples(t, roles["text"], roles["pair"], roles["label"], group_column, id_column, allowed, clean_text)
+
+
+def _examples(t: Table, text_column: str, text_pair_column: Optional[str], label_column: str,
+              group_column: Optional[str], id_column: Optional[str], allowed: Optional[Tuple[str, ...]],
+              clean_text: bool) -> CadData:
+    """The rows of ``t`` as examples: texts cleaned, blank ones skipped, labels, ids and groups checked."""
     n_rows = len(t.where)
     text: List[str] = []
     pair: Optional[List[str]] = [] if text_pair_column else None
@@ -371,16 +247,9 @@ def load_table(
     group_of: Dict[Tuple[str, Any], int] = {}  # group key -> group number, in order of first appearance
     id_row: Dict[str, int] = {}
     skipped, skipped_where = 0, []
-
-    def cell(r: int, col: str, fn):
-        try:
-            return fn(t.cols[col][r])
-        except _Bad as e:
-            raise DataError(f"{t.loc(r)}: column {col!r} holds {e}; expected text, a string or an integer") from None
-
     for r in range(n_rows):
-        a = cell(r, text_column, _text)
-        b = cell(r, text_pair_column, _text) if text_pair_column else None
+        a = _cell(t, r, text_column, _text)
+        b = _cell(t, r, text_pair_column, _text) if text_pair_column else None
         if clean_text:
             a = clean(a)
             b = None if b is None else clean(b)
@@ -389,24 +258,9 @@ def load_table(
             if len(skipped_where) < _SHOW_SKIPPED:
                 skipped_where.append(f"{t.name}:{t.where[r]}")
             continue
-        # label
-        v = t.cols[label_column][r]
-        if class_names is not None and isinstance(v, int) and not isinstance(v, bool):
-            if not 0 <= v < len(class_names):
-                raise DataError(f"{t.loc(r)}: label {v} in column {label_column!r} is not a class of its ClassLabel "
-                                f"(0..{len(class_names) - 1}: {_list(class_names)}; -1 marks an unlabelled row)")
-            y = class_names[v]
-        else:
-            y = cell(r, label_column, _name)
-        if y is None:
-            raise DataError(f"{t.loc(r)}: empty label in column {label_column!r}; expected "
-                            f"{'one of ' + _list(allowed) if allowed else 'a label (a string or an integer)'}")
-        if allowed is not None and y not in allowed:
-            raise DataError(f"{t.loc(r)}: unknown label {y!r} in column {label_column!r}; allowed labels: "
-                            f"{_list(allowed)}")
-        # id
+        y = _label(t, r, label_column, allowed)
         if id_column is not None:
-            ex = cell(r, id_column, _name)
+            ex = _cell(t, r, id_column, _name)
             if ex is None:
                 raise DataError(f"{t.loc(r)}: empty id in column {id_column!r}; expected a unique id per row")
             if ex in id_row:
@@ -415,8 +269,7 @@ def load_table(
             id_row[ex] = r
         else:
             ex = str(r)
-        # group
-        g = cell(r, group_column, _name) if group_column is not None else None
+        g = _cell(t, r, group_column, _name) if group_column is not None else None
         key = ("row", r) if g is None else ("id", g)  # no group id: a group of its own
         first = key not in group_of
         group_of.setdefault(key, len(group_of))
@@ -432,7 +285,8 @@ def load_table(
     if not text:
         cols = " / ".join(c for c in (text_column, text_pair_column) if c)
         raise DataError(f"{t.name}: all {n_rows} row(s) have empty text in column(s) {cols} (first: "
-                        f"{_list(skipped_where[:3])}); expected at least one row with text")
+                        f"{listed(skipped_where[:3])}); expected at least one row with text")
+    class_names = t.class_names.get(label_column)
     if allowed is not None:
         label_names = allowed
     elif class_names is not None and set(names) <= set(class_names):

@@ -22,6 +22,10 @@ are the Trainer's. What they add:
   step. Each rank's batches are its share of the batch stream (whole groups: accelerate deals out whole batches),
   its objective's generator is seeded with seed + rank, and each rank's objective state is saved in the checkpoint
   (``cat_fast_objective.pt`` for rank 0, ``cat_fast_objective.rank<R>.pt`` for the others).
+* Checkpoints are written atomically (`cat_fast.integrations.checkpoints`): staged in a hidden folder, sealed by a
+  manifest, renamed into place, and only then are older ones rotated away (``save_total_limit``); a resume
+  (``resume_from_checkpoint=True``) takes the newest complete checkpoint, and the objective's state is read with
+  ``torch.load(..., weights_only=True)``.
 * Compiled models are accepted: a model given compiled (``torch.compile(model)``, ``model.compile()``) and
   ``TrainingArguments(torch_compile=True)``, for which accelerate wraps the model (``torch.compile(model)``, or
   ``torch.compile(DDP(model))`` under torchrun) after the objective was built on it. The objective's passes run the
@@ -36,14 +40,17 @@ are the Trainer's. What they add:
   plain loop under ``torch.autocast`` (accelerate itself autocasts only inside the model's forward, which left CAT's
   CAL loop and counterfactual passes, and GS's passes, in fp32).
 * A double-backward failure of the attention kernel is re-raised as `cat_fast.objectives.DOUBLE_BACKWARD_HINT`.
-* ``step_graphs=True`` (issue 23; its GPU tests not yet run): each training step, the objective's loss, backward,
-  gradient clipping and the optimizer's step, is one `cat_fast.step.CapturedStep` (one CUDA graph per batch
-  signature on a GPU; the same step run eagerly elsewhere), and the Trainer's own backward, clipping and optimizer
-  step are skipped. Needs one process, no gradient accumulation, bf16 or fp32, and a fused AdamW (the trainer makes
-  one, with a tensor learning rate that the scheduler updates in place, capturable on a GPU; a given optimizer must
-  be so). A non-finite loss or gradient norm leaves the parameters as they were (the fused step skips it on the
-  device) and stops training with `NonFiniteLossError`. The gradient norm before clipping is logged as
-  ``<prefix>/grad_norm`` (the Trainer's own ``grad_norm`` finds the gradients already released and logs 0).
+* ``step_graphs``: each training step, the objective's loss, backward, gradient clipping and the optimizer's step,
+  is one `cat_fast.step.CapturedStep` (one CUDA graph per batch signature on a GPU; the same step run eagerly
+  elsewhere), and the Trainer's own backward, clipping and optimizer step are skipped. It needs one process, no
+  gradient accumulation, bf16 or fp32, and a fused AdamW (the trainer makes one, with a tensor learning rate that the
+  scheduler updates in place, capturable on a GPU; a given optimizer must be so). ``None`` (the default): on where
+  the run allows it on a GPU; elsewhere, and from the first step an objective cannot replay (CAT's alternating
+  update, ``erm-two-step``; refused before any state changed), the eager step runs with one `StepGraphsWarning`
+  saying why (none on the CPU). ``True``: required (`StepGraphsError` with the reason); ``False``: off. A non-finite
+  loss or gradient norm leaves the parameters as they were (the fused step skips it on the device) and stops
+  training with `NonFiniteLossError`. The gradient norm before clipping is logged as ``<prefix>/grad_norm`` (the
+  Trainer's own ``grad_norm`` finds the gradients already released and logs 0).
 """
 from __future__ import annotations
 
@@ -58,8 +65,10 @@ from .. import objectives
 from ..models import compiled_wrapper, orig_module
 from ..objectives import double_backward_error, pair_by_group
 from ..step import CapturedStep, NotCapturable
+from . import checkpoints
 
-__all__ = ["ObjectiveTrainer", "CATTrainer", "GSTrainer", "NonFiniteLossError", "StepGraphsError", "OBJECTIVE_STATE"]
+__all__ = ["ObjectiveTrainer", "CATTrainer", "GSTrainer", "NonFiniteLossError", "StepGraphsError", "StepGraphsWarning",
+           "OBJECTIVE_STATE"]
 
 EXTRA_COLUMNS = ("pairs", "pair_group", "context_mask", "bias", "teacher_probs")
 OBJECTIVE_STATE = "cat_fast_objective.pt"  # the objective's state inside a checkpoint folder
@@ -88,10 +97,17 @@ class ObjectiveTrainer(Trainer):
     _log_prefix = "objective"
 
     def __init__(self, *args, objective=None, objective_kwargs=None, keep_groups=None, check_finite=True,
-                 step_graphs=False, **kwargs):
-        self.step_graphs = bool(step_graphs)
+                 step_graphs=None, **kwargs):
+        self.step_graphs = step_graphs if step_graphs is None else bool(step_graphs)
+        self._graphs_auto = step_graphs is None  # on where the run allows it (module docstring)
         self._captured = None  # the CapturedStep of step_graphs=True, made on the first training step
+        self._staging = None  # the staging folder of a checkpoint being written
+        self._eager_step = None  # the optimizer's own step, replaced while steps are captured
+        self.checkpoint_extras = []  # callables(folder) writing more state into each checkpoint before it is sealed
         super().__init__(*args, **kwargs)
+        from ..data import IntegerGroupIds
+
+        self.data_collator = IntegerGroupIds(self.data_collator)  # string (any hashable) pair_group ids collate
         self.loss_is_scaled_for_ga = False
         self.model_accepts_loss_kwargs = False
         if objective is None:
@@ -104,6 +120,11 @@ class ObjectiveTrainer(Trainer):
         elif not isinstance(objective, objectives.Objective):
             raise TypeError(f"objective: expected a registered name or an Objective, got {type(objective).__name__}")
         self.objective = objective
+        if self._graphs_auto:
+            reason = self._graphs_unavailable()
+            self.step_graphs = reason is None
+            if reason and reason != _NOT_ON_A_GPU:
+                _eager_warning(reason)
         self.keep_groups = keep_groups
         self.check_finite = bool(check_finite)
         self._last_info = None
@@ -172,16 +193,24 @@ class ObjectiveTrainer(Trainer):
 
     # ------------------------------------------------------------------ step_graphs=True
     def create_optimizer(self, *args, **kwargs):
-        """With ``step_graphs``: the Trainer's AdamW parameter groups in a fused AdamW (capturable on a GPU) whose
-        learning rate is a tensor (module docstring)."""
-        if not self.step_graphs or self.optimizer is not None:
+        """The Trainer's optimizer over the model's parameters and the objective's own (a learned gate: weight decay
+        on its matrices only); with ``step_graphs``, its AdamW parameter groups in a fused AdamW (capturable on a GPU)
+        whose learning rate is a tensor (module docstring)."""
+        if self.optimizer is not None:
             return super().create_optimizer(*args, **kwargs)
         a = self.args
         optim = str(getattr(a.optim, "value", a.optim))
-        if optim not in ("adamw_torch", "adamw_torch_fused"):
+        if self.step_graphs and optim not in ("adamw_torch", "adamw_torch_fused"):
             raise StepGraphsError(f"it trains with a fused AdamW: TrainingArguments(optim={optim!r}) is not one (use "
                                   "'adamw_torch_fused', or pass optimizers=(a fused AdamW, scheduler))")
         made = super().create_optimizer(*args, **kwargs)
+        held = {id(p) for g in made.param_groups for p in g["params"]}
+        own = [p for p in self.objective.parameters() if p.requires_grad and id(p) not in held]
+        for params, decay in (([p for p in own if p.ndim >= 2], a.weight_decay), ([p for p in own if p.ndim < 2], 0.0)):
+            if params:
+                made.add_param_group({"params": params, "weight_decay": decay})
+        if not self.step_graphs:
+            return made
         device = next(self.model.parameters()).device
         groups = [{"params": g["params"], "weight_decay": g.get("weight_decay", a.weight_decay)}
                   for g in made.param_groups]
@@ -189,6 +218,39 @@ class ObjectiveTrainer(Trainer):
                                            betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon, fused=True,
                                            capturable=device.type == "cuda")
         return self.optimizer
+
+    def _graphs_unavailable(self):
+        """Why ``step_graphs=None`` runs the eager step here (None: the captured step runs)."""
+        a = self.args
+        param = next(self.model.parameters(), None)
+        if param is None or param.device.type != "cuda":
+            return _NOT_ON_A_GPU
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and (
+                torch.distributed.get_world_size() > 1):
+            return "several processes (a captured step under DistributedDataParallel is not built)"
+        if a.gradient_accumulation_steps != 1:
+            return f"gradient_accumulation_steps={a.gradient_accumulation_steps} (a captured step is one optimizer step)"
+        if a.fp16:
+            return "fp16 (its loss scaling is not part of the captured step; bf16 is)"
+        if self.optimizer is not None:
+            raw = getattr(self.optimizer, "optimizer", self.optimizer)
+            if not all(g.get("fused") and isinstance(g["lr"], torch.Tensor) for g in raw.param_groups):
+                return "the optimizer given is not fused with a tensor learning rate (fused=True, lr=torch.tensor(...))"
+        else:
+            optim = str(getattr(a.optim, "value", a.optim))
+            if optim not in ("adamw_torch", "adamw_torch_fused"):
+                return f"TrainingArguments(optim={optim!r}) is not AdamW"
+        return None
+
+    def _fall_back_to_eager(self, reason):
+        """``step_graphs=None``: a step the captured step cannot take (refused before any state changed) runs
+        eagerly from now on, with one warning."""
+        _eager_warning(reason)
+        self.step_graphs, self._captured = False, None
+        if self._eager_step is not None:  # the Trainer steps the optimizer again, as the LR scheduler wrapped it
+            self.optimizer.step = self._eager_step
+        else:
+            self.optimizer.__dict__.pop("step", None)
 
     def _graph_step_setup(self, model):
         """The CapturedStep of the first step, after checking what step_graphs needs (module docstring)."""
@@ -216,6 +278,7 @@ class ObjectiveTrainer(Trainer):
         # the captured step clips and steps the optimizer itself: the Trainer's own optimizer step becomes a no-op
         # (marked as torch's LR schedulers mark the step they wrap, so they see the step as taken)
         wrapper = self.optimizer
+        self._eager_step = wrapper.__dict__.get("step")
 
         def taken(*args, **kwargs):
             wrapper._opt_called = True
@@ -226,7 +289,13 @@ class ObjectiveTrainer(Trainer):
 
     def _graph_training_step(self, model, inputs):
         if self._captured is None:
-            self._captured = self._graph_step_setup(model)
+            try:
+                self._captured = self._graph_step_setup(model)
+            except StepGraphsError as error:
+                if not self._graphs_auto:
+                    raise
+                self._fall_back_to_eager(error.reason)
+                return self.training_step(model, inputs)
         model.train()
         inputs = self._prepare_inputs(inputs)
         objective = self.objective
@@ -236,7 +305,10 @@ class ObjectiveTrainer(Trainer):
         try:
             loss, info = self._captured(batch, *args)
         except NotCapturable as error:
-            raise StepGraphsError(str(error)) from error
+            if not self._graphs_auto:
+                raise StepGraphsError(str(error)) from error
+            self._fall_back_to_eager(str(error))
+            return self.training_step(model, inputs)
         norm = self._captured.last_grad_norm
         if norm is not None:
             info = {**info, "grad_norm": norm}
@@ -350,19 +422,84 @@ class ObjectiveTrainer(Trainer):
         return super().log(logs, *args, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
+    def _get_output_dir(self, trial):
+        if self._staging is not None:  # a checkpoint being written: the Trainer writes into the staging folder
+            return self._staging
+        return super()._get_output_dir(trial=trial)
+
     def _save_checkpoint(self, model, trial, *args, **kwargs):
-        super()._save_checkpoint(model, trial, *args, **kwargs)
-        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-        if self.args.should_save or self.args.process_index > 0:  # every rank its own state (generator, ...)
+        """The Trainer's checkpoint and the objective's state, written atomically (`checkpoints`): staged, sealed
+        by a manifest, renamed into place, and only then are older checkpoints rotated away."""
+        run_dir = self._get_output_dir(trial=trial)
+        step = self.state.global_step
+        staging = checkpoints.staging_dir(run_dir, step)
+        main = self.args.should_save
+        if main:
+            checkpoints.remove_leftovers(run_dir)
+            os.makedirs(staging)
+        self.accelerator.wait_for_everyone()
+        self._staging = staging
+        limit, self.args.save_total_limit = self.args.save_total_limit, None  # rotated below, after the rename
+        try:
+            super()._save_checkpoint(model, trial, *args, **kwargs)
+            folder = os.path.join(staging, f"{checkpoints.PREFIX}{step}")
             os.makedirs(folder, exist_ok=True)
             torch.save(self.objective.state_dict(), os.path.join(folder, _objective_file(self.args.process_index)))
+            for extra in self.checkpoint_extras:  # more state of the run, sealed in with the checkpoint
+                extra(folder)
+        finally:
+            self._staging = None
+            self.args.save_total_limit = limit
+        self.accelerator.wait_for_everyone()  # every rank's files are in the staging folder
+        if main:
+            final = checkpoints.finish(run_dir, step)
+            if self.state.best_model_checkpoint and self.state.best_model_checkpoint.startswith(staging):
+                self.state.best_model_checkpoint = final
+            checkpoints.rotate(run_dir, limit)
+        self.accelerator.wait_for_everyone()
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if resume_from_checkpoint is True:  # the newest COMPLETE checkpoint, not merely the highest-numbered folder
+            found = checkpoints.last_complete(self.args.output_dir)
+            if found is None:
+                raise checkpoints.CheckpointError(f"resume_from_checkpoint=True: no complete checkpoint in "
+                                                  f"{self.args.output_dir}")
+            resume_from_checkpoint = found
+        elif isinstance(resume_from_checkpoint, str) and not checkpoints.is_complete(resume_from_checkpoint):
+            raise checkpoints.CheckpointError(
+                f"resume_from_checkpoint={resume_from_checkpoint!r}: not a complete checkpoint (no "
+                f"{checkpoints.COMPLETE} matching its files: written by an interrupted save?)")
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, *args, **kwargs):
         super()._load_from_checkpoint(resume_from_checkpoint, *args, **kwargs)
         path = os.path.join(resume_from_checkpoint, _objective_file(self.args.process_index))
-        if os.path.isfile(path):
-            self.objective.load_state_dict(torch.load(path, weights_only=False))
-            self._objective_loaded = True
+        if not os.path.isfile(path):
+            raise checkpoints.CheckpointError(f"{resume_from_checkpoint}: no {os.path.basename(path)} (the "
+                                              "objective's state of this rank)")
+        try:  # tensors and plain containers only: a crafted file cannot run code here
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:
+            raise checkpoints.CheckpointError(f"{path}: cannot read the objective's state ({type(error).__name__}: "
+                                              f"{' '.join(str(error).split())[:200]})") from error
+        self.objective.load_state_dict(state)
+        self._objective_loaded = True
+
+
+_NOT_ON_A_GPU = "not on a GPU"
+
+
+class StepGraphsWarning(UserWarning):
+    """``step_graphs=None`` runs the eager training step (``reason`` says why)."""
+
+    def __init__(self, reason):
+        super().__init__(f"ObjectiveTrainer: the eager training step runs: {reason} (step_graphs=False silences "
+                         "this)")
+        self.reason = reason
+
+
+def _eager_warning(reason):
+    warnings.warn(StepGraphsWarning(reason), stacklevel=3)
 
 
 def _objective_file(rank):

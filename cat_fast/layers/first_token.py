@@ -15,8 +15,7 @@ shared 16-bit weight copies (`casts.weights`), reading the previous fast layer's
 in place (no per-projection casts, no zero-filled gradient of the first row). The same values and dropout draws (the
 attention is the same `attention.first_row` call, given the keys and values as one tensor: their gradient is
 written as one); the input gradient is summed in fp32 under autocast (the modules round each projection's to 16
-bits first). `INPUT_ONLY_KEY_VALUE` (True by default) turns it off when False (its timing: benchmarks/RESULTS.md,
-run BF).
+bits first). `INPUT_ONLY_KEY_VALUE` (True by default) turns it off when False (its timing: benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 

@@ -10,7 +10,6 @@ it is differentiated by autograd like any other op. Use it for neuron masking, a
 from __future__ import annotations
 
 import weakref
-from contextlib import contextmanager
 
 from torch import nn
 
@@ -30,26 +29,40 @@ def _hook(fn):
     return hook
 
 
-@contextmanager
-def intervene(layer: nn.Module, component: str, fn):
-    """Apply ``fn`` to `component`'s activation of encoder layer module `layer` inside the block (module docstring)."""
-    if not callable(fn):
-        raise TypeError(f"fn: expected a callable (tensor -> tensor), got {type(fn).__name__}")
-    module = layout.component(layer, component)
-    handle = module.register_forward_hook(_hook(fn))
-    entry = _ACTIVE.setdefault(layer, {})
-    entry.setdefault(component, []).append(fn)
-    try:
-        yield
-    finally:
-        handle.remove()
-        fns = entry.get(component, [])
-        if fn in fns:
-            fns.remove(fn)
+class intervene:
+    """Apply ``fn`` to `component`'s activation of encoder layer module `layer` inside the block (module docstring).
+
+    A plain context manager, not a generator: one entered and never left (a mask kept on a model) has no finaliser
+    to run at interpreter exit."""
+
+    def __init__(self, layer: nn.Module, component: str, fn):
+        if not callable(fn):
+            raise TypeError(f"fn: expected a callable (tensor -> tensor), got {type(fn).__name__}")
+        self.layer, self.component, self.fn = layer, component, fn
+        self.module = layout.component(layer, component)
+        self._handle = None
+
+    def __enter__(self):
+        if self._handle is not None:
+            raise RuntimeError("intervene: this block is in effect already (enter it once)")
+        self._handle = self.module.register_forward_hook(_hook(self.fn))
+        _ACTIVE.setdefault(self.layer, {}).setdefault(self.component, []).append(self.fn)
+        return None
+
+    def __exit__(self, *exc):
+        if self._handle is None:
+            return False
+        self._handle.remove()
+        self._handle = None
+        entry = _ACTIVE.get(self.layer, {})
+        fns = entry.get(self.component, [])
+        if self.fn in fns:
+            fns.remove(self.fn)
         if not fns:
-            entry.pop(component, None)
+            entry.pop(self.component, None)
         if not entry:
-            _ACTIVE.pop(layer, None)
+            _ACTIVE.pop(self.layer, None)
+        return False
 
 
 def active(layer: nn.Module):

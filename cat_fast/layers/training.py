@@ -36,7 +36,7 @@ __all__ = ["supported", "forward", "FUSED", "FUSED_MIN_ROWS"]
 # PyTorch ops (16-bit roundings may differ), as the benchmarks compare.
 FUSED = True
 # The fewest rows (batch × length) the fused path runs for: 1,024, the smallest size the step suite times (8x128),
-# where the fused layer is faster than the unfused one (benchmarks/RESULTS.md, runs BB and BD); fewer rows keep the
+# where the fused layer is faster than the unfused one (benchmarks/RESULTS.md); fewer rows keep the
 # unfused path (not measured).
 FUSED_MIN_ROWS = 1024
 

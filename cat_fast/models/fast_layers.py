@@ -3,6 +3,7 @@
 once `models.first_token_ok` has accepted the model). Both fall back to the model's own layer call by call."""
 from __future__ import annotations
 
+import warnings
 import weakref
 from contextlib import contextmanager
 
@@ -11,7 +12,8 @@ from torch import nn
 from .. import layers
 from .patching import formatted, output_format, patch_forward, unpatch_forward, wants_all_outputs
 
-__all__ = ["training_layers", "last_layer_first_token", "first_token_known", "record_first_token"]
+__all__ = ["training_layers", "last_layer_first_token", "first_token_known", "record_first_token", "AdapterWarning",
+           "warn_adapters"]
 
 
 _FIRST_TOKEN: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
@@ -38,6 +40,7 @@ def training_layers(model, st, inputs, enabled):
         return
     modules = st.layer_modules
     if not any(layers.training.supported(mod) for mod in modules):
+        warn_adapters(model, modules)
         yield
         return
     fmt = _LAYER_FORMAT.get(model, "unknown")
@@ -82,12 +85,34 @@ def last_layer_first_token(model, st, inputs, enabled):
         unpatch_forward(saved)
 
 
+_WARNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+class AdapterWarning(UserWarning):
+    """A model's adapter-wrapped projections (peft's LoRA) keep the fast layers off: its layers run their own code."""
+
+
+def warn_adapters(model, modules) -> None:
+    """Warn once per model when adapter-wrapped projections (peft) are what keeps the fast layers off."""
+    if model in _WARNED:
+        return
+    wrapped = sorted({type(m).__name__ for mod in modules for m in mod.modules()
+                      if type(m).__module__.split(".")[0] == "peft"})
+    if wrapped:
+        _WARNED.add(model)
+        warnings.warn(AdapterWarning(
+            f"cat_fast: the encoder's projections are wrapped by peft ({', '.join(wrapped)}): the fast training and "
+            "first-token layers (cat_fast.layers) do not run them, so every encoder layer runs its own code, slower "
+            "(merge the adapters, peft's merge_and_unload(), to train the merged model fast)"), stacklevel=3)
+
+
 def first_token_known(model, st):
     """The cached decision for `model`, False (cached) when its layout is not supported, else None."""
     known = _FIRST_TOKEN.get(model)
     if known is None and not (st.task == "sequence_classification" and len(st.layer_modules) == st.num_layers
                               and layers.first_token.supported(st.layer_modules[-1])):
         known = _FIRST_TOKEN[model] = False
+        warn_adapters(model, st.layer_modules[-1:])
     return known
 
 

@@ -14,8 +14,10 @@ from .base import Entry, Objective, build, get, names, register
 from .cat import CAT, default_layers
 from .clp import CLP
 from .debias import BiasObjective, ConfidenceRegularization, LearnedMixin, PoE, Reweight
+from .double_backward import DOUBLE_BACKWARD_HINT, double_backward_error
 from .erm import ERM
-from .gs import DOUBLE_BACKWARD_HINT, GradientSupervision, double_backward_error, pair_by_group
+from .gs import GradientSupervision
+from .gs_pairs import pair_by_group
 
 __all__ = ["Objective", "Entry", "register", "get", "names", "build", "CAT", "default_layers", "ERM",
            "GradientSupervision", "pair_by_group", "double_backward_error", "DOUBLE_BACKWARD_HINT", "BiasObjective",

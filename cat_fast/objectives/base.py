@@ -6,7 +6,8 @@ detached 0-d tensors to log (no host synchronisation inside the step). A new met
 provides:
 
 - ``__init__(model, ...)``: its hyper-parameters, checked there (``ValueError`` naming the argument);
-- ``__call__(batch)``: the loss and info of one step;
+- ``__call__(batch)``: the loss and info of one step (the base checks first that the batch has the targets,
+  `Objective.target_keys`: a ValueError naming the missing key; override ``target_keys`` for other targets);
 - optionally ``parameters()`` (trainable tensors the objective owns, e.g. a learned gate: give them to the
   optimizer), ``state_dict()`` / ``load_state_dict()`` (what a checkpoint keeps; default: ``step``),
   ``set_optimizer(optimizer)`` (an objective that steps an optimizer itself), and ``from_options`` (how the
@@ -24,7 +25,10 @@ provides:
   tests compare them.
 
 Under DistributedDataParallel (`cat_fast.distributed`), ``distributed`` is True and the objective runs inside the
-DDP module's forward; its model is always the unwrapped one (``.module``).
+DDP module's forward; its model is always the unwrapped one (``.module``). An objective built on a DDP module
+(``CAT(ddp)``, also inside or around torch.compile's wrapper) keeps it as ``ddp``, is prepared for it once its
+constructor has run (`cat_fast.distributed.prepare_objective`), and every call runs inside its forward (the base
+wraps a subclass's ``__call__``); ``plan_step`` refuses any step under DDP (`NotCapturable`).
 
 Compiled models are accepted: ``torch.compile(model)``, ``model.compile()`` and either inside or around DDP. The
 objective's ``model`` is then the original module (`cat_fast.models.unwrap`: torch.compile's ``._orig_mod``), and
@@ -40,11 +44,14 @@ Then one `register` line names it for the CLI (``cat-fast train --method NAME``)
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
 
+from ..distributed import ddp_module, prepare_objective, run_in_forward
 from ..step import NotCapturable, StepPlan
 
 __all__ = ["Objective", "Entry", "register", "get", "names", "build", "check_number"]
@@ -65,19 +72,103 @@ def check_number(name: str, value, *, low=None, high=None, low_open=False, integ
     return int(value) if integer else value
 
 
-class Objective:
+def _checks_batch(method):
+    """`method` (an objective's ``__call__`` or ``plan_step``) after `Objective.check_batch` on its batch."""
+    @functools.wraps(method)
+    def checked(self, batch, *args, **kwargs):
+        self.check_batch(batch)
+        return method(self, batch, *args, **kwargs)
+
+    return checked
+
+
+def _under_ddp(name, method):
+    """`method` (an objective's ``__call__`` or ``plan_step``) for an objective that may train under DDP: a call
+    of one built on a DDP module runs inside its forward (`cat_fast.distributed.run_in_forward`); a plan under
+    DDP is refused (`Objective.check_capturable`)."""
+    if name == "plan_step":
+        @functools.wraps(method)
+        def planned(self, *args, **kwargs):
+            self.check_capturable()
+            return method(self, *args, **kwargs)
+
+        return planned
+
+    @functools.wraps(method)
+    def routed(self, *args, **kwargs):
+        ddp = getattr(self, "ddp", None)
+        if ddp is None or getattr(self, "_in_ddp_forward", False):
+            return method(self, *args, **kwargs)
+
+        def inside(*a, **k):  # DDP's forward: the passes run here, and a nested call runs directly
+            self._in_ddp_forward = True
+            try:
+                return method(self, *a, **k)
+            finally:
+                self._in_ddp_forward = False
+
+        return run_in_forward(ddp, inside, *args, **kwargs)
+
+    return routed
+
+
+class _ObjectiveType(type):
+    """The objectives' type: an objective built on a DDP module is prepared for it once its whole constructor has
+    run (its own parameters, generators and options exist then)."""
+
+    def __call__(cls, *args, **kwargs):
+        objective = super().__call__(*args, **kwargs)
+        if getattr(objective, "ddp", None) is not None:
+            prepare_objective(objective)
+        return objective
+
+
+class Objective(metaclass=_ObjectiveType):
     """Base class of the training objectives (module docstring)."""
 
     needs_pairs = False  # batches must carry counterfactual pairs (`pairs` [B], or groups the caller turns into it)
     find_unused_parameters = False  # DDP's setting for it: every step's loss reaches every parameter of the model
+    required_help: dict = {}  # a required __init__ argument -> what `build` says when it is missing ("x=[...]: ...")
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name in ("__call__", "plan_step"):  # every entry point of a step checks its batch first
+            if name in cls.__dict__:
+                setattr(cls, name, _checks_batch(_under_ddp(name, cls.__dict__[name])))
+
+    def target_keys(self) -> tuple:
+        """The keys every batch must carry besides the model's inputs: the targets of the loss, ``labels`` (class
+        indices [B]), or for a ``*ForQuestionAnswering`` model ``start_positions`` and ``end_positions``."""
+        if type(getattr(self, "model", None)).__name__.endswith("ForQuestionAnswering"):
+            return ("start_positions", "end_positions")
+        return ("labels",)
+
+    def check_batch(self, batch) -> None:
+        """A ValueError naming the objective and the missing key unless the batch (a mapping: the model's inputs
+        and the targets) has every key of `target_keys`."""
+        who = type(self).__name__
+        missing = [k for k in self.target_keys() if k not in batch] if isinstance(batch, Mapping) else []
+        if missing:
+            raise ValueError(f"{who}: the batch has no {missing[0]!r}; {who} needs the model's inputs plus "
+                             f"{' and '.join(map(repr, self.target_keys()))} (the targets of its loss: "
+                             f"{'class indices [B]' if missing[0] == 'labels' else 'answer token positions [B]'})")
 
     def __init__(self, model):
         from ..models import compiled_wrapper, unwrap
 
         self.model = unwrap(model)  # a DDP- or torch.compile-wrapped model: the objective drives the model inside it
         self.compiled_model = compiled_wrapper(model)  # torch.compile's wrapper of self.model, if given: plain_forward
+        self.ddp = ddp_module(model)  # the DDP module it was built on, if any: each call runs inside its forward
         self.step = 0  # calls so far; the trainers set it to the optimizer step (warm-ups count in it)
-        self.distributed = False  # set by cat_fast.distributed.DistributedObjective: inner updates all-reduce
+        self.distributed = False  # set by cat_fast.distributed.prepare_objective: inner updates all-reduce
+
+    def check_capturable(self) -> None:
+        """`NotCapturable` under DDP: a step replayed as a CUDA graph would run outside DDP's forward and reducer,
+        so its gradients would not be averaged over the ranks."""
+        if self.distributed:
+            raise NotCapturable(f"{type(self).__name__} under DistributedDataParallel: a replayed step would skip "
+                                "DDP's forward and gradient averaging; call the objective in a plain loop "
+                                "(CapturedStep(..., cuda_graph=False) runs it eagerly)")
 
     def check_distributed(self) -> None:
         """Raise a ValueError naming the option when this objective cannot train under DDP (none by default)."""
@@ -155,6 +246,7 @@ class Objective:
         replayed. Planning a step may advance the objective's host state (its step counter, its generators): run
         the step with `planned_step`. The default plans nothing but ``capture_key``; a replayed step counts in
         ``step`` as a call does."""
+        self.check_capturable()
         return StepPlan(key=self.capture_key(batch, *args), before_replay=self._count_replayed_step)
 
     def _count_replayed_step(self):
@@ -225,9 +317,23 @@ def get(name: str) -> Entry:
     return _REGISTRY[name]
 
 
+def _check_required(cls, given: Mapping) -> None:
+    """A ValueError naming each argument of ``cls.__init__`` after the model that has no default and is not in
+    `given`, described by ``cls.required_help`` where the class declares it."""
+    parameters = list(inspect.signature(cls.__init__).parameters.values())[2:]  # after self and the model
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    missing = [p.name for p in parameters if p.kind in kinds and p.default is p.empty and p.name not in given]
+    if missing:
+        needs = "; ".join(cls.required_help.get(n, f"{n}=...") for n in missing)
+        passed = ", ".join(f"{n!r}: ..." for n in missing)
+        raise ValueError(f"{cls.__name__} needs {needs} (objective_kwargs={{{passed}}} in the Trainer classes, "
+                         "keyword arguments of build)")
+
+
 def build(name: str, model, options: Mapping | None = None, **kwargs) -> Objective:
     """The objective `name` on `model`: its preset, then the CLI-style `options`, then `kwargs` (which win)."""
     entry = get(name)
     if options is None:
+        _check_required(entry.cls, {**entry.preset, **kwargs})
         return entry.cls(model, **{**entry.preset, **kwargs})
     return entry.cls.from_options(model, options, **{**entry.preset, **kwargs})

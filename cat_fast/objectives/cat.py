@@ -3,34 +3,32 @@
 ``loss, info = CAT(model)(batch)`` for a Hugging Face ``*ForSequenceClassification`` or ``*ForQuestionAnswering``
 model; `batch` is what the model takes plus ``labels`` (``start_positions`` / ``end_positions`` for QA). One call is
 one training step: warm-up ERM, or CMIX at a drawn layer, CAL on λ and ERM + CRM (see `CAT` for the arguments).
-On a GPU the CAL loop is replayed as CUDA graphs (`cat_graphs`).
+On a GPU the CAL loop is replayed as CUDA graphs (`cat_graphs`). Beside this module: the argument checks and the
+CLI's options (`cat_options`), the classification vs question-answering handling (`cat_tasks`) and the random draws
+(`cat_draws`).
 """
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
-import torch.nn.functional as F
 
 from .. import models
-from ..kernels.dtypes import upcast
 from ..layers import casts
-from ..ops import MASK_MODES, cal_objective, cal_step_, cmix, crm_loss, crm_weights, gs_cosine_loss
+from ..ops import cal_step_, cmix, gs_cosine_loss
 from ..step import NotCapturable, StepPlan
-from .base import Objective, check_number, check_single_label
+from .base import Objective
+from .cat_draws import Draws
 from .cat_graphs import CALGraphs
-from .gs import check_double_backward, masked_mean
+from .cat_options import check_arguments, default_layers, options_kwargs
+from .cat_tasks import task_for
+from .double_backward import check_double_backward
+from .gs_pairs import masked_mean
 
 __all__ = ["CAT", "default_layers"]
 
 
-def default_layers(num_layers: int) -> list:
-    """The paper's {8, 9, 10}-of-12 mixing layers scaled to `num_layers` (module docstring)."""
-    return sorted({min(num_layers, max(1, math.floor(k * num_layers / 12 + 0.5))) for k in (8, 9, 10)})
-
-
-class CAT(Objective):
+class CAT(Draws, Objective):
     """Counterfactual adversarial training; ``loss, info = cat(batch)``.
 
     Method (docs/METHODS.md §1): ``layers`` — the mixing-layer set Q, 1-indexed (``hidden_states[m]``), one drawn
@@ -61,42 +59,14 @@ class CAT(Objective):
                  max_graphs=8, prune_last_layer=True, fast_resume=True, training_layers=True):
         given, model = model, models.unwrap(model)  # `Objective` finds a torch.compile wrapper in `given`
         st = models.structure(model)
-        L = st.num_layers
-        if layers is None:
-            layers = default_layers(L)
-        elif isinstance(layers, int):
-            layers = [layers]
-        layers = sorted({int(m) for m in layers})
-        if not layers or layers[0] < 0 or layers[-1] > L:
-            raise ValueError(f"layers: expected mixing layers within [0, {L}] for {st.model_class} (it has {L} "
-                             f"layers), got {layers}")
-        alpha = check_number("alpha", alpha, low=0, low_open=True)
-        beta = check_number("beta", beta, low=0, low_open=True)
-        gamma, eta = check_number("gamma", gamma), check_number("eta", eta)
-        adv_steps = check_number("adv_steps", adv_steps, low=0, integer=True)
-        adv_lr = check_number("adv_lr", adv_lr, low=0)
-        p = check_number("p", p, low=1)
-        for name, value in (("a1", a1), ("a2", a2)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-                raise ValueError(f"{name}: expected a number (inf allowed, not NaN), got {value!r}")
-        gs_weight = check_number("gs_weight", gs_weight, low=0)
-        warmup_steps = check_number("warmup_steps", warmup_steps, low=0, integer=True)
-        if mask_mode not in MASK_MODES:
-            raise ValueError(f"mask_mode must be one of {MASK_MODES}, got {mask_mode!r}")
-        if update not in ("sum", "alternate"):
-            raise ValueError(f"update must be 'sum' or 'alternate', got {update!r}")
-        if partner not in ("permutation", "replacement"):
-            raise ValueError(f"partner must be 'permutation' or 'replacement', got {partner!r}")
-        if a1 > a2:
-            raise ValueError(f"a1 must be <= a2, got {a1} > {a2}")
-        if int(max_graphs) != max_graphs or max_graphs < 0:
-            raise ValueError(f"max_graphs must be an integer >= 0, got {max_graphs!r}")
-        if gs_weight > 0 and st.task != "sequence_classification":
-            raise ValueError("gs_weight > 0 (CAT + GS) is supported for *ForSequenceClassification models only")
-        if st.task == "sequence_classification":
-            check_single_label(model.config, "CAT")
+        c = check_arguments(model, st, layers, alpha, beta, gamma, eta, adv_steps, adv_lr, p, a1, a2, gs_weight,
+                            warmup_steps, mask_mode, update, partner, max_graphs)
+        layers, alpha, beta, gamma, eta = c["layers"], c["alpha"], c["beta"], c["gamma"], c["eta"]
+        adv_steps, adv_lr, p, gs_weight = c["adv_steps"], c["adv_lr"], c["p"], c["gs_weight"]
+        warmup_steps = c["warmup_steps"]
         super().__init__(given)
         self.structure = st
+        self.task = task_for(st)  # what classification and question answering differ in (`cat_tasks`)
         self.layers = layers
         self.alpha, self.beta = float(alpha), float(beta)
         self.gamma, self.eta = float(gamma), float(eta)
@@ -115,7 +85,7 @@ class CAT(Objective):
         self.layer_generator = None
         self.crm_optimizer = crm_optimizer
         self.step = 0
-        self.qa = st.task == "question_answering"
+        self.qa = self.task.qa
         self.cuda_graph = bool(cuda_graph)
         self.prune_last_layer = bool(prune_last_layer)
         self.fast_resume = bool(fast_resume)
@@ -129,22 +99,7 @@ class CAT(Objective):
         """CAT from the CLI's options: ``cat_layers``, ``alpha``, ``beta``, ``gamma``, ``eta``, ``adv_steps`` (None
         keeps the preset's), ``adv_lr``, ``mask_mode``, ``cat_update``, ``crm_lr`` (the alternating update's own
         AdamW), ``crm_clip`` ((A1, A2)), ``gs_weight`` (where the preset turns GS on) and ``seed`` (a CPU generator: reproducible draws)."""
-        kw = dict(preset)
-        for option, name in (("cat_layers", "layers"), ("alpha", "alpha"), ("beta", "beta"), ("gamma", "gamma"),
-                             ("eta", "eta"), ("adv_steps", "adv_steps"), ("adv_lr", "adv_lr"),
-                             ("mask_mode", "mask_mode"), ("cat_update", "update")):
-            if options.get(option) is not None:
-                kw[name] = options[option]
-        if options.get("crm_clip") is not None:
-            kw["a1"], kw["a2"] = options["crm_clip"]
-        if kw.get("gs_weight", 0) > 0 and options.get("gs_weight") is not None:
-            kw["gs_weight"] = options["gs_weight"]
-        if options.get("seed") is not None and "generator" not in kw:
-            kw["generator"] = torch.Generator().manual_seed(options["seed"])
-        if kw.get("update") == "alternate" and kw.get("crm_optimizer") is None:
-            # the paper's alternating step: a separate optimizer (lr 2e-5 in the paper) steps on CRM first
-            kw["crm_optimizer"] = torch.optim.AdamW(model.parameters(), lr=options.get("crm_lr", 2e-5))
-        return cls(model, **kw)
+        return cls(model, **options_kwargs(model, options, preset))
 
     def set_optimizer(self, optimizer):
         """The alternating update steps `optimizer` on CRM when no ``crm_optimizer`` was given."""
@@ -204,7 +159,13 @@ class CAT(Objective):
     def losses(self, batch):
         """``(erm, cf, info)`` from one clean forward: ERM, counterfactual loss CRM (+ gs_weight · L_GS), info.
 
-        Always runs the CAT branch (ignores warm-up and does not advance ``step``): for custom loops."""
+        Always runs the CAT branch (ignores warm-up and does not advance ``step``): for custom loops. Not for an
+        objective built on a DistributedDataParallel model (its passes would run outside DDP's forward, and the
+        ranks would drift): call the objective itself there."""
+        if getattr(self, "ddp", None) is not None and not getattr(self, "_in_ddp_forward", False):
+            raise RuntimeError("CAT.losses: this CAT was built on a DistributedDataParallel model, and losses() would "
+                               "run outside DDP's forward (the ranks would drift): call the objective, "
+                               "loss, info = cat(batch)")
         with torch.enable_grad():
             return self._losses(batch)
 
@@ -246,7 +207,7 @@ class CAT(Objective):
             if CALGraphs.usable(h_m):
                 early["replayed"] = self.graphs.run_captured(cap, h_m, lam0, partner, batch["labels"], None)
 
-        on_hidden = replay_early if use_graphs and not self.qa else None
+        on_hidden = replay_early if use_graphs and self.task.targets_before_forward else None
         cap = models.capture(self.model, batch, m, first_token=prune, on_hidden=on_hidden, rng=not capturing,
                              training_layers=self.training_layers and self.gs_weight == 0)
         if rng is not None and not capturing:
@@ -258,38 +219,23 @@ class CAT(Objective):
         if h.device != device:  # a model spread over devices: λ and the partners go where h_m is
             device = h.device
             partner, lam0 = partner.to(device), lam0.to(device)
-        targets, logits = self._targets(batch, cap.outputs, h.shape[1])
-        allow = self._qa_allow(batch, targets, h.shape[1], device) if self.qa else None
+        targets, logits = self.task.targets(batch, cap.outputs)
+        allow = self._qa_allow(batch, targets, h.shape[1], device)
         mask = cap.padding_mask
 
-        h_det = h.detach()
         replayed = early.get("replayed")
         if replayed is None and use_graphs and CALGraphs.usable(h):
-            replayed = self.graphs.run(cap, h_det, lam0, partner, targets, allow)
+            replayed = self.graphs.run(cap, h.detach(), lam0, partner, targets, allow)
         if replayed is not None:
             lam, cf_logits = replayed
         else:
-            # CAL: ascent on λ only; h_m detached, parameters untouched.
-            lam = lam0.clone()
-            for k in range(self.adv_steps):
-                lam_var = lam.detach().requires_grad_(True)
-                with self._pass(rng if capturing else None, k, cap):
-                    cf_logits = self.counterfactual_logits(cap, h_det, lam_var, partner, mask, allow)
-                    objective = self.cal_objective_per_sample(cf_logits, targets).sum()
-                    (grad,) = torch.autograd.grad(objective, lam_var)
-                self.cal_step(lam, grad)
+            lam, cf_logits = self._cal(cap, lam0, partner, mask, allow, targets, rng if capturing else None)
 
-            # Final counterfactual forward on the optimised λ (no autograd when ω is detached).
-            differentiable = not self.detach_weight
-            with torch.set_grad_enabled(differentiable), self._pass(rng if capturing else None, self.adv_steps, cap):
-                cf_logits = self.counterfactual_logits(cap, h if differentiable else h_det, lam, partner, mask, allow,
-                                            input_grad_only=not differentiable)
-
-        erm = self._erm(logits, targets)
-        crm = self._crm(logits, cf_logits, targets)
+        erm = self.task.erm(logits, targets)
+        crm = self.task.crm(logits, cf_logits, targets, a1=self.a1, a2=self.a2, detach_weight=self.detach_weight)
         with torch.no_grad():
             objective = self.cal_objective_per_sample(cf_logits, targets).mean() - lam.abs().mean()
-            weights = self._weights(logits, cf_logits)
+            weights = self.task.weights(logits, cf_logits, self.a1, self.a2)
         info = {
             "erm_loss": erm.detach(),
             "crm_loss": crm.detach(),
@@ -306,6 +252,28 @@ class CAT(Objective):
             info["gs_loss"] = gs.detach()
             cf = crm + self.gs_weight * gs
         return erm, cf, info
+
+    def _cal(self, cap, lam0, partner, mask, allow, targets, rng):
+        """``(λ, counterfactual logits)`` without CUDA graphs: CAL's ascent steps on λ from `lam0`, then the final
+        counterfactual pass on the optimised λ. `rng`: the plan's generators inside a whole-step capture (`_pass`)."""
+        h = cap.hidden
+        h_det = h.detach()
+        # CAL: ascent on λ only; h_m detached, parameters untouched.
+        lam = lam0.clone()
+        for k in range(self.adv_steps):
+            lam_var = lam.detach().requires_grad_(True)
+            with self._pass(rng, k, cap):
+                cf_logits = self.counterfactual_logits(cap, h_det, lam_var, partner, mask, allow)
+                objective = self.cal_objective_per_sample(cf_logits, targets).sum()
+                (grad,) = torch.autograd.grad(objective, lam_var)
+            self.cal_step(lam, grad)
+
+        # Final counterfactual forward on the optimised λ (no autograd when ω is detached).
+        differentiable = not self.detach_weight
+        with torch.set_grad_enabled(differentiable), self._pass(rng, self.adv_steps, cap):
+            cf_logits = self.counterfactual_logits(cap, h if differentiable else h_det, lam, partner, mask, allow,
+                                                   input_grad_only=not differentiable)
+        return lam, cf_logits
 
     def _gs_term(self, cap, logits, labels, partner, lam, mask):
         """GS on the CMIX pair (h_m, h̃_m): g = ∇_{h_m} f_{y_j}(h_i) (double backward), ĝ = h̃ − h (detached)."""
@@ -333,8 +301,8 @@ class CAT(Objective):
                 outputs = models.first_token_forward(self.model, batch)
             else:
                 outputs = self.plain_forward(models.model_inputs(batch))
-            targets, logits = self._targets(batch, outputs, None)
-            erm = self._erm(logits, targets)
+            targets, logits = self.task.targets(batch, outputs)
+            erm = self.task.erm(logits, targets)
         zero = torch.zeros((), device=erm.device, dtype=erm.dtype)
         info = {"erm_loss": erm.detach(), "crm_loss": zero, "lambda_before": zero, "lambda_after": zero,
                 "crm_weight_mean": zero, "cal_objective": zero, "layer": torch.tensor(0.0),
@@ -348,36 +316,9 @@ class CAT(Objective):
             raise ValueError("update='alternate' needs crm_optimizer (CAT(..., crm_optimizer=opt) or cat.crm_optimizer = opt)")
         self.inner_update(cf, self.crm_optimizer)
 
-    # ----------------------------------------------------------------- task-specific pieces
-    def _targets(self, batch, outputs, T):
-        logits = models.logits_of(outputs)
-        if not self.qa:
-            return batch["labels"], logits
-        T = logits[0].shape[1]
-        s = batch["start_positions"].clamp(0, T - 1)
-        e = batch["end_positions"].clamp(0, T - 1)
-        return (s, e), logits
-
-    def _erm(self, logits, targets):
-        if not self.qa:
-            return F.cross_entropy(upcast(logits), targets)
-        return F.cross_entropy(upcast(logits[0]), targets[0]) + F.cross_entropy(upcast(logits[1]), targets[1])
-
-    def _crm(self, logits, cf_logits, targets):
-        kw = dict(a1=self.a1, a2=self.a2, detach_weight=self.detach_weight)
-        if not self.qa:
-            return crm_loss(logits, cf_logits, targets, **kw)
-        return sum(crm_loss(z, zc, y, **kw) for z, zc, y in zip(logits, cf_logits, targets))
-
-    def _weights(self, logits, cf_logits):
-        if not self.qa:
-            return crm_weights(logits, cf_logits, self.a1, self.a2).mean()
-        return sum(crm_weights(z, zc, self.a1, self.a2).mean() for z, zc in zip(logits, cf_logits)) / 2
-
+    # ----------------------------------------------------------------- CMIX and CAL pieces (also `cat_graphs`)
     def cal_objective_per_sample(self, cf_logits, targets):
-        if not self.qa:
-            return cal_objective(cf_logits, targets, self.gamma, self.eta)
-        return sum(cal_objective(z, y, self.gamma, self.eta) for z, y in zip(cf_logits, targets))
+        return self.task.cal_objective(cf_logits, targets, self.gamma, self.eta)
 
     def cal_step(self, lam, grad):
         cal_step_(lam, grad, self.adv_lr, self.p)
@@ -385,10 +326,10 @@ class CAT(Objective):
     def _prunes(self, batch):
         """Whether this model's last layer runs for the first token only (decided once per model, before any
         graph capture: `models.first_token_ready`)."""
-        return self.prune_last_layer and not self.qa and models.first_token_ready(self.model, batch)
+        return self.prune_last_layer and self.task.first_token_head and models.first_token_ready(self.model, batch)
 
     def first_token(self, cap):
-        return (self.prune_last_layer and not self.qa and cap.layer < self.structure.num_layers
+        return (self.prune_last_layer and self.task.first_token_head and cap.layer < self.structure.num_layers
                 and models.first_token_ok(self.model, cap))
 
     def counterfactual_logits(self, cap, h, lam, partner, mask, allow, input_grad_only=True):
@@ -401,27 +342,8 @@ class CAT(Objective):
         return models.logits_of(out)
 
     def _qa_allow(self, batch, targets, T, device):
-        cfg = self.model.config
-        attn = batch.get("attention_mask")
-        if "context_mask" in batch:
-            context = batch["context_mask"].to(device).bool()
-        elif "token_type_ids" in batch and getattr(cfg, "type_vocab_size", 1) > 1:
-            context = batch["token_type_ids"] == 1
-        else:
-            sep = getattr(cfg, "sep_token_id", None)
-            sep = getattr(cfg, "eos_token_id", None) if sep is None else sep
-            if sep is None or "input_ids" not in batch:
-                raise ValueError("CAT for QA cannot find the context: pass batch['context_mask'] (1 on context "
-                                 "tokens), token_type_ids, or set config.sep_token_id")
-            is_sep = batch["input_ids"] == sep
-            context = (is_sep.cumsum(1) > 0) & ~is_sep
-        pos = torch.arange(T, device=device)
-        s, e = targets
-        answer = (pos >= s.unsqueeze(1)) & (pos <= e.unsqueeze(1))
-        allow = context & ~answer
-        if attn is not None:
-            allow = allow & (attn != 0)
-        return allow.to(torch.float32)
+        """The [B, T] positions CMIX may mix for QA, None for classification (`cat_tasks`)."""
+        return self.task.allow(self.model.config, batch, targets, T, device)
 
     def _batch_size(self, batch):
         """(B, device, parameter dtype) known before the forward: the batch's first tensor input and the model's
@@ -431,39 +353,3 @@ class CAT(Objective):
             raise ValueError("CAT: the batch has no tensor input for the model (input_ids, inputs_embeds, ...)")
         param = next(self.model.parameters())
         return tensors[0].shape[0], param.device, param.dtype
-
-    # ----------------------------------------------------------------- randomness
-    def _draw_layer(self):
-        if len(self.layers) == 1:
-            return self.layers[0]
-        gen = self.layer_generator if self.layer_generator is not None else self.generator
-        idx = torch.randint(len(self.layers), (1,), generator=gen)  # CPU: no device sync
-        return self.layers[int(idx)]
-
-    def _draw_partner(self, B, device):
-        gen = self.generator
-        if self.partner == "permutation":
-            if gen is not None:
-                return torch.randperm(B, generator=gen).to(device, non_blocking=True)
-            return torch.randperm(B, device=device)
-        if gen is not None:
-            return torch.randint(B, (B,), generator=gen).to(device, non_blocking=True)
-        return torch.randint(B, (B,), device=device)
-
-    def _draw_lambda(self, B, device, dtype):
-        if self.generator is None:
-            # Beta(α, β) as torch.distributions samples it (the first coordinate of a Dirichlet(α, β) draw: the
-            # same kernel, the same random numbers) without building the distribution objects each step. The
-            # concentrations are made with torch.full (no host-to-device copy, no sync) once per shape.
-            key = (B, device, dtype)
-            if self._concentration is None or self._concentration[0] != key:
-                a = torch.full((B,), self.alpha, device=device, dtype=dtype)
-                b = torch.full((B,), self.beta, device=device, dtype=dtype)
-                self._concentration = (key, torch.stack([a, b], -1))
-            return torch._sample_dirichlet(self._concentration[1]).select(-1, 0)
-        seed = int(torch.randint(2**62, (1,), generator=self.generator))
-        with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(seed)
-            lam = torch.distributions.Beta(torch.full((B,), self.alpha, dtype=dtype),
-                                           torch.full((B,), self.beta, dtype=dtype)).sample()
-        return lam.to(device, non_blocking=True)

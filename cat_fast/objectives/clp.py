@@ -40,17 +40,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import models, ops
+from ..kernels.dtypes import upcast
 from ..step import NotCapturable, StepPlan
 from .base import Objective, check_number
 
 __all__ = ["CLP", "PerturbationNet", "find_head", "metadata_from_cad"]
 
 _INPUTS = ("input_ids", "attention_mask", "token_type_ids")
-
-
-def _acc(x):
-    """`x` in its accumulation dtype: float32 for 16-bit floats, unchanged otherwise."""
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 class PerturbationNet(nn.Module):
@@ -106,6 +102,8 @@ class CLP(Objective):
     tokenised inputs) or any ``nn.Module`` called as ``model(batch["inputs"])`` that ends in a Linear head."""
 
     needs_meta = True  # the CLI builds `meta_batches` (--meta-data, or a balanced draw from CAD dev)
+    required_help = {"meta_batches": "meta_batches=[...]: a small balanced metadata set as tokenised batches, "
+                                     "dicts of model inputs + labels"}
 
     @classmethod
     def from_options(cls, model, options, **preset):
@@ -303,21 +301,21 @@ class CLP(Objective):
         with torch.no_grad():
             delta_new = self.omega(chars)
         perturbed = logits + delta_new.to(logits.dtype).unsqueeze(1) * onehot
-        loss = F.cross_entropy(_acc(perturbed), labels)
+        loss = F.cross_entropy(upcast(perturbed), labels)
         self._update_stats(chars, labels, ends)
         if self.distributed:  # BatchNorm's running statistics saw this rank's batch only
             from ..distributed import all_reduce_mean_
 
             all_reduce_mean_([b for b in self.omega.buffers() if b.is_floating_point()])
         with torch.no_grad():
-            info = {"ce_loss": F.cross_entropy(_acc(logits.detach()), labels), "meta_loss": meta_loss.detach(),
+            info = {"ce_loss": F.cross_entropy(upcast(logits.detach()), labels), "meta_loss": meta_loss.detach(),
                     "delta_mean": delta_new.mean(), "delta_abs_mean": delta_new.abs().mean()}
         return loss, info
 
     def _meta_head(self, features, labels, onehot, delta, meta_batch, lr):
         W, b = self.head.weight, self.head.bias
         z = F.linear(features.to(W.dtype), W, b)
-        loss = F.cross_entropy(_acc(z + delta.to(z.dtype).unsqueeze(1) * onehot.to(z.dtype)), labels)
+        loss = F.cross_entropy(upcast(z + delta.to(z.dtype).unsqueeze(1) * onehot.to(z.dtype)), labels)
         params = [W] + ([b] if b is not None else [])
         grads = torch.autograd.grad(loss, params, create_graph=True)
         W2 = W - lr * grads[0]
@@ -325,16 +323,16 @@ class CLP(Objective):
         with torch.no_grad():
             _, meta_features = self._call(meta_batch)
         z_meta = F.linear(meta_features.detach().to(W.dtype), W2, b2)
-        return F.cross_entropy(_acc(z_meta), meta_batch["labels"])
+        return F.cross_entropy(upcast(z_meta), meta_batch["labels"])
 
     def _meta_all(self, logits, labels, onehot, delta, meta_batch, lr):
         names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         params = [p for _, p in self.model.named_parameters() if p.requires_grad]
-        loss = F.cross_entropy(_acc(logits + delta.to(logits.dtype).unsqueeze(1) * onehot), labels)
+        loss = F.cross_entropy(upcast(logits + delta.to(logits.dtype).unsqueeze(1) * onehot), labels)
         grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
         updated = {n: (p - lr * g if g is not None else p) for n, p, g in zip(names, params, grads)}
         meta_logits, _ = self._call(meta_batch, params=updated)
-        return F.cross_entropy(_acc(meta_logits), meta_batch["labels"])
+        return F.cross_entropy(upcast(meta_logits), meta_batch["labels"])
 
     def _update_stats(self, chars, labels, ends):
         """Adds the batch to the epoch's sums (device only: the host counted the examples in `_advance`); at the end

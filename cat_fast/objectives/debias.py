@@ -29,7 +29,11 @@ def _rows(name, value, like):
 
 
 class BiasObjective(Objective):
-    """Base of the bias-model losses: a member implements ``loss(logits, bias, labels, batch, cap)``."""
+    """Base of the bias-model losses: a member implements ``loss(logits, bias, labels, batch, cap)``.
+
+    ``prune_last_layer=True``: the last layer runs for the first token only where `models.first_token_ready`
+    accepts the model (the same logits; under dropout, draws for that token only); False: the model's full forward.
+    ``training_layers``: the encoder layers run `layers.training` where it supports them."""
 
     needs_bias = True
     needs_teacher = False
@@ -57,7 +61,7 @@ class BiasObjective(Objective):
         with torch.enable_grad():
             prune = self.prune_last_layer and models.first_token_ready(self.model, batch)
             cap = None
-            if self.uses_pooled:
+            if self.uses_pooled or not prune:  # the pooled vector for the gate, or the full last layer
                 cap = models.capture(self.model, batch, None, pooled=True, rng=False, first_token=prune,
                                      training_layers=self.training_layers)
                 logits = models.logits_of(cap.outputs)

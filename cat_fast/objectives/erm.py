@@ -12,8 +12,10 @@ from .base import Objective, check_number, check_single_label
 
 __all__ = ["ERM"]
 
-# batch keys that are cat_fast metadata, not arguments of the model's forward
-_METADATA = ("pairs", "pair_group", "context_mask")
+# the targets the model's own loss reads; every other key of models.TARGET_KEYS (pairs, bias-model columns, ...)
+# is cat_fast data, not an argument of the model's forward
+_MODEL_TARGETS = ("labels", "start_positions", "end_positions")
+_METADATA = tuple(k for k in models.TARGET_KEYS if k not in _MODEL_TARGETS)
 
 
 class ERM(Objective):

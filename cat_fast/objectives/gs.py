@@ -4,12 +4,10 @@
 ``loss, info = GradientSupervision(model)(batch, pairs)``, ``pairs[i]`` = the index in the batch of sample i's
 counterfactual (−1: none; `pair_by_group` builds it from group ids). ``loss = CE + weight · L_GS``, L_GS the mean
 of ``1 − cos(g_i, ĝ_i)`` over samples whose partner has another label. See `GradientSupervision` for the arguments.
+This module holds the objective and its exact pass; beside it: the first-order pass (`gs_first_order`), the pairs
+(`gs_pairs`) and the double-backward check and error mapping (`double_backward`).
 """
 from __future__ import annotations
-
-import contextlib
-import dataclasses
-import os
 
 import torch
 import torch.nn.functional as F
@@ -23,76 +21,13 @@ from ..layers import casts
 from ..ops import gs_cosine_loss
 from ..step import NotCapturable, StepPlan
 from .base import Objective, check_number
+from .double_backward import DOUBLE_BACKWARD_HINT, check_double_backward, double_backward_error
+from .gs_first_order import FirstOrder
+from .gs_pairs import check_pairs as _check_pairs
+from .gs_pairs import masked_mean, pair_by_group
+from .gs_pairs import random_pairs as _random_pairs
 
 __all__ = ["GradientSupervision", "pair_by_group", "double_backward_error", "DOUBLE_BACKWARD_HINT"]
-
-DOUBLE_BACKWARD_HINT = (
-    "gradient supervision mode='exact' needs a double backward through the model, but its attention kernel has "
-    "none (derivative for aten::_scaled_dot_product_*_attention_backward is not implemented): load the model with "
-    "attn_implementation=\"eager\", or run under torch.nn.attention.sdpa_kernel(SDPBackend.MATH), "
-    "or use mode=\"first_order\""
-)
-
-
-def double_backward_error(exc):
-    """Map PyTorch's "derivative for aten::_scaled_dot_product_*_attention_backward is not implemented" to a
-    one-line RuntimeError that says how to fix it; None for any other exception."""
-    text = str(exc)
-    if "derivative for aten::_scaled_dot_product" in text and "not implemented" in text:
-        return RuntimeError(DOUBLE_BACKWARD_HINT)
-    return None
-
-
-def has_missing_double_backward(t: torch.Tensor) -> bool:
-    """True when the autograd graph of `t` holds a node whose backward is not implemented (PyTorch's
-    ``NotImplemented`` node: differentiating `t` again would raise)."""
-    fn = t.grad_fn
-    if fn is None:
-        return False
-    stack, seen = [fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if "NotImplemented" in node.name():
-            return True
-        stack.extend(f for f, _ in node.next_functions)
-    return False
-
-
-def check_double_backward(g: torch.Tensor, model) -> None:
-    """Raise the one-line `DOUBLE_BACKWARD_HINT` error when `g` (built with create_graph through `model`'s
-    attention) cannot be differentiated. Eager attention is plain matmuls and softmax, always twice
-    differentiable: the graph walk (milliseconds of host time per step) runs only for other implementations."""
-    if getattr(model.config, "_attn_implementation", None) == "eager":
-        return
-    if has_missing_double_backward(g):
-        raise RuntimeError(DOUBLE_BACKWARD_HINT)
-
-
-def pair_by_group(group_ids: torch.Tensor) -> torch.Tensor:
-    """Pairs from group ids [B]: each sample's partner is the next sample (cyclically, in batch order) with the
-    same id, -1 when alone. Groups of two give the symmetric pairing (i ↔ j). No host synchronisation."""
-    ids = group_ids.reshape(-1)
-    B = ids.shape[0]
-    idx = torch.arange(B, device=ids.device)
-    same = ids[:, None] == ids[None, :]
-    same.fill_diagonal_(False)
-    dist = (idx[None, :] - idx[:, None]) % B  # distance forward from i to j
-    dist = torch.where(same, dist, torch.full_like(dist, B))
-    best = dist.min(dim=1).values
-    return torch.where(best < B, (idx + best) % B, torch.full_like(idx, -1))
-
-
-def _random_pairs(B, device, generator):
-    if B < 2:
-        return torch.full((B,), -1, dtype=torch.long, device=device)
-    if generator is not None:
-        shift = torch.randint(1, B, (B,), generator=generator).to(device, non_blocking=True)
-    else:
-        shift = torch.randint(1, B, (B,), device=device)
-    return (torch.arange(B, device=device) + shift) % B
 
 
 def _parse_representation(rep):
@@ -115,35 +50,7 @@ def _info(ce, gs, pairs_used):
     return {"ce_loss": ce.detach(), "gs_loss": gs.detach(), "gs_pairs": pairs_used.to(ce.dtype)}
 
 
-_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-
-
-def _check_pairs(pairs, batch_size):
-    """``pairs`` must be an integer tensor [B] of partner indices in [-1, B) (-1: none). The range is read on CPU
-    tensors, and on CUDA only with CAT_FAST_DEBUG=1 (it would synchronise the host with the device)."""
-    if not isinstance(pairs, torch.Tensor):
-        raise TypeError(f"pairs: expected an integer torch.Tensor of partner indices [B], got {type(pairs).__name__}")
-    if pairs.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"pairs: expected an integer tensor (partner indices, -1 = none), got dtype "
-                        f"{str(pairs.dtype).replace('torch.', '')}")
-    if tuple(pairs.shape) != (batch_size,):
-        raise ValueError(f"pairs: expected shape ({batch_size},) (one partner index per sample of the batch), got "
-                         f"{tuple(pairs.shape)}")
-    if pairs.numel() and (pairs.device.type == "cpu" or os.environ.get("CAT_FAST_DEBUG", "0") == "1") \
-            and not torch.compiler.is_compiling():
-        low, high = int(pairs.min()), int(pairs.max())
-        if low < -1 or high >= batch_size:
-            raise ValueError(f"pairs: expected partner indices in [-1, {batch_size}) (-1 = no partner), got values "
-                             f"in [{low}, {high}]")
-
-
-def masked_mean(values, valid):
-    """Mean of `values` over `valid` rows (0 when none), without a host synchronisation."""
-    w = valid.to(values.dtype)
-    return (values * w).sum() / w.sum().clamp_min(1)
-
-
-class GradientSupervision(Objective):
+class GradientSupervision(FirstOrder, Objective):
     """``loss, info = gs(batch, pairs)``: cross-entropy + ``weight`` · gradient-supervision loss.
 
     ``target="counterfactual"`` (default): ``g_i = ∇_x f_c(x_i)``, f_c the LOGIT of the partner's class c = y_j, and
@@ -343,6 +250,7 @@ class GradientSupervision(Objective):
                 loss = ce + self.weight * (gs.detach() + term)
         return loss, _info(ce, gs, valid.sum())
 
+    # ----------------------------------------------------------------- the exact pass on the pooled vector
     def _pooled_kernel(self, labels):
         """`triton.pooled_gs_loss` when the pooled exact loss can run as one kernel (the closed form checked on an
         earlier call, the counterfactual target, CUDA tensors, Triton importable), else None."""
@@ -386,107 +294,3 @@ class GradientSupervision(Objective):
             if not self._closed_form:
                 return None
         return g.to(x.dtype)  # autograd's g has the dtype of x (bf16 under autocast)
-
-    def _first_order(self, cap, x, g, g_hat, logits, labels, partner, valid, pooled, prune, rng=None):
-        """``(L_GS, term)``: `term` has value 0 and gradient ``∇_θ (uᵀ∇_x f_c)`` by finite differences. `rng` (inside
-        a whole-step capture, a `models.PassGenerators`): perturbed pass k redraws the clean forward's dropout from
-        its own generator."""
-        g_var = g.requires_grad_(True)
-        gs = masked_mean(gs_cosine_loss(g_var, g_hat, reduction="none"), valid)
-        (u,) = torch.autograd.grad(gs, g_var)
-        rows = x.shape[0]
-        x_norm = x.detach().reshape(rows, -1).norm(dim=1)
-        u_norm = u.reshape(rows, -1).norm(dim=1)
-        tiny = torch.finfo(u.dtype).tiny ** 0.5
-        eps_i = self.eps * x_norm / u_norm.clamp_min(tiny)
-        shape = (rows,) + (1,) * (x.dim() - 1)
-        step = (eps_i.reshape(shape) * u).to(x.dtype)
-        central = self.difference == "central"
-        denom = (2 * eps_i if central else eps_i).to(x.dtype)
-        signs = (1.0, -1.0) if central else (1.0,)
-
-        def scorer(capture):
-            def score_at(x_new):
-                if pooled:
-                    out = models.head_logits(self.model, capture, x_new)
-                else:
-                    out = models.logits_of(models.resume(self.model, capture, x_new, first_token=prune,
-                                                         first_token_row_only=prune,
-                                                         training_layers=self.training_layers))
-                return (self._score(out, labels, partner) / denom).sum()
-            return score_at
-
-        # The clean pass of a forward difference is the clean forward itself (its graph is already there).
-        clean = -(self._score(logits, labels, partner) / denom).sum() if not central else x.new_zeros(())
-        clean = clean - clean.detach()
-        target = cap.head_input if pooled else x
-        if not (self.low_memory and target.requires_grad):
-            score_at = scorer(cap)
-            perturbed = 0
-            for k, sign in enumerate(signs):
-                with rng.pass_(k, cap) if rng is not None else contextlib.nullcontext():
-                    perturbed = perturbed + sign * score_at(x + sign * step)
-            return gs.detach(), clean + perturbed - perturbed.detach()
-        # The hook lives on target's autograd node: it must not hold tensors of the clean graph (a reference
-        # cycle through that node would outlive the step), hence a detached copy of the capture.
-        score_at = scorer(_detached(cap))
-        return gs.detach(), clean + _deferred_passes(target, x.detach(), step, signs, score_at, pooled, self.model)
-
-
-def _detached(cap):
-    def detach(v):
-        if isinstance(v, torch.Tensor):
-            return v.detach()
-        if isinstance(v, (tuple, list)):
-            return type(v)(detach(t) for t in v)
-        return v
-
-    return dataclasses.replace(cap, hidden=detach(cap.hidden), outputs=None, layer_outputs=detach(cap.layer_outputs),
-                               embedding_output=detach(cap.embedding_output), head_input=detach(cap.head_input),
-                               pooled=None, last_output=detach(cap.last_output))
-
-
-class _ScaleProbe(torch.autograd.Function):
-    """Zero-valued scalar attached to `target`; its backward records the incoming gradient (weight × loss
-    scale) before `target`'s own gradient is complete (it is one of target's consumers)."""
-
-    @staticmethod
-    def forward(ctx, target, box):
-        ctx.box = box
-        return target.new_zeros((), dtype=torch.float32)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.box["scale"] = grad
-        return None, None
-
-
-def _deferred_passes(target, x0, step, signs, score_at, pooled, model):
-    """Low-memory first-order GS: the perturbed passes run INSIDE the caller's backward, once the gradient of
-    `target` (x, or the head input holding it) is complete — the clean forward's upper graph is freed by then,
-    so at most one perturbed graph is alive. Each pass is a forward + backward of ``scale · Σ ±f(x ± εu)/d``:
-    its parameter gradients are accumulated into ``.grad`` directly, its input gradient is added to target's."""
-    device_type = target.device.type
-    autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-    box = {}
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def hook(grad):
-        scale = box.pop("scale", None)
-        if scale is None:  # a backward that does not differentiate the GS term
-            return None
-        extra = torch.zeros_like(x0)
-        with torch.enable_grad(), torch.autocast(device_type, dtype=autocast[1], enabled=autocast[0]):
-            for sign in signs:
-                xp = (x0 + sign * step).requires_grad_(True)
-                objective = score_at(xp) * (sign * scale.to(torch.float32))
-                torch.autograd.backward(objective, inputs=[xp] + params)
-                extra += xp.grad
-        if pooled and grad.dim() == 3:  # the head takes the sequence: x is its first-token row
-            grad = grad.clone()
-            grad[:, 0] += extra.to(grad.dtype)
-            return grad
-        return grad + extra.to(grad.dtype)
-
-    target.register_hook(hook)
-    return _ScaleProbe.apply(target, box)

@@ -5,19 +5,12 @@ default for the tensors' device (CPU: `cpp`, else `reference`; CUDA: `cuda`, mea
 every op in benchmarks/RESULTS.md, else `triton`, else `reference`).
 """
 import contextlib
-import importlib.util
 import os
 import threading
 
 BACKENDS = ("reference", "cpp", "cuda", "triton")
 
 _state = threading.local()
-
-
-def _torch_has_cuda():
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def triton_interpreted():
@@ -35,16 +28,16 @@ def _available():
 
 
 def _find_available():
+    # Plain reads of what `registry` found at import, so that a first call inside torch.compile traces this.
     from . import registry
 
     found = ["reference"]
     if registry.cpp_loaded():
         found.append("cpp")
-    if registry.cuda_kernels_built() and _torch_has_cuda():
+    if registry.cuda_kernels_built() and registry.has_cuda():
         found.append("cuda")
-    if importlib.util.find_spec("triton") is not None and (_torch_has_cuda() or triton_interpreted()):
-        if registry.triton_loaded():
-            found.append("triton")
+    if registry.triton_loaded():  # loaded only where Triton is installed and has CUDA or the interpreter
+        found.append("triton")
     return tuple(found)
 
 

@@ -4,8 +4,6 @@
 All four run on one fused kernel pair, `bias_loss_forward` / `bias_loss_backward` (docs/KERNELS.md "bias_loss"):
 one launch per direction, the reduction inside the forward kernel.
 """
-import math
-
 import torch
 
 from ..kernels.reference import bias_losses as reference
@@ -23,6 +21,7 @@ registry.define({
 
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 POE, REWEIGHT, LEARNED_MIXIN, CONF_REG = 0, 1, 5, 6  # REWEIGHT + (weight == "inverse") + 2 * (normalize == "batch")
+SCALARS = {"entropy_weight": dict(low=0.0), "ignore_index": validate.INT}
 
 
 def _backward(family):
@@ -60,7 +59,7 @@ registry.register("bias_loss_backward", _fake_backward, registry.not_twice_diffe
 
 
 def _check(logits, bias, labels, ignore_index, name="bias"):
-    ignore_index = validate.index_value("ignore_index", ignore_index)
+    (ignore_index,) = validate.scalars(SCALARS, ignore_index=ignore_index)
     validate.classes("logits", logits, labels, ignore_index)
     validate.tensor(name, bias, ndims=(2,))
     validate.shape(name, bias, logits.shape, "like logits: one row per example, one column per class")
@@ -108,14 +107,13 @@ def reweight_loss(logits, bias, labels, normalize="weights", weight="one_minus",
 def learned_mixin_loss(logits, bias, labels, gate, entropy_weight=0.03, ignore_index=-100, reduction="mean"):
     """``CE(log_softmax(z) + g·b, y) + entropy_weight · H(softmax(g·b))``, g = softplus(gate) per row.
 
-    gate [B] float (a learned map of the pooled vector: it gets a gradient; the bias does not)."""
+    gate [B] float (a learned map of the pooled vector: it gets a gradient; the bias does not); entropy_weight a
+    finite number >= 0."""
     labels, ignore_index = _check(logits, bias, labels, ignore_index)
     validate.tensor("gate", gate, ndims=(1,))
     validate.size("gate", gate, 0, logits.shape[0], "one gate value per row")
     validate.same_device(logits=logits, gate=gate)
-    entropy_weight = validate.number("entropy_weight", entropy_weight)
-    if not math.isfinite(entropy_weight) or entropy_weight < 0:
-        raise ValueError(f"entropy_weight: expected a finite number >= 0, got {entropy_weight}")
+    (entropy_weight,) = validate.scalars(SCALARS, entropy_weight=entropy_weight)
     validate.choice("reduction", reduction, tuple(REDUCTIONS))
     loss = _fused(logits, bias, labels, gate, LEARNED_MIXIN, reduction, entropy_weight, ignore_index)
     if loss is None:

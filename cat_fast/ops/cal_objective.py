@@ -12,6 +12,7 @@ registry.define({
 }, triton="cal_objective")
 
 REDUCTIONS = ("none", "mean", "sum")
+SCALARS = {"gamma": {}, "eta": {}, "ignore_index": validate.INT}  # the weights: any finite numbers
 
 
 def _forward_backward(family):
@@ -47,16 +48,15 @@ def cal_objective(logits, labels, gamma=10.0, eta=20.0, reduction="none", ignore
     """CAL objective `gamma * CE(logits_i, y_i) + eta * Phi(logits_i)`, Phi = max_c softmax(logits_i)_c.
 
     logits [B, C] float; labels int64/int32 [B], values in [0, C) or `ignore_index`. Defaults: the CAT paper's
-    gamma = 10, eta = 20. Rows whose label equals `ignore_index` give 0 and a zero gradient. reduction: "none"
+    gamma = 10, eta = 20 (any finite numbers). Rows whose label equals `ignore_index` give 0 and a zero gradient. reduction: "none"
     (the [B] per-sample objectives, float32, or float64 for float64 logits), "sum", or "mean" — the sum divided by
     the number of non-ignored rows, NaN when every row is ignored (like `F.cross_entropy`). The reductions run on the
     [B] output of the one kernel. Phi's subgradient at tied maxima goes to the FIRST tied index (`torch.argmax`'s
     choice), on every backend.
     """
     validate.choice("reduction", reduction, REDUCTIONS)
-    ignore_index = validate.index_value("ignore_index", ignore_index)
+    gamma, eta, ignore_index = validate.scalars(SCALARS, gamma=gamma, eta=eta, ignore_index=ignore_index)
     validate.classes("logits", logits, labels, ignore_index)
-    gamma, eta = validate.number("gamma", gamma), validate.number("eta", eta)
     labels = labels.long()
     backend = select("cal_objective", logits.device)
     if backend == "reference":

@@ -11,6 +11,7 @@ registry.define({
 }, triton="cmix")
 
 MASK_MODES = ("self", "partner", "union", "intersection")
+SCALARS = {"lam": {}}  # a number lam: finite (a tensor lam's values are not read: that would sync)
 
 
 def _grad_lam_rows(grad, h, partner):
@@ -78,7 +79,8 @@ def _lam_rows(lam, h):
     if not isinstance(lam, torch.Tensor):
         if isinstance(lam, bool) or not isinstance(lam, (int, float)):
             raise TypeError(f"lam: expected a torch.Tensor or a number, got {type(lam).__name__}")
-        return torch.full((batch,), float(lam), dtype=registry.acc_dtype(h.dtype), device=h.device)
+        (lam,) = validate.scalars(SCALARS, lam=lam)
+        return torch.full((batch,), lam, dtype=registry.acc_dtype(h.dtype), device=h.device)
     validate.tensor("lam", lam)
     shape = tuple(lam.shape)
     if shape == (batch,) or shape == (batch, tokens):
@@ -118,7 +120,7 @@ def _validate_args(h, lam, partner, mask, mask_mode):
 def cmix(h, lam, partner, mask=None, mask_mode="self"):
     """Mix each sample's hidden states with its partner's: `h_mix[i] = lam_i * h[partner[i]] + (1 - lam_i) * h[i]`.
 
-    h: [B, T, D] float. lam: per sample or per token — a number, a 0-d tensor, or a float tensor that broadcasts
+    h: [B, T, D] float. lam: per sample or per token — a finite number, a 0-d tensor, or a float tensor that broadcasts
     to [B] or [B, T]: [B], [B, 1], [B, T], [1, T], [B, T, 1] (a size-B dim may be 1); gradients w.r.t. a tensor lam
     come back in its own shape. Per-feature [B, D] lambda is not supported. partner: int64 [B], any indices
     into the batch (repeats allowed). mask: [B, T] bool/int (1 = real token) or None; mask_mode picks

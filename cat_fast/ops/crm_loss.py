@@ -13,6 +13,8 @@ registry.define({
 }, triton="crm_loss")
 
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
+# a1 <= a2: the weight's clip range, an infinite end is no clip there
+SCALARS = {"a1": dict(finite=False), "a2": dict(finite=False), "ignore_index": validate.INT}
 
 
 def _forward_backward(family):
@@ -60,7 +62,7 @@ def _validate_pair(logits, cf_logits, a1, a2):
     if cf_logits.dtype != logits.dtype:
         raise TypeError(f"cf_logits: expected dtype {logits.dtype} (the dtype of logits), got {cf_logits.dtype}")
     validate.same_device(logits=logits, cf_logits=cf_logits)
-    a1, a2 = validate.not_nan("a1", a1), validate.not_nan("a2", a2)
+    a1, a2 = validate.scalars(SCALARS, a1=a1, a2=a2)
     if a1 > a2:
         raise ValueError(f"a1, a2: expected a1 <= a2 (clip range of the weight), got a1={a1} > a2={a2}")
     return a1, a2
@@ -91,7 +93,7 @@ def crm_loss(logits, cf_logits, labels, a1=0.0, a2=10.0, detach_weight=True, red
     Rows whose label equals `ignore_index` give loss 0 and zero gradients, and `mean` divides by the number of
     the other rows: NaN when every row is ignored (like `F.cross_entropy`).
     """
-    ignore_index = validate.index_value("ignore_index", ignore_index)
+    (ignore_index,) = validate.scalars(SCALARS, ignore_index=ignore_index)
     validate.classes("logits", logits, labels, ignore_index)
     a1, a2 = _validate_pair(logits, cf_logits, a1, a2)
     validate.choice("reduction", reduction, tuple(REDUCTIONS))

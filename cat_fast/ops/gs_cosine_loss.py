@@ -17,6 +17,7 @@ registry.define({
 }, triton="gs_cosine_loss")
 
 REDUCTIONS = ("mean", "sum", "none")
+SCALARS = {"eps": dict(low=0.0, open_low=True)}  # the norms' lower clamp
 
 
 def _zeros_if_none(grad, like):
@@ -71,7 +72,9 @@ registry.register(
 
 
 def gs_cosine_loss(g, g_hat, reduction="mean", eps=1e-8):
-    """Per row i (dim 0; all further dims flattened): `1 - cos(g_i, g_hat_i)`, norms clamped below at eps; reduced by mean/sum/none."""
+    """Per row i (dim 0; all further dims flattened): `1 - cos(g_i, g_hat_i)`, norms clamped below at eps; reduced by mean/sum/none.
+
+    eps: a finite number > 0."""
     validate.tensor("g", g)
     if g.dim() < 1:
         raise ValueError("g: expected at least 1 dimension (rows), got a 0-d tensor")
@@ -82,9 +85,7 @@ def gs_cosine_loss(g, g_hat, reduction="mean", eps=1e-8):
         raise TypeError(f"g_hat: expected dtype {g.dtype} (the dtype of g), got {g_hat.dtype}")
     validate.same_device(g=g, g_hat=g_hat)
     validate.choice("reduction", reduction, REDUCTIONS)
-    eps = validate.number("eps", eps)
-    if eps <= 0:
-        raise ValueError(f"eps: expected a positive number, got {eps}")
+    (eps,) = validate.scalars(SCALARS, eps=eps)
     backend = select("gs_cosine_loss", g.device)
     if backend == "reference":
         return reference.gs_cosine_loss(g, g_hat, reduction, eps)

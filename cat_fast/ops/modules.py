@@ -10,11 +10,14 @@ import torch
 
 from . import validate
 from .cal_objective import REDUCTIONS as CAL_REDUCTIONS
+from .cal_objective import SCALARS as CAL_SCALARS
 from .cal_objective import cal_objective
 from .cmix import MASK_MODES, cmix
 from .crm_loss import REDUCTIONS as CRM_REDUCTIONS
+from .crm_loss import SCALARS as CRM_SCALARS
 from .crm_loss import crm_loss
 from .gs_cosine_loss import REDUCTIONS as GS_REDUCTIONS
+from .gs_cosine_loss import SCALARS as GS_SCALARS
 from .gs_cosine_loss import gs_cosine_loss
 
 __all__ = ["CMix", "CALObjective", "CRMLoss", "GSCosineLoss"]
@@ -46,11 +49,10 @@ class CALObjective(torch.nn.Module):
 
     def __init__(self, gamma=10.0, eta=20.0, reduction="none", ignore_index=-100):
         super().__init__()
-        self.gamma = validate.number("gamma", gamma)
-        self.eta = validate.number("eta", eta)
+        self.gamma, self.eta, self.ignore_index = validate.scalars(CAL_SCALARS, gamma=gamma, eta=eta,
+                                                                   ignore_index=ignore_index)
         validate.choice("reduction", reduction, tuple(CAL_REDUCTIONS))
         self.reduction = reduction
-        self.ignore_index = validate.index_value("ignore_index", ignore_index)
 
     def forward(self, logits, labels):
         return cal_objective(logits, labels, self.gamma, self.eta, self.reduction, self.ignore_index)
@@ -64,14 +66,12 @@ class CRMLoss(torch.nn.Module):
 
     def __init__(self, a1=0.0, a2=10.0, detach_weight=True, reduction="mean", ignore_index=-100):
         super().__init__()
-        self.a1 = validate.not_nan("a1", a1)
-        self.a2 = validate.not_nan("a2", a2)
+        self.a1, self.a2, self.ignore_index = validate.scalars(CRM_SCALARS, a1=a1, a2=a2, ignore_index=ignore_index)
         if self.a1 > self.a2:
             raise ValueError(f"a1, a2: expected a1 <= a2 (clip range of the weight), got a1={a1} > a2={a2}")
         self.detach_weight = _bool("detach_weight", detach_weight)
         validate.choice("reduction", reduction, tuple(CRM_REDUCTIONS))
         self.reduction = reduction
-        self.ignore_index = validate.index_value("ignore_index", ignore_index)
 
     def forward(self, logits, cf_logits, labels):
         return crm_loss(logits, cf_logits, labels, self.a1, self.a2, self.detach_weight, self.reduction,
@@ -89,10 +89,7 @@ class GSCosineLoss(torch.nn.Module):
         super().__init__()
         validate.choice("reduction", reduction, tuple(GS_REDUCTIONS))
         self.reduction = reduction
-        eps = validate.number("eps", eps)
-        if not eps > 0:
-            raise ValueError(f"eps: expected a positive number, got {eps}")
-        self.eps = eps
+        (self.eps,) = validate.scalars(GS_SCALARS, eps=eps)
 
     def forward(self, g, g_hat):
         return gs_cosine_loss(g, g_hat, self.reduction, self.eps)

@@ -19,7 +19,7 @@ import torch
 from ..kernels.dtypes import acc_dtype
 
 __all__ = ["SCHEMAS", "define", "register", "not_twice_differentiable", "kernels", "cpp_loaded",
-           "cuda_kernels_built", "triton_loaded", "load_errors", "acc_dtype"]
+           "cuda_kernels_built", "has_cuda", "triton_loaded", "load_errors", "acc_dtype"]
 
 SCHEMAS = {}  # kernel op name -> schema (without the name), filled by `define`
 
@@ -36,6 +36,9 @@ def _load_cpp():
 
 
 _CPP = _load_cpp()
+# Read once here, not on the first op call: that call may be inside torch.compile, which cannot trace these queries.
+_CUDA_KERNELS = _CPP and torch._C._dispatch_has_kernel_for_dispatch_key("cat_fast::cmix_forward", "CUDA")
+_HAS_CUDA = torch.cuda.is_available()
 
 
 def cpp_loaded():
@@ -43,14 +46,19 @@ def cpp_loaded():
 
 
 def cuda_kernels_built():
-    return _CPP and torch._C._dispatch_has_kernel_for_dispatch_key("cat_fast::cmix_forward", "CUDA")
+    return _CUDA_KERNELS
+
+
+def has_cuda():
+    """Whether this process sees a CUDA device (read at import)."""
+    return _HAS_CUDA
 
 
 def _triton_usable():
     if importlib.util.find_spec("triton") is None:
         _load_errors["triton"] = "triton is not installed"
         return False
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not _HAS_CUDA and os.environ.get("TRITON_INTERPRET", "0") != "1":
         _load_errors["triton"] = "no CUDA device (set TRITON_INTERPRET=1 to run Triton on the CPU)"
         return False
     return True

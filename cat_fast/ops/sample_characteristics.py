@@ -6,8 +6,6 @@
 `features` is the classifier head's input [B, H], `class_weights` its weight [C, H]; `class_stats` [C, 3] holds,
 per class, the columns of `CLASS_STATS`: its prior, its mean loss and its mean margin over the last epoch.
 """
-import math
-
 import torch
 
 from ..kernels import reference
@@ -19,6 +17,7 @@ __all__ = ["sample_characteristics", "CHARACTERISTICS", "CLASS_STATS"]
 CHARACTERISTICS = ("loss", "margin", "gap_norm", "cosine", "neg_entropy", "prior", "class_mean_loss",
                    "weight_norm", "relative_loss", "relative_margin")
 CLASS_STATS = ("prior", "mean_loss", "mean_margin")
+SCALARS = {"eps": dict(low=0.0, open_low=True), "ignore_index": validate.INT}  # eps: the cosine's norm clamp
 
 registry.define({
     "sample_characteristics_forward": "(Tensor logits, Tensor labels, Tensor features, Tensor class_weights, "
@@ -58,7 +57,7 @@ registry.register("sample_characteristics_backward", _fake_backward,
 
 
 def _check(logits, labels, features, class_weights, class_stats, eps, ignore_index):
-    ignore_index = validate.index_value("ignore_index", ignore_index)
+    eps, ignore_index = validate.scalars(SCALARS, eps=eps, ignore_index=ignore_index)
     validate.tensor("logits", logits, ndims=(2,))
     if logits.shape[1] < 2:
         raise ValueError(f"logits: expected at least two classes (C >= 2: the margin compares the label's "
@@ -77,9 +76,6 @@ def _check(logits, labels, features, class_weights, class_stats, eps, ignore_ind
     for name, value in (("features", features), ("class_weights", class_weights)):
         validate.dtype_like(name, value, "logits", logits)
     validate.same_device(logits=logits, features=features, class_weights=class_weights, class_stats=class_stats)
-    eps = validate.number("eps", eps)
-    if not (math.isfinite(eps) and eps > 0):
-        raise ValueError(f"eps: expected a finite number > 0, got {eps}")
     return labels.long(), eps, ignore_index
 
 

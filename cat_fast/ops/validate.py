@@ -1,10 +1,11 @@
 """Argument checks for every op, done once in the Python wrapper before dispatch.
 
 Each failure raises TypeError (wrong type or dtype) or ValueError (shape, device, range) whose
-message names the argument and what was expected. Value-range checks of index tensors (partner,
-labels) would force a GPU->CPU sync, so they run only on CPU tensors, or on CUDA when
-`CAT_FAST_DEBUG=1` (the CUDA kernels can also be built with `-DCAT_FAST_DEVICE_CHECKS` for
-device-side asserts).
+message names the argument and what was expected. Every scalar argument of every op follows one rule: each op
+module lists its scalars in a `SCALARS` table (name -> range) checked by `scalars` (floats: `scalar`, finite and in
+range; ints: `index_value`), in the functional op and in its `torch.nn.Module` wrapper alike. Value-range checks
+of index tensors (partner, labels) would force a GPU->CPU sync, so they run only on CPU tensors, or on CUDA when
+`CAT_FAST_DEBUG=1` (the CUDA kernels can also be built with `-DCAT_FAST_DEVICE_CHECKS` for device-side asserts).
 """
 import math
 import os
@@ -80,27 +81,53 @@ def choice(name, value, options):
         raise ValueError(f"{name}: expected one of {options}, got {value!r}")
 
 
-def number(name, value):
+def _bounds(low, high, open_low, open_high):
+    if low is None and high is None:
+        return ""
+    if high is None:
+        return f" {'>' if open_low else '>='} {low:g}"
+    if low is None:
+        return f" {'<' if open_high else '<='} {high:g}"
+    return f" in {'(' if open_low else '['}{low:g}, {high:g}{')' if open_high else ']'}"
+
+
+def scalar(name, value, low=None, high=None, open_low=False, open_high=False, finite=True, what="number"):
+    """The one rule for an op's float scalar arguments: a real number (int or float, not a bool), not NaN, finite
+    (``finite=False`` only for a bound whose infinity means "no bound", e.g. a clip range), in [low, high]
+    (``open_low`` / ``open_high``: that end excluded; None: no bound). Returns it as a float; TypeError or
+    ValueError naming `name` and the range otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
-    return float(value)
-
-
-def not_nan(name, value):
-    """A number (see `number`) that is not NaN; +-inf are allowed. Returns it as a float."""
-    value = number(name, value)
-    if math.isnan(value):
-        raise ValueError(f"{name}: expected a number that is not NaN (+-inf allowed), got nan")
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond the float range
+        value = math.inf if value > 0 else -math.inf
+    below = low is not None and (value < low or (open_low and value == low))
+    above = high is not None and (value > high or (open_high and value == high))
+    if math.isnan(value) or (finite and math.isinf(value)) or below or above:
+        bounds = _bounds(low, high, open_low, open_high)
+        if finite:
+            raise ValueError(f"{name}: expected a finite {what}{bounds}, got {value}")
+        raise ValueError(f"{name}: expected a {what} that is not NaN (+-inf allowed){bounds}, got {value}")
     return value
 
 
 def index_value(name, value):
-    """A Python int (not a bool) that fits in int64, e.g. `ignore_index`."""
+    """The rule for an op's int scalar arguments: a Python int (not a bool) that fits in int64, e.g. `ignore_index`."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
     if not -(2**63) <= value < 2**63:
         raise ValueError(f"{name}: expected an int64 value, got {value}")
     return value
+
+
+INT = {"int": True}  # a `SCALARS` entry for an int argument (`index_value`)
+
+
+def scalars(table, **values):
+    """Every argument of `values` checked by its entry of `table` (name -> `scalar`'s keyword arguments, or `INT`),
+    returned as a tuple in the order given."""
+    return tuple(index_value(n, v) if table[n] is INT else scalar(n, v, **table[n]) for n, v in values.items())
 
 
 def nonempty_batch(name, value):

@@ -123,3 +123,11 @@ def test_missing_bias_is_a_clear_error():
     batches = [{k: v for k, v in b.items() if k != "bias"} for b in _batches(n=1)]
     with pytest.raises(ValueError, match="advantaged=True needs batch\\['bias'\\]"):
         unlearning.unlearn(tiny_model("bert"), NEURONS, batches)
+
+
+def test_progress_is_shown_when_asked(capsys):
+    unlearning.unlearn(tiny_model("bert"), NEURONS, _batches(n=2), lr=1e-3, epochs=2, advantaged=False, progress=True)
+    err = capsys.readouterr().err
+    assert "unlearning" in err and "/4 [" in err  # a bar over the 2 x 2 steps
+    unlearning.unlearn(tiny_model("bert"), NEURONS, _batches(n=2), lr=1e-3, advantaged=False)
+    assert "unlearning" not in capsys.readouterr().err

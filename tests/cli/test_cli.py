@@ -247,7 +247,7 @@ def test_minilm_missing_package(monkeypatch):
 
 
 def test_minilm_dir_env_and_fp16_weights(tiny, tmp_path, monkeypatch):
-    model, tok = load_classifier(tiny, 3)
+    model, tok = load_classifier(tiny, 3, new_head=True)
     half = tmp_path / "half"
     model.half().save_pretrained(half)
     tok.save_pretrained(half)

@@ -314,7 +314,7 @@ def test_parse_errors_name_line_and_cause(tmp_path):
     p = write_jsonl(tmp_path / "j.jsonl", [{"t": "a", "y": 1}, '{"t": "b", "y": }'])
     msg = error(D.load_table, p, text_column="t", label_column="y")
     assert msg.startswith(f"{p}: line 2: not valid JSON: Expecting value (column") and "one JSON object per line" in msg
-    p = tmp_path / "arr.json"
+    p = tmp_path / "arr.jsonl"  # a .json file may hold an array (tests/data/test_tables_formats.py)
     p.write_text('[\n{"t": "a", "y": 1}\n]\n')
     assert "starts a JSON array" in error(D.load_table, str(p), text_column="t", label_column="y")
     p = write_jsonl(tmp_path / "list.jsonl", [[1, 2]])

@@ -1,4 +1,4 @@
-"""Compiled models (issue 23): the objectives take ``torch.compile(model)`` and ``model.compile()`` (alone or with
+"""Compiled models: the objectives take ``torch.compile(model)`` and ``model.compile()`` (alone or with
 DistributedDataParallel) and compute exactly what they compute on the uncompiled model, because their passes run
 the original module's own forward; afterwards no hook or patch is left and the compiled model runs its graph as
 before. A model with only compiled submodules, and interventions on a compiled model, are refused."""

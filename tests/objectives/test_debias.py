@@ -57,6 +57,40 @@ def test_objective_equals_its_formula(name):
     assert math.isfinite(float(info["ce_loss"]))
 
 
+@pytest.mark.parametrize("name", ["poe", "reweight", "conf-reg", "learned-mixin"])
+def test_prune_last_layer_false_runs_the_full_forward(name, monkeypatch):
+    """``prune_last_layer=False``: the last layer runs for every token (no first-token forward), so under dropout
+    the loss is the plain composition on the model's own forward, draw for draw."""
+    model = tiny_model("bert", num_labels=3, dtype=torch.float64).train()
+    batch = tiny_batch("bert", batch=5)
+    batch["bias"] = _bias(5, 3)
+    teacher = torch.softmax(torch.randn(5, 3, dtype=torch.float64), -1)
+    batch["teacher_probs"] = teacher
+    objective = objectives.build(name, model, prune_last_layer=False)
+
+    def no_first_token_forward(*args, **kwargs):
+        raise AssertionError("prune_last_layer=False ran the first-token forward")
+
+    monkeypatch.setattr(models, "first_token_forward", no_first_token_forward)
+    rows = []
+
+    def last_layer_rows(mod, args, out):
+        rows.append((out if isinstance(out, torch.Tensor) else out[0]).shape[1])
+
+    hook = model.bert.encoder.layer[-1].register_forward_hook(last_layer_rows)
+    torch.manual_seed(7)
+    loss, _ = objective(batch)
+    hook.remove()
+    assert rows == [batch["input_ids"].shape[1]]  # every token, not the first one alone
+    torch.manual_seed(7)
+    out = model.bert(**models.model_inputs(batch))
+    head_input = model.dropout(out.pooler_output)  # the gate reads what the classifier reads
+    gate = objective.gate(head_input).squeeze(-1) if name == "learned-mixin" else None
+    logits = model.classifier(head_input)
+    want = _formula(name, logits, batch["bias"], batch["labels"], gate, teacher)
+    torch.testing.assert_close(loss, want, rtol=1e-10, atol=1e-10)
+
+
 def test_ignored_rows_count_for_nothing():
     z = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
     b, y = _bias(4, 3), torch.tensor([0, 2, -100, 1])

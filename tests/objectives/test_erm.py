@@ -66,14 +66,35 @@ def test_fast_erm_through_captured_step_on_the_cpu_equals_the_loop():
         torch.testing.assert_close(params[1][n], params[0][n], rtol=0, atol=0, msg=n)
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["plain", "fast"])
+def test_erm_leaves_the_bias_models_columns_out_of_the_forward(fast):
+    """A batch that carries a bias model's log-probabilities (and a teacher's probabilities) trains ERM as without
+    them: they are data for the bias-model losses, not arguments of the model's forward."""
+    model = tiny_model("bert", seed=1).eval()
+    batch = tiny_batch("bert", batch=5)
+    extra = {"bias": torch.randn(5, 3).log_softmax(-1), "teacher_probs": torch.randn(5, 3).softmax(-1)}
+    want, want_grads = _loss_and_grads(model, ERM(model, fast=fast), batch)
+    given = []
+    hook = model.register_forward_pre_hook(lambda mod, args, kwargs: given.append(set(kwargs)), with_kwargs=True)
+    got, got_grads = _loss_and_grads(model, ERM(model, fast=fast), {**batch, **extra})
+    hook.remove()
+    assert given and not any(keys & set(extra) for keys in given), given
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert got_grads.keys() == want_grads.keys()
+    for n in want_grads:
+        torch.testing.assert_close(got_grads[n], want_grads[n], rtol=0, atol=0, msg=n)
+
+
 def test_fast_erm_refuses_what_it_does_not_compute():
     model = tiny_model("bert", num_labels=1)  # regression: MSE, not cross-entropy
     batch = tiny_batch("bert")
     with pytest.raises(ValueError, match="ERM\\(fast=True\\): expected a single-label sequence classifier"):
         ERM(model, fast=True)(dict(batch, labels=batch["labels"].float()))
     model = tiny_model("bert")
-    with pytest.raises(ValueError, match="integer labels of shape"):
+    with pytest.raises(ValueError, match="ERM: the batch has no 'labels'"):  # Objective.check_batch
         ERM(model, fast=True)({k: v for k, v in batch.items() if k != "labels"})
+    with pytest.raises(ValueError, match="integer labels of shape"):
+        ERM(model, fast=True)(dict(batch, labels=batch["labels"].float()))
     with pytest.raises(ValueError, match="does not combine with extra_optimizer"):
         ERM(model, fast=True, two_step=True)
     with pytest.raises(TypeError, match="fast: expected True or False"):

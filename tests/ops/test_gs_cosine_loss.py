@@ -100,7 +100,7 @@ def test_opcheck(backend, device):
         (dict(g_hat=torch.randn(3, 5)), ValueError, "g_hat: expected shape (3, 4)"),
         (dict(g_hat=torch.randn(3, 4, dtype=torch.float64)), TypeError, "g_hat: expected dtype"),
         (dict(reduction="max"), ValueError, "reduction: expected one of"),
-        (dict(eps=0.0), ValueError, "eps: expected a positive number"),
+        (dict(eps=0.0), ValueError, "eps: expected a finite number > 0"),
         (dict(g=torch.tensor(1.0), g_hat=torch.tensor(1.0)), ValueError, "g: expected at least 1 dimension"),
     ],
 )

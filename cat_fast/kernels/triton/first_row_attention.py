@@ -23,7 +23,7 @@ from ._common import acc_tl_dtype, pow2_at_least, scalar_acc, split_scalar
 __all__ = ["forward", "backward", "BLOCK_T", "NUM_WARPS"]
 
 # key rows per tile (the loop over keys), at most; warps per program: the fastest or within 1 µs of it at the step
-# suite's sizes in `benchmarks/tools/first_row_attention.py --sweep` (benchmarks/RESULTS.md, run BH)
+# suite's sizes in `benchmarks/tools/first_row_attention.py --sweep` (benchmarks/RESULTS.md)
 BLOCK_T = 128
 NUM_WARPS = 4
 
