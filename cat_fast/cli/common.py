@@ -133,16 +133,6 @@ def _within(inner: str, outer: str) -> bool:
     return inner == outer or inner.startswith(outer.rstrip(os.sep) + os.sep)
 
 
-def _input_path(path) -> str:
-    """An input as the file system names it: ``DIR@SPLIT`` (a split of a dataset folder) is DIR."""
-    path = str(path)
-    if "@" in path and not os.path.exists(path):
-        head = path.rpartition("@")[0]
-        if head and os.path.isdir(head):
-            return head
-    return path
-
-
 def _resolve_out(path: str) -> str:
     """The absolute output path, a symbolic link to a directory followed; a dangling link is refused."""
     path = os.path.abspath(path)
@@ -181,7 +171,9 @@ class AtomicDir:
         if not overwrite:
             raise CliError(f"--out {path} exists and is not empty; pass --overwrite to replace it")
         real = os.path.realpath(path)
-        inputs = [_input_path(p) for p in inputs if p]
+        from .sources import split_of  # DIR@SPLIT (a split of a dataset folder) is DIR on the file system
+
+        inputs = [split_of(str(p))[0] for p in inputs if p]
         for inside in [os.getcwd()] + [p for p in inputs if os.path.exists(p)]:
             if _within(os.path.realpath(inside), real):
                 what = "the working directory" if inside == os.getcwd() else f"the input {inside}"
