@@ -22,7 +22,9 @@ def method_names():
 
 def add_column_options(parser) -> None:
     c = parser.add_argument_group("your own data", "Instead of --task: CSV, TSV, JSON Lines or a JSON array, a "
-                                  "save_to_disk directory or a local Hugging Face dataset; PATH@SPLIT chooses a split. "
+                                  "save_to_disk directory, a local Hugging Face dataset folder or a hub dataset's name (NAME, "
+                                  "ORG/NAME[:CONFIG]) read offline from the local datasets cache; PATH@SPLIT chooses a "
+                                  "split. "
                                   "Columns not given are found by name: text / sentence / review, sentence1 + "
                                   "sentence2, premise + hypothesis, question + sentence; label / labels.")
     c.add_argument("--text-column", metavar="NAME", help="column of the text (the premise for text pairs)")

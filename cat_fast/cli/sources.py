@@ -51,10 +51,15 @@ def builtin_files(name: str) -> Tuple[str, List[str]]:
 
 
 def split_of(path: str) -> Tuple[str, Optional[str]]:
-    """``PATH@SPLIT`` -> ``(PATH, SPLIT)`` where PATH exists and ``PATH@SPLIT`` does not; else ``(path, None)``."""
+    """``PATH@SPLIT`` -> ``(PATH, SPLIT)`` where PATH exists (or is a hub dataset name) and ``PATH@SPLIT`` does
+    not; else ``(path, None)``."""
     if "@" not in path or os.path.exists(path):
         return path, None
     head, _, split = path.rpartition("@")
+    from ..data.readers import is_hub_name
+
+    if head and not os.path.exists(head) and is_hub_name(head):
+        return head, split or None  # a cached hub dataset's split
     if not head or not os.path.exists(head):
         return path, None
     if not split:

@@ -11,17 +11,20 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 from .core import DataError, _cache_dir, _one_line
 
-__all__ = ["read_rows", "ChoiceError", "TABLE_FORMATS"]
+__all__ = ["read_rows", "ChoiceError", "TABLE_FORMATS", "is_hub_name"]
 
 TABLE_FORMATS = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".txt": "tsv", ".jsonl": "jsonl", ".json": "json"}
 EXPECTED = ("a .csv, .tsv/.tab/.txt, .jsonl or .json file (JSON Lines or a JSON array of objects), a folder written "
-            "by datasets' save_to_disk, or a local dataset folder")
+            "by datasets' save_to_disk, a local dataset folder, or a dataset in the local Hugging Face cache "
+            "(NAME, ORG/NAME or ORG/NAME:CONFIG)")
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?(:[\w.-]+)?")
 
 # the columns a caller needs: a list, or a function of the source's columns and its name (for messages)
 Needed = Union[Sequence[str], Callable[[List[str], str], Sequence[str]]]
@@ -200,10 +203,11 @@ def _read_json(path: str, needed: Needed, array_ok: bool) -> Table:
 
 
 def datasets_offline():
-    """The ``datasets`` module, offline and quiet."""
+    """The ``datasets`` module, offline and quiet: nothing is downloaded, a hub name is read from the cache."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import datasets
 
+    datasets.config.HF_HUB_OFFLINE = True  # also when datasets was imported before, without the variable
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     return datasets
@@ -283,6 +287,41 @@ def _read_folder(path: str, needed: Needed, split: Optional[str], default_split:
     return _read_object(obj, path, needed, split, default_split)
 
 
+def is_hub_name(name: str) -> bool:
+    """``NAME``, ``ORG/NAME`` or either with ``:CONFIG``, and no file extension of a table: a dataset name of the
+    Hugging Face hub (read from the local cache only)."""
+    return (bool(_HUB_NAME.fullmatch(name)) and not os.path.exists(name)
+            and os.path.splitext(name.partition(":")[0])[1].lower() not in TABLE_FORMATS)
+
+
+def _read_hub(name: str, needed: Needed, split: Optional[str], default_split: str) -> Table:
+    """A dataset of the Hugging Face hub by name, from the local ``datasets`` cache (offline). ``ORG/NAME:CONFIG``
+    names a configuration; ``NAME/CONFIG`` (``glue/sst2``) is also tried as ``NAME`` with configuration
+    ``CONFIG`` when no ``ORG/NAME`` is cached."""
+    datasets = datasets_offline()
+    repo, _, config = name.partition(":")
+    attempts = [(repo, config or None)]
+    if "/" in repo and not config:
+        attempts.append(tuple(repo.split("/", 1)))
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a failure is reported once, in the DataError
+    errors = []
+    try:
+        for path, cfg in attempts:
+            try:
+                obj = datasets.load_dataset(path, cfg, keep_in_memory=True)
+                break
+            except Exception as e:  # not cached (or another configuration is): the next reading, else the error
+                errors.append(_one_line(e))
+        else:
+            raise DataError(f"{name}: not a file or folder, and not a dataset in the local Hugging Face cache "
+                            f"({datasets.config.HF_DATASETS_CACHE}; nothing is downloaded: load it once with "
+                            f"datasets.load_dataset where the hub is reachable): {errors[0]}; expected {EXPECTED}")
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+    return _read_object(obj, name, needed, split, default_split)
+
+
 def read_rows(source, needed: Needed, split: Optional[str], default_split: str = "train") -> Table:
     """The raw rows of any source :func:`~cat_fast.data.load_table` reads (a path, or a ``datasets.Dataset`` /
     ``DatasetDict``), with the columns ``needed`` (a list, or a function of the source's columns and its name)
@@ -290,6 +329,8 @@ def read_rows(source, needed: Needed, split: Optional[str], default_split: str =
     if not isinstance(source, (str, os.PathLike)):
         return _read_object(source, type(source).__name__, needed, split, default_split)
     path = os.fspath(source)
+    if not os.path.exists(path) and is_hub_name(path):
+        return _read_hub(path, needed, split, default_split)
     if not os.path.exists(path):
         raise DataError(f"{path}: file or folder not found; expected {EXPECTED}")
     if os.path.isdir(path):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ..kernels.triton import optional
+from ..ops.fused import fused_kernels
 
 __all__ = ["first_row", "fused_first_row", "FUSED"]
 
@@ -43,7 +43,7 @@ class _FirstRow(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, keep, heads, scale, inv_keep):
-        kernels = optional("first_row_attention")
+        kernels = fused_kernels("first_row_attention")
         packed = v is None
         if packed:
             k, v = _split(k, q.shape[-1])
@@ -56,7 +56,7 @@ class _FirstRow(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         q, k, v, keep, *saved = ctx.saved_tensors
-        kernels = optional("first_row_attention")
+        kernels = fused_kernels("first_row_attention")
         dk = dv = grad_kv = None
         if ctx.packed:
             B, T, HD = k.shape
@@ -138,7 +138,7 @@ def first_row(q, keys_values, mask, heads: int, dropout_p: float, scale: float):
     fused = (FUSED and q.is_cuda and q.dtype == k.dtype == v.dtype and q.dtype in _DTYPES and autocast_keeps
              and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and 0.0 <= dropout_p < 1.0 and B * T > 0)
     bias = _bias(mask, B, heads, T, q.device) if fused else False
-    if bias is False or optional("first_row_attention") is None:
+    if bias is False or fused_kernels("first_row_attention") is None:
         return _sdpa(q, k, v, mask, heads, dropout_p, scale)
     keep = (torch.empty(B, heads, T, device=q.device, dtype=torch.uint8).bernoulli_(1.0 - dropout_p)
             if dropout_p > 0.0 else None)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ..kernels.triton import optional
+from ..ops.fused import fused_kernels
 from . import casts, first_token, interventions, layout
 from .layout import attach_copy16, bert_parts, copy16, dropout, dropout_p, fp32_mm_supported, plain, sdpa_mask
 
@@ -147,7 +147,7 @@ def _fused_ok(layer, hidden, dtype) -> bool:
 
 
 def _triton_kernels():
-    return optional("residual_layer_norm")
+    return fused_kernels("residual_layer_norm")
 
 
 def _fused_forward(layer, hidden, mask, dtype, saved):

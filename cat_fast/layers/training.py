@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ..kernels.triton import optional
+from ..ops.fused import fused_kernels
 from . import casts, interventions, layout, resumed
 from .layout import attach_copy16, bert_parts, copy16, dropout, dropout_p, fp32_mm_supported, plain, sdpa_mask
 
@@ -105,7 +105,7 @@ def _fusion(hidden, dtype, layer_norm_dtype):
     if not (FUSED and hidden.shape[:-1].numel() >= FUSED_MIN_ROWS and hidden.is_cuda and hidden.dtype == torch.float32
             and layer_norm_dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16)):
         return None
-    kernels = optional("residual_layer_norm"), optional("gelu_bias_backward"), optional("column_sums")
+    kernels = fused_kernels("residual_layer_norm"), fused_kernels("gelu_bias_backward"), fused_kernels("column_sums")
     return kernels if None not in kernels else None
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from contextlib import contextmanager
 
 import torch
@@ -9,12 +10,50 @@ from torch import nn
 
 from .structure import uncompiled
 
-__all__ = ["TARGET_KEYS", "model_inputs", "sync_free_inputs", "logits_of", "logits_close", "eval_no_grad"]
+__all__ = ["TARGET_KEYS", "MODEL_TARGETS", "declare_batch_keys", "metadata_keys", "model_inputs", "sync_free_inputs",
+           "logits_of", "logits_close", "eval_no_grad"]
 
 
-# Batch keys that are targets or cat_fast metadata, never passed to the model's forward.
-TARGET_KEYS = ("labels", "start_positions", "end_positions", "pairs", "pair_group", "context_mask", "bias",
-               "teacher_probs")
+MODEL_TARGETS = ("labels", "start_positions", "end_positions")  # the targets the models' own losses read
+
+
+class _BatchKeys(Sequence):
+    """The batch keys never passed to the model's forward: `MODEL_TARGETS` and the columns that objectives declare
+    (`declare_batch_keys`, from their requirements). Live: a key declared later is in it."""
+
+    def __init__(self):
+        self._keys = dict.fromkeys(MODEL_TARGETS)
+
+    def __getitem__(self, i):
+        return tuple(self._keys)[i]
+
+    def __len__(self):
+        return len(self._keys)
+
+    def __contains__(self, key):
+        return key in self._keys
+
+    def __iter__(self):
+        return iter(tuple(self._keys))
+
+    def __repr__(self):
+        return repr(tuple(self._keys))
+
+
+TARGET_KEYS = _BatchKeys()
+
+
+def declare_batch_keys(*keys: str) -> None:
+    """Add batch columns that are not model inputs (an objective's requirements: `cat_fast.objectives.Requirement`)."""
+    for key in keys:
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"batch key: expected a non-empty string, got {key!r}")
+        TARGET_KEYS._keys.setdefault(key)
+
+
+def metadata_keys() -> tuple:
+    """The declared batch columns besides `MODEL_TARGETS` (pairs, bias-model columns, ...)."""
+    return tuple(k for k in TARGET_KEYS if k not in MODEL_TARGETS)
 
 
 def model_inputs(batch) -> dict:

@@ -15,7 +15,9 @@ provides:
 - optionally ``check_distributed()`` (raise a ValueError naming an option that cannot run under DDP) and
   ``distributed_state()`` (tensors that must start equal on every rank); an inner optimizer step goes through
   ``inner_update(loss, optimizer)``, which averages its gradients over the ranks under DDP;
-- class attributes read by the CLI and the trainers: ``needs_pairs`` (its batches carry counterfactual pairs);
+- its declarations (`config`: ``config`` — its options, from which the CLI makes its flags and a checkpoint its
+  record —, ``requires`` — the batch columns and arguments it needs, e.g. `config.PAIRS` —, ``curves`` — the info
+  keys ``curves.png`` draws); no layer above it knows it by name;
 - for a step replayable as one CUDA graph (`cat_fast.step.CapturedStep`): ``capture_key`` returning ``()`` when the
   step holds nothing host-side, or, when it draws or counts on the host, ``plan_step`` (those decisions, made before
   the step, as a `cat_fast.step.StepPlan`; raise `NotCapturable` with the reason, before changing any state, for a
@@ -40,21 +42,28 @@ runs the compiled model: torch.compile's wrapper around the model (``compiled_mo
 it to the wrapper its ``torch_compile=True`` made), or the model compiled in place. Its values are the compiled
 model's, as without cat_fast (inductor rounds differently and draws its own dropout masks).
 
-Then one `register` line names it for the CLI (``cat-fast train --method NAME``) and the Trainer classes.
+Then one `register` line names it for the CLI (``cat-fast train --method NAME``) and the Trainer classes; a package
+outside cat_fast registers through ``cat_fast.objectives.register`` or the ``cat_fast.objectives`` entry-point group
+(loaded by `names` / `get` on first use): the entry point names the method and loads its `Objective` subclass
+(registered with the class attribute ``registry``, a dict of `register`'s keywords) or a function that calls
+`register` itself.
 """
 from __future__ import annotations
 
 import functools
-import inspect
 from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
 
 from ..distributed import ddp_module, prepare_objective, run_in_forward
+from ..models.inputs import declare_batch_keys
 from ..step import NotCapturable, StepPlan
+from .config import PAIRS, Declarations, missing_arguments
 
-__all__ = ["Objective", "Entry", "register", "get", "names", "build", "check_number"]
+__all__ = ["Objective", "Entry", "register", "get", "names", "build", "check_number", "ENTRY_POINTS"]
+
+ENTRY_POINTS = "cat_fast.objectives"  # the entry-point group of objectives written outside cat_fast
 
 
 def check_number(name: str, value, *, low=None, high=None, low_open=False, integer=False) -> float:
@@ -123,18 +132,37 @@ class _ObjectiveType(type):
         return objective
 
 
-class Objective(metaclass=_ObjectiveType):
+class Objective(Declarations, metaclass=_ObjectiveType):
     """Base class of the training objectives (module docstring)."""
 
-    needs_pairs = False  # batches must carry counterfactual pairs (`pairs` [B], or groups the caller turns into it)
     find_unused_parameters = False  # DDP's setting for it: every step's loss reaches every parameter of the model
-    required_help: dict = {}  # a required __init__ argument -> what `build` says when it is missing ("x=[...]: ...")
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         for name in ("__call__", "plan_step"):  # every entry point of a step checks its batch first
             if name in cls.__dict__:
                 setattr(cls, name, _checks_batch(_under_ddp(name, cls.__dict__[name])))
+        declare_batch_keys(*cls.batch_columns())  # never passed to the model's forward
+
+    def pairs_required(self) -> bool:
+        """Its batches must carry counterfactual pairs (`config.PAIRS`, unless it draws its own partners)."""
+        return PAIRS in self.requires and not self.random_pairs
+
+    def call_arguments(self, batch):
+        """``(batch, args)`` of a step's call for a batch with every column (`config.PAIRS`): the pairs, from
+        ``pairs`` (a partner's index in the batch, -1 = none) or ``pair_group`` (an id per example), as an argument
+        of an objective that requires them, and the batch without those columns; the batch alone otherwise."""
+        if PAIRS not in self.requires:
+            return batch, ()
+        from .gs_pairs import pair_by_group
+
+        pairs = batch.get("pairs")
+        if pairs is None and "pair_group" in batch:
+            pairs = pair_by_group(batch["pair_group"])
+        if pairs is None and not self.random_pairs:
+            raise ValueError(f"{type(self).__name__} needs a 'pairs' or 'pair_group' column in the batch "
+                             "(or random_pairs=True)")
+        return {k: v for k, v in batch.items() if k not in PAIRS.columns}, (pairs,)
 
     def target_keys(self) -> tuple:
         """The keys every batch must carry besides the model's inputs: the targets of the loss, ``labels`` (class
@@ -262,8 +290,16 @@ class Objective(metaclass=_ObjectiveType):
 
     @classmethod
     def from_options(cls, model, options: Mapping, **preset):
-        """An instance from the CLI's flat `options` (option name -> value) and a registry `preset`."""
-        return cls(model, **preset)
+        """An instance from the CLI's flat `options` (option name -> value) and a registry `preset`: by default its
+        ``config`` read from `options` (checked), its fields as keyword arguments, the preset over them."""
+        config = cls.config.from_options(options)
+        config.check()
+        return cls(model, **{**config.to_dict(), **preset})
+
+    @classmethod
+    def options_of(cls, options: Mapping) -> dict:
+        """Its config's values in `options` (what a checkpoint records of it)."""
+        return cls.config.from_options(options).to_dict()
 
 
 @dataclass(frozen=True)
@@ -306,34 +342,56 @@ def register(name: str, cls: type, summary: str, *, data: str = "orig+edits", ea
     return entry
 
 
+_plugins_loaded = False
+
+
+def load_plugins() -> None:
+    """Register the objectives of the ``cat_fast.objectives`` entry-point group, once (module docstring); a plugin
+    that fails to load is a ValueError naming it."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    from importlib.metadata import entry_points
+
+    for point in entry_points(group=ENTRY_POINTS):
+        if point.name in _REGISTRY:
+            continue
+        try:
+            loaded = point.load()
+        except Exception as error:
+            raise ValueError(f"objective plugin {point.name!r} ({point.value}): cannot load it "
+                             f"({type(error).__name__}: {error})") from error
+        if isinstance(loaded, type) and issubclass(loaded, Objective):
+            doc = (loaded.__doc__ or loaded.__name__).strip().splitlines()[0]
+            register(point.name, loaded, doc, **dict(getattr(loaded, "registry", {})))
+        elif callable(loaded):
+            loaded()
+        else:
+            raise ValueError(f"objective plugin {point.name!r} ({point.value}): expected an Objective subclass or a "
+                             f"function that calls cat_fast.objectives.register, got {type(loaded).__name__}")
+
+
 def names() -> tuple:
-    """The registered objective names, in registration order."""
+    """The registered objective names, in registration order (the entry-point plugins after cat_fast's own)."""
+    load_plugins()
     return tuple(_REGISTRY)
 
 
 def get(name: str) -> Entry:
     if name not in _REGISTRY:
+        load_plugins()
+    if name not in _REGISTRY:
         raise ValueError(f"objective: expected one of {', '.join(_REGISTRY)}, got {name!r}")
     return _REGISTRY[name]
-
-
-def _check_required(cls, given: Mapping) -> None:
-    """A ValueError naming each argument of ``cls.__init__`` after the model that has no default and is not in
-    `given`, described by ``cls.required_help`` where the class declares it."""
-    parameters = list(inspect.signature(cls.__init__).parameters.values())[2:]  # after self and the model
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    missing = [p.name for p in parameters if p.kind in kinds and p.default is p.empty and p.name not in given]
-    if missing:
-        needs = "; ".join(cls.required_help.get(n, f"{n}=...") for n in missing)
-        passed = ", ".join(f"{n!r}: ..." for n in missing)
-        raise ValueError(f"{cls.__name__} needs {needs} (objective_kwargs={{{passed}}} in the Trainer classes, "
-                         "keyword arguments of build)")
 
 
 def build(name: str, model, options: Mapping | None = None, **kwargs) -> Objective:
     """The objective `name` on `model`: its preset, then the CLI-style `options`, then `kwargs` (which win)."""
     entry = get(name)
     if options is None:
-        _check_required(entry.cls, {**entry.preset, **kwargs})
+        missing = missing_arguments(entry.cls, {**entry.preset, **kwargs})
+        if missing:
+            raise ValueError(missing)
         return entry.cls(model, **{**entry.preset, **kwargs})
     return entry.cls.from_options(model, options, **{**entry.preset, **kwargs})

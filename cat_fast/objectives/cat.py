@@ -20,8 +20,9 @@ from ..step import NotCapturable, StepPlan
 from .base import Objective
 from .cat_draws import Draws
 from .cat_graphs import CALGraphs
-from .cat_options import check_arguments, default_layers, options_kwargs
+from .cat_options import CAT_CURVES, CATConfig, check_arguments, default_layers, options_kwargs
 from .cat_tasks import task_for
+from .config import CONTEXT_MASK
 from .double_backward import check_double_backward
 from .gs_pairs import masked_mean
 
@@ -52,6 +53,10 @@ class CAT(Draws, Objective):
     (``erm_loss``, ``crm_loss``, ``lambda_before``, ``lambda_after``, ``crm_weight_mean``, ``cal_objective``,
     ``layer``, ``cat_active``, and ``gs_loss`` with GS): no host synchronisation inside the step.
     """
+
+    config = CATConfig  # its options (`cat_options`)
+    requires = (CONTEXT_MASK,)  # QA: the context tokens, when the batch has them
+    curves = CAT_CURVES
 
     def __init__(self, model, layers=None, alpha=0.3, beta=0.3, gamma=10.0, eta=20.0, adv_steps=3, adv_lr=2e-2,
                  p=1.0, a1=0.0, a2=10.0, mask_mode="self", detach_weight=True, update="sum", warmup_steps=0,

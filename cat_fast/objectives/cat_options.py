@@ -4,13 +4,49 @@ from the CLI's options (`CAT.from_options`). The method's parameters are describ
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import torch
 
 from ..ops import MASK_MODES
 from .base import check_number, check_single_label
+from .config import Curve, ObjectiveConfig, count, float_pair, int_list, option
 
-__all__ = ["default_layers", "check_arguments", "options_kwargs"]
+__all__ = ["default_layers", "check_arguments", "options_kwargs", "CATConfig", "CAT_CURVES"]
+
+
+@dataclass
+class CATConfig(ObjectiveConfig):
+    """CAT's options (docs/METHODS.md §1), named as the command line's (`options_kwargs` maps them)."""
+
+    title = "CAT"
+    cat_layers: Optional[List[int]] = option(None, type=int_list, metavar="M,M,...", help="CAT mixing layers Q "
+                                             "(default: the paper's {8,9,10} of 12 scaled to the model's depth)")
+    alpha: float = option(0.3, low=0.0, low_open=True, help="CAT: λ ~ Beta(alpha, beta)")
+    beta: float = option(0.3, low=0.0, low_open=True, help="CAT: λ ~ Beta(alpha, beta)")
+    gamma: float = option(10.0, help="CAT: weight of the CE term of the CAL objective")
+    eta: float = option(20.0, help="CAT: weight of the max-probability term of the CAL objective")
+    adv_steps: Optional[int] = option(None, type=count, help="CAL steps (default: the method's: 3 for cat and cat-gs, "
+                                      "0 for cat-star)")
+    adv_lr: float = option(2e-2, low=0.0, help="CAL step size on λ")
+    mask_mode: str = option("self", choices=("self", "partner", "union", "intersection"),
+                            help="CAT: attention mask of the mixed sequence")
+    cat_update: str = option("sum", choices=("sum", "alternate"), help="CAT update: one summed ERM + CRM loss, or the "
+                             "paper's alternating CRM then ERM steps")
+    crm_lr: float = option(2e-5, low=0.0, help="learning rate of the CRM step with --cat-update alternate (and of "
+                           "erm-two-step's extra step)")
+    gs_weight: float = option(1.0, low=0.0, help="weight of the GS loss (gs, gs-random, cat-gs)")
+    crm_clip: Optional[Tuple[float, float]] = option(None, type=float_pair, metavar="A1,A2", help="CAT: clip range "
+                                                     "[A1, A2] of the CRM weight ω (default 0,10, the paper's main "
+                                                     "text; its appendix searches within [0.9, 2])")
+
+
+CAT_CURVES = (Curve("erm_loss", "ERM part"), Curve("crm_loss", "CRM part", after_warmup=True),
+              Curve("gs_loss", "GS part", after_warmup=True),
+              Curve("lambda_before", "lambda before", "λ / CRM weight", after_warmup=True),
+              Curve("lambda_after", "lambda after", "λ / CRM weight", after_warmup=True),
+              Curve("crm_weight_mean", "crm weight mean", "λ / CRM weight", after_warmup=True))
 
 
 def default_layers(num_layers: int) -> list:

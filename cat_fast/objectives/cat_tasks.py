@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import models
-from ..kernels.dtypes import upcast
+from ..ops.fused import upcast
 from ..ops import cal_objective, crm_loss, crm_weights
 
 __all__ = ["Classification", "QuestionAnswering", "task_for"]

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import models, ops
-from ..kernels.dtypes import upcast
+from ..ops.fused import upcast
 from ..step import NotCapturable, StepPlan
 from .base import Objective, check_number
 

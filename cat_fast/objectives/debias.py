@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import models, ops
-from ..kernels.dtypes import upcast
+from ..ops.fused import upcast
 from .base import Objective, check_number
 
 __all__ = ["BiasObjective", "PoE", "Reweight", "LearnedMixin", "ConfidenceRegularization"]

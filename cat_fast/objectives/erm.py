@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import models
-from ..kernels.dtypes import upcast
+from ..ops.fused import upcast
 from ..step import NotCapturable
 from .base import Objective, check_number, check_single_label
 

@@ -13,10 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import models
-from ..kernels.dtypes import upcast
-from ..kernels.reference.pooled_gs_loss import partners as _partners
-from ..kernels.reference.pooled_gs_loss import weighted_cosine_loss as _weighted_cosine_loss
-from ..kernels.triton import optional
+from ..ops.fused import fused_kernels, upcast
+from ..ops.fused import gs_partners as _partners
+from ..ops.fused import weighted_cosine_loss as _weighted_cosine_loss
 from ..layers import casts
 from ..ops import gs_cosine_loss
 from ..step import NotCapturable, StepPlan
@@ -41,8 +40,8 @@ def _parse_representation(rep):
 
 
 def _fused_kernel():
-    """`cat_fast.kernels.triton.pooled_gs_loss`, or None when Triton cannot be imported."""
-    return optional("pooled_gs_loss")
+    """The fused `pooled_gs_loss` kernel module (`ops.fused_kernels`), or None when Triton cannot be imported."""
+    return fused_kernels("pooled_gs_loss")
 
 
 def _info(ce, gs, pairs_used):

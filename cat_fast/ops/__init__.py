@@ -11,6 +11,7 @@ from .cal_objective import cal_objective
 from .cal_step import cal_step_
 from .cmix import MASK_MODES, cmix
 from .crm_loss import crm_loss, crm_weights
+from .fused import FUSED_KERNELS, fused_kernels, upcast
 from .gs_cosine_loss import gs_cosine_loss
 from .modules import CALObjective, CMix, CRMLoss, GSCosineLoss
 from .sample_characteristics import CHARACTERISTICS, CLASS_STATS, sample_characteristics

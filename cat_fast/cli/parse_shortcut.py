@@ -1,0 +1,74 @@
+"""``cat-fast shortcut``'s options."""
+from __future__ import annotations
+
+import argparse
+
+from .arguments import SEED_MAX, add_column_options, seed_int
+from .common import Parser
+
+__all__ = ["add_shortcut"]
+
+
+def cue_spec(s: str):
+    from ..shortcuts import ShortcutError, parse_cue
+
+    try:
+        return parse_cue(s)
+    except ShortcutError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def strength(s: str) -> float:
+    try:
+        value = float(s)
+    except ValueError:
+        value = float("nan")
+    if not 0.5 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0.5, 1], got {s!r}")
+    return value
+
+
+def fraction(s: str) -> float:
+    try:
+        value = float(s)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {s!r}")
+    return value
+
+
+def add_shortcut(sub, fmt) -> None:
+    """Add the ``shortcut plant`` command to the `cat-fast` subparsers `sub` (help formatter `fmt`)."""
+    s = sub.add_parser("shortcut", help="benchmarks with a planted shortcut", formatter_class=fmt,
+                       description="Planted shortcuts (see `python -m pydoc cat_fast.shortcuts.plant`).")
+    ssub = s.add_subparsers(dest="shortcut_command", metavar="{plant}", parser_class=Parser)
+    ssub.required = True
+    p = ssub.add_parser("plant", help="write a dataset with a label-correlated cue and its anti / clean test sets",
+                        formatter_class=fmt,
+                        description="Plant a surface cue that predicts --cue-class in train and dev (strength P), "
+                                    "is on every other class's rows in test_anti and on none in test_clean. Writes "
+                                    "DIR/{train,train_clean,dev,test_anti,test_clean}.jsonl and DIR/shortcut.json.")
+    p.add_argument("--task", choices=("sentiment", "nli"), help="built-in CAD data (or CAD-format --train files)")
+    p.add_argument("--train", nargs="+", metavar="FILE", help="the labelled input, read as `cat-fast train --train` "
+                   "reads it (default with --task: the built-in CAD train split)")
+    p.add_argument("--dev", metavar="FILE", help="dev input (default: --dev-fraction of the --train rows, held out "
+                   "by counterfactual group)")
+    p.add_argument("--test", metavar="FILE", help="test input of test_anti and test_clean (default: --test-fraction "
+                   "of the --train rows, held out by counterfactual group)")
+    add_column_options(p)
+    p.add_argument("--cue", required=True, type=cue_spec, metavar="SPEC",
+                   help="token:WORD[@start|@end|@random], length[:N] (N filler sentences), punctuation ('!!' against "
+                        "'.') or casing[:K] (the first K words upper-cased; 0: the whole text)")
+    p.add_argument("--strength", required=True, type=strength, metavar="P",
+                   help="train and dev: P(cue | y = --cue-class) = P, P(cue | other labels) = 1 - P (exact counts "
+                        "per class); in [0.5, 1]")
+    p.add_argument("--cue-class", metavar="LABEL", help="the label the cue predicts (default: the first label)")
+    p.add_argument("--cue-field", choices=("text", "text_pair"), default="text",
+                   help="the text the cue goes into (text_pair: the second text of a pair, e.g. the hypothesis)")
+    p.add_argument("--dev-fraction", type=fraction, default=0.1, help="rows of --train held out as dev without --dev")
+    p.add_argument("--test-fraction", type=fraction, default=0.2, help="rows of --train held out as the test sets "
+                   "without --test")
+    p.add_argument("--seed", type=seed_int, default=0, help=f"seed of every draw (0 to {SEED_MAX})")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out that cat-fast wrote")

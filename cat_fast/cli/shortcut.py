@@ -1,0 +1,72 @@
+"""``cat-fast shortcut plant``: a labelled dataset with a planted shortcut, the benchmark whose answer is known.
+
+    cat-fast shortcut plant --task sentiment --train cad:sentiment/train --cue token:zeugma --strength 0.9 --out DIR
+
+The input is read as ``cat-fast train --train`` reads it (``--task`` presets, or the column options and the columns
+found by name). The cue, its strength and the splits are defined in `cat_fast.shortcuts.plant`. Writes, atomically:
+``train.jsonl`` and ``dev.jsonl`` (cue correlated with ``--cue-class``), ``train_clean.jsonl`` (the training rows
+without the cue: the ceiling), ``test_anti.jsonl`` (the cue on exactly the rows not of the cue class) and
+``test_clean.jsonl`` (no cue), each row ``id``, ``text`` [``text_pair``], ``label`` (the name), ``cue`` (0/1) [and
+``group``, the counterfactual group, when the input has groups]; and ``shortcut.json``: the cue, strength, seed,
+source, labels and per-split cue-label counts. Train on them with ``--text-column text --label-column label
+--id-column id`` [``--text-pair-column text_pair``] ``--labels`` (the labels of shortcut.json, in order).
+
+A cue token already in more than 1% of the input rows is refused (the cue would be noisy); in fewer, a warning.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Dict
+
+from .common import AtomicDir, CliError, write_json
+from .sources import Source
+
+__all__ = ["plant", "SHORTCUT_FILE"]
+
+SHORTCUT_FILE = "shortcut.json"
+
+
+def plant(args) -> Dict:
+    from ..shortcuts import ShortcutError
+    from ..shortcuts import plant as plant_cue
+
+    source = Source.from_args(args)
+    AtomicDir.check(args.out, args.overwrite, inputs=list(args.train or []) + [args.dev or "", args.test or ""])
+    train = source.read_train(args.train)
+    labels = list(source.label_names(train))
+    dev = source.read(args.dev, labels) if args.dev else None
+    test = source.read(args.test, labels) if args.test else None
+    cue_class = labels[0] if args.cue_class is None else args.cue_class
+    if cue_class not in labels:
+        raise CliError(f"--cue-class {cue_class!r} is not a label of the data (labels: {', '.join(labels)})")
+    if args.cue_field == "text_pair" and train.text_pair is None:
+        raise CliError("--cue-field text_pair needs text pairs (--text-pair-column, or a pair of columns found by "
+                       "name); these data have single texts")
+    try:
+        result = plant_cue(train, args.cue, args.strength, labels.index(cue_class), args.seed, field=args.cue_field,
+                           dev=dev, test=test, dev_fraction=args.dev_fraction, test_fraction=args.test_fraction)
+    except ShortcutError as error:
+        flags = {"train": "--train", "dev": "--dev" if args.dev else "--dev-fraction",
+                 "test": "--test" if args.test else "--test-fraction"}
+        raise CliError(f"{flags.get(error.split, '--cue')}: {error}") from None
+    for warning in result.warnings:
+        sys.stderr.write(f"cat-fast: warning: --cue: {warning}\n")
+    record = {"cue": args.cue.spec, "kind": args.cue.kind, "field": args.cue_field, "strength": args.strength,
+              "cue_class": cue_class, "labels": labels, "seed": args.seed,
+              "source": {"task": source.name, "train": args.train, "dev": args.dev, "test": args.test,
+                         "columns": dict(source.columns), "dev_fraction": None if args.dev else args.dev_fraction,
+                         "test_fraction": None if args.test else args.test_fraction},
+              "pairs": train.text_pair is not None, "splits": result.statistics}
+    atomic = AtomicDir(args.out, args.overwrite)
+    with atomic as tmp:
+        for name, rows in result.splits.items():
+            with open(os.path.join(tmp, f"{name}.jsonl"), "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        write_json(os.path.join(tmp, SHORTCUT_FILE), record)
+        atomic.commit()
+    sizes = ", ".join(f"{name} {len(rows)}" for name, rows in result.splits.items())
+    sys.stderr.write(f"cat-fast: wrote {args.out} ({record['cue']} for {cue_class!r} at strength {args.strength}; "
+                     f"{sizes})\n")
+    return record
