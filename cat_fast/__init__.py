@@ -9,10 +9,10 @@ from .ops.backend import backends, use_backend
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "backends", "use_backend", "CAT", "GradientSupervision", "CATTrainer", "GSTrainer", "Objective",
-           "objectives", "distributed"]
+__all__ = ["ops", "backends", "use_backend", "CAT", "GradientSupervision", "CLP", "CATTrainer", "GSTrainer",
+           "Objective", "objectives", "distributed"]
 
-_LAZY = {"CAT": "objectives", "GradientSupervision": "objectives", "Objective": "objectives",
+_LAZY = {"CAT": "objectives", "GradientSupervision": "objectives", "CLP": "objectives", "Objective": "objectives",
          "CATTrainer": "integrations", "GSTrainer": "integrations"}
 
 

@@ -13,8 +13,8 @@ An objective built on a DDP module (or on torch.compile's wrapper of one, or on 
 it (``objective.ddp``) and runs every call inside its forward. The same, for an objective built on the model
 inside: ``DistributedObjective(objective, ddp)`` (what `cat_fast.integrations.ObjectiveTrainer` makes under
 torchrun); over an objective built on that DDP module it only delegates (no second preparation or re-seeding).
-A step under DDP is not replayable as a CUDA graph: `cat_fast.step.CapturedStep` refuses it (``strict``) or runs
-it eagerly.
+A whole step as one CUDA graph: ``CapturedStep(objective or DistributedObjective, optimizer)`` on every rank
+(`cat_fast.step`), whose steps run outside DDP's forward and average the gradients themselves (`cat_fast.step_ddp`).
 
 The objective's passes call the model's layers directly (captures, hooks, resumed layers), not ``model.forward``;
 `run_in_forward` runs them as the DDP module's forward, so DDP's reducer sees the one backward of the returned loss
@@ -210,8 +210,8 @@ class DistributedObjective:
         return run_in_forward(self.ddp, self.objective, batch, *args, **kwargs)
 
     def plan_step(self, batch, *args):
-        """What `cat_fast.step.CapturedStep` asks: the objective's answer, `cat_fast.step.NotCapturable` (a step
-        under DDP is not replayable: `Objective.plan_step`)."""
+        """The objective's answer: `cat_fast.step.NotCapturable` (a step under DDP is replayable only inside
+        `cat_fast.step.CapturedStep`, which plans it from the objective inside: `cat_fast.step_ddp`)."""
         return self.objective.plan_step(batch, *args)
 
 

@@ -4,13 +4,15 @@
 loop, ``loss, info = step(batch)`` (``step(batch, pairs)`` for objectives with pairs). One step is the objective's
 loss, its backward, optional gradient clipping (``clip_grad_norm_``, foreach, no host synchronisation), the
 optimizer's step, all under autocast when `autocast` names a dtype. A host-bound step (small batches, where each
-of a few thousand kernels costs its launch) then costs one graph launch.
+of its many kernels costs its launch) then costs one graph launch. The GPU tests (tests/test_step.py,
+tests/test_graphs.py) compare the replayed steps with the eager loop's.
 
 How: each call first asks the objective for its plan of the step (`Objective.plan_step`: the host-side decisions,
 made outside any graph: CAT's mixing layer, partners and λ). Per batch signature (the shapes and dtypes of the
 batch's tensors, the plan's key and tensors), a few eager steps on a side stream come first (lazy initialisations,
 the optimizer's state), then the step is captured into a graph whose inputs are static copies of the batch and of
-the plan's tensors, and replayed: each call copies them in and replays. Dropout draws come from the CUDA
+the plan's tensors, and replayed: each call copies them in and replays (the graphs, their static copies and their
+memory pool are a `cat_fast.graphs.GraphCache`, the engine CAT's CAL loop uses too). Dropout draws come from the CUDA
 generator, whose offset a replay advances exactly as the eager step does, so the masks are those of the eager
 step; passes that redraw an earlier pass's masks (CAT's counterfactual passes) draw from generators the plan
 names, registered with the graph and set before each replay. Gradients live in the graph's memory pool between
@@ -23,8 +25,7 @@ What it refuses or runs eagerly, with the reason:
   (``lr=torch.tensor(2e-5)``, updated in place by PyTorch's schedulers), otherwise such a change raises;
 - the objective: `Objective.plan_step` says whether its step can be replayed (a second step of the main
   optimizer inside the step or gradients written from a hook cannot: ERM's two-step control, CAT's alternating
-  update, first-order GS with ``low_memory=True``, and every objective under DistributedDataParallel, whose
-  replayed step would skip DDP's forward and gradient averaging, raise `NotCapturable` with the reason);
+  update, first-order GS with ``low_memory=True`` raise `NotCapturable` with the reason);
   ``CapturedStep(..., cuda_graph=False)`` runs any objective eagerly;
 - a step whose capture fails (a host synchronisation inside the model, an operation CUDA graphs do not
   support): that signature runs eagerly, with one warning naming the error; the results are the same.
@@ -36,18 +37,24 @@ runs eagerly where nothing is captured: on the CPU and with ``cuda_graph=False``
 ``skip_non_finite=True`` (a fused optimizer): a step whose loss or gradient norm is not finite leaves the
 parameters and the optimizer's state as they were (the fused kernel's ``found_inf``, decided on the device: no
 host synchronisation); the caller sees the loss. ``last_grad_norm``: the gradient norm before clipping of the
-last step (a 0-d device tensor; with ``max_grad_norm``).
+last step (a 0-d device tensor; with ``max_grad_norm``); ``last_skipped``: whether it was skipped (a 0-d device
+tensor; with ``skip_non_finite``; under DDP true on every rank when true on one).
+
+Under DistributedDataParallel (an objective built on the DDP module, or a `cat_fast.distributed.DistributedObjective`;
+build the CapturedStep on every rank at the same point): each planned step runs outside DDP's forward and averages
+its gradients itself (`cat_fast.step_ddp`), eagerly: on GPUs a CUDA graph of such a step is refused
+(`cat_fast.step_ddp.CAPTURE_UNDER_DDP`: its capture fails on dropout's random offsets), so there it needs
+``cuda_graph=False``; on the CPU (gloo) every step is eager anyway.
 """
 from __future__ import annotations
 
-import gc
-import warnings
+import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Mapping, Optional
+from typing import Callable, Hashable, Optional
 
 import torch
 
-from . import models
+from . import graphs as cuda_graphs
 
 __all__ = ["CapturedStep", "NotCapturable", "StepPlan"]
 
@@ -73,53 +80,17 @@ class StepPlan:
     before_replay: Optional[Callable[[], None]] = None
 
 
-def _signature(value):
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), value.dtype, value.device)
-    if isinstance(value, Mapping):
-        return tuple(sorted((k, _signature(v)) for k, v in value.items()))
-    if isinstance(value, (tuple, list)):
-        return tuple(_signature(v) for v in value)
-    return ("value", repr(value))
-
-
-def _static_like(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, Mapping):
-        return {k: _static_like(v) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(_static_like(v) for v in value)
-    return value
-
-
-def _copy_into(static, value):
-    if isinstance(static, torch.Tensor):
-        static.copy_(value, non_blocking=True)
-    elif isinstance(static, Mapping):
-        for k in static:
-            _copy_into(static[k], value[k])
-    elif isinstance(static, (tuple, list)):
-        for s, v in zip(static, value):
-            _copy_into(s, v)
-
-
 def _hyper_parameters(optimizer):
     """The optimizer's plain-number settings per group (those a capture bakes into the graph)."""
     return [tuple(sorted((k, v) for k, v in group.items() if isinstance(v, (int, float, bool))))
             for group in optimizer.param_groups]
 
 
-class _Graph:
-    def __init__(self, graph, inputs, loss, info, norm):
-        self.graph, self.inputs, self.loss, self.info, self.norm = graph, inputs, loss, info, norm
-
-
 def _detached(loss, info):
     return loss.detach(), {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in info.items()}
 
 
-class CapturedStep:
+class CapturedStep(cuda_graphs.CachedGraphs):
     """One training step (module docstring); ``loss, info = step(batch[, pairs])``."""
 
     def __init__(self, objective, optimizer, *, max_grad_norm: Optional[float] = None, autocast=None,
@@ -131,54 +102,66 @@ class CapturedStep:
             raise ValueError(f"autocast: expected None, torch.bfloat16 or torch.float16, got {autocast!r}")
         if int(warmup_steps) != warmup_steps or warmup_steps < 1:
             raise ValueError(f"warmup_steps: expected an integer >= 1, got {warmup_steps!r}")
-        if int(max_graphs) != max_graphs or max_graphs < 0:
-            raise ValueError(f"max_graphs: expected an integer >= 0, got {max_graphs!r}")
+        # the graphs per batch signature and plan key (`cat_fast.graphs`; checks max_graphs)
+        self.cache = cuda_graphs.GraphCache(
+            max_graphs, stacklevel=1, limit_warning="cat_fast CapturedStep: more than max_graphs={max_graphs} batch "
+                                                    "signatures; new ones run eagerly. Pad batches to a few lengths.")
         self.objective = objective
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
         self.autocast = autocast
         self.cuda_graph = bool(cuda_graph)
         self.warmup_steps = int(warmup_steps)
-        self.max_graphs = int(max_graphs)
         self.skip_non_finite = bool(skip_non_finite)
         self.strict = bool(strict)
         if self.skip_non_finite and not all(group.get("fused") for group in optimizer.param_groups):
             raise ValueError(f"optimizer: skip_non_finite=True needs a fused optimizer ({type(optimizer).__name__}("
                              "..., fused=True)), whose step the device skips on a non-finite loss or gradient norm")
         self.last_grad_norm = None  # the gradient norm before clipping of the last step (max_grad_norm)
+        self.last_skipped = None  # whether the last step was skipped (skip_non_finite)
         self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        self._graphs = {}  # signature -> _Graph, or None (runs eagerly)
-        self._seen = {}  # signature -> eager steps taken (the warm-up before its capture)
-        self._pool = None
         self._hyper = None  # the optimizer's settings when the first graph was captured
-        self._warned = set()
-        if self.cuda_graph and self.params and self.params[0].is_cuda:  # elsewhere every step runs eagerly
+        graphs = self.cuda_graph and bool(self.params) and self.params[0].is_cuda  # elsewhere every step is eager
+        if graphs:
             self._check_optimizer()
+        self._ddp = None  # under DDP: `step_ddp.DDPStep` (plans outside DDP's forward, averaging, lockstep)
+        from . import step_ddp
+
+        if step_ddp.ddp_of(objective) is not None:
+            self._ddp = step_ddp.DDPStep(objective, self.params, cuda_graph=graphs)
+        self._planner = self._ddp.planner if self._ddp is not None else objective  # plan_step, planned_step
 
     @property
-    def num_graphs(self) -> int:
-        """Captured signatures."""
-        return sum(g is not None for g in self._graphs.values())
+    def num_replays(self) -> int:
+        """Steps that replayed a graph."""
+        return sum(entry.replays["step"] for entry in self.cache.entries.values() if entry is not None)
 
     # ------------------------------------------------------------------ the step itself
     def _eager(self, plan, batch, args):
-        """loss, backward, clipping, optimizer step: ``(loss, info, gradient norm or None)``, all detached; the
-        gradients start from None (never a captured graph's). ``plan`` None: the objective's own call (an
-        objective that plans nothing)."""
+        """loss, backward, gradient averaging (under DDP), clipping, optimizer step: ``(loss, info, gradient norm or
+        None, skipped or None)``, all detached; the gradients start from None (never a captured graph's). ``plan``
+        None: the objective's own call (an objective that plans nothing; under DDP inside DDP's forward, whose
+        reducer averages)."""
         device_type = next(iter(self.params)).device.type if self.params else "cpu"
+        ddp = self._ddp if plan is not None else None
         with torch.autocast(device_type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
             if plan is None:
                 loss, info = self.objective(batch, *args)
             else:
-                loss, info = self.objective.planned_step(plan, batch, *args)
+                with ddp.outside_forward() if ddp is not None else contextlib.nullcontext():
+                    loss, info = self._planner.planned_step(plan, batch, *args)
         loss.backward()
-        norm = None
+        if ddp is not None:
+            ddp.average()
+        norm = bad = None
         if self.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
         if self.skip_non_finite:  # the device skips the update (and the step count) of a non-finite step
             bad = ~torch.isfinite(loss.detach().float())
             if norm is not None:
                 bad = bad | ~torch.isfinite(norm)
+            if self._ddp is not None:  # a rank's own loss: every rank skips where one does
+                bad = self._ddp.average.any(bad) > 0
             self.optimizer.found_inf = bad.to(torch.float32)
             try:
                 self.optimizer.step()
@@ -186,95 +169,86 @@ class CapturedStep:
                 del self.optimizer.found_inf
         else:
             self.optimizer.step()
-        return (*_detached(loss, info), norm.detach() if norm is not None else None)
+        return (*_detached(loss, info), *(t.detach() if t is not None else None for t in (norm, bad)))
+
+    def _plan(self, batch, args):
+        """The objective's plan of this step (`Objective.plan_step`); under DDP, of a step outside DDP's forward."""
+        if self._ddp is None:
+            return self._planner.plan_step(batch, *args)
+        self._ddp.check()
+        with self._ddp.outside_forward():
+            return self._planner.plan_step(batch, *args)
 
     def __call__(self, batch, *args):
         if not self.cuda_graph or not self.params or not self.params[0].is_cuda:
             try:
-                plan = self.objective.plan_step(batch, *args)  # the same path as a replayed step, run eagerly
+                plan = self._plan(batch, args)  # the same path as a replayed step, run eagerly
             except NotCapturable:
                 if self.strict:
                     raise
                 plan = None
             self.optimizer.zero_grad(set_to_none=True)
-            loss, info, self.last_grad_norm = self._eager(plan, batch, args)
+            loss, info, self.last_grad_norm, self.last_skipped = self._eager(plan, batch, args)
             self.optimizer.zero_grad(set_to_none=True)
             return loss, info
-        plan = self.objective.plan_step(batch, *args)
-        sig = (_signature(batch), _signature(args), plan.key, _signature(plan.tensors))
-        graph = self._graphs.get(sig, False)
-        if graph is False:
-            seen = self._seen.get(sig, 0)
-            if seen < self.warmup_steps or len(self._graphs) >= self.max_graphs:
-                if len(self._graphs) >= self.max_graphs:
-                    self._warn("limit", f"cat_fast CapturedStep: more than max_graphs={self.max_graphs} batch "
-                                        "signatures; new ones run eagerly. Pad batches to a few lengths.")
-                self._seen[sig] = seen + 1
-                return self._side_stream_step(plan, batch, args)
-            graph = self._graphs[sig] = self._capture(plan, batch, args)
-        if graph is None:
+        plan = self._plan(batch, args)
+        inputs = (batch, args, plan.tensors)
+        sig = self.cache.signature(inputs, plan.key)
+        lockstep = self._ddp.lockstep if self._ddp is not None else None
+        if lockstep is not None:  # every rank's signature in the key: the ranks capture and replay together
+            sig = lockstep.key(sig)
+        entry = self.cache.get(sig)
+        if entry is None and self.cache.admit(sig, warmup=self.warmup_steps):
+            entry = self._capture(sig, plan, inputs)
+            if lockstep is not None and not lockstep.all(entry is not None):
+                entry = self.cache.discard(sig)  # failed on another rank: eager on every rank
+        if entry is None:  # a warm-up step, a failed capture or a signature beyond max_graphs
             return self._side_stream_step(plan, batch, args)
         self._check_hyper_parameters()
-        _copy_into(graph.inputs, (batch, args, plan.tensors))
+        entry.load(inputs)
         if plan.before_replay is not None:
             plan.before_replay()
-        graph.graph.replay()
-        self.last_grad_norm = graph.norm.clone() if graph.norm is not None else None
-        return graph.loss.clone(), {k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                                    for k, v in graph.info.items()}
+        entry.replay("step")
+        loss, info, self.last_grad_norm, self.last_skipped = cuda_graphs.clone(entry.outputs["step"])
+        return loss, info
 
     def _side_stream_step(self, plan, batch, args):
         """An eager step (on a side stream, as PyTorch asks of the steps before a capture)."""
-        device = self.params[0].device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
+        with cuda_graphs.side_stream(self.params[0].device):
             self.optimizer.zero_grad(set_to_none=True)  # a captured graph's gradient buffers are not accumulated into
-            loss, info, self.last_grad_norm = self._eager(plan, batch, args)
+            loss, info, self.last_grad_norm, self.last_skipped = self._eager(plan, batch, args)
             self.optimizer.zero_grad(set_to_none=True)
-        torch.cuda.current_stream(device).wait_stream(side)
         return loss, info
 
-    def _capture(self, plan, batch, args):
-        """The step's graph for this signature (the capture runs nothing on the GPU: the caller replays it for this
+    def _capture(self, sig, plan, inputs):
+        """The step's graphs for this signature (the capture runs nothing on the GPU: the caller replays it for this
         batch), or None when the capture fails (this signature then runs eagerly)."""
-        device = self.params[0].device
-        inputs = _static_like((batch, args, plan.tensors))
-        static_plan = StepPlan(key=plan.key, state=plan.state, tensors=inputs[2], generators=plan.generators,
-                               before_replay=plan.before_replay)
-        box = []
-        gc_was_enabled = gc.isenabled()
+
+        def build(static):
+            batch, args, tensors = static
+            static_plan = StepPlan(key=plan.key, state=plan.state, tensors=tensors, generators=plan.generators,
+                                   before_replay=plan.before_replay)
+            return {"step": lambda: self._eager(static_plan, batch, args)}
+
+        def failed(reason):
+            return (f"cat_fast CapturedStep: the CUDA-graph capture of a {type(self._planner).__name__} step failed "
+                    f"({reason}); this batch signature runs eagerly (same results).")
+
         # the objective's call runs once, on the host, during the capture, but no step happens: the replay that
         # follows is this batch's step (and `before_replay` counts it), so a counter the call advances is put back
-        counted = getattr(self.objective, "step", None)
+        counted = getattr(self._planner, "step", None)
+        self.optimizer.zero_grad(set_to_none=True)
         try:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
+            entry = self.cache.capture(sig, inputs, build, device=self.params[0].device, generators=plan.generators,
+                                       failed=failed)
+        finally:
+            if isinstance(counted, int):
+                self._planner.step = counted
+        if entry is None:
             self.optimizer.zero_grad(set_to_none=True)
-            graph = torch.cuda.CUDAGraph()
-            for generator in plan.generators:
-                graph.register_generator_state(generator)
-            gc.collect()
-            gc.disable()
-            try:
-                with models.graph_capture(graph, self._pool):
-                    box.append(self._eager(static_plan, inputs[0], inputs[1]))
-            finally:
-                if gc_was_enabled:
-                    gc.enable()
-                if isinstance(counted, int):
-                    self.objective.step = counted
-        except Exception as error:  # noqa: BLE001 - any capture failure means: run this signature eagerly
-            torch.cuda.synchronize(device)
-            self.optimizer.zero_grad(set_to_none=True)
-            self._warn(("capture", type(error).__name__),
-                       f"cat_fast CapturedStep: the CUDA-graph capture of a {type(self.objective).__name__} step "
-                       f"failed ({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}); "
-                       "this batch signature runs eagerly (same results).")
-            return None
-        if self._hyper is None:
+        elif self._hyper is None:
             self._hyper = _hyper_parameters(self.optimizer)
-        return _Graph(graph, inputs, *box[0])
+        return entry
 
     # ------------------------------------------------------------------ checks
     def _check_optimizer(self):
@@ -289,8 +263,3 @@ class CapturedStep:
             raise ValueError("optimizer: a learning rate or another setting changed after the step was captured, "
                              "and the graph replays the old value. Give the optimizer a tensor lr "
                              "(lr=torch.tensor(...), which schedulers update in place), or pass cuda_graph=False")
-
-    def _warn(self, key, message):
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -1,6 +1,7 @@
 // The `cat_fast` op namespace, defined here exactly once. Each op's schema lives beside its CPU
 // kernel, in csrc/cpu/<op>.cpp (`TORCH_LIBRARY_FRAGMENT(cat_fast, m) { m.def(...); }`), so adding
-// an op means adding files: csrc/cpu/<op>.cpp (schema + CPU kernel) and csrc/cuda/<op>.cu.
+// an op means adding files: csrc/cpu/<op>.cpp (schema + CPU kernel), csrc/cuda/<op>.cu and
+// csrc/checks/<op>.h (the argument checks both kernels call).
 // Semantics of each op: docs/KERNELS.md.
 #include <torch/library.h>
 

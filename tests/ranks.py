@@ -20,6 +20,7 @@ import traceback
 import uuid
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -28,6 +29,8 @@ PG_TIMEOUT = timedelta(seconds=120)
 
 def _rank_main(rank, body, init, world, backend, args):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    if backend == "nccl":  # one GPU per rank, chosen before the group's first collective
+        torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=PG_TIMEOUT)
     failure = None
     try:

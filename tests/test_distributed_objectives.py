@@ -183,21 +183,19 @@ def test_refused_option_raises_when_built_on_ddp(process_group):
         GradientSupervision(DDP(tiny_model("bert")), mode="first_order")
 
 
-def test_captured_step_refuses_ddp_and_runs_it_eagerly(process_group):
-    """CapturedStep: a step under DDP is not replayable (strict: NotCapturable with the reason); by default it runs
-    the objective's own call, inside DDP's forward."""
+def test_only_captured_step_plans_a_ddp_step(process_group):
+    """CapturedStep plans a step under DDP and runs it outside DDP's forward, averaging the gradients itself
+    (tests/test_step_ddp.py); an objective's own plan_step refuses it, with the reason."""
     model = tiny_model("bert").train()
     ddp = DDP(model)
     calls = _counted(ddp)
     objective = ERM(ddp)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(NotCapturable, match="DistributedDataParallel"):
-        CapturedStep(objective, opt, strict=True)(_batch(0, 0))
     before = [p.detach().clone() for p in model.parameters()]
-    CapturedStep(objective, opt)(_batch(0, 0))
-    assert calls == [1]
+    CapturedStep(objective, opt, strict=True)(_batch(0, 0))
+    assert calls == []
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
     with pytest.raises(NotCapturable, match="DistributedDataParallel"):
-        CapturedStep(D.DistributedObjective(ERM(model), ddp), opt, strict=True)(_batch(0, 0))
+        D.DistributedObjective(ERM(model), ddp).plan_step(_batch(0, 0))
     with pytest.raises(NotCapturable, match="CAT under DistributedDataParallel"):  # an objective's own plan_step
         CAT(ddp, generator=torch.Generator().manual_seed(0)).plan_step(_batch(0, 0))

@@ -249,7 +249,7 @@ def test_gpu_replayed_cat_steps_equal_the_eager_loop(generator, gs_weight):
             warnings.simplefilter("error", RuntimeWarning)
             runs.append(_loop(model, cat, batches, captured=captured, warmup_steps=1))
         if captured:
-            assert cat.captured_step.num_graphs == len(cat.captured_step._graphs) >= 2
+            assert cat.captured_step.num_graphs == len(cat.captured_step.cache.entries) >= 2
     (want, want_losses), (got, got_losses) = runs
     torch.testing.assert_close(got_losses, want_losses, rtol=1e-6, atol=1e-6)
     for n in want:

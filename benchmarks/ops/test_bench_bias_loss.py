@@ -1,5 +1,5 @@
-"""The bias-model losses (docs/METHODS.md §4) on logits [N, C], mean reduction: poe_loss, reweight_loss,
-learned_mixin_loss (gate [N] gets a gradient too), confidence_regularization_loss.
+"""The bias-model losses (docs/METHODS.md §4) on logits [N, C], mean reduction: poe_loss, reweighted_loss,
+learned_mixin_loss (gate [N] gets a gradient too), conf_reg_loss.
 
 bias, teacher_probs and gate float32 (as a bias file and a linear head give them). Minimal bytes (s = element size of
 the logits): forward = read logits N C s, bias 4 N C, labels 8 N (+ gate 4 N, + teacher 4 N C), write the scalar;
@@ -9,11 +9,11 @@ backward = the same reads + write grad_logits N C s (+ grad_gate 4 N). Kernel la
 import pytest
 import torch
 
-from benchmarks import _harness as H
+from benchmarks.ops import harness as H
 
 pytestmark = pytest.mark.benchmark(timer=H.virtual_clock)
 
-LOSSES = ("poe_loss", "reweight_loss", "learned_mixin_loss", "confidence_regularization_loss")
+LOSSES = ("poe_loss", "reweighted_loss", "learned_mixin_loss", "conf_reg_loss")
 
 
 @pytest.mark.parametrize("loss", LOSSES)
@@ -31,11 +31,11 @@ def test_bias_loss(benchmark, copy_bandwidth, device, backend, size, dtype, loss
     reads = rows * classes * (s + 4) + rows * 8
     forward = {
         "poe_loss": lambda fn: fn(logits, bias, labels),
-        "reweight_loss": lambda fn: fn(logits, bias, labels),
+        "reweighted_loss": lambda fn: fn(logits, bias, labels),
         "learned_mixin_loss": lambda fn: fn(logits, bias, labels, gate),
-        "confidence_regularization_loss": lambda fn: fn(logits, teacher, bias, labels),
+        "conf_reg_loss": lambda fn: fn(logits, bias, labels, teacher),
     }[loss]
-    extra = {"learned_mixin_loss": 4 * rows, "confidence_regularization_loss": 4 * rows * classes}.get(loss, 0)
+    extra = {"learned_mixin_loss": 4 * rows, "conf_reg_loss": 4 * rows * classes}.get(loss, 0)
     measure = H.op_measure(
         loss, backend, device, forward=forward,
         grad_inputs=(logits, gate) if loss == "learned_mixin_loss" else (logits,), grad_outputs=grad_out,

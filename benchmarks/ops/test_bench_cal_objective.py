@@ -8,7 +8,7 @@ Kernel launches per direction are counted with torch.profiler (target: 1 each).
 import pytest
 import torch
 
-from benchmarks import _harness as H
+from benchmarks.ops import harness as H
 
 pytestmark = pytest.mark.benchmark(timer=H.virtual_clock)
 

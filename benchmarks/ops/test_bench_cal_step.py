@@ -6,7 +6,7 @@ No backward (an in-place no-grad update). lam, grad float32. Minimal bytes: read
 import pytest
 import torch
 
-from benchmarks import _harness as H
+from benchmarks.ops import harness as H
 
 pytestmark = pytest.mark.benchmark(timer=H.virtual_clock)
 

@@ -8,7 +8,7 @@ backward = read grad, read h, write grad_h (+ write grad_lam [B]) = 3 n s (+ lam
 import pytest
 import torch
 
-from benchmarks import _harness as H
+from benchmarks.ops import harness as H
 
 pytestmark = pytest.mark.benchmark(timer=H.virtual_clock)
 

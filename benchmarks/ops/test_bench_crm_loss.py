@@ -8,7 +8,7 @@ grad_logits N C s. Kernel launches per direction are counted (target: 1 each).
 import pytest
 import torch
 
-from benchmarks import _harness as H
+from benchmarks.ops import harness as H
 
 pytestmark = pytest.mark.benchmark(timer=H.virtual_clock)
 

@@ -7,7 +7,7 @@ backward = read g, g_hat, write grad_g, grad_g_hat = 4 n s.
 import pytest
 import torch
 
-from benchmarks import _harness as H
+from benchmarks.ops import harness as H
 
 pytestmark = pytest.mark.benchmark(timer=H.virtual_clock)
 

@@ -10,7 +10,7 @@ grad_features B H s and grad_weight C H s. Kernel launches per direction are cou
 import pytest
 import torch
 
-from benchmarks import _harness as H
+from benchmarks.ops import harness as H
 
 pytestmark = pytest.mark.benchmark(timer=H.virtual_clock)
 

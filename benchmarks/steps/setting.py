@@ -3,7 +3,8 @@
 On a CUDA machine: BERT-base (`BertConfig()` defaults, num_labels=2), B x T = 8x128, 32x128, 64x256 (and 32x512
 for the GS rows), >= 5 warm-up steps then <= 25 timed steps (CAT_FAST_BENCH_STEP_WARMUP,
 CAT_FAST_BENCH_STEP_STEPS; defaults 5 and 20). Without one, CAT_FAST_BENCH_STEP_CPU=1 runs the same code on the
-CPU with a tiny BERT (a smoke test of the benchmark code, no meaningful numbers); otherwise the cases skip (`SKIP`).
+CPU with a tiny BERT (a smoke test of the benchmark code, no meaningful numbers); otherwise the cases skip (`SKIP`),
+and the builders of `harness` still make the tiny CPU model (tests/benchmarks/ runs one step of every method).
 """
 import gc
 import os
@@ -23,8 +24,9 @@ CPU_SMOKE = os.environ.get("CAT_FAST_BENCH_STEP_CPU", "0") == "1" and not H.HAS_
 
 
 def setting():
-    """(device, config kwargs, sizes, GS long-sequence size, mixing layers, naive layer, warm-up, timed steps)."""
-    if CPU_SMOKE:
+    """(device, config kwargs, sizes, GS long-sequence size, mixing layers, naive layer, warm-up, timed steps); the
+    tiny CPU model wherever there is no CUDA device (the smoke run's, and the builders' tests')."""
+    if not H.HAS_CUDA:
         config = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, intermediate_size=128,
                       vocab_size=2000, max_position_embeddings=64)
         return "cpu", config, ("2x16", "4x32"), "2x64", [2, 3], 3, 1, 2

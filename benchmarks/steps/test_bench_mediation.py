@@ -11,9 +11,7 @@ pytestmark = [pytest.mark.benchmark(timer=H.virtual_clock), pytest.mark.bench_st
 
 
 @pytest.mark.skipif(not H.HAS_CUDA, reason=H.NO_CUDA_REASON)
-def test_mediation_sweep_minilm(benchmark):
-    if H.deadline_passed("step"):
-        pytest.skip("time budget for step benchmarks exhausted")
+def test_mediation_sweep_minilm(benchmark):  # past CAT_FAST_BENCH_DEADLINE_STEP, conftest skips it (bench_step)
     import argparse
 
     from benchmarks.tools import mediation_bench as MB

@@ -35,7 +35,7 @@ SHAPE = (64, 512, 1024)
 DTYPES = ("bfloat16", "float32")
 RESULT_TAG = "CMIX_SWEEP_RESULT "
 
-# Knobs (csrc/cuda/cmix.cu, "tuning overrides"): fwd_w / bwd_w (1..32, powers of two; B * W <= rows * 256),
+# Knobs (csrc/cuda/cmix_plan.cu, "tuning overrides"): fwd_w / bwd_w (1..32, powers of two; B * W <= rows * 256),
 # fwd_rows / bwd_rows (2, 4, 8), fwd_packs / bwd_packs (1, 2), bwd_minb (1, 2, 3 where instantiated),
 # fwd_bps / bwd_bps (blocks per SM cap), bwd_split, fill, fwd_async / bwd_async (0, 1: cp.async
 # double-buffered tiles; rows 4 or 8, packs 1, bwd_minb 2 or 3 at rows 4). Defaults: forward W=32 rows=8 packs=1 (64 x 32-pack

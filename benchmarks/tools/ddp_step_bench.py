@@ -5,7 +5,7 @@
     torchrun --standalone --nproc_per_node 2 benchmarks/tools/ddp_step_bench.py --tiny   # CPU smoke test (gloo)
 
 BERT-base config (random weights, SDPA attention, bf16 autocast, AdamW), the step suite's batch per rank
-(benchmarks/steps/test_bench_step.py `make_batch`: random ids, lengths T/2..T, labels, random pairs; each rank its
+(benchmarks/steps/harness.py `make_batch`: random ids, lengths T/2..T, labels, random pairs; each rank its
 own draw) and its method settings (CAT: layers 8-10, 3 CAL steps; GS: first order at h_0, central differences, here
 with ``low_memory=False`` as DDP requires). Each step: the objective inside DDP's forward, backward (DDP all-reduces
 the gradients), AdamW step. Warm-up steps, then timed steps between synchronisations; rank 0 prints one JSON line per
@@ -15,7 +15,9 @@ Diagnostics: ``--no-ddp`` runs each rank's step without DDP (no gradient averagi
 one host reach, the scaling ceiling); ``--profile DIR`` then profiles 3 more steps per method with torch.profiler
 and writes each rank's operator table (CUDA and CPU time) to DIR. The JSON row also gives the host time to issue one
 step (``host_ms``: until ``step()`` returns, measured on separate steps after a synchronisation) and, for CAT, the
-number of captured CAL-graph signatures and of steps that replayed them.
+number of captured CAL-graph signatures and of steps that replayed them. ``--captured``: each step is one
+`cat_fast.step.CapturedStep` (one CUDA graph per batch signature, the gradient all-reduce inside it:
+`cat_fast.step_ddp`; a fused, capturable AdamW with a tensor lr); the row gives its graphs and replayed steps.
 """
 import argparse
 import json
@@ -29,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from benchmarks.steps.test_bench_step import make_batch  # noqa: E402  (the step suite's batch)
+from benchmarks.steps.harness import make_batch  # noqa: E402  (the step suite's batch)
 from cat_fast import distributed as D  # noqa: E402
 
 TINY = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=2000,
@@ -82,7 +84,8 @@ def allreduce_row(device, numel, repeats=10):
             "bus_gb_per_s": round(2 * (n - 1) / n * numel * 4 / seconds / 1e9, 1)}
 
 
-def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None, comm_hook=None, bucket_mb=None):
+def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None, comm_hook=None, bucket_mb=None,
+          captured=False):
     batch_size, tokens = (int(x) for x in size.lower().split("x"))
     model = make_model(device, tiny)
     kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
@@ -96,12 +99,20 @@ def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None,
         wrapped.register_comm_hook(None, bf16_compress_hook)
     objective = make_objective(method, model, tiny)
     call = D.DistributedObjective(objective, wrapped) if wrapped is not None else objective
-    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5, fused=device.type == "cuda")
+    gpu = device.type == "cuda"
+    lr = torch.tensor(2e-5, device=device) if captured and gpu else 2e-5  # a captured step replays a tensor lr
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=gpu, capturable=captured and gpu)
     batch, pairs = make_batch(batch_size, tokens, model.config.vocab_size, device, seed=1234 + D.rank())
     args = (pairs,) if objective.needs_pairs else ()
     dtype = torch.bfloat16
+    if captured:
+        from cat_fast.step import CapturedStep
+
+        whole = CapturedStep(call, optimizer, autocast=dtype, strict=True)
 
     def step():
+        if captured:
+            return whole(batch, *args)
         with torch.autocast(device.type, dtype=dtype):
             loss, _ = call(batch, *args)
         loss.backward()
@@ -148,6 +159,8 @@ def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None,
     world = D.world()
     graphs = getattr(objective, "graphs", None)
     extra = {} if graphs is None else {"cat_graphs": graphs.num_graphs, "replays_in_forward": graphs.replays_in_forward}
+    if captured:
+        extra.update(captured_graphs=whole.num_graphs, replayed_steps=whole.num_replays)
     return {"method": method, "world": world, "ddp": wrapped is not None, "size": size, **extra,
             "comm_hook": comm_hook if wrapped is not None else None, "bucket_mb": bucket_mb,
             "nccl_max_ctas": os.environ.get("NCCL_MAX_CTAS"),
@@ -172,6 +185,8 @@ def main(argv=None):
     parser.add_argument("--allreduce", action="store_true", help="first, the all-reduce bandwidth of BERT-base's "
                         "gradient size (fp32)")
     parser.add_argument("--profile", default=None, metavar="DIR", help="write per-rank torch.profiler tables to DIR")
+    parser.add_argument("--captured", action="store_true", help="each step one cat_fast CapturedStep (a CUDA graph "
+                        "with the gradient all-reduce inside; eager on the CPU)")
     args = parser.parse_args(argv)
     size = args.size or ("4x32" if args.tiny else "64x256")
     warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 5)
@@ -187,7 +202,7 @@ def main(argv=None):
                 print(json.dumps(row), flush=True)
         for method in args.methods:
             row = bench(method, device, size, args.tiny, warmup, steps, use_ddp=not args.no_ddp, profile=args.profile,
-                        comm_hook=args.comm_hook, bucket_mb=args.bucket_mb)
+                        comm_hook=args.comm_hook, bucket_mb=args.bucket_mb, captured=args.captured)
             if rank == 0:
                 print(json.dumps(row), flush=True)
     finally:

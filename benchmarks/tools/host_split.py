@@ -5,7 +5,7 @@ share the host's minutes.
 
     python benchmarks/tools/host_split.py [--size 8x128] [--steps 10] [--rounds 6] [methods...]
 
-Methods: those of `test_bench_step`, and ``gs_pooled_full`` (GS pooled with ``prune_last_layer=False``).
+Methods: those of the step suite (`benchmarks/steps/harness.py`), and ``gs_pooled_full`` (GS pooled with ``prune_last_layer=False``).
 Also reports, per method, whether one step runs under ``torch.cuda.set_sync_debug_mode("error")``. GPU only
 (``CAT_FAST_BENCH_STEP_CPU=1`` without CUDA: the tiny CPU model, host clock only, a smoke test of this script).
 """
@@ -18,7 +18,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
-from benchmarks.steps import test_bench_step as S  # noqa: E402
+from benchmarks import _harness as H  # noqa: E402
+from benchmarks.steps import harness as S  # noqa: E402
+from benchmarks.steps.setting import CPU_SMOKE, DEVICE, sync  # noqa: E402
+from benchmarks.steps.timing import mark  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer", "rest")
 
@@ -55,23 +58,15 @@ def instrument():
 def build(method, size):
     if method != "gs_pooled_full":
         return S.build_step(method, size)
-    import cat_fast
-
     model, optimizer, _ = S.build_step("plain", size)
-    batch, pairs = S.make_batch(*S.H.dims(size), model.config.vocab_size)
-    gs = cat_fast.GradientSupervision(model, representation="pooled", mode="exact", prune_last_layer=False)
-
-    def step():
-        with S.autocast():
-            loss, _ = gs(batch, pairs)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    batch, pairs = S.make_batch(*H.dims(size), model.config.vocab_size)
+    step = S.objective_step("gs", model, optimizer, batch, pairs, **S.SPECS["gs_pooled"].kwargs,
+                            prune_last_layer=False)
     return model, optimizer, step
 
 
 def sync_free(step):
-    if S.DEVICE != "cuda":
+    if DEVICE != "cuda":
         return "(no CUDA)"
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -87,7 +82,7 @@ def sync_free(step):
 
 def block(step, n):
     """Per step: host ms per phase and the GPU period (ms between consecutive step starts on the stream)."""
-    events = [S._mark() for _ in range(n + 1)]
+    events = [mark() for _ in range(n + 1)]
     host = []
     for k in range(n):
         events[k].record()
@@ -98,7 +93,7 @@ def block(step, n):
         host.append((h["backward >"] - t0, h["backward <"] - h["backward >"], h["optimizer <"] - h["backward <"],
                      t1 - h["optimizer <"]))
     events[n].record()
-    S._sync()
+    sync()
     gpu = [events[k].elapsed_time(events[k + 1]) for k in range(n)]
     return [[v * 1e3 for v in row] for row in host], gpu
 
@@ -111,7 +106,7 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
-    if S.DEVICE != "cuda" and not S.CPU_SMOKE:
+    if DEVICE != "cuda" and not CPU_SMOKE:
         sys.exit("host_split.py needs a CUDA device (or CAT_FAST_BENCH_STEP_CPU=1 for a CPU smoke run)")
     instrument()
     built = {m: build(m, args.size) for m in args.methods}

@@ -17,7 +17,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
-from benchmarks.steps import test_bench_step as S  # noqa: E402
+from benchmarks.steps import harness as S  # noqa: E402
 
 
 class Marks:

@@ -17,14 +17,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
 from benchmarks import _harness as H  # noqa: E402
-from benchmarks.steps import test_bench_step as S  # noqa: E402
+from benchmarks.steps import harness as S  # noqa: E402
 from benchmarks.tools.profile_step import kernel_times  # noqa: E402
 
 
 def graphs_of(cat, layer):
-    for sig, graphs in cat.graphs._graphs.items():
-        if graphs is not None and layer in [x for x in sig if isinstance(x, int)]:
-            return graphs
+    for (_, key), entry in cat.graphs.cache.entries.items():  # key[0]: the mixing layer (`CALGraphs._signature`)
+        if entry is not None and key[0] == layer:
+            return entry
     return None
 
 
@@ -120,19 +120,17 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_cal.py needs a CUDA device")
-    import cat_fast
     from cat_fast import models
 
-    S.LAYERS[:] = [args.layer]
-    model, optimizer, step = S.build_step("cat", args.size)
+    model, optimizer, step = S.build_step("cat", args.size, layers=[args.layer])
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    cat = next(cell.cell_contents for cell in step.__closure__ if isinstance(cell.cell_contents, cat_fast.CAT))
+    cat = step.objective
     graphs = graphs_of(cat, args.layer)
     if graphs is not None:
         for name in ("cal", "final"):
-            g = getattr(graphs, name)
+            g = graphs.graphs[name]
             ms = gpu_ms(g.replay)
             print(f"graph replay {name} (m={args.layer}, {args.size}): {ms:.3f} ms GPU")
 

@@ -21,7 +21,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
-from benchmarks.steps import test_bench_step as S  # noqa: E402
+from benchmarks.steps import harness as S  # noqa: E402
+from benchmarks.steps.timing import time_steps  # noqa: E402
 from benchmarks.tools.trace_gaps import idle_gaps  # noqa: E402
 
 KINDS = (("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")),
@@ -86,12 +87,12 @@ class GcPauses:
         gc.callbacks.remove(self)
 
 
-def profile(method, size, steps, trace_dir=None, host=False, dump=None):
-    model, optimizer, step = S.build_step(method, size)
+def profile(method, size, steps, trace_dir=None, host=False, dump=None, layers=None):
+    model, optimizer, step = S.build_step(method, size, layers)
     if hasattr(step, "prime"):  # cat_captured: every mixing layer's graph captured before the timed steps
         step.prime()
     with GcPauses() as pauses:
-        median_ms = S.time_steps(step, 5, 10)[0]
+        median_ms = time_steps(step, 5, 10)[0]
     activities = [torch.profiler.ProfilerActivity.CUDA]
     if host:
         activities.append(torch.profiler.ProfilerActivity.CPU)
@@ -139,10 +140,9 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_step.py needs a CUDA device")
-    if args.cat_layer is not None:
-        S.LAYERS = [args.cat_layer]
+    layers = None if args.cat_layer is None else [args.cat_layer]
     for method in args.methods:
-        profile(method, args.size, args.steps, args.trace_dir, args.host, args.dump)
+        profile(method, args.size, args.steps, args.trace_dir, args.host, args.dump, layers)
 
 
 if __name__ == "__main__":

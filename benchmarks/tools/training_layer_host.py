@@ -18,7 +18,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
-from benchmarks.steps import test_bench_step as S  # noqa: E402
+from benchmarks import _harness as H  # noqa: E402
+from benchmarks.steps import harness as S  # noqa: E402
 from cat_fast import models  # noqa: E402
 from cat_fast.layers import training as training_layer  # noqa: E402
 
@@ -68,7 +69,7 @@ def main():
           "matmul TFLOP/s = the layer's matmul FLOPs (forward 2·tokens·(4D² + 2DI) + 4·B·T²·D, backward 2×) / GPU time")
     print(f"   {'size':8s} {'version':10s} {'host':>7s} {'GPU':>7s} {'TFLOP/s':>8s}")
     for size in args.sizes:
-        B, T = S.H.dims(size)
+        B, T = H.dims(size)
         batch, _ = S.make_batch(B, T, model.config.vocab_size)
         mask = models.inputs._padding_mask_4d(batch["attention_mask"])
         x = torch.randn(B, T, model.config.hidden_size, device="cuda", requires_grad=True)

@@ -29,6 +29,7 @@ from typing import Iterable, List, Sequence, Tuple
 import torch
 
 from .. import models
+from ..models import families
 
 __all__ = ["mask_neurons", "unmask_neurons", "masked_neurons", "apply_saved_mask", "load_masked", "normalise_neurons",
            "component_width", "write_readme", "CONFIG_KEY", "README"]
@@ -62,22 +63,9 @@ def normalise_neurons(model, neurons) -> List[Tuple[int, str, int]]:
 
 
 def component_width(model, layer: int, comp: str) -> int:
-    """The number of neurons of `comp` in encoder layer `layer` (1-indexed) of `model`."""
-    from ..layers import layout
-
-    module = layout.component(models.structure(model).layer_modules[layer - 1], comp)
-    norms = [m for m in module.modules() if isinstance(m, torch.nn.LayerNorm)]
-    linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
-    if norms:  # attention_output / output: the width of the LayerNorm that ends the block
-        return int(norms[-1].normalized_shape[0])
-    if linears:
-        return int(linears[-1].out_features)
-    config = model.config  # a parameter-free module (DistilBERT's activation): the config's widths
-    names = ("intermediate_size", "hidden_dim") if comp == "intermediate" else ("hidden_size", "dim")
-    for name in names:
-        if isinstance(getattr(config, name, None), int):
-            return int(getattr(config, name))
-    raise ValueError(f"neurons: cannot tell the width of layer {layer} {comp} ({type(module).__name__})")
+    """The number of neurons of `comp` in encoder layer `layer` (1-indexed) of `model` (the width of the Linear that
+    produces them, from the family's table entry)."""
+    return families.component_width(models.structure(model).layer_modules[layer - 1], comp)
 
 
 def _scaler(index: torch.Tensor, factor: float, rest: float = 1.0):

@@ -23,29 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from .. import models
-from ..layers import layout
+from ..models import families
 from .masking import normalise_neurons
 
 __all__ = ["unlearn", "producing_parameters", "advantaged_rows"]
 
 _INPUTS = ("input_ids", "attention_mask", "token_type_ids")
-
-# family -> component -> (the Linear whose output row makes the neuron, the LayerNorm after it or None)
-_PRODUCERS = {
-    "bert": {"query": ("attention.self.query", None), "key": ("attention.self.key", None),
-             "value": ("attention.self.value", None),
-             "attention_output": ("attention.output.dense", "attention.output.LayerNorm"),
-             "intermediate": ("intermediate.dense", None), "output": ("output.dense", "output.LayerNorm")},
-    "distilbert": {"query": ("attention.q_lin", None), "key": ("attention.k_lin", None),
-                   "value": ("attention.v_lin", None), "attention_output": ("attention.out_lin", "sa_layer_norm"),
-                   "intermediate": ("ffn.lin1", None), "output": ("ffn.lin2", "output_layer_norm")},
-}
-
-
-def _get(module, path):
-    for name in path.split("."):
-        module = getattr(module, name)
-    return module
 
 
 def producing_parameters(model, neurons: Iterable[Sequence]) -> List[Tuple[torch.nn.Parameter, torch.Tensor]]:
@@ -60,16 +43,10 @@ def producing_parameters(model, neurons: Iterable[Sequence]) -> List[Tuple[torch
         rows.setdefault(id(param), (param, set()))[1].add(index)
 
     for layer, comp, index in chosen:
-        module = st.layer_modules[layer - 1]
-        kind = layout.family(module)
-        if kind not in _PRODUCERS:
-            raise ValueError(f"neurons: unlearning knows the layouts {sorted(_PRODUCERS)}, not {type(module).__name__}")
-        linear_path, norm_path = _PRODUCERS[kind][comp]
-        linear = _get(module, linear_path)
+        linear, norm = families.producer(st.layer_modules[layer - 1], comp)  # the family's table entry
         add(linear.weight, index)
         add(linear.bias, index)
-        if norm_path is not None:
-            norm = _get(module, norm_path)
+        if norm is not None:
             add(norm.weight, index)
             add(norm.bias, index)
     return [(param, torch.tensor(sorted(idx))) for param, idx in rows.values()]

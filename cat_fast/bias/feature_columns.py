@@ -1,5 +1,5 @@
 """The columns of a training file that a feature bias model reads (:class:`~cat_fast.bias.FeatureBias`,
-docs/METHODS.md §4c): besides the text and label that :func:`cat_fast.data.load_table` keeps, any other column
+docs/METHODS.md §4): besides the text and label that :func:`cat_fast.data.load_table` keeps, any other column
 (a genre, a source, a length, a planted cue), read again from the same file and aligned to the examples.
 
 Typical use::
@@ -45,13 +45,12 @@ class FeatureColumn:
 
 
 def _source_of(name: str) -> Tuple[str, Any]:
-    """``(path, split)`` behind a source name of `CadData.sources`."""
-    if os.path.exists(name):
-        return name, None
+    """``(path, split)`` behind a source name of `CadData.sources` (a file, a dataset folder or a hub dataset name,
+    with ``[split]``); one that no longer exists is for the reader to name."""
     m = _SPLIT.match(name)
-    if m and os.path.isdir(m.group(1)):
+    if m and not os.path.exists(name):
         return m.group(1), m.group(2)
-    raise FeatureColumnError(f"{name}: not found; expected the file or dataset folder the examples were read from")
+    return name, None
 
 
 def read_feature_columns(data, columns: Sequence[str]) -> Dict[str, List[Any]]:

@@ -60,6 +60,7 @@ from .common import CliError, Parser, fail
 from .parse_bias import add_bias
 from .parse_eval import add_eval
 from .parse_mediation import add_mediation
+from .parse_shortcut import add_shortcut
 from .parse_train import add_train
 
 __all__ = ["main", "build_parser", "CliError"]
@@ -73,11 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                description="Train and evaluate text classifiers with counterfactual and debiasing objectives (CAT, "
                            "gradient supervision) on the built-in CAD data or your own files.")
     p.add_argument("--version", action="version", version=f"cat-fast {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="{train,eval,predict,bias,mediation,mask,unlearn}",
+    sub = p.add_subparsers(dest="command", metavar="{train,eval,predict,bias,mediation,mask,unlearn,shortcut}",
                            parser_class=Parser)
     sub.required = True
 
-    for add in (add_train, add_eval, add_bias, add_mediation):
+    for add in (add_train, add_eval, add_bias, add_mediation, add_shortcut):
         add(sub, fmt)
     return p
 
@@ -98,6 +99,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from .bias import fit
 
             fit(args)
+        elif args.command == "shortcut":
+            from .shortcut import plant
+
+            plant(args)
         elif args.command == "predict":
             from .predict import predict
 

@@ -1,10 +1,9 @@
-"""Shared pieces of the ``cat-fast`` commands: one-line errors, the atomic output directory, devices, evaluation,
-plots and checkpoints."""
+"""Shared pieces of the ``cat-fast`` commands: one-line errors, argument types, the atomic output directory, devices
+and checkpoints. Scoring lives in `scoring`, the training curves in `plot` (their names are still found here)."""
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import shutil
@@ -12,9 +11,22 @@ import sys
 import tempfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["CliError", "TrainingFailed", "float_pair", "PRESETS", "MARKER", "mark_output", "Parser", "fail", "AtomicDir", "CHECKPOINT_META", "DATA_MODES", "parse_evals", "get_device", "encode_batches",
-           "setup_device", "seed_everything", "autocast", "to_device", "predict", "predict_logits", "predict_probs", "accuracy", "confusion", "EvalSet",
-           "plot", "write_json", "save_checkpoint", "int_at_least", "positive_int", "nonneg_int", "int_list"]
+__all__ = ["CliError", "TrainingFailed", "PRESETS", "MARKER", "mark_output", "Parser", "fail", "AtomicDir",
+           "CHECKPOINT_META", "DATA_MODES", "parse_evals", "get_device", "setup_device", "seed_everything",
+           "write_json", "save_checkpoint", "int_at_least", "positive_int", "nonneg_int"]
+
+_MOVED = {"autocast": "scoring", "to_device": "scoring", "encode_batches": "scoring", "predict_logits": "scoring",
+          "predict": "scoring", "predict_probs": "scoring", "accuracy": "scoring", "confusion": "scoring",
+          "EvalSet": "scoring", "plot": "plot"}
+
+
+def __getattr__(name):
+    """The scoring and plotting helpers under their former address (`scoring`, `plot`)."""
+    if name in _MOVED:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_MOVED[name]}", __package__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 DATA_MODES = ("orig", "orig+edits")
@@ -70,27 +82,6 @@ positive_int = int_at_least(1, "positive")
 
 
 nonneg_int = int_at_least(0, "non-negative")
-
-
-def int_list(s: str) -> List[int]:
-    try:
-        out = [int(x) for x in s.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers such as 4,5, got {s!r}")
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers >= 1 such as 4,5, got {s!r}")
-    return out
-
-
-def float_pair(s: str) -> Tuple[float, float]:
-    """``A,B`` as two finite numbers with A <= B (e.g. the CRM clip range 0.9,2)."""
-    try:
-        a, b = (float(x) for x in s.replace(" ", "").split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected two comma-separated numbers such as 0.9,2, got {s!r}")
-    if not (math.isfinite(a) and math.isfinite(b)) or a > b:
-        raise argparse.ArgumentTypeError(f"expected two finite numbers A,B with A <= B such as 0.9,2, got {s!r}")
-    return a, b
 
 
 EVAL_RE = re.compile(r"^([A-Za-z0-9_.\-]+)=(.+)$")
@@ -258,177 +249,6 @@ def seed_everything(seed: int) -> None:
     set_seed(seed % 2**32)  # numpy's range (seed + rank under torchrun may pass it)
 
 
-def autocast(device, bf16: bool):
-    import contextlib
-
-    import torch
-
-    if not bf16:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-
-
-def to_device(batch: Dict, device) -> Dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-def encode_batches(tokenizer, data, rows: Sequence[int], batch_size: int, max_length: int, device) -> List[Dict]:
-    """The examples `rows` of `data` (a CadData) as tokenised batches of `batch_size` on `device`, in that order:
-    dicts of the model's inputs and ``labels``."""
-    import torch
-
-    out = []
-    for start in range(0, len(rows), batch_size):
-        idx = list(rows[start:start + batch_size])
-        pair = [data.text_pair[i] for i in idx] if data.text_pair is not None else None
-        enc = tokenizer([data.text[i] for i in idx], pair, padding=True, truncation=True, max_length=max_length,
-                        return_tensors="pt")
-        batch = {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
-        batch["labels"] = torch.tensor([data.labels[i] for i in idx], device=device)
-        out.append(batch)
-    return out
-
-
-def predict_logits(model, tokenized, batch_size: int, device, bf16: bool = False):
-    """Logits [N, C] (float32, CPU) for every example of a TokenizedData, in its order (length-sorted batches,
-    deterministic)."""
-    import torch
-
-    from ..data import Collator
-
-    collate = Collator(tokenized.tokenizer)
-    order = sorted(range(len(tokenized)), key=lambda i: (len(tokenized.features[i]["input_ids"]), i))
-    out = torch.empty(len(tokenized), model.config.num_labels)
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for s in range(0, len(order), batch_size):
-            idx = order[s:s + batch_size]
-            batch = collate([tokenized[i] for i in idx])
-            batch.pop("labels")
-            with autocast(device, bf16):
-                logits = model(**to_device(batch, device)).logits
-            out[torch.tensor(idx)] = logits.float().cpu()
-    model.train(was_training)
-    return out
-
-
-def predict(model, tokenized, batch_size: int, device, bf16: bool = False) -> List[int]:
-    """Argmax predictions for every example of a TokenizedData."""
-    return predict_logits(model, tokenized, batch_size, device, bf16).argmax(-1).tolist()
-
-
-def predict_probs(model, tokenized, batch_size: int, device, bf16: bool = False):
-    """Class probabilities [N, C] (float32, CPU) for every example of a TokenizedData, in its order."""
-    return predict_logits(model, tokenized, batch_size, device, bf16).softmax(-1)
-
-
-def accuracy(preds: Sequence[int], labels: Sequence[int], mask: Optional[Sequence[bool]] = None) -> Dict:
-    pairs = [(p, y) for k, (p, y) in enumerate(zip(preds, labels)) if mask is None or mask[k]]
-    n = len(pairs)
-    return {"accuracy": (sum(p == y for p, y in pairs) / n) if n else float("nan"), "n": n}
-
-
-def confusion(preds: Sequence[int], labels: Sequence[int], names: Sequence[str],
-              mask: Optional[Sequence[bool]] = None) -> Dict:
-    """``{"labels": names, "matrix": counts}``: ``matrix[gold][predicted]`` over the examples `mask` keeps."""
-    matrix = [[0] * len(names) for _ in names]
-    for k, (p, y) in enumerate(zip(preds, labels)):
-        if mask is None or mask[k]:
-            matrix[y][p] += 1
-    return {"labels": list(names), "matrix": matrix}
-
-
-class EvalSet:
-    """One scored set: accuracy (HANS: by heuristic and label), with ``confusion=True`` also its confusion matrix
-    (`confusion`, under the key ``confusion`` of each score)."""
-
-    def __init__(self, name: str, data, tokenizer, max_length: int, split_orig_edit: bool = False,
-                 confusion: bool = False):
-        from ..data import TokenizedData
-
-        self.name = name
-        self.data = data
-        self.tokenized = TokenizedData(data, tokenizer, max_length)
-        self.split_orig_edit = split_orig_edit
-        self.confusion = confusion
-
-    def evaluate(self, model, batch_size, device, bf16) -> Dict[str, Dict]:
-        preds = predict(model, self.tokenized, batch_size, device, bf16)
-        names = [model.config.id2label[i] for i in range(model.config.num_labels)]
-        if self.name == "hans" and hasattr(self.data, "heuristic"):  # accuracy by heuristic x label, as HANS reports
-            from ..data import HANS_LABELS, score_hans
-
-            out = score_hans(preds, self.data, names)
-            if self.confusion:  # entailment / non-entailment, as HANS scores
-                two = [int(names[p] != HANS_LABELS[0]) for p in preds]
-                gold = [int(self.data.label_names[y] != HANS_LABELS[0]) for y in self.data.labels]
-                out[self.name]["confusion"] = confusion(two, gold, HANS_LABELS)
-            return out
-        if len(self.data.label_names) == len(names):  # a model with unnamed labels: the data's names, in id order
-            names = list(self.data.label_names)
-        parts = [(self.name, None)]
-        if self.split_orig_edit:
-            parts += [(f"{self.name}_orig", self.data.is_orig), (f"{self.name}_edit", [not o for o in self.data.is_orig])]
-        out = {}
-        for key, mask in parts:
-            out[key] = accuracy(preds, self.data.labels, mask)
-            if self.confusion:
-                out[key]["confusion"] = confusion(preds, self.data.labels, names, mask)
-        return out
-
-
-def plot(path: str, logs: List[Dict], history: List[Dict], warmup_steps: int, title: str) -> None:
-    """``curves.png``: the loss and its ERM and counterfactual parts per logged step, dev accuracy per epoch, and (for
-    CAT) λ before / after CAL and the mean CRM weight."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    steps = [h for h in logs if "loss" in h and "step" in h]
-    parts = [(k, label) for k, label in (("cat/erm_loss", "ERM part"), ("cat/crm_loss", "CRM part"),
-                                          ("objective/erm_loss", "ERM part"), ("objective/crm_loss", "CRM part"),
-                                          ("gs/ce_loss", "CE part"), ("gs/gs_loss", "GS part"),
-                                          ("objective/ce_loss", "CE part"), ("objective/gs_loss", "GS part"))
-             if any(k in h for h in steps)]
-    lam = [k for k in ("lambda_before", "lambda_after", "crm_weight_mean")
-           if any(f"{p}/{k}" in h for h in steps for p in ("cat", "objective"))]
-    fig, axes = plt.subplots(1, 3 if lam else 2, figsize=(15 if lam else 10, 3.6))
-    a, b = axes[0], axes[1]
-    xs = [h["step"] for h in steps]
-    a.plot(xs, [h["loss"] for h in steps], lw=0.8, alpha=0.6, label="loss")
-    for key, label in parts:
-        after = key.endswith(("crm_loss", "gs_loss"))  # the counterfactual part: 0 during a warm-up, not shown there
-        pts = [(h["step"], h[key]) for h in steps if key in h and not (after and h["step"] <= warmup_steps)]
-        a.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.0, label=label)
-    if 0 < warmup_steps < (xs[-1] if xs else 0):
-        a.axvspan(0, warmup_steps, color="grey", alpha=0.15, label="ERM warm-up")
-    a.set_xlabel("optimizer step")
-    a.set_ylabel("training loss")
-    a.legend(fontsize=8)
-    ev_x = [h["step"] for h in history]
-    for key in sorted({k for h in history for k in h.get("eval", {})}):
-        b.plot(ev_x, [h["eval"].get(key, {}).get("accuracy", float("nan")) for h in history], marker="o", label=key)
-    b.set_xlabel("optimizer step (end of each epoch)")
-    b.set_ylabel("accuracy")
-    if history and any(h.get("eval") for h in history):
-        b.legend(fontsize=8)
-    if lam:
-        c = axes[2]
-        for k in lam:
-            key = next(f"{p}/{k}" for p in ("cat", "objective") if any(f"{p}/{k}" in h for h in steps))
-            pts = [(h["step"], h[key]) for h in steps if key in h and (h["step"] > warmup_steps)]
-            c.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.0, label=k.replace("_", " "))
-        c.set_xlabel("optimizer step (after the warm-up)")
-        c.set_ylabel("λ / CRM weight")
-        c.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def write_json(path: str, obj) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=False)
@@ -436,9 +256,9 @@ def write_json(path: str, obj) -> None:
 
 
 def save_checkpoint(directory: str, model, tokenizer, meta: Dict) -> None:
-    from ..models.pretrained import _quiet_transformers
+    from ..models.pretrained import quiet_transformers
 
-    with _quiet_transformers():
+    with quiet_transformers():
         model.save_pretrained(directory)
         tokenizer.save_pretrained(directory)
     write_json(os.path.join(directory, CHECKPOINT_META), meta)

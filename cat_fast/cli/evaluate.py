@@ -16,7 +16,8 @@ import os
 import sys
 from typing import Dict, Tuple
 
-from .common import CHECKPOINT_META, AtomicDir, CliError, EvalSet, get_device, parse_evals, setup_device, write_json
+from .common import CHECKPOINT_META, AtomicDir, CliError, get_device, parse_evals, setup_device, write_json
+from .scoring import EvalSet
 from .sources import Source
 
 __all__ = ["evaluate", "checkpoint_meta", "read_labels", "to_model_ids"]

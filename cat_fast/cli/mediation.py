@@ -1,100 +1,72 @@
-"""``cat-fast mediation`` and ``cat-fast mask``: the NIE of every neuron of a trained classifier, and a model
-directory with the top neurons masked (`cat_fast.analysis`, docs/METHODS.md §3).
+"""``cat-fast mediation``: the NIE of every neuron of a trained classifier (`cat_fast.analysis`, docs/METHODS.md §3);
+``mask`` and ``unlearn`` live in `cat_fast.cli.masking_cli`.
 
     cat-fast mediation --model runs/erm --task nli --out runs/erm-nie          # NIE tables, top neurons, figure
+    cat-fast mediation --model runs/sst --samples dev.tsv --treatment-where cue=yes --target-class positive --out N
     cat-fast mask --model runs/erm --nie runs/erm-nie --top-k 175 --out runs/erm-masked
     cat-fast unlearn --model runs/erm --nie runs/erm-nie --task nli --bias runs/overlap-bias --out runs/erm-unlearned
 
-Samples: ``--per-class`` pairs of each class from the built-in dev set (``--task nli``) or from ``--samples FILE``
-(with the column options); treatment: the samples' pool at or above the ``--treatment-quantile`` of the share of
-hypothesis words found in the premise, class-balanced. ``--method first-order`` is the one-backward screen.
-A ``--per-class`` larger than the samples hold of some class is refused rather than cut down: the NIE is a mean
+Samples, single texts or pairs: the built-in dev set (``--task``), a shipped name (``--samples cad:sentiment/dev``)
+or ``--samples FILE`` (with the column options). They split into the treatment set and the control set (every other
+row; `cat_fast.analysis.treatment`): ``--treatment FILE`` (example ids), ``--treatment-where COLUMN=VALUE`` (a column
+of the samples file), ``--treatment-from-bias DIR`` (the rows a ``cat-fast bias fit`` model, fitted on the samples,
+predicts with probability >= ``--bias-confidence``, default 0.8), else for text pairs the rows at or above the
+``--treatment-quantile`` of the share of hypothesis words found in the premise. The treatment is class-balanced
+(its z̄ is not a class mean); the NIE is measured on ``--per-class`` rows of each class drawn from all the samples, as
+the released code draws them from the whole dev set. A
+``--per-class`` larger than the samples hold of some class is refused rather than cut down: the NIE is a mean
 over the samples, and a run quietly measured on fewer than asked would not compare with the runs it is set against.
+``--method first-order`` is the one-backward screen.
 
 Models are loaded by `cat_fast.models.pretrained.load_classifier`: a masked model (written by ``mask``) runs masked
-in ``mediation`` (its masked neurons then have no effect) and in ``unlearn`` (whose output keeps the mask); ``mask``
-refuses one. ``nie.pt`` records the analysed model's shape, weights fingerprint and mask (`cat_fast.analysis.nie_file`);
-``mask`` and ``unlearn`` refuse it for any other model.
+(its masked neurons then have no effect). ``nie.pt`` records the analysed model's shape, weights fingerprint and mask
+(`cat_fast.analysis.nie_file`).
 """
 from __future__ import annotations
 
-import json
-import math
 import os
 import sys
 import time
 from typing import Dict
 
-from .common import (
-    CHECKPOINT_META,
-    AtomicDir,
-    CliError,
-    TrainingFailed,
-    encode_batches,
-    get_device,
-    setup_device,
-    write_json,
-)
-from .sources import Source
+from .common import AtomicDir, CliError, TrainingFailed, get_device, setup_device, write_json
+from .evaluate import checkpoint_meta
+from .masking_cli import mask, unlearn
+from .sources import BUILTIN_PREFIX, Source, builtin_files
+from .treatment_options import check_treatment_options, treatment_rows
 
 __all__ = ["mediation", "mask", "unlearn", "NIE_FILE"]
 
 NIE_FILE = "nie.pt"
 
 
-def _balanced(labels, per_class, generator, pool=None):
-    import torch
-
-    labels = torch.as_tensor(labels)
-    keep = torch.ones_like(labels, dtype=torch.bool) if pool is None else pool
-    classes = sorted(set(labels[keep].tolist()))
-    n = min(per_class, min(int(((labels == c) & keep).sum()) for c in classes)) if classes else 0
-    picks = []
-    for c in classes:
-        idx = torch.nonzero((labels == c) & keep).flatten()
-        picks.append(idx[torch.randperm(idx.numel(), generator=generator)[:n]])
-    return torch.cat(picks) if picks else torch.empty(0, dtype=torch.long)
-
-
 def mediation(args) -> Dict:
     import torch
 
     from ..analysis import mediation as M
-    from ..analysis import nie_file
-    from ..bias.features import FEATURE_NAMES, overlap_features
+    from ..analysis.treatment import class_balanced
     from ..models import COMPONENTS
     from ..models.pretrained import load_classifier, resolve_model_dir
     from .train import check_max_length
 
     directory = resolve_model_dir(args.model)
-    AtomicDir.check(args.out, args.overwrite, inputs=[directory] + ([args.samples] if args.samples else []))
-    if not 0 < args.treatment_quantile < 1:
-        raise CliError(f"--treatment-quantile: expected a number in (0, 1), got {args.treatment_quantile}")
-    source = Source.from_args(args, _meta(directory))
+    AtomicDir.check(args.out, args.overwrite, inputs=[directory] + [p for p in (
+        args.samples, args.treatment, args.treatment_from_bias) if p])
+    check_treatment_options(args)
     model, tokenizer = load_classifier(directory, None)  # a masked model runs masked
-    check_max_length(args.max_length, model, pairs=True)
-    if args.samples:
-        data = source.read(args.samples, labels=source.labels)
-    elif source.task:
-        data = source.builtin_dev()
-    else:
-        raise CliError("--samples FILE (with --text-column/--text-pair-column/--label-column) or --task nli is needed")
-    if data.text_pair is None:
-        raise CliError("mediation needs text pairs (premise, hypothesis): the treatment set is chosen by word overlap")
-    _check_per_class(args.per_class, data, args.samples or "the dev set")
-    target = args.target_class
-    if target.isdigit():
-        target = int(target)
+    target = _target_class(args.target_class, model)
+    source, data = _samples(args, directory)
+    check_max_length(args.max_length, model, pairs=data.text_pair is not None)
+    treat_rows, control, rule = treatment_rows(args, source, data)
+    every = torch.arange(len(data))
+    _check_per_class(args.per_class, data, every, args.samples or "the dev set")
     g = torch.Generator().manual_seed(args.seed)
-    chosen = _balanced(data.labels, args.per_class, g)
-    overlap = overlap_features(data.text, data.text_pair)[:, FEATURE_NAMES.index("h_fraction_in_p")]
-    high = overlap >= torch.quantile(overlap, args.treatment_quantile)
-    treat = _balanced(data.labels, len(data), g, pool=high)
-    if chosen.numel() == 0 or treat.numel() == 0:
-        raise CliError(f"no class-balanced samples or treatment pairs in {args.samples or 'the dev set'}")
+    chosen = class_balanced(data.labels, every, args.per_class, g)
+    treat = class_balanced(data.labels, treat_rows, None, g)
 
     def tok(idx):
-        enc = tokenizer([data.text[i] for i in idx.tolist()], [data.text_pair[i] for i in idx.tolist()],
+        rows = idx.tolist()
+        enc = tokenizer([data.text[i] for i in rows], [data.text_pair[i] for i in rows] if data.text_pair else None,
                         padding=True, truncation=True, max_length=args.max_length, return_tensors="pt")
         return {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
 
@@ -127,12 +99,67 @@ def mediation(args) -> Dict:
         raise TrainingFailed("the effects contain NaN or inf (a probability of the target class underflowed?); "
                              "nothing written")
     k = args.top_k or max(1, round(values.numel() * 700 / 82944))
-    top = effects.top(k)
     meta = {"model": args.model, "method": args.method, "target_class": effects.target_class,
-            "samples": int(chosen.numel()), "treatment": int(treat.numel()), "treatment_quantile":
-            args.treatment_quantile, "neurons": int(values.numel()), "top_k": k, "bf16": args.bf16,
-            "seconds": round(seconds, 3), "device": str(device), "processes": world}
-    atomic = AtomicDir(args.out, args.overwrite)
+            "samples": int(chosen.numel()), "treatment": int(treat.numel()), "treatment_rule": rule,
+            "treatment_rows": int(treat_rows.numel()), "control_rows": int(control.numel()),
+            "treatment_quantile": args.treatment_quantile, "neurons": int(values.numel()), "top_k": k,
+            "bf16": args.bf16, "seconds": round(seconds, 3), "device": str(device), "processes": world}
+    _write(args.out, args.overwrite, effects, model, meta, k)
+    sys.stderr.write(f"cat-fast: wrote {args.out} ({values.numel()} neurons, {seconds:.1f} s; top {k} in "
+                     f"top_neurons.tsv)\n")
+    return meta
+
+
+def _samples(args, directory):
+    """(source, data): --samples (a file, or a shipped name) or the built-in dev set of --task."""
+    if args.samples and args.samples.startswith(BUILTIN_PREFIX) and not args.task:
+        task, _ = builtin_files(args.samples)
+        source = Source(task, {}, None)
+    else:
+        source = Source.from_args(args, checkpoint_meta(directory))
+    if args.samples:
+        return source, source.read(args.samples, labels=source.labels)
+    if source.task:
+        return source, source.builtin_dev()
+    raise CliError("--samples FILE (with --text-column/--text-pair-column/--label-column) or --task is needed")
+
+
+def _target_class(value, model):
+    """--target-class as the model's label name (any case) or index; refused before any work if it is neither."""
+    from ..models.pretrained import label_names_of
+
+    names = label_names_of(model.config)
+    lowered = [n.lower() for n in names]
+    if value is None:
+        if "entailment" in lowered:
+            return lowered.index("entailment")
+        raise CliError(f"--target-class: expected one of the model's labels ({', '.join(names)}): the class whose "
+                       "probability is mediated (the default, entailment, is not one of them)")
+    if value.isdigit() and int(value) < len(names):
+        return int(value)
+    if value.lower() in lowered:
+        return lowered.index(value.lower())
+    raise CliError(f"--target-class: target_class: {value!r} is not a label of the model; expected one of "
+                   f"{', '.join(names)} or an index below {len(names)}")
+
+
+def _check_per_class(per_class, data, rows, where):
+    """--per-class must not ask for more samples of a class than the `rows` drawn from hold (refused, not cut
+    down)."""
+    labels = [data.labels[i] for i in rows.tolist()]
+    counts = {c: labels.count(c) for c in sorted(set(data.labels))}
+    fewest = min(counts, key=lambda c: (counts[c], c)) if counts else None
+    if fewest is not None and counts[fewest] < per_class:
+        raise CliError(f"--per-class {per_class}: {where} has "
+                       f"{counts[fewest]} examples of class {data.label_names[fewest]} (the fewest of its classes); "
+                       f"pass --per-class {counts[fewest]} or less")
+
+
+def _write(out, overwrite, effects, model, meta, k):
+    """--out: nie.pt, nie_summary.tsv, top_neurons.tsv, top_neurons.png and mediation.json, atomically."""
+    from ..analysis import nie_file
+
+    atomic = AtomicDir(out, overwrite)
     with atomic as tmp:
         nie_file.save(os.path.join(tmp, NIE_FILE), effects, model, meta)
         with open(os.path.join(tmp, "nie_summary.tsv"), "w") as f:
@@ -142,23 +169,11 @@ def mediation(args) -> Dict:
                         f"{int(v.argmax())}\n")
         with open(os.path.join(tmp, "top_neurons.tsv"), "w") as f:
             f.write("rank\tlayer\tcomponent\tneuron\tnie\n")
-            for rank, (layer, comp, index, value) in enumerate(top, 1):
+            for rank, (layer, comp, index, value) in enumerate(effects.top(k), 1):
                 f.write(f"{rank}\t{layer}\t{comp}\t{index}\t{value:.6g}\n")
         _figure(os.path.join(tmp, "top_neurons.png"), effects.counts(k), model, k)
         write_json(os.path.join(tmp, "mediation.json"), meta)
         atomic.commit()
-    sys.stderr.write(f"cat-fast: wrote {args.out} ({values.numel()} neurons, {seconds:.1f} s; top {k} in "
-                     f"top_neurons.tsv)\n")
-    return meta
-
-
-def _meta(directory):
-    path = os.path.join(directory, CHECKPOINT_META)
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
 
 
 def _figure(path, counts, model, k):
@@ -185,157 +200,3 @@ def _figure(path, counts, model, k):
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def mask(args) -> Dict:
-
-    from ..analysis import masking
-    from ..models.pretrained import load_classifier, resolve_model_dir
-
-    if not (math.isfinite(args.factor) and 0 <= args.factor <= 1):
-        raise CliError(f"--factor must be a finite number in [0, 1] (0: the hard mask; between: the activation "
-                       f"weakened), got {args.factor}")
-    directory = resolve_model_dir(args.model)
-    AtomicDir.check(args.out, args.overwrite, inputs=[directory, args.nie])
-    model, tokenizer = load_classifier(directory, None, saved_mask="refuse")  # masking replaces a mask: refused
-    effects, saved, path = _read_nie(args.nie, model)
-    k = args.top_k or int(saved.get("top_k", 1))
-    chosen = _neurons(effects, k, args, path)
-    try:
-        masking.mask_neurons(model, chosen, args.factor, rescale=args.rescale)
-    except ValueError as error:
-        raise CliError(f"--nie {path} does not fit {args.model}: {error}") from error
-    meta = {"model": args.model, "nie": path, "top_k": k, "neurons": "random" if args.random_neurons else "top",
-            "seed": args.seed, "factor": args.factor, "rescale": args.rescale}
-    _write_model_dir(args, model, tokenizer, directory, "mask.json", meta)
-    which = f"{k} random" if args.random_neurons else f"top {k}"
-    sys.stderr.write(f"cat-fast: wrote {args.out} ({which} neurons masked by {args.factor}; load it with "
-                     "cat_fast.analysis.masking.load_masked)\n")
-    return meta
-
-
-def unlearn(args) -> Dict:
-    """``cat-fast unlearn``: gradient unlearning of the top neurons of ``--nie`` on the training data's advantaged
-    examples (the ``--bias`` model right, the model wrong; ``--examples random``: as many random examples, the
-    paper's control); writes a model directory."""
-
-    import torch
-
-    from ..analysis import unlearning
-    from ..bias import load_bias
-    from ..models.pretrained import load_classifier, resolve_model_dir
-    from .bias import resolve
-    from .train import check_max_length
-
-    directory = resolve_model_dir(args.model)
-    AtomicDir.check(args.out, args.overwrite, inputs=[directory, args.nie, args.bias] + list(args.train or []))
-    source = Source.from_args(args, _meta(directory))
-    train = source.read_train(args.train)
-    model, tokenizer = load_classifier(directory, None)  # a masked model unlearns masked; its output keeps the mask
-    check_max_length(args.max_length, model, pairs=train.text_pair is not None)
-    effects, saved, path = _read_nie(args.nie, model)  # before any step: the fingerprint is of the analysed weights
-    k = args.top_k or int(saved.get("top_k", 1))
-    chosen = _neurons(effects, k, args, path)
-    labels = tuple(model.config.id2label[i] for i in range(model.config.num_labels))
-    try:
-        bias = load_bias(resolve(args.bias), data=train, label_names=list(labels), extra="ignore")
-    except (ValueError, OSError) as error:
-        raise CliError(f"--bias {args.bias}: {error}") from error
-    device = get_device(args.device)
-    setup_device(device)
-    model.to(device)
-    g = torch.Generator().manual_seed(args.seed)
-
-    def batches_of(rows):
-        out = encode_batches(tokenizer, train, rows, args.batch_size, args.max_length, device)
-        for start, batch in zip(range(0, len(rows), args.batch_size), out):
-            batch["bias"] = bias[list(rows[start:start + args.batch_size])].to(device)
-        return out
-
-    # the advantaged set, chosen once with the model in eval mode (unlearning.advantaged_rows)
-    everything = list(range(len(train)))
-    candidate = None
-    if args.candidate_class is not None:
-        if args.candidate_class in labels:
-            candidate = labels.index(args.candidate_class)
-        elif args.candidate_class.isdigit() and int(args.candidate_class) < len(labels):
-            candidate = int(args.candidate_class)
-        else:
-            raise CliError(f"--candidate-class: expected one of the model's labels {', '.join(labels)} (or an index), "
-                           f"got {args.candidate_class!r}")
-    masks = unlearning.advantaged_rows(model, batches_of(everything), candidate)
-    advantaged = torch.nonzero(torch.cat([m.cpu() for m in masks])).flatten()
-    n_adv = int(advantaged.numel())
-    if n_adv == 0 and args.examples != "all":
-        raise CliError("no advantaged examples (the bias model right and the model wrong"
-                       + (f", gold label {args.candidate_class}" if candidate is not None else "")
-                       + ") in the training data: nothing to unlearn; nothing written")
-    if args.examples == "advantaged":
-        rows = advantaged
-    elif args.examples == "random":  # the paper's control: as many examples, drawn at random
-        rows = torch.randperm(len(train), generator=g)[:n_adv]
-    else:
-        rows = torch.arange(len(train))
-    rows = rows[torch.randperm(rows.numel(), generator=g)].tolist()
-    try:
-        stats = unlearning.unlearn(model, chosen, batches_of(rows), lr=args.lr, epochs=args.epochs,
-                                   weight_decay=args.weight_decay, advantaged=False, progress=True)
-    except ValueError as error:
-        raise CliError(str(error)) from error
-    if not all(torch.isfinite(p).all() for p in model.parameters()):
-        raise TrainingFailed("unlearning made a parameter non-finite (lower --lr); nothing written")
-    meta = {"model": args.model, "nie": path, "top_k": k, "neurons": "random" if args.random_neurons else "top",
-            "examples": args.examples, "candidate_class": args.candidate_class, "advantaged_examples": n_adv, "examples_used": len(rows), "seed": args.seed,
-            "lr": args.lr, "epochs": args.epochs, "batch_size": args.batch_size, **stats}
-    _write_model_dir(args, model, tokenizer, directory, "unlearn.json", meta)
-    sys.stderr.write(f"cat-fast: wrote {args.out} ({stats['steps']} steps on {len(rows)} {args.examples} examples; "
-                     f"{n_adv} advantaged)\n")
-    return meta
-
-
-def _neurons(effects, k, args, path):
-    """--top-k neurons of the analysis, or (--random-neurons) as many drawn uniformly with --seed."""
-    n = effects.flat()[0].numel()
-    if k > n:
-        raise CliError(f"--top-k {k} is larger than the {n} neurons in --nie {path}")
-    return effects.random(k, args.seed) if args.random_neurons else effects.top(k)
-
-
-def _check_per_class(per_class, data, where):
-    """--per-class must not ask for more samples of a class than `data` holds (refused, not cut down)."""
-    counts = {c: data.labels.count(c) for c in sorted(set(data.labels))}
-    fewest = min(counts, key=lambda c: (counts[c], c)) if counts else None
-    if fewest is not None and counts[fewest] < per_class:
-        raise CliError(f"--per-class {per_class}: {where} has {counts[fewest]} examples of class "
-                       f"{data.label_names[fewest]} (the fewest of its classes); pass --per-class {counts[fewest]} "
-                       "or less")
-
-
-def _write_model_dir(args, model, tokenizer, source_dir, meta_name, meta):
-    """--out: the model and tokenizer, the source checkpoint's cat-fast metadata and `meta`, atomically; a masked
-    model also its README.md, saying how to load it masked (`masking.write_readme`)."""
-    import shutil
-
-    from ..analysis import masking
-
-    atomic = AtomicDir(args.out, args.overwrite)
-    with atomic as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        masking.write_readme(tmp, model)
-        src = os.path.join(source_dir, CHECKPOINT_META)
-        if os.path.isfile(src):
-            shutil.copy(src, os.path.join(tmp, CHECKPOINT_META))
-        write_json(os.path.join(tmp, meta_name), meta)
-        atomic.commit()
-
-
-def _read_nie(nie, model):
-    """(effects, record, path) of --nie, checked against `model` (`cat_fast.analysis.nie_file.load`)."""
-    from ..analysis import nie_file
-
-    try:
-        effects, saved = nie_file.load(nie, model)
-    except nie_file.NieFileError as error:
-        raise CliError(f"--nie {error}") from error
-    return effects, saved, nie_file.resolve(nie)

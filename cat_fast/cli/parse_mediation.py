@@ -1,42 +1,77 @@
 """``cat-fast mediation``, ``mask`` and ``unlearn``'s options."""
 from __future__ import annotations
 
+import argparse
+
 from .arguments import SEED_MAX, add_column_options, seed_int
 from .common import positive_int
 
-__all__ = ["add_mediation"]
+__all__ = ["add_mediation", "MASK_RECIPE"]
+
+MASK_RECIPE = """\
+A bias-model loss followed by masking (the paper's combination), on your own data (columns found by name; here
+a column cue marks the rows that carry the shortcut; NLI pairs: bias fit --kind overlap, and mediation's default):
+  cat-fast bias fit --kind features --feature-columns cue --train train.tsv --out bias
+  cat-fast train --method poe --bias bias --train train.tsv --dev dev.tsv --out poe
+  cat-fast mediation --model poe --samples dev.tsv --treatment-where cue=yes --target-class pos --out poe-nie
+  cat-fast mask --model poe --nie poe-nie --select-k --select-dev dev.tsv --out poe-masked
+(--k-rule best-on:anti.tsv: the k of the best accuracy on a small cue-balanced or anti-correlated set.) The
+masked model's choice of k is in poe-masked/k_selection.json. unlearn has no --select-k (each k is a training
+run): pass the k chosen here as its --top-k."""
+
+
+class _RecipeFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown, and the epilog's command lines kept as written."""
 
 
 def add_mediation(sub, fmt) -> None:
     """Add the ``mediation``, ``mask`` and ``unlearn`` commands to the `cat-fast` subparsers `sub` (help formatter `fmt`)."""
     md = sub.add_parser("mediation", help="the NIE of every neuron (causal mediation analysis)", formatter_class=fmt,
-                        description="Causal mediation analysis of a trained NLI classifier's neurons (see `python -m "
-                                    "pydoc cat_fast.cli.mediation`).")
+                        description="Causal mediation analysis of a trained classifier's neurons, on single texts or "
+                                    "text pairs (see `python -m pydoc cat_fast.cli.mediation`).")
     md.add_argument("--model", required=True, metavar="DIR", help="a trained classifier (cat-fast train --out DIR)")
-    md.add_argument("--task", choices=("nli",), help="the built-in CAD NLI dev set as samples")
-    md.add_argument("--samples", metavar="FILE", help="samples from your own file (with the column options)")
+    md.add_argument("--task", choices=("sentiment", "nli"), help="the built-in CAD dev set as samples")
+    md.add_argument("--samples", metavar="FILE", help="samples from your own file (with the column options), or a "
+                    "shipped name such as cad:sentiment/dev")
     add_column_options(md)
-    md.add_argument("--per-class", type=positive_int, default=100, help="samples per class (class-balanced; more "
-                    "than the samples hold of a class is refused)")
-    md.add_argument("--treatment-quantile", type=float, default=0.95, help="treatment: pairs at or above this "
-                    "quantile of hypothesis-word overlap")
-    md.add_argument("--target-class", default="entailment", help="label name or index whose probability is mediated")
+    md.add_argument("--per-class", type=positive_int, default=100, help="samples per class, drawn from the control "
+                    "set (class-balanced; more than it holds of a class is refused)")
+    t = md.add_argument_group("treatment set", "The samples whose mean activations are patched in (class-balanced); "
+                              "the control set is every other sample. One rule; default: --treatment-quantile for "
+                              "text pairs (single texts need one of the others).")
+    t.add_argument("--treatment", metavar="FILE", help="example ids of the samples, one per line (or a column 'id')")
+    t.add_argument("--treatment-where", metavar="COLUMN=VALUE", help="the samples whose COLUMN (a column of the "
+                   "--samples file) holds VALUE, compared as text")
+    t.add_argument("--treatment-from-bias", metavar="DIR", help="a cat-fast bias fit output for the samples: the "
+                   "rows whose bias probability of its predicted class is at least --bias-confidence")
+    t.add_argument("--bias-confidence", type=float, default=0.8, help="--treatment-from-bias: the probability "
+                   "threshold, in (0, 1]")
+    t.add_argument("--treatment-quantile", type=float, default=0.95, help="text pairs: the pairs at or above this "
+                   "quantile of hypothesis-word overlap")
+    md.add_argument("--target-class", metavar="LABEL", help="label name (or index) of the model whose probability is "
+                    "mediated (default: entailment, for a model with that label)")
     md.add_argument("--method", choices=("exact", "first-order"), default="exact",
                     help="exact batched sweep, or the first-order estimate (one backward)")
     md.add_argument("--layers", type=positive_int, nargs="+", help="layers to sweep (default: all)")
     md.add_argument("--components", nargs="+", help="components to sweep (default: all six)")
     md.add_argument("--top-k", type=positive_int, help="top neurons listed (default: 700 of 82,944, scaled)")
-    md.add_argument("--max-length", type=positive_int, default=128, help="tokens per pair (truncation)")
+    md.add_argument("--max-length", type=positive_int, default=128, help="tokens per example (truncation)")
     md.add_argument("--seed", type=seed_int, default=0, help=f"seed of the class-balanced draws (0 to {SEED_MAX})")
     md.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when available")
     md.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
     md.add_argument("--out", required=True, metavar="DIR", help="output directory (nie.pt, nie_summary.tsv, "
                     "top_neurons.tsv, top_neurons.png, mediation.json)")
     md.add_argument("--overwrite", action="store_true", help="replace an existing --out that cat-fast wrote")
+    _add_mask(sub)
+    _add_unlearn(sub, fmt)
 
-    mk = sub.add_parser("mask", help="mask the top neurons of a mediation analysis", formatter_class=fmt,
+
+def _add_mask(sub) -> None:
+    mk = sub.add_parser("mask", help="mask the top neurons of a mediation analysis", formatter_class=_RecipeFormatter,
                         description="Write a copy of --model with the top neurons of --nie masked at the first token "
-                                    "(load it with cat_fast.analysis.masking.load_masked; cat-fast eval applies it).")
+                                    "(load it with cat_fast.analysis.masking.load_masked; cat-fast eval applies it). "
+                                    "--select-k chooses how many on data (see `python -m pydoc "
+                                    "cat_fast.cli.k_select`).", epilog=MASK_RECIPE)
     mk.add_argument("--model", required=True, metavar="DIR", help="the classifier the analysis was run on")
     mk.add_argument("--nie", required=True, metavar="DIR", help="a cat-fast mediation output (or its nie.pt)")
     mk.add_argument("--top-k", type=positive_int, help="neurons to mask (default: the analysis' top-k)")
@@ -46,13 +81,32 @@ def add_mediation(sub, fmt) -> None:
     mk.add_argument("--seed", type=seed_int, default=0, help=f"seed of --random-neurons (0 to {SEED_MAX})")
     mk.add_argument("--rescale", action="store_true", help="the paper's inverted-dropout form: the component's other "
                     "first-token activations times 1/p (p: the fraction left unmasked)")
+    s = mk.add_argument_group("choosing k on data (--select-k)", "Mask the top k of each grid point in turn, score "
+                              "each on held-out data, and keep the k the rule picks (k_selection.json: the curve, "
+                              "the rule, the chosen k). The files are read as cat-fast eval reads them (the "
+                              "checkpoint's columns, or the column options).")
+    s.add_argument("--select-k", action="store_true", help="choose k on data instead of --top-k")
+    s.add_argument("--k-grid", metavar="K,K,...", help="k to try: percentages of the neurons swept (0.5%%) or "
+                   "numbers; k = 0 (unmasked) is always scored (None: 0.25%%,0.5%%,1%%,2%%,4%%,8%%)")
+    s.add_argument("--k-rule", metavar="RULE", help="max-drop:D (the largest k whose accuracy on --select-dev stays "
+                   "within D points of the unmasked model's, for it and every smaller k; None: max-drop:3) or "
+                   "best-on:FILE (the best accuracy on FILE, the smallest k on ties)")
+    s.add_argument("--select-dev", metavar="FILE", help="a held-out dev set that carries the bias (needed by "
+                   "max-drop; scored too with best-on)")
+    add_column_options(mk)
+    s.add_argument("--max-length", type=positive_int, help="tokens per example (None: the checkpoint's)")
+    s.add_argument("--batch-size", type=positive_int, default=64, help="examples per scoring batch")
+    s.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when available")
     mk.add_argument("--out", required=True, metavar="DIR", help="output model directory")
     mk.add_argument("--overwrite", action="store_true", help="replace an existing --out that cat-fast wrote")
 
+
+def _add_unlearn(sub, fmt) -> None:
     ul = sub.add_parser("unlearn", help="gradient unlearning of the top neurons of a mediation analysis",
                         formatter_class=fmt, description="Train only the weight rows producing the top neurons of "
                         "--nie, with the gradient reversed, on the advantaged training examples (--bias right, the "
-                        "model wrong); every other parameter stays bit-identical. Writes a model directory.")
+                        "model wrong); every other parameter stays bit-identical. Writes a model directory. No "
+                        "--select-k here (each k would be a training run): choose k with mask --select-k.")
     ul.add_argument("--model", required=True, metavar="DIR", help="the classifier the analysis was run on")
     ul.add_argument("--nie", required=True, metavar="DIR", help="a cat-fast mediation output (or its nie.pt)")
     ul.add_argument("--task", choices=("sentiment", "nli"), help="built-in CAD training data")

@@ -66,9 +66,10 @@ def add_shortcut(sub, fmt) -> None:
     p.add_argument("--cue-class", metavar="LABEL", help="the label the cue predicts (default: the first label)")
     p.add_argument("--cue-field", choices=("text", "text_pair"), default="text",
                    help="the text the cue goes into (text_pair: the second text of a pair, e.g. the hypothesis)")
-    p.add_argument("--dev-fraction", type=fraction, default=0.1, help="rows of --train held out as dev without --dev")
-    p.add_argument("--test-fraction", type=fraction, default=0.2, help="rows of --train held out as the test sets "
-                   "without --test")
+    p.add_argument("--dev-fraction", type=fraction, default=0.1, metavar="F",
+                   help="rows of --train held out as dev without --dev")
+    p.add_argument("--test-fraction", type=fraction, default=0.2, metavar="F",
+                   help="rows of --train held out as the test sets without --test")
     p.add_argument("--seed", type=seed_int, default=0, help=f"seed of every draw (0 to {SEED_MAX})")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out that cat-fast wrote")

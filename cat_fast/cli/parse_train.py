@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 
 from .arguments import SEED_MAX, add_column_options, method_names, scheduler_types, seed_int
-from .common import DATA_MODES, float_pair, int_list, nonneg_int, positive_int
+from .common import DATA_MODES, nonneg_int, positive_int
+from .train_data import add_requirement_options
+from .train_objective import add_objective_options
 
 __all__ = ["add_train"]
 
@@ -66,18 +68,29 @@ def add_train(sub, fmt) -> None:
     t.add_argument("--step-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="each training step (loss, backward, clipping, a fused AdamW step) as one CUDA graph per "
                         "batch shape and CAT mixing layer (cat_fast.step.CapturedStep). Default: on a GPU wherever "
-                        "the run allows it (one process, no --grad-accum, a method whose steps can be replayed), "
+                        "the run allows it (one process on GPUs, no --grad-accum, a method whose steps can be replayed), "
                         "else the eager step with one line saying why; --step-graphs requires it (an error naming "
-                        "what prevents it: several processes, --grad-accum, a second optimizer step inside the step "
+                        "what prevents it: several processes on GPUs, --grad-accum, a second "
+                        "optimizer step inside the step "
                         "as in erm-two-step and CAT's alternating update); --no-step-graphs turns it off")
     t.add_argument("--ddp-bucket-mb", type=positive_int, metavar="MB",
                    help="under torchrun: the size of DistributedDataParallel's gradient buckets (default: PyTorch's "
-                        "25). Larger buckets start the all-reduce later in the backward; on 2 H200s CAT scaled "
-                        "1.98x with 200 against 1.92x (benchmarks/RESULTS.md, run AX)")
+                        "25). Larger buckets start the all-reduce later in the backward (benchmarks/RESULTS.md has "
+                        "the measured scaling)")
     t.add_argument("--out", "--output_dir", metavar="DIR", help="output directory (default: runs/TASK-METHOD-seedN)")
     t.add_argument("--overwrite", action="store_true", help="replace an existing --out that cat-fast wrote")
     t.add_argument("--no-checkpoint", action="store_true",
                    help="write metrics and curves but not the model weights (for seed sweeps)")
+    _add_run_options(t)
+    w = t.add_argument_group("warm-up")
+    w.add_argument("--warmup-epochs", type=nonneg_int, default=1, help="methods with an ERM warm-up (cat, cat-star, "
+                   "cat-gs, erm-two-step, and any registered with warmup=True): plain ERM epochs first")
+    add_objective_options(t)  # the objectives' flags, from their configs (plugins included)
+    add_requirement_options(t)  # the data each requirement kind needs (bias file, teacher, metadata set)
+
+
+def _add_run_options(t) -> None:
+    """LoRA, checkpoints and logs."""
     lo = t.add_argument_group("LoRA (peft: pip install 'cat_fast[lora]')")
     lo.add_argument("--lora", type=positive_int, metavar="R", help="train LoRA adapters of rank R on the encoder's "
                     "projections and the classification head, the rest frozen; the checkpoint holds the merged model. "
@@ -107,50 +120,3 @@ def add_train(sub, fmt) -> None:
                    "(losses and the objective's terms are averaged over them)")
     r.add_argument("--report-to", nargs="+", metavar="NAME", help="logging integrations of the Hugging Face Trainer "
                    "(tensorboard, wandb, ... where installed)")
-    g = t.add_argument_group("CAT / GS")
-    g.add_argument("--warmup-epochs", type=nonneg_int, default=1, help="CAT methods: plain ERM epochs first")
-    g.add_argument("--cat-layers", type=int_list, metavar="M,M,...", help="CAT mixing layers Q (default: the paper's "
-                   "{8,9,10} of 12 scaled to the model's depth)")
-    g.add_argument("--alpha", type=float, default=0.3, help="CAT: λ ~ Beta(alpha, beta)")
-    g.add_argument("--beta", type=float, default=0.3, help="CAT: λ ~ Beta(alpha, beta)")
-    g.add_argument("--gamma", type=float, default=10.0, help="CAT: weight of the CE term of the CAL objective")
-    g.add_argument("--eta", type=float, default=20.0, help="CAT: weight of the max-probability term of the CAL "
-                   "objective")
-    g.add_argument("--adv-steps", type=nonneg_int, help="CAL steps (default: 3 for cat and cat-gs, 0 for cat-star)")
-    g.add_argument("--adv-lr", type=float, default=2e-2, help="CAL step size on λ")
-    g.add_argument("--mask-mode", default="self", choices=("self", "partner", "union", "intersection"),
-                   help="CAT: attention mask of the mixed sequence")
-    g.add_argument("--cat-update", choices=("sum", "alternate"), default="sum",
-                   help="CAT update: one summed ERM + CRM loss, or the paper's alternating CRM then ERM steps")
-    g.add_argument("--crm-lr", type=float, default=2e-5, help="learning rate of the CRM step with --cat-update "
-                   "alternate")
-    g.add_argument("--gs-weight", type=float, default=1.0, help="weight of the GS loss (gs, gs-random, cat-gs)")
-    g.add_argument("--crm-clip", type=float_pair, metavar="A1,A2", help="CAT: clip range [A1, A2] of the CRM weight ω "
-                   "(default 0,10, the paper's main text; its appendix searches within [0.9, 2])")
-    g.add_argument("--gs-representation", default="pooled", metavar="pooled|K",
-                   help="GS (gs, gs-random): where the input gradient is taken: pooled (the classification layer's "
-                   "input) or K, the token states after layer K (0 = the embedding output; pairs aligned by position)")
-    g.add_argument("--gs-mode", choices=("exact", "first_order"), default="exact",
-                   help="GS: exact (double backward; eager attention) or first_order (finite differences, any attention)")
-    g.add_argument("--gs-difference", choices=("central", "forward"), default="central",
-                   help="GS first_order: central (two perturbed passes) or forward (one) differences")
-    b = t.add_argument_group("bias-model methods (poe, reweight, reweight-inverse, learned-mixin, conf-reg)")
-    b.add_argument("--bias", metavar="FILE", help="the bias model's predictions for the training examples (written by "
-                   "`cat-fast bias fit`; rows matched by example id)")
-    b.add_argument("--teacher", metavar="DIR", help="conf-reg: a trained classifier whose probabilities are the "
-                   "targets")
-    b.add_argument("--entropy-weight", type=float, default=0.03, help="learned-mixin: weight of the entropy penalty")
-
-    m = t.add_argument_group("causal logit perturbation (clp, clp-all)")
-    m.add_argument("--meta-data", metavar="FILE", help="the metadata set (your own file, read with the column "
-                   "options; default with a CAD task: a balanced draw from the built-in dev set with its edits, "
-                   "which the dev score then leaves out)")
-    m.add_argument("--meta-per-class", type=positive_int, default=10, help="originals per class drawn (with their "
-                   "edits) for the built-in metadata")
-    m.add_argument("--meta-holdout", action="store_true", help="any method: score dev without the groups of the "
-                   "built-in metadata draw (--meta-per-class, --seed), as clp does, so the two compare on one set")
-    m.add_argument("--meta-batch-size", type=positive_int, default=32, help="metadata examples per meta step")
-    m.add_argument("--meta-lr", type=float, default=1e-3, help="Adam learning rate of the perturbation network")
-    m.add_argument("--clp-scale", type=float, default=1.0, help="the perturbation's bound (tanh times this)")
-    m.add_argument("--virtual-lr", type=float, help="step size of the virtual SGD step (default: the optimizer's "
-                   "current learning rate, which for AdamW is a much smaller step than the real one)")

@@ -21,8 +21,9 @@ import sys
 import tempfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .common import CliError, get_device, predict_probs, setup_device
+from .common import CliError, get_device, setup_device
 from .evaluate import checkpoint_meta, read_labels, to_model_ids
+from .scoring import predict_probs
 from .sources import Source, split_of
 
 __all__ = ["predict", "FORMATS"]

@@ -27,7 +27,8 @@ RUN_FILE = "cat_fast_run.json"
 # options that do not change what is trained: they may differ between a run and its resumption
 NEUTRAL_OPTIONS = frozenset({"command", "resume", "overwrite", "save_steps", "save_total_limit", "logging_steps",
                              "report_to", "device", "eval", "eval_batch_size", "no_checkpoint", "out",
-                             "ddp_bucket_mb", "keep_checkpoints"})
+                             "ddp_bucket_mb", "keep_checkpoints",
+                             "objective_config"})  # the file the options came from: the options themselves count
 
 
 def data_fingerprint(data) -> str:

@@ -7,9 +7,10 @@ found by name). The cue, its strength and the splits are defined in `cat_fast.sh
 ``train.jsonl`` and ``dev.jsonl`` (cue correlated with ``--cue-class``), ``train_clean.jsonl`` (the training rows
 without the cue: the ceiling), ``test_anti.jsonl`` (the cue on exactly the rows not of the cue class) and
 ``test_clean.jsonl`` (no cue), each row ``id``, ``text`` [``text_pair``], ``label`` (the name), ``cue`` (0/1) [and
-``group``, the counterfactual group, when the input has groups]; and ``shortcut.json``: the cue, strength, seed,
-source, labels and per-split cue-label counts. Train on them with ``--text-column text --label-column label
---id-column id`` [``--text-pair-column text_pair``] ``--labels`` (the labels of shortcut.json, in order).
+``group``, the counterfactual group, when the training input has groups]; and ``shortcut.json``: the cue, strength,
+seed, source, labels, whether rows have ``text_pair`` (``pairs``) and ``group`` (``groups``), and the per-split
+cue-label counts. Train on them with ``--text-column text --label-column label --id-column id``
+[``--text-pair-column text_pair``] [``--group-column group``] ``--labels`` (the labels of shortcut.json, in order).
 
 A cue token already in more than 1% of the input rows is refused (the cue would be noisy); in fewer, a warning.
 """
@@ -58,7 +59,8 @@ def plant(args) -> Dict:
               "source": {"task": source.name, "train": args.train, "dev": args.dev, "test": args.test,
                          "columns": dict(source.columns), "dev_fraction": None if args.dev else args.dev_fraction,
                          "test_fraction": None if args.test else args.test_fraction},
-              "pairs": train.text_pair is not None, "splits": result.statistics}
+              "pairs": train.text_pair is not None, "groups": "group" in result.splits["train"][0],
+              "splits": result.statistics}
     atomic = AtomicDir(args.out, args.overwrite)
     with atomic as tmp:
         for name, rows in result.splits.items():

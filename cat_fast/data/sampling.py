@@ -11,7 +11,7 @@ from typing import Dict, List, Tuple
 
 from .core import CadData, DataError
 
-__all__ = ["few_shot", "with_label_noise", "long_tail"]
+__all__ = ["few_shot", "with_label_noise", "long_tail", "metadata_from_cad"]
 
 
 def few_shot(data: CadData, per_class: int, seed: int = 0, with_edits: bool = True) -> CadData:
@@ -71,3 +71,20 @@ def long_tail(data: CadData, label: str, fraction: float, seed: int = 0) -> CadD
     members = [i for i in range(len(data)) if data.labels[i] == c]
     keep = set(random.Random(seed).sample(members, math.ceil(fraction * len(members))))
     return data.subset([i for i in range(len(data)) if data.labels[i] != c or i in keep])
+
+
+def metadata_from_cad(dev, per_class: int, seed: int = 0):
+    """CLP's metadata from a CAD split: `per_class` originals of each class drawn with their edits (the edits are
+    the counterfactual augmentation: each changes the label by construction), then every class cut to the smallest
+    class's count (a balanced set). CAD has no label-preserving (factual) edits: the original pairs stand in for
+    them. Returns (metadata, the rest of `dev`: the groups not drawn, for an uncontaminated dev score)."""
+    drawn = few_shot(dev, per_class, seed=seed, with_edits=True)
+    by_class = {}
+    for i, y in enumerate(drawn.labels):
+        by_class.setdefault(y, []).append(i)
+    n = min(len(v) for v in by_class.values())
+    rng = random.Random(seed)
+    keep = sorted(i for v in by_class.values() for i in rng.sample(v, n))
+    used = set(drawn.ids)
+    rest = [i for i in range(len(dev)) if dev.ids[i] not in used]
+    return drawn.subset(keep), dev.subset(rest)

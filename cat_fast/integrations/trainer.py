@@ -42,7 +42,10 @@ are the Trainer's. What they add:
 * A double-backward failure of the attention kernel is re-raised as `cat_fast.objectives.DOUBLE_BACKWARD_HINT`.
 * ``step_graphs``: each training step, the objective's loss, backward, gradient clipping and the optimizer's step,
   is one `cat_fast.step.CapturedStep` (one CUDA graph per batch signature on a GPU; the same step run eagerly
-  elsewhere), and the Trainer's own backward, clipping and optimizer step are skipped. It needs one process, no
+  elsewhere), and the Trainer's own backward, clipping and optimizer step are skipped. Under torchrun on the CPU
+  (gloo; ``step_graphs=True``) the step runs outside DDP's forward and averages the gradients itself
+  (`cat_fast.step_ddp`); on GPUs under torchrun a captured step is refused (its capture fails on dropout's random
+  offsets: `cat_fast.step_ddp.CAPTURE_UNDER_DDP`), so the default runs the eager step there. It needs no
   gradient accumulation, bf16 or fp32, and a fused AdamW (the trainer makes one, with a tensor learning rate that the
   scheduler updates in place, capturable on a GPU; a given optimizer must be so). ``None`` (the default): on where
   the run allows it on a GPU; elsewhere, and from the first step an objective cannot replay (CAT's alternating
@@ -54,7 +57,6 @@ are the Trainer's. What they add:
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
@@ -63,30 +65,23 @@ from transformers.modeling_utils import unwrap_model
 
 from .. import objectives
 from ..models import compiled_wrapper, orig_module
-from ..objectives import double_backward_error, pair_by_group
-from ..step import CapturedStep, NotCapturable
-from . import checkpoints
+from ..objectives import double_backward_error
+from .step_graphs import (
+    NOT_ON_A_GPU,
+    NonFiniteLossError,
+    StepGraphs,
+    StepGraphsError,
+    StepGraphsWarning,
+    eager_warning,
+)
+from .trainer_checkpoints import OBJECTIVE_STATE, TrainerCheckpoints
 
 __all__ = ["ObjectiveTrainer", "CATTrainer", "GSTrainer", "NonFiniteLossError", "StepGraphsError", "StepGraphsWarning",
            "OBJECTIVE_STATE"]
 
-EXTRA_COLUMNS = ("pairs", "pair_group", "context_mask", "bias", "teacher_probs")
-OBJECTIVE_STATE = "cat_fast_objective.pt"  # the objective's state inside a checkpoint folder
 
 
-class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN or infinite (the message names the step and the term)."""
-
-
-class StepGraphsError(ValueError):
-    """What ``step_graphs=True`` cannot run (``reason``: the problem, naming the argument)."""
-
-    def __init__(self, reason):
-        super().__init__(f"step_graphs=True: {reason}")
-        self.reason = reason
-
-
-class ObjectiveTrainer(Trainer):
+class ObjectiveTrainer(StepGraphs, TrainerCheckpoints, Trainer):
     """`transformers.Trainer` that trains with a cat_fast objective (module docstring).
 
     ``objective``: a registered name (`cat_fast.objectives.names()`), an `Objective` subclass or an `Objective`
@@ -123,8 +118,8 @@ class ObjectiveTrainer(Trainer):
         if self._graphs_auto:
             reason = self._graphs_unavailable()
             self.step_graphs = reason is None
-            if reason and reason != _NOT_ON_A_GPU:
-                _eager_warning(reason)
+            if reason and reason != NOT_ON_A_GPU:
+                eager_warning(reason)
         self.keep_groups = keep_groups
         self.check_finite = bool(check_finite)
         self._last_info = None
@@ -139,8 +134,12 @@ class ObjectiveTrainer(Trainer):
         super()._set_signature_columns_if_needed()
         if self._signature_columns is not None:
             self._signature_columns = list(self._signature_columns) + [
-                c for c in EXTRA_COLUMNS if c not in self._signature_columns
+                c for c in self._columns() if c not in self._signature_columns
             ]
+
+    def _columns(self):
+        """The batch columns that are not the model's inputs: those the objectives require (`Requirement`)."""
+        return tuple(dict.fromkeys(objectives.batch_columns() + self.objective.batch_columns()))
 
     def _group_ids(self):
         """The ``pair_group`` column when batches should keep groups whole, else None."""
@@ -148,7 +147,7 @@ class ObjectiveTrainer(Trainer):
         names = getattr(dataset, "column_names", None) or []
         wanted = self.keep_groups
         if wanted is None:
-            wanted = self.objective.needs_pairs and not getattr(self.objective, "random_pairs", False)
+            wanted = self.objective.pairs_required()
         if not wanted:
             return None
         if "pair_group" not in names:
@@ -186,7 +185,8 @@ class ObjectiveTrainer(Trainer):
 
     # ------------------------------------------------------------------ steps
     def _eval_loss(self, model, inputs, return_outputs, num_items_in_batch, kwargs):
-        plain = {k: v for k, v in inputs.items() if k not in EXTRA_COLUMNS}
+        columns = self._columns()
+        plain = {k: v for k, v in inputs.items() if k not in columns}
         if num_items_in_batch is not None:
             kwargs = {**kwargs, "num_items_in_batch": num_items_in_batch}
         return super().compute_loss(model, plain, return_outputs=return_outputs, **kwargs)
@@ -218,112 +218,6 @@ class ObjectiveTrainer(Trainer):
                                            betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon, fused=True,
                                            capturable=device.type == "cuda")
         return self.optimizer
-
-    def _graphs_unavailable(self):
-        """Why ``step_graphs=None`` runs the eager step here (None: the captured step runs)."""
-        a = self.args
-        param = next(self.model.parameters(), None)
-        if param is None or param.device.type != "cuda":
-            return _NOT_ON_A_GPU
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and (
-                torch.distributed.get_world_size() > 1):
-            return "several processes (a captured step under DistributedDataParallel is not built)"
-        if a.gradient_accumulation_steps != 1:
-            return f"gradient_accumulation_steps={a.gradient_accumulation_steps} (a captured step is one optimizer step)"
-        if a.fp16:
-            return "fp16 (its loss scaling is not part of the captured step; bf16 is)"
-        if self.optimizer is not None:
-            raw = getattr(self.optimizer, "optimizer", self.optimizer)
-            if not all(g.get("fused") and isinstance(g["lr"], torch.Tensor) for g in raw.param_groups):
-                return "the optimizer given is not fused with a tensor learning rate (fused=True, lr=torch.tensor(...))"
-        else:
-            optim = str(getattr(a.optim, "value", a.optim))
-            if optim not in ("adamw_torch", "adamw_torch_fused"):
-                return f"TrainingArguments(optim={optim!r}) is not AdamW"
-        return None
-
-    def _fall_back_to_eager(self, reason):
-        """``step_graphs=None``: a step the captured step cannot take (refused before any state changed) runs
-        eagerly from now on, with one warning."""
-        _eager_warning(reason)
-        self.step_graphs, self._captured = False, None
-        if self._eager_step is not None:  # the Trainer steps the optimizer again, as the LR scheduler wrapped it
-            self.optimizer.step = self._eager_step
-        else:
-            self.optimizer.__dict__.pop("step", None)
-
-    def _graph_step_setup(self, model):
-        """The CapturedStep of the first step, after checking what step_graphs needs (module docstring)."""
-        a = self.args
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and (
-                torch.distributed.get_world_size() > 1):
-            raise StepGraphsError("one process only (under torchrun the objective runs inside DDP's forward, which "
-                                  "a captured step does not)")
-        if a.gradient_accumulation_steps != 1:
-            raise StepGraphsError(f"gradient_accumulation_steps must be 1 (one captured step per optimizer step), "
-                                  f"got {a.gradient_accumulation_steps}")
-        if a.fp16:
-            raise StepGraphsError("bf16 or fp32 (fp16's loss scaling is not part of the captured step)")
-        raw = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's AcceleratedOptimizer wraps it
-        try:
-            captured = CapturedStep(self.objective, raw, max_grad_norm=a.max_grad_norm if a.max_grad_norm > 0 else None,
-                                    autocast=torch.bfloat16 if a.bf16 else None, skip_non_finite=True, strict=True,
-                                    max_graphs=64)
-        except ValueError as error:
-            raise StepGraphsError(str(error)) from error
-        for group in raw.param_groups:
-            if not isinstance(group["lr"], torch.Tensor):
-                raise StepGraphsError("optimizer: the learning rate must be a tensor (lr=torch.tensor(...), which the "
-                                      "scheduler updates in place; a captured step would replay a float lr)")
-        # the captured step clips and steps the optimizer itself: the Trainer's own optimizer step becomes a no-op
-        # (marked as torch's LR schedulers mark the step they wrap, so they see the step as taken)
-        wrapper = self.optimizer
-        self._eager_step = wrapper.__dict__.get("step")
-
-        def taken(*args, **kwargs):
-            wrapper._opt_called = True
-
-        taken._wrapped_by_lr_sched = True
-        wrapper.step = taken
-        return captured
-
-    def _graph_training_step(self, model, inputs):
-        if self._captured is None:
-            try:
-                self._captured = self._graph_step_setup(model)
-            except StepGraphsError as error:
-                if not self._graphs_auto:
-                    raise
-                self._fall_back_to_eager(error.reason)
-                return self.training_step(model, inputs)
-        model.train()
-        inputs = self._prepare_inputs(inputs)
-        objective = self.objective
-        objective.step = self.state.global_step
-        objective.set_optimizer(self.optimizer)  # CLP's virtual step reads its learning rate
-        batch, args = self._objective_arguments(inputs)
-        try:
-            loss, info = self._captured(batch, *args)
-        except NotCapturable as error:
-            if not self._graphs_auto:
-                raise StepGraphsError(str(error)) from error
-            self._fall_back_to_eager(str(error))
-            return self.training_step(model, inputs)
-        norm = self._captured.last_grad_norm
-        if norm is not None:
-            info = {**info, "grad_norm": norm}
-        self._record(info)
-        if self.check_finite:
-            values = loss.detach().float().reshape(1)
-            if norm is not None:
-                values = torch.cat([values, norm.detach().float().reshape(1).to(values.device)])
-            if not bool(torch.isfinite(values).all()):  # the fused optimizer step skipped it on the device
-                if not bool(torch.isfinite(values[0])):
-                    raise NonFiniteLossError(self._non_finite_message(loss))
-                raise NonFiniteLossError(f"the gradient norm became {float(values[1])} at step "
-                                         f"{self.state.global_step + 1}; training stopped before the optimizer "
-                                         "applied it")
-        return loss.detach()
 
     def training_step(self, model, inputs, *args, **kwargs):
         if self.step_graphs:
@@ -370,11 +264,7 @@ class ObjectiveTrainer(Trainer):
         call = objective
         inner = orig_module(model)  # torch_compile=True: the model or DDP module in accelerate's torch.compile wrapper
         if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
-            if self._distributed is None or self._distributed.ddp is not inner:
-                from ..distributed import DistributedObjective
-
-                self._distributed = DistributedObjective(objective, inner, reseed=not self._objective_loaded)
-            call = self._distributed
+            call = self._distributed_objective(inner)
         elif unwrap_model(inner) is not inner:
             raise ValueError(f"{type(inner).__name__}: cat_fast's objectives run under DistributedDataParallel "
                              "(torchrun) only, not FSDP or DeepSpeed: the objective would bypass the wrapper")
@@ -386,18 +276,18 @@ class ObjectiveTrainer(Trainer):
         self._record(info)
         return (loss, None) if return_outputs else loss
 
+    def _distributed_objective(self, ddp):
+        """The objective run inside `ddp`'s forward (`cat_fast.distributed.DistributedObjective`), made once."""
+        if self._distributed is None or self._distributed.ddp is not ddp:
+            from ..distributed import DistributedObjective
+
+            self._distributed = DistributedObjective(self.objective, ddp, reseed=not self._objective_loaded)
+        return self._distributed
+
     def _objective_arguments(self, inputs):
-        """(batch, args) of the objective's call: the pairs of an objective that needs them (module docstring)."""
-        objective = self.objective
-        if not objective.needs_pairs:
-            return inputs, ()
-        pairs = inputs.get("pairs")
-        if pairs is None and "pair_group" in inputs:
-            pairs = pair_by_group(inputs["pair_group"])
-        if pairs is None and not getattr(objective, "random_pairs", False):
-            raise ValueError(f"{type(self).__name__} needs a 'pairs' or 'pair_group' column in the batch "
-                             "(or random_pairs=True)")
-        return {k: v for k, v in inputs.items() if k not in EXTRA_COLUMNS}, (pairs,)
+        """(batch, args) of the objective's call: the pairs of an objective that requires them (module docstring;
+        `Objective.call_arguments`)."""
+        return self.objective.call_arguments(inputs)
 
     def _record(self, info):
         self._last_info = info
@@ -412,98 +302,13 @@ class ObjectiveTrainer(Trainer):
             means = {k: float(v) / self._info_count for k, v in self._info_sum.items()}
             logs.update({f"{self._log_prefix}/{k}": v for k, v in means.items()})
             self._info_sum, self._info_count = {}, 0
-            if (self.objective.needs_pairs and not getattr(self.objective, "random_pairs", False)
-                    and means.get("gs_pairs", 1.0) == 0 and not self._warned_no_pairs):
+            if self.objective.pairs_required() and means.get("gs_pairs", 1.0) == 0 and not self._warned_no_pairs:
                 self._warned_no_pairs = True
                 warnings.warn(f"{type(self).__name__}: no training step since the last log saw a counterfactual "
                               "pair with another label in its batch, so the GS term is 0 (plain ERM): keep groups "
                               "in one batch (a 'pair_group' column; keep_groups=True) or check the pairs",
                               RuntimeWarning, stacklevel=2)
         return super().log(logs, *args, **kwargs)
-
-    # ------------------------------------------------------------------ checkpoints
-    def _get_output_dir(self, trial):
-        if self._staging is not None:  # a checkpoint being written: the Trainer writes into the staging folder
-            return self._staging
-        return super()._get_output_dir(trial=trial)
-
-    def _save_checkpoint(self, model, trial, *args, **kwargs):
-        """The Trainer's checkpoint and the objective's state, written atomically (`checkpoints`): staged, sealed
-        by a manifest, renamed into place, and only then are older checkpoints rotated away."""
-        run_dir = self._get_output_dir(trial=trial)
-        step = self.state.global_step
-        staging = checkpoints.staging_dir(run_dir, step)
-        main = self.args.should_save
-        if main:
-            checkpoints.remove_leftovers(run_dir)
-            os.makedirs(staging)
-        self.accelerator.wait_for_everyone()
-        self._staging = staging
-        limit, self.args.save_total_limit = self.args.save_total_limit, None  # rotated below, after the rename
-        try:
-            super()._save_checkpoint(model, trial, *args, **kwargs)
-            folder = os.path.join(staging, f"{checkpoints.PREFIX}{step}")
-            os.makedirs(folder, exist_ok=True)
-            torch.save(self.objective.state_dict(), os.path.join(folder, _objective_file(self.args.process_index)))
-            for extra in self.checkpoint_extras:  # more state of the run, sealed in with the checkpoint
-                extra(folder)
-        finally:
-            self._staging = None
-            self.args.save_total_limit = limit
-        self.accelerator.wait_for_everyone()  # every rank's files are in the staging folder
-        if main:
-            final = checkpoints.finish(run_dir, step)
-            if self.state.best_model_checkpoint and self.state.best_model_checkpoint.startswith(staging):
-                self.state.best_model_checkpoint = final
-            checkpoints.rotate(run_dir, limit)
-        self.accelerator.wait_for_everyone()
-
-    def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        if resume_from_checkpoint is True:  # the newest COMPLETE checkpoint, not merely the highest-numbered folder
-            found = checkpoints.last_complete(self.args.output_dir)
-            if found is None:
-                raise checkpoints.CheckpointError(f"resume_from_checkpoint=True: no complete checkpoint in "
-                                                  f"{self.args.output_dir}")
-            resume_from_checkpoint = found
-        elif isinstance(resume_from_checkpoint, str) and not checkpoints.is_complete(resume_from_checkpoint):
-            raise checkpoints.CheckpointError(
-                f"resume_from_checkpoint={resume_from_checkpoint!r}: not a complete checkpoint (no "
-                f"{checkpoints.COMPLETE} matching its files: written by an interrupted save?)")
-        return super().train(resume_from_checkpoint, *args, **kwargs)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint, *args, **kwargs):
-        super()._load_from_checkpoint(resume_from_checkpoint, *args, **kwargs)
-        path = os.path.join(resume_from_checkpoint, _objective_file(self.args.process_index))
-        if not os.path.isfile(path):
-            raise checkpoints.CheckpointError(f"{resume_from_checkpoint}: no {os.path.basename(path)} (the "
-                                              "objective's state of this rank)")
-        try:  # tensors and plain containers only: a crafted file cannot run code here
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as error:
-            raise checkpoints.CheckpointError(f"{path}: cannot read the objective's state ({type(error).__name__}: "
-                                              f"{' '.join(str(error).split())[:200]})") from error
-        self.objective.load_state_dict(state)
-        self._objective_loaded = True
-
-
-_NOT_ON_A_GPU = "not on a GPU"
-
-
-class StepGraphsWarning(UserWarning):
-    """``step_graphs=None`` runs the eager training step (``reason`` says why)."""
-
-    def __init__(self, reason):
-        super().__init__(f"ObjectiveTrainer: the eager training step runs: {reason} (step_graphs=False silences "
-                         "this)")
-        self.reason = reason
-
-
-def _eager_warning(reason):
-    warnings.warn(StepGraphsWarning(reason), stacklevel=3)
-
-
-def _objective_file(rank):
-    return OBJECTIVE_STATE if rank == 0 else OBJECTIVE_STATE.replace(".pt", f".rank{rank}.pt")
 
 
 class CATTrainer(ObjectiveTrainer):

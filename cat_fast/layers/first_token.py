@@ -4,7 +4,7 @@
 ``forward(layer, args, kwargs)`` returns the layer's output with row 0 computed (keys and values of every token,
 the rest for row 0: about 1/6 of the layer's matmuls) and rows 1.. the layer's input rows, or None where it does
 not apply. The layer's own submodules compute the projections and blocks, so forward hooks on them run, on the
-rows computed. Supported: the Bert and DistilBERT layouts (`layout.family`), post-LN, SDPA or eager attention,
+rows computed. Supported: the families of `layout.LAYOUTS` (`layout.pieces`), post-LN, SDPA or eager attention,
 absolute positions. `models.first_token_ok` checks once per model that the head reads only row 0 and that this
 layer gives the full layer's row 0.
 
@@ -18,9 +18,6 @@ written as one); the input gradient is summed in fp32 under autocast (the module
 bits first). `INPUT_ONLY_KEY_VALUE` (True by default) turns it off when False (its timing: benchmarks/RESULTS.md).
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -62,9 +59,10 @@ class _KeyValueFirst(torch.autograd.Function):
 
 def _key_value_weights(layer, parts, x):
     """``(dtype, W_kv, b_kv)`` for the one-matmul keys and values of an input-only pass, or None where the layer or
-    the call does not allow it (not the Bert layout, hooked or non-plain key/value modules, missing biases,
+    the call does not allow it (a family whose weights are not read directly, `Layout.fused`: only the Bert
+    layout's are; hooked or non-plain key/value modules, missing biases,
     parameters of another dtype or device, an autocast setting other than an fp32 layer under 16-bit autocast)."""
-    if not INPUT_ONLY_KEY_VALUE or layout.family(layer) != "bert":
+    if not INPUT_ONLY_KEY_VALUE or not parts.spec.fused:
         return None
     params = layout.bert_projections(layer)
     if (any(p is None for p in params) or not layout.plain(parts.key, parts.value)
@@ -79,43 +77,6 @@ def _key_value_weights(layer, parts, x):
     return dtype, w16.qkv[n_q:], w16.qkv_bias[n_q:]
 
 
-@dataclass(frozen=True)
-class _Layout:
-    attention: nn.Module  # has the head count / width / scaling / attention dropout
-    query: nn.Linear
-    key: nn.Linear
-    value: nn.Linear
-    heads: int
-    width: int
-    finish: Callable  # (context [B, 1, D], input row [B, 1, D]) -> the layer's output row
-
-
-def _bert(layer):
-    sa = layer.attention.self
-    attended = layer.attention.output
-    return _Layout(sa, sa.query, sa.key, sa.value, sa.num_attention_heads, sa.attention_head_size,
-                   lambda context, first: layer.feed_forward_chunk(attended(context, first)))
-
-
-def _distilbert(layer):
-    sa = layer.attention
-
-    def finish(context, first):
-        attended = layer.sa_layer_norm(sa.out_lin(context) + first)
-        return layer.output_layer_norm(layer.ffn(attended) + attended)
-
-    return _Layout(sa, sa.q_lin, sa.k_lin, sa.v_lin, sa.n_heads, sa.attention_head_size, finish)
-
-
-def _layout(layer):
-    kind = layout.family(layer)
-    if kind == "bert":
-        return _bert(layer)
-    if kind == "distilbert":
-        return _distilbert(layer)
-    return None
-
-
 def _layout_ok(parts):
     a = parts.attention
     config = getattr(a, "config", None)
@@ -127,7 +88,7 @@ def _layout_ok(parts):
 
 def supported(layer: nn.Module) -> bool:
     """Whether `layer` has a layout this module knows (see the module docstring)."""
-    parts = _layout(layer)
+    parts = layout.pieces(layer)
     return parts is not None and _layout_ok(parts)
 
 
@@ -139,7 +100,7 @@ def forward(layer: nn.Module, args, kwargs, fill: float | None = None, row_only:
     one row, not a zero-filled sequence). `input_only`: no parameter gradient will be taken through this call (the
     module docstring's one-matmul keys and values, where on). None when the layer or this call cannot be handled
     (then run the layer itself)."""
-    parts = _layout(layer)
+    parts = layout.pieces(layer)
     if parts is None or not _layout_ok(parts):
         return None
     found = layout.call_arguments(args, kwargs)

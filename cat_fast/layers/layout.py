@@ -1,23 +1,26 @@
 """Where the parts of an encoder layer live, per architecture family, and the helpers the fast layers share.
 
-`LAYOUTS` is the table (one `Layout` per family, paths relative to the layer module); `family(layer)` recognises a
-layer by its structure, `component(layer, name)` returns the module whose output is one of the mediators of
-`COMPONENTS`. The fast layers (`layers.training`, `layers.resumed`, `layers.first_token`) read the Bert layout's
-weights directly; `plain` says when that computes what calling the modules would.
+`LAYOUTS` is the one per-family table (one `Layout` per family: everything cat_fast knows about it);
+`family(layer)` recognises a layer by its structure, `component(layer, name)` returns the module whose output is one
+of the mediators of `COMPONENTS`, `producer(layer, name)` the parameters that make it, `pieces(layer)` the layer as
+pieces that run on chosen rows (mediation, the first-token layer). The fast layers (`layers.training`,
+`layers.resumed`, `layers.first_token`) read the Bert layout's weights directly; `plain` says when that computes what
+calling the modules would.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import casts
 
-__all__ = ["Layout", "LAYOUTS", "MODEL_TYPES", "COMPONENTS", "BertParts", "family", "component", "bert_parts",
-           "call_arguments", "plain", "sdpa_mask", "dropout", "dropout_p", "fp32_mm_supported", "attach_copy16",
-           "copy16", "bert_projections", "compute_dtype", "mm_at"]
+__all__ = ["Layout", "LAYOUTS", "MODEL_TYPES", "COMPONENTS", "BertParts", "Pieces", "family", "config_family",
+           "component", "producer", "pieces", "bert_parts", "call_arguments", "plain", "sdpa_mask", "dropout",
+           "dropout_p", "fp32_mm_supported", "attach_copy16", "copy16", "bert_projections", "compute_dtype", "mm_at"]
 
 # The activations a layer exposes to interventions (`layers.interventions`), in the order a forward computes them:
 # the query, key and value projections, the attention block's output (after its LayerNorm), the feed-forward
@@ -27,74 +30,193 @@ COMPONENTS = ("query", "key", "value", "attention_output", "intermediate", "outp
 
 @dataclass(frozen=True)
 class Layout:
-    """Dotted paths, relative to one encoder layer, of what cat_fast reads or intervenes on."""
+    """Everything cat_fast knows about one family of encoder layers; paths are dotted, relative to the layer.
 
+    Adding a family is one entry of `LAYOUTS` (and its tests): recognition (`family`), interventions and masking
+    (`component`), unlearning (`producer`), mediation's row-wise pieces and the first-token layer (`Pieces`) all
+    read it from there."""
+
+    model_types: tuple  # Hugging Face model types whose encoder layers have this layout
+    # recognition (`family`): a layer of the family has these, and no chunked feed-forward
+    linears: tuple  # paths that are nn.Linear
+    norms: tuple  # paths that are nn.LayerNorm
+    required: tuple  # other paths (modules or methods) that exist
+    chunking: str  # module whose chunk_size_feed_forward must be 0 ("": the layer)
     attention: str  # the module holding the head count, head width, scaling and attention dropout
     heads: str  # attribute of `attention`: number of heads
     head_width: str  # attribute of `attention`: width of one head
+    # the modules whose outputs are the mediators of `COMPONENTS`
     query: str
     key: str
     value: str
     attention_output: str  # module whose output is the attention block's output (after its LayerNorm)
     intermediate: str  # module whose output is the feed-forward activation
     output: str  # module whose output is the layer's output (after its LayerNorm)
+    # component -> (the Linear whose output row makes the neuron, the LayerNorm after it or None)
+    producers: dict
+    # the row-wise pieces (`Pieces`), each calling the layer's own modules
+    attention_block: Callable  # (layer, context, residual) -> the attention block's output
+    activation: Callable  # (layer, attention block output) -> the feed-forward activation
+    output_block: Callable  # (layer, activation, attention block output) -> the layer's output
+    feed_forward: Callable  # (layer, attention block output) -> the layer's output, as the layer calls its modules
+    inner_size: str  # config attribute: the feed-forward width
+    fused: bool  # its weights are read directly (`bert_parts`: training, resumed, one-matmul keys and values)
+
+
+def _bert_attention_block(layer, context, x):
+    return layer.attention.output(context, x)
+
+
+def _bert_output_block(layer, i, a):
+    return layer.output(i, a)
+
+
+def _distilbert_attention_block(layer, context, x):
+    return layer.sa_layer_norm(layer.attention.out_lin(context) + x)
+
+
+def _distilbert_activation(layer, a):
+    return layer.ffn.activation(layer.ffn.lin1(a))
+
+
+def _distilbert_output_block(layer, i, a):
+    return layer.output_layer_norm(layer.ffn.dropout(layer.ffn.lin2(i)) + a)
+
+
+def _distilbert_feed_forward(layer, a):
+    return layer.output_layer_norm(layer.ffn(a) + a)
 
 
 LAYOUTS = {
     # BERT, RoBERTa, ELECTRA, XLM-R, CamemBERT, MiniLM
-    "bert": Layout(attention="attention.self", heads="num_attention_heads", head_width="attention_head_size",
-                   query="attention.self.query", key="attention.self.key", value="attention.self.value",
-                   attention_output="attention.output", intermediate="intermediate", output="output"),
-    "distilbert": Layout(attention="attention", heads="n_heads", head_width="attention_head_size",
-                         query="attention.q_lin", key="attention.k_lin", value="attention.v_lin",
-                         attention_output="sa_layer_norm", intermediate="ffn.activation", output="output_layer_norm"),
+    "bert": Layout(
+        model_types=("bert", "roberta", "xlm-roberta", "electra", "camembert"),
+        linears=("attention.self.query", "attention.self.key", "attention.self.value"), norms=(),
+        required=("attention.output", "feed_forward_chunk"), chunking="",
+        attention="attention.self", heads="num_attention_heads", head_width="attention_head_size",
+        query="attention.self.query", key="attention.self.key", value="attention.self.value",
+        attention_output="attention.output", intermediate="intermediate", output="output",
+        producers={"query": ("attention.self.query", None), "key": ("attention.self.key", None),
+                   "value": ("attention.self.value", None),
+                   "attention_output": ("attention.output.dense", "attention.output.LayerNorm"),
+                   "intermediate": ("intermediate.dense", None), "output": ("output.dense", "output.LayerNorm")},
+        attention_block=_bert_attention_block, activation=lambda layer, a: layer.intermediate(a),
+        output_block=_bert_output_block, feed_forward=lambda layer, a: layer.feed_forward_chunk(a),
+        inner_size="intermediate_size", fused=True),
+    "distilbert": Layout(
+        model_types=("distilbert",),
+        linears=("attention.q_lin", "attention.k_lin", "attention.v_lin", "attention.out_lin"),
+        norms=("sa_layer_norm", "output_layer_norm"), required=("ffn",), chunking="ffn",
+        attention="attention", heads="n_heads", head_width="attention_head_size",
+        query="attention.q_lin", key="attention.k_lin", value="attention.v_lin",
+        attention_output="sa_layer_norm", intermediate="ffn.activation", output="output_layer_norm",
+        producers={"query": ("attention.q_lin", None), "key": ("attention.k_lin", None),
+                   "value": ("attention.v_lin", None), "attention_output": ("attention.out_lin", "sa_layer_norm"),
+                   "intermediate": ("ffn.lin1", None), "output": ("ffn.lin2", "output_layer_norm")},
+        attention_block=_distilbert_attention_block, activation=_distilbert_activation,
+        output_block=_distilbert_output_block, feed_forward=_distilbert_feed_forward,
+        inner_size="hidden_dim", fused=False),
 }
 
 # Hugging Face model types whose encoder layers have a layout of `LAYOUTS` (`family` decides from the structure).
-MODEL_TYPES = {"bert": "bert", "roberta": "bert", "xlm-roberta": "bert", "electra": "bert", "camembert": "bert",
-               "distilbert": "distilbert"}
+MODEL_TYPES = {t: kind for kind, spec in LAYOUTS.items() for t in spec.model_types}
 
 
 def _get(module, path):
-    for name in path.split("."):
+    for name in path.split(".") if path else ():
         module = getattr(module, name, None)
         if module is None:
             return None
     return module
 
 
-def _is_linear(module, *names):
-    return all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
+def _has(layer, spec: Layout) -> bool:
+    attention, chunked = _get(layer, spec.attention), _get(layer, spec.chunking)
+    return (attention is not None and all(hasattr(attention, n) for n in (spec.heads, spec.head_width))
+            and all(isinstance(_get(layer, p), nn.Linear) for p in spec.linears)
+            and all(isinstance(_get(layer, p), nn.LayerNorm) for p in spec.norms)
+            and all(_get(layer, p) is not None for p in spec.required)
+            and chunked is not None and getattr(chunked, "chunk_size_feed_forward", 0) == 0)
 
 
 def family(layer: nn.Module) -> str | None:
-    """``"bert"`` or ``"distilbert"`` when `layer` is a post-LN encoder layer of that family (no cross-attention, no
+    """The name of the `LAYOUTS` family of `layer` when it is a post-LN encoder layer of one (no cross-attention, no
     chunked feed-forward), else None."""
-    attention = getattr(layer, "attention", None)
-    sa = getattr(attention, "self", None)
-    if (sa is not None and getattr(attention, "output", None) is not None and _is_linear(sa, "query", "key", "value")
-            and callable(getattr(layer, "feed_forward_chunk", None))
-            and not getattr(layer, "is_decoder", False) and not getattr(layer, "add_cross_attention", False)
-            and getattr(layer, "chunk_size_feed_forward", 0) == 0
-            and all(hasattr(sa, n) for n in ("num_attention_heads", "attention_head_size"))):
-        return "bert"
-    ffn = getattr(layer, "ffn", None)
-    if (attention is not None and _is_linear(attention, "q_lin", "k_lin", "v_lin", "out_lin")
-            and all(isinstance(getattr(layer, n, None), nn.LayerNorm) for n in ("sa_layer_norm", "output_layer_norm"))
-            and ffn is not None and getattr(ffn, "chunk_size_feed_forward", 0) == 0
-            and all(hasattr(attention, n) for n in ("n_heads", "attention_head_size"))):
-        return "distilbert"
-    return None
+    if getattr(layer, "is_decoder", False) or getattr(layer, "add_cross_attention", False):
+        return None
+    return next((kind for kind, spec in LAYOUTS.items() if _has(layer, spec)), None)
+
+
+def config_family(config) -> str | None:
+    """The `LAYOUTS` family of a Hugging Face config's model type, or None."""
+    model_type = getattr(config, "model_type", None)
+    return next((kind for kind, spec in LAYOUTS.items() if model_type in spec.model_types), None)
+
+
+def _layout_of(layer, who) -> Layout:
+    kind = family(layer)
+    if kind is None:
+        raise ValueError(f"{who}: {type(layer).__name__} has no layout cat_fast knows ({', '.join(LAYOUTS)})")
+    return LAYOUTS[kind]
 
 
 def component(layer: nn.Module, name: str) -> nn.Module:
     """The module of `layer` whose output is the mediator `name` (one of `COMPONENTS`)."""
     if name not in COMPONENTS:
         raise ValueError(f"component: expected one of {COMPONENTS}, got {name!r}")
+    return _get(layer, getattr(_layout_of(layer, "component"), name))
+
+
+def producer(layer: nn.Module, name: str) -> tuple:
+    """``(linear, norm or None)``: the Linear of `layer` whose output row makes each neuron of the mediator `name`,
+    and the LayerNorm after it (attention_output, output)."""
+    if name not in COMPONENTS:
+        raise ValueError(f"component: expected one of {COMPONENTS}, got {name!r}")
+    linear, norm = _layout_of(layer, "producer").producers[name]
+    return _get(layer, linear), (None if norm is None else _get(layer, norm))
+
+
+class Pieces:
+    """One encoder layer of a `LAYOUTS` family called in pieces, on chosen rows, with its own modules: the
+    projections, `attend`, the attention block (`attended`), the feed-forward activation (`intermediate`) and output
+    block (`output`), and `finish` (all that follows attention, as the layer calls its modules)."""
+
+    def __init__(self, layer: nn.Module, kind: str):
+        self.layer, self.spec = layer, LAYOUTS[kind]
+        self.attention = _get(layer, self.spec.attention)
+        self.query, self.key, self.value = (_get(layer, p) for p in (self.spec.query, self.spec.key, self.spec.value))
+        self.heads = getattr(self.attention, self.spec.heads)
+        self.width = getattr(self.attention, self.spec.head_width)
+
+    def attended(self, context, x):
+        return self.spec.attention_block(self.layer, context, x)
+
+    def intermediate(self, a):
+        return self.spec.activation(self.layer, a)
+
+    def output(self, i, a):
+        return self.spec.output_block(self.layer, i, a)
+
+    def finish(self, context, x):
+        """The layer's output from the attention context and the layer's input rows (the residual)."""
+        return self.spec.feed_forward(self.layer, self.attended(context, x))
+
+    def attend(self, q, k, v, mask):
+        """Attention context [N, tq, D] of queries q [N, tq, D] over keys / values [N, t, D]; `mask` a 4-D mask that
+        broadcasts to [N, 1, tq, t] (or None)."""
+        n, tq, _ = q.shape
+        t = k.shape[1]
+        q = q.reshape(n, tq, self.heads, self.width).transpose(1, 2)
+        k, v = (x.reshape(n, t, self.heads, self.width).transpose(1, 2) for x in (k, v))
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask(mask, q.dtype),
+                                                 scale=self.attention.scaling)
+        return context.transpose(1, 2).reshape(n, tq, self.heads * self.width)
+
+
+def pieces(layer: nn.Module) -> Pieces | None:
+    """`Pieces` of `layer`, or None when it has no layout of `LAYOUTS`."""
     kind = family(layer)
-    if kind is None:
-        raise ValueError(f"component: {type(layer).__name__} has no layout cat_fast knows ({', '.join(LAYOUTS)})")
-    return _get(layer, getattr(LAYOUTS[kind], name))
+    return None if kind is None else Pieces(layer, kind)
 
 
 class BertParts(NamedTuple):

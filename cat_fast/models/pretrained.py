@@ -22,7 +22,7 @@ from typing import Optional, Tuple
 import torch
 
 __all__ = ["ModelLoadError", "MINILM", "resolve_model_dir", "load_classifier", "has_weights", "has_tokenizer",
-           "label_names_of", "generic_labels"]
+           "label_names_of", "generic_labels", "quiet_transformers"]
 
 MINILM = "minilm"
 _WEIGHT_PATTERNS = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
@@ -97,8 +97,9 @@ def resolve_model_dir(name_or_dir: str) -> str:
 
 
 @contextlib.contextmanager
-def _quiet_transformers():
-    """Silence 'newly initialized weights' warnings and the weight-loading progress bar."""
+def quiet_transformers():
+    """Silence 'newly initialized weights' warnings and the weight-loading progress bar (also around
+    ``save_pretrained``)."""
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
@@ -111,6 +112,9 @@ def _quiet_transformers():
         hf_logging.set_verbosity(level)
         if bar:
             hf_logging.enable_progress_bar()
+
+
+_quiet_transformers = quiet_transformers  # the name it had before it was public
 
 
 def label_names_of(config) -> Tuple[str, ...]:

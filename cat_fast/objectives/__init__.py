@@ -8,20 +8,50 @@
 - `ERM` (`erm`): the model's own loss.
 
 ``build("cat-star", model)`` makes a registered objective; ``names()`` lists them; the CLI and the Trainer
-classes use the same registry. Adding a method: subclass `Objective` (`base`), then one `register` line here.
+classes use the same registry. Adding a method: subclass `Objective` (`base`) with its declarations (`config`: its
+options as a dataclass, the batch columns it ``requires``, the ``curves`` of its info), then one `register` line
+here — or, outside cat_fast, ``cat_fast.objectives.register`` or an entry point of the ``cat_fast.objectives``
+group. Nothing else changes: the CLI's flags, the Trainer's columns and the plot come from the declarations.
 """
 from .base import Entry, Objective, build, get, names, register
 from .cat import CAT, default_layers
-from .clp import CLP
-from .debias import BiasObjective, ConfidenceRegularization, LearnedMixin, PoE, Reweight
+from .cat_options import CATConfig
+from .clp import CLP, CLPConfig
+from .config import (
+    BIAS,
+    CONTEXT_MASK,
+    METADATA,
+    PAIRS,
+    TEACHER,
+    Curve,
+    ObjectiveConfig,
+    Requirement,
+    option,
+)
+from .debias import BiasObjective, ConfidenceRegularization, LearnedMixin, LearnedMixinConfig, PoE, Reweight
 from .double_backward import DOUBLE_BACKWARD_HINT, double_backward_error
-from .erm import ERM
-from .gs import GradientSupervision
+from .erm import ERM, ERMConfig
+from .gs import GradientSupervision, GSConfig
 from .gs_pairs import pair_by_group
 
 __all__ = ["Objective", "Entry", "register", "get", "names", "build", "CAT", "default_layers", "ERM",
            "GradientSupervision", "pair_by_group", "double_backward_error", "DOUBLE_BACKWARD_HINT", "BiasObjective",
-           "PoE", "Reweight", "LearnedMixin", "ConfidenceRegularization", "CLP"]
+           "PoE", "Reweight", "LearnedMixin", "ConfidenceRegularization", "CLP", "ObjectiveConfig", "option",
+           "Requirement", "Curve", "PAIRS", "BIAS", "TEACHER", "METADATA", "CONTEXT_MASK", "CATConfig", "GSConfig",
+           "ERMConfig", "CLPConfig", "LearnedMixinConfig", "batch_columns", "configs"]
+
+
+def batch_columns() -> tuple:
+    """Every batch column that the registered objectives require (never passed to the model's forward)."""
+    from ..models.inputs import metadata_keys
+
+    names()  # the plugins' requirements too
+    return metadata_keys()
+
+
+def configs() -> dict:
+    """Method name -> its objective's config class, for every registered objective (plugins included)."""
+    return {name: get(name).cls.config for name in names()}
 
 register("erm", ERM, "the model's own cross-entropy")
 register("erm-orig", ERM, "the model's own cross-entropy, trained on originals only", data="orig")

@@ -192,11 +192,12 @@ class Objective(Declarations, metaclass=_ObjectiveType):
 
     def check_capturable(self) -> None:
         """`NotCapturable` under DDP: a step replayed as a CUDA graph would run outside DDP's forward and reducer,
-        so its gradients would not be averaged over the ranks."""
-        if self.distributed:
+        so its gradients would not be averaged over the ranks; except inside `cat_fast.step.CapturedStep`, which
+        plans and runs such a step outside DDP's forward and averages the gradients itself (`cat_fast.step_ddp`)."""
+        if self.distributed and not getattr(self, "_averaged_by_step", False):
             raise NotCapturable(f"{type(self).__name__} under DistributedDataParallel: a replayed step would skip "
-                                "DDP's forward and gradient averaging; call the objective in a plain loop "
-                                "(CapturedStep(..., cuda_graph=False) runs it eagerly)")
+                                "DDP's forward and gradient averaging; use cat_fast.step.CapturedStep, which "
+                                "averages them itself, or call the objective in a plain loop")
 
     def check_distributed(self) -> None:
         """Raise a ValueError naming the option when this objective cannot train under DDP (none by default)."""

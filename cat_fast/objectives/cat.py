@@ -266,12 +266,7 @@ class CAT(Draws, Objective):
         # CAL: ascent on λ only; h_m detached, parameters untouched.
         lam = lam0.clone()
         for k in range(self.adv_steps):
-            lam_var = lam.detach().requires_grad_(True)
-            with self._pass(rng, k, cap):
-                cf_logits = self.counterfactual_logits(cap, h_det, lam_var, partner, mask, allow)
-                objective = self.cal_objective_per_sample(cf_logits, targets).sum()
-                (grad,) = torch.autograd.grad(objective, lam_var)
-            self.cal_step(lam, grad)
+            self.cal_ascent(cap, h_det, lam, partner, mask, allow, targets, within=self._pass(rng, k, cap))
 
         # Final counterfactual forward on the optimised λ (no autograd when ω is detached).
         differentiable = not self.detach_weight
@@ -327,6 +322,18 @@ class CAT(Draws, Objective):
 
     def cal_step(self, lam, grad):
         cal_step_(lam, grad, self.adv_lr, self.p)
+
+    def cal_ascent(self, cap, h, lam, partner, mask, allow, targets, within=None):
+        """One CAL step on λ, in place (docs/METHODS.md §1.2): the counterfactual pass from the detached `h` at
+        `lam`, ∂J/∂λ, then `cal_step`. The eager loop (`_cal`) and the CUDA graph of the CAL loop (`cat_graphs`)
+        both run it; `within`: the context of the pass and its backward (the plan's pass generators, the graph's
+        autocast)."""
+        with torch.enable_grad(), (within if within is not None else contextlib.nullcontext()):
+            lam_var = lam.detach().requires_grad_(True)
+            cf_logits = self.counterfactual_logits(cap, h, lam_var, partner, mask, allow)
+            objective = self.cal_objective_per_sample(cf_logits, targets).sum()
+            (grad,) = torch.autograd.grad(objective, lam_var)
+        self.cal_step(lam, grad)
 
     def _prunes(self, batch):
         """Whether this model's last layer runs for the first token only (decided once per model, before any

@@ -100,11 +100,11 @@ def check_arguments(model, st, layers, alpha, beta, gamma, eta, adv_steps, adv_l
 def options_kwargs(model, options, preset) -> dict:
     """`CAT`'s keyword arguments from the CLI's `options` over the registry's `preset` (`CAT.from_options`)."""
     kw = dict(preset)
-    for option, name in (("cat_layers", "layers"), ("alpha", "alpha"), ("beta", "beta"), ("gamma", "gamma"),
-                         ("eta", "eta"), ("adv_steps", "adv_steps"), ("adv_lr", "adv_lr"),
-                         ("mask_mode", "mask_mode"), ("cat_update", "update")):
-        if options.get(option) is not None:
-            kw[name] = options[option]
+    for key, name in (("cat_layers", "layers"), ("alpha", "alpha"), ("beta", "beta"), ("gamma", "gamma"),
+                      ("eta", "eta"), ("adv_steps", "adv_steps"), ("adv_lr", "adv_lr"),
+                      ("mask_mode", "mask_mode"), ("cat_update", "update")):
+        if options.get(key) is not None:
+            kw[name] = options[key]
     if options.get("crm_clip") is not None:
         kw["a1"], kw["a2"] = options["crm_clip"]
     if kw.get("gs_weight", 0) > 0 and options.get("gs_weight") is not None:

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import models
-from ..ops.fused import upcast
 from ..ops import cal_objective, crm_loss, crm_weights
+from ..ops.fused import upcast
 
 __all__ = ["Classification", "QuestionAnswering", "task_for"]
 

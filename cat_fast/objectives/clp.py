@@ -29,81 +29,67 @@ Class statistics (prior, mean loss, mean margin per class) live on the device; t
 accumulated without a host synchronisation and become "the last epoch's" when ``epoch_size`` examples have been
 seen (before the first epoch ends, the running means of the epoch so far stand in). ``class_prior`` fixes the prior
 (e.g. the training set's class frequencies); otherwise the running class counts give it.
+
+Diagnostics (`clp_diagnostics.CLPDiagnostics`, read by ``epoch_record()``: the CLI's metrics.json history keeps one
+``clp_diagnostics`` per epoch): δ' per class and per (class, group) when the batch has a ``diagnostic_group``
+column (``group_names=`` names the ids; the CLI's ``--diagnose-column``), the meta-gradient's norm, the metadata loss
+before and after the virtual step, the virtual step's norm; accumulated on the device without a host sync.
 """
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import models, ops
+from .. import data, models, ops
 from ..ops.fused import upcast
 from ..step import NotCapturable, StepPlan
 from .base import Objective, check_number
+from .clp_diagnostics import CLPDiagnostics, grad_norm
+from .clp_net import PerturbationNet, find_head
+from .config import DIAGNOSTIC_GROUPS, METADATA, Curve, ObjectiveConfig, option
 
-__all__ = ["CLP", "PerturbationNet", "find_head", "metadata_from_cad"]
+__all__ = ["CLP", "CLPConfig", "PerturbationNet", "find_head", "metadata_from_cad"]
+
+metadata_from_cad = data.metadata_from_cad  # CLP's metadata from CAD dev (`cat_fast.data`)
 
 _INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
-class PerturbationNet(nn.Module):
-    """Ω: BatchNorm(10) → Linear(10, hidden) → ReLU → Linear(hidden, 1) → tanh, times `scale`; [B, 10] → [B]."""
+@dataclass
+class CLPConfig(ObjectiveConfig):
+    """CLP's options (docs/METHODS.md §5; `CLP.from_options`); the defaults are the paper's (Adam lr 1e-3 on Ω, the
+    bound 1 of its tanh). What each one does to a planted shortcut, with the per-epoch diagnostics, is in
+    docs/RESULTS-clp.md: the bound limits how far δ can reweight an example (at most about e^(2·clp_scale)
+    between δ = -bound and +bound); `virtual_lr` scales Ω's meta-gradient, which Ω's Adam then normalises, so it
+    changes Ω's updates only through second-order terms."""
 
-    def __init__(self, hidden: int = 100, scale: float = 1.0):
-        super().__init__()
-        self.norm = nn.BatchNorm1d(10)
-        self.fc1 = nn.Linear(10, hidden)
-        self.fc2 = nn.Linear(hidden, 1)
-        self.scale = float(scale)
-
-    def forward(self, x):
-        return self.scale * torch.tanh(self.fc2(F.relu(self.fc1(self.norm(x))))).squeeze(-1)
-
-
-def find_head(model, num_labels: Optional[int] = None) -> nn.Linear:
-    """The classification head's last Linear: the last ``nn.Linear`` (in module order) whose output width is the
-    number of labels."""
-    n = num_labels or getattr(getattr(model, "config", None), "num_labels", None)
-    found = None
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and (n is None or module.out_features == n):
-            found = module
-    if found is None:
-        raise ValueError(f"head: no nn.Linear with {n} outputs in {type(model).__name__}; pass head=")
-    return found
-
-
-def metadata_from_cad(dev, per_class: int, seed: int = 0):
-    """CLP's metadata from a CAD split: `per_class` originals of each class drawn with their edits (the edits are
-    the counterfactual augmentation: each changes the label by construction), then every class cut to the smallest
-    class's count (a balanced set). CAD has no label-preserving (factual) edits: the original pairs stand in for
-    them. Returns (metadata, the rest of `dev`: the groups not drawn, for an uncontaminated dev score)."""
-    import random
-
-    from ..data import few_shot
-
-    drawn = few_shot(dev, per_class, seed=seed, with_edits=True)
-    by_class = {}
-    for i, y in enumerate(drawn.labels):
-        by_class.setdefault(y, []).append(i)
-    n = min(len(v) for v in by_class.values())
-    rng = random.Random(seed)
-    keep = sorted(i for v in by_class.values() for i in rng.sample(v, n))
-    used = set(drawn.ids)
-    rest = [i for i in range(len(dev)) if dev.ids[i] not in used]
-    return drawn.subset(keep), dev.subset(rest)
+    title = "CLP"
+    meta_lr: float = option(1e-3, low=0.0, low_open=True, help="Adam learning rate of the perturbation network")
+    clp_scale: float = option(1.0, low=0.0, low_open=True, help="the perturbation's bound (tanh times this)")
+    virtual_lr: Optional[float] = option(None, type=float, low=0.0, low_open=True, help="step size of the virtual "
+                                         "SGD step (default: the optimizer's current learning rate, which for AdamW "
+                                         "is a much smaller step than the real one)")
 
 
 class CLP(Objective):
     """Causal logit perturbation (module docstring). `model`: a Hugging Face sequence classifier (batches of
     tokenised inputs) or any ``nn.Module`` called as ``model(batch["inputs"])`` that ends in a Linear head."""
 
-    needs_meta = True  # the CLI builds `meta_batches` (--meta-data, or a balanced draw from CAD dev)
-    required_help = {"meta_batches": "meta_batches=[...]: a small balanced metadata set as tokenised batches, "
-                                     "dicts of model inputs + labels"}
+    config = CLPConfig
+    # `meta_batches` (the CLI's: --meta-data, or a balanced draw from CAD dev); a group per example for the
+    # diagnostics when the batch has one
+    requires = (METADATA, DIAGNOSTIC_GROUPS)
+    curves = (Curve("meta_loss", "meta loss", "metadata", after_warmup=True),
+              Curve("delta_abs_mean", "mean |perturbation|", "metadata", after_warmup=True),
+              Curve("meta_grad_norm", "|meta-gradient of Ω|", "meta step", after_warmup=True),
+              Curve("virtual_step", "|virtual step|", "meta step", after_warmup=True),
+              Curve("meta_loss_change", "meta loss after - before the virtual step", "meta step",
+                    after_warmup=True))
 
     @classmethod
     def from_options(cls, model, options, **preset):
@@ -116,7 +102,7 @@ class CLP(Objective):
     def __init__(self, model, meta_batches: Iterable[dict], virtual: str = "head", scale: float = 1.0,
                  hidden: int = 100, meta_lr: float = 1e-3, meta_weight_decay: float = 1e-4,
                  virtual_lr: Optional[float] = None, class_prior=None, epoch_size: Optional[int] = None,
-                 head: Optional[nn.Linear] = None, num_labels: Optional[int] = None):
+                 head: Optional[nn.Linear] = None, num_labels: Optional[int] = None, group_names=None):
         super().__init__(model)
         if virtual not in ("head", "all"):
             raise ValueError(f"virtual: expected 'head' or 'all', got {virtual!r}")
@@ -155,6 +141,15 @@ class CLP(Objective):
         self._has_last = False
         self._seen = 0
         self._optimizer = None
+        id2label = getattr(getattr(model, "config", None), "id2label", None) or {}
+        self.diagnostics = CLPDiagnostics(C, scale, param.device, group_names,
+                                          [id2label.get(c, str(c)) for c in range(C)])
+
+    def epoch_record(self):
+        """``{"clp_diagnostics": ...}``: the diagnostics since the last call (`CLPDiagnostics.record`; one host
+        read), or None when no step ran; the CLI calls it at each epoch's end."""
+        record = self.diagnostics.record()
+        return None if record is None else {"clp_diagnostics": record}
 
     # ---- plumbing
     def set_optimizer(self, optimizer) -> None:
@@ -284,9 +279,9 @@ class CLP(Objective):
         delta = self.omega(chars)
         lr = self._lr()
         if self.virtual == "head":
-            meta_loss = self._meta_head(features.detach(), labels, onehot, delta, meta_batch, lr)
+            meta_loss, before, step = self._meta_head(features.detach(), labels, onehot, delta, meta_batch, lr)
         else:
-            meta_loss = self._meta_all(logits, labels, onehot, delta, meta_batch, lr)
+            meta_loss, before, step = self._meta_all(logits, labels, onehot, delta, meta_batch, lr)
         grads = torch.autograd.grad(meta_loss, list(self.omega.parameters()), allow_unused=True)
         self.omega_optimizer.zero_grad(set_to_none=True)
         for p, g in zip(self.omega.parameters(), grads):
@@ -309,10 +304,13 @@ class CLP(Objective):
             all_reduce_mean_([b for b in self.omega.buffers() if b.is_floating_point()])
         with torch.no_grad():
             info = {"ce_loss": F.cross_entropy(upcast(logits.detach()), labels), "meta_loss": meta_loss.detach(),
-                    "delta_mean": delta_new.mean(), "delta_abs_mean": delta_new.abs().mean()}
+                    "delta_mean": delta_new.mean(), "delta_abs_mean": delta_new.abs().mean(),
+                    **self.diagnostics.update(delta_new, labels, batch.get("diagnostic_group"), grads, before,
+                                              meta_loss, step)}
         return loss, info
 
     def _meta_head(self, features, labels, onehot, delta, meta_batch, lr):
+        """(metadata loss after the head's virtual step, before it, the step's norm)."""
         W, b = self.head.weight, self.head.bias
         z = F.linear(features.to(W.dtype), W, b)
         loss = F.cross_entropy(upcast(z + delta.to(z.dtype).unsqueeze(1) * onehot.to(z.dtype)), labels)
@@ -322,17 +320,23 @@ class CLP(Objective):
         b2 = (b - lr * grads[1]) if b is not None else None
         with torch.no_grad():
             _, meta_features = self._call(meta_batch)
-        z_meta = F.linear(meta_features.detach().to(W.dtype), W2, b2)
-        return F.cross_entropy(upcast(z_meta), meta_batch["labels"])
+            meta_features = meta_features.detach().to(W.dtype)
+            before = F.cross_entropy(upcast(F.linear(meta_features, W, b)), meta_batch["labels"])
+        z_meta = F.linear(meta_features, W2, b2)
+        return F.cross_entropy(upcast(z_meta), meta_batch["labels"]), before, lr * grad_norm(grads)
 
     def _meta_all(self, logits, labels, onehot, delta, meta_batch, lr):
+        """As `_meta_head` for every trainable parameter; the loss before the step is a forward of its own (its
+        own dropout draw)."""
         names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         params = [p for _, p in self.model.named_parameters() if p.requires_grad]
         loss = F.cross_entropy(upcast(logits + delta.to(logits.dtype).unsqueeze(1) * onehot), labels)
         grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
         updated = {n: (p - lr * g if g is not None else p) for n, p, g in zip(names, params, grads)}
         meta_logits, _ = self._call(meta_batch, params=updated)
-        return F.cross_entropy(upcast(meta_logits), meta_batch["labels"])
+        with torch.no_grad():
+            before = F.cross_entropy(upcast(self._call(meta_batch)[0]), meta_batch["labels"])
+        return F.cross_entropy(upcast(meta_logits), meta_batch["labels"]), before, lr * grad_norm(grads)
 
     def _update_stats(self, chars, labels, ends):
         """Adds the batch to the epoch's sums (device only: the host counted the examples in `_advance`); at the end
@@ -358,7 +362,8 @@ class CLP(Objective):
     def state_dict(self) -> dict:
         state = super().state_dict()
         state.update(omega=self.omega.state_dict(), omega_optimizer=self.omega_optimizer.state_dict(),
-                     sums=self._sums.clone(), last=None if self._last is None else self._last.clone(), seen=self._seen)
+                     sums=self._sums.clone(), last=None if self._last is None else self._last.clone(), seen=self._seen,
+                     diagnostics=self.diagnostics.state_dict())
         return state
 
     def load_state_dict(self, state) -> None:
@@ -371,3 +376,5 @@ class CLP(Objective):
             if self._has_last:
                 self._last_buf.copy_(state["last"])
             self._seen = int(state["seen"])
+            if "diagnostics" in state:
+                self.diagnostics.load_state_dict(state["diagnostics"])

@@ -29,7 +29,8 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Dict, List, Mapping, Optional, Tuple
 
-__all__ = ["option", "ObjectiveConfig", "Requirement", "PAIRS", "BIAS", "TEACHER", "METADATA", "CONTEXT_MASK", "Curve",
+__all__ = ["option", "ObjectiveConfig", "Requirement", "PAIRS", "BIAS", "TEACHER", "METADATA", "CONTEXT_MASK",
+           "DIAGNOSTIC_GROUPS", "Curve",
            "Declarations", "Option", "missing_arguments", "range_error", "int_list", "float_pair", "count"]
 
 
@@ -184,6 +185,8 @@ METADATA = Requirement("metadata", arguments=(("meta_batches", "meta_batches=[..
                        help="a small balanced metadata set")
 CONTEXT_MASK = Requirement("context_mask", ("context_mask",), help="question answering: the tokens that may be mixed",
                            optional=True)
+DIAGNOSTIC_GROUPS = Requirement("groups", ("diagnostic_group",), help="a group id per example (0..G-1) that "
+                                "diagnostics are broken down by (e.g. a planted cue)", optional=True)
 
 
 @dataclass(frozen=True)

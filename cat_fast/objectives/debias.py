@@ -8,14 +8,17 @@ logits.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from .. import models, ops
 from ..ops.fused import upcast
 from .base import Objective, check_number
+from .config import BIAS, TEACHER, ObjectiveConfig, option
 
-__all__ = ["BiasObjective", "PoE", "Reweight", "LearnedMixin", "ConfidenceRegularization"]
+__all__ = ["BiasObjective", "PoE", "Reweight", "LearnedMixin", "ConfidenceRegularization", "LearnedMixinConfig"]
 
 
 def _rows(name, value, like):
@@ -35,8 +38,7 @@ class BiasObjective(Objective):
     accepts the model (the same logits; under dropout, draws for that token only); False: the model's full forward.
     ``training_layers``: the encoder layers run `layers.training` where it supports them."""
 
-    needs_bias = True
-    needs_teacher = False
+    requires = (BIAS,)
     uses_pooled = False  # the loss reads the pooled vector (learned-mixin's gate)
 
     def __init__(self, model, prune_last_layer=True, training_layers=True):
@@ -99,8 +101,16 @@ class Reweight(BiasObjective):
         self.weight, self.normalize = weight, normalize
 
     def loss(self, logits, bias, labels, batch, cap):
-        loss = ops.reweight_loss(logits, bias, labels, normalize=self.normalize, weight=self.weight)
+        loss = ops.reweighted_loss(logits, bias, labels, normalize=self.normalize, weight=self.weight)
         return loss, {"reweight_loss": loss.detach()}
+
+
+@dataclass
+class LearnedMixinConfig(ObjectiveConfig):
+    """Learned-mixin's option (`LearnedMixin.from_options`)."""
+
+    title = "learned-mixin"
+    entropy_weight: float = option(0.03, low=0.0, help="learned-mixin: weight of the entropy penalty")
 
 
 class LearnedMixin(BiasObjective):
@@ -109,6 +119,7 @@ class LearnedMixin(BiasObjective):
     H(softmax(g·b))``."""
 
     uses_pooled = True
+    config = LearnedMixinConfig
 
     @classmethod
     def from_options(cls, model, options, **preset):
@@ -149,12 +160,12 @@ class ConfidenceRegularization(BiasObjective):
     """Confidence regularisation (Utama et al. 2020): the teacher's probabilities scaled ``t̃ ∝ t^(1 − p_b(y))``,
     loss ``−Σ t̃ log softmax(z)``; ``batch["teacher_probs"]`` [B, C] from a trained teacher."""
 
-    needs_teacher = True
+    requires = (BIAS, TEACHER)
 
     def loss(self, logits, bias, labels, batch, cap):
         if "teacher_probs" not in batch:
             raise ValueError("ConfidenceRegularization needs batch['teacher_probs'] (a trained teacher's "
                              "probabilities [B, C])")
         teacher = _rows("teacher_probs", batch["teacher_probs"], logits)
-        loss = ops.confidence_regularization_loss(logits, teacher, bias, labels)
+        loss = ops.conf_reg_loss(logits, bias, labels, teacher)
         return loss, {"conf_reg_loss": loss.detach()}

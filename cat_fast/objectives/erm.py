@@ -2,20 +2,28 @@
 control of CAT's alternating update (`ERM(model, extra_optimizer=...)`, ``erm-two-step``)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from .. import models
+from ..models.inputs import MODEL_TARGETS, TARGET_KEYS
 from ..ops.fused import upcast
 from ..step import NotCapturable
 from .base import Objective, check_number, check_single_label
+from .config import ObjectiveConfig, option
 
-__all__ = ["ERM"]
+__all__ = ["ERM", "ERMConfig"]
 
-# the targets the model's own loss reads; every other key of models.TARGET_KEYS (pairs, bias-model columns, ...)
-# is cat_fast data, not an argument of the model's forward
-_MODEL_TARGETS = ("labels", "start_positions", "end_positions")
-_METADATA = tuple(k for k in models.TARGET_KEYS if k not in _MODEL_TARGETS)
+
+@dataclass
+class ERMConfig(ObjectiveConfig):
+    """ERM's option: the extra step's learning rate of ``erm-two-step`` (`ERM.from_options`)."""
+
+    title = "erm-two-step"
+    crm_lr: float = option(2e-5, low=0.0, help="learning rate of the CRM step with --cat-update alternate (and of "
+                           "erm-two-step's extra step)")
 
 
 class ERM(Objective):
@@ -31,6 +39,8 @@ class ERM(Objective):
     of the updated model is returned — two optimizer updates per batch, as `CAT`'s alternating update makes (a CRM
     step on its own AdamW, then ERM on the updated model), with the counterfactual loss replaced by the plain one.
     Like CAT, the extra step starts after ``warmup_steps`` calls."""
+
+    config = ERMConfig
 
     def __init__(self, model, extra_optimizer=None, warmup_steps: int = 0, two_step: bool = False,
                  extra_lr: float = 2e-5, fast: bool = False):
@@ -70,7 +80,8 @@ class ERM(Objective):
 
     def __call__(self, batch, pairs=None):
         self.step += 1
-        inputs = {k: v for k, v in batch.items() if k not in _METADATA}
+        # the model's own targets stay (its loss reads them); every other declared column is cat_fast data
+        inputs = {k: v for k, v in batch.items() if k in MODEL_TARGETS or k not in TARGET_KEYS}
         if self.extra_optimizer is not None and self.step > self.warmup_steps:
             with torch.enable_grad():
                 first = self.plain_forward(inputs).loss

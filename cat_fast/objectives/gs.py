@@ -9,17 +9,20 @@ This module holds the objective and its exact pass; beside it: the first-order p
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from .. import models
+from ..layers import casts
+from ..ops import gs_cosine_loss
 from ..ops.fused import fused_kernels, upcast
 from ..ops.fused import gs_partners as _partners
 from ..ops.fused import weighted_cosine_loss as _weighted_cosine_loss
-from ..layers import casts
-from ..ops import gs_cosine_loss
 from ..step import NotCapturable, StepPlan
 from .base import Objective, check_number
+from .config import PAIRS, Curve, ObjectiveConfig, option
 from .double_backward import DOUBLE_BACKWARD_HINT, check_double_backward, double_backward_error
 from .gs_first_order import FirstOrder
 from .gs_pairs import check_pairs as _check_pairs
@@ -47,6 +50,21 @@ def _fused_kernel():
 def _info(ce, gs, pairs_used):
     """The detached 0-d tensors a call returns beside its loss."""
     return {"ce_loss": ce.detach(), "gs_loss": gs.detach(), "gs_pairs": pairs_used.to(ce.dtype)}
+
+
+@dataclass
+class GSConfig(ObjectiveConfig):
+    """GS's options (docs/METHODS.md §2), named as the command line's (`GradientSupervision.from_options`)."""
+
+    title = "GS"
+    gs_weight: float = option(1.0, low=0.0, help="weight of the GS loss (gs, gs-random, cat-gs)")
+    gs_representation: str = option("pooled", metavar="pooled|K", help="GS (gs, gs-random): where the input "
+                                    "gradient is taken: pooled (the classification layer's input) or K, the token "
+                                    "states after layer K (0 = the embedding output; pairs aligned by position)")
+    gs_mode: str = option("exact", choices=("exact", "first_order"), help="GS: exact (double backward; eager "
+                          "attention) or first_order (finite differences, any attention)")
+    gs_difference: str = option("central", choices=("central", "forward"), help="GS first_order: central (two "
+                                "perturbed passes) or forward (one) differences")
 
 
 class GradientSupervision(FirstOrder, Objective):
@@ -106,7 +124,10 @@ class GradientSupervision(FirstOrder, Objective):
         self._closed_form = None  # pooled exact g: closed form for a linear head (None: not checked yet)
         self._pooled_dtype = None  # dtype of the pooled vector on the last call (that of the closed-form g)
 
-    needs_pairs = True
+    config = GSConfig
+    requires = (PAIRS,)
+    curves = (Curve("ce_loss", "CE part"), Curve("gs_loss", "GS part", after_warmup=True))
+    distributed_preset = {"low_memory": False}  # its low-memory passes write .grad outside DDP's reducer
 
     def check_distributed(self):
         if self.mode == "first_order" and self.low_memory:
@@ -128,9 +149,9 @@ class GradientSupervision(FirstOrder, Objective):
             if rep != "pooled" and not rep.isdigit():
                 raise ValueError(f"gs_representation: expected 'pooled' or a layer number such as 0, got {rep!r}")
             kw.setdefault("representation", rep if rep == "pooled" else int(rep))
-        for option, name in (("gs_mode", "mode"), ("gs_difference", "difference")):
-            if options.get(option) is not None:
-                kw.setdefault(name, options[option])
+        for key, name in (("gs_mode", "mode"), ("gs_difference", "difference")):
+            if options.get(key) is not None:
+                kw.setdefault(name, options[key])
         if options.get("seed") is not None and "generator" not in kw:
             kw["generator"] = torch.Generator().manual_seed(options["seed"])
         return cls(model, **kw)

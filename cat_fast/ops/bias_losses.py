@@ -1,16 +1,21 @@
-"""Bias-model losses (docs/METHODS.md §4) as functional ops: `poe_loss`, `reweight_loss`, `learned_mixin_loss`,
-`confidence_regularization_loss`. `bias` is a fixed bias model's log-probabilities [B, C] (no gradient).
+"""Bias-model losses (docs/METHODS.md §4) as functional ops, one function per loss: `poe_loss`, `reweighted_loss`,
+`learned_mixin_loss` (+ `gate`, `entropy_weight`), `conf_reg_loss` (+ `teacher_probs`). `bias_log_probs` is a fixed
+bias model's log-probabilities [B, C] (no gradient).
 
 All four run on one fused kernel pair, `bias_loss_forward` / `bias_loss_backward` (docs/KERNELS.md "bias_loss"):
-one launch per direction, the reduction inside the forward kernel.
+one launch per direction, the reduction inside the forward kernel. The kernels take the variant as their `kind`
+launch parameter (`BiasLoss`, the same numbers as csrc/checks/bias_loss.h) and its extra tensor as `aux`; both are
+formed in `_fused` only.
 """
+import enum
+
 import torch
 
 from ..kernels.reference import bias_losses as reference
 from . import registry, validate
 from .backend import select
 
-__all__ = ["poe_loss", "reweight_loss", "learned_mixin_loss", "confidence_regularization_loss"]
+__all__ = ["poe_loss", "reweighted_loss", "learned_mixin_loss", "conf_reg_loss", "BiasLoss"]
 
 registry.define({
     "bias_loss_forward": "(Tensor logits, Tensor bias, Tensor labels, Tensor aux, int kind, int reduction, "
@@ -19,8 +24,24 @@ registry.define({
                           "int kind, int reduction, float entropy_weight, int ignore_index=-100) -> (Tensor, Tensor)",
 }, triton="bias_loss")
 
+
+class BiasLoss(enum.IntEnum):
+    """The variants of the bias_loss kernels (their `kind`); `aux` is read by LEARNED_MIXIN and CONF_REG only."""
+
+    POE = 0
+    REWEIGHTED_ONE_MINUS = 1  # w = 1 − p_b(y), Σ w·CE / Σ w
+    REWEIGHTED_INVERSE = 2  # w = 1 / p_b(y), Σ w·CE / Σ w
+    REWEIGHTED_ONE_MINUS_BATCH = 3  # w = 1 − p_b(y), Σ w·CE / N
+    REWEIGHTED_INVERSE_BATCH = 4  # w = 1 / p_b(y), Σ w·CE / N
+    LEARNED_MIXIN = 5  # aux: the gate [B]
+    CONF_REG = 6  # aux: the teacher's probabilities [B, C]
+
+
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
-POE, REWEIGHT, LEARNED_MIXIN, CONF_REG = 0, 1, 5, 6  # REWEIGHT + (weight == "inverse") + 2 * (normalize == "batch")
+REWEIGHTED = {("weights", "one_minus"): BiasLoss.REWEIGHTED_ONE_MINUS,
+              ("weights", "inverse"): BiasLoss.REWEIGHTED_INVERSE,
+              ("batch", "one_minus"): BiasLoss.REWEIGHTED_ONE_MINUS_BATCH,
+              ("batch", "inverse"): BiasLoss.REWEIGHTED_INVERSE_BATCH}
 SCALARS = {"entropy_weight": dict(low=0.0), "ignore_index": validate.INT}
 
 
@@ -32,7 +53,8 @@ def _backward(family):
         grad_logits, grad_aux = family.bias_loss_backward(
             grad_loss.contiguous(), logits, bias, labels, aux, denom, ctx.kind, ctx.reduction, ctx.entropy_weight,
             ctx.ignore_index)
-        return grad_logits, None, None, (grad_aux if ctx.kind == LEARNED_MIXIN else None), None, None, None, None
+        gate_grad = grad_aux if ctx.kind == BiasLoss.LEARNED_MIXIN else None
+        return grad_logits, None, None, gate_grad, None, None, None, None
 
     return backward
 
@@ -51,86 +73,96 @@ def _fake_forward(logits, bias, labels, aux, kind, reduction, entropy_weight, ig
 
 def _fake_backward(grad, logits, bias, labels, aux, denom, kind, reduction, entropy_weight, ignore_index=-100):
     acc = registry.acc_dtype(logits.dtype)
-    return torch.empty_like(logits), logits.new_empty(logits.shape[:1] if kind == LEARNED_MIXIN else (0,), dtype=acc)
+    rows = logits.shape[:1] if kind == BiasLoss.LEARNED_MIXIN else (0,)
+    return torch.empty_like(logits), logits.new_empty(rows, dtype=acc)
 
 
 registry.register("bias_loss_forward", _fake_forward, _backward, _setup)
 registry.register("bias_loss_backward", _fake_backward, registry.not_twice_differentiable("bias_loss"))
 
 
-def _check(logits, bias, labels, ignore_index, name="bias"):
+def _check(logits, bias_log_probs, labels, ignore_index):
     (ignore_index,) = validate.scalars(SCALARS, ignore_index=ignore_index)
     validate.classes("logits", logits, labels, ignore_index)
-    validate.tensor(name, bias, ndims=(2,))
-    validate.shape(name, bias, logits.shape, "like logits: one row per example, one column per class")
-    validate.same_device(logits=logits, **{name: bias})
+    validate.tensor("bias_log_probs", bias_log_probs, ndims=(2,))
+    validate.shape("bias_log_probs", bias_log_probs, logits.shape, "like logits: one row per example, one column per "
+                   "class")
+    validate.same_device(logits=logits, bias_log_probs=bias_log_probs)
     return labels.long(), ignore_index
 
 
-def _fused(logits, bias, labels, aux, kind, reduction, entropy_weight, ignore_index):
-    """The kernel's (loss, denom), or None where the reference composite runs."""
+def _fused(variant, logits, bias_log_probs, labels, reduction, ignore_index, gate=None, teacher_probs=None,
+           entropy_weight=0.0):
+    """The kernel's loss for `variant` (a `BiasLoss`), or None where the reference composite runs."""
     backend = select("bias_loss", logits.device)
     if backend == "reference":
         return None
     acc = registry.acc_dtype(logits.dtype)
-    if aux is None:
-        aux = logits.new_empty((0,), dtype=acc)
+    aux = {BiasLoss.LEARNED_MIXIN: gate, BiasLoss.CONF_REG: teacher_probs}.get(variant)
+    aux = logits.new_empty((0,), dtype=acc) if aux is None else aux.to(acc).contiguous()
     loss, _ = registry.kernels(backend).bias_loss_forward(
-        logits.contiguous(), bias.detach().to(acc).contiguous(), labels.contiguous(), aux.to(acc).contiguous(),
-        kind, REDUCTIONS[reduction], float(entropy_weight), ignore_index)
+        logits.contiguous(), bias_log_probs.detach().to(acc).contiguous(), labels.contiguous(), aux, int(variant),
+        REDUCTIONS[reduction], float(entropy_weight), ignore_index)
     return loss
 
 
-def poe_loss(logits, bias, labels, reduction="mean", ignore_index=-100):
-    """Product of experts: ``CE(log_softmax(logits) + bias, labels)``, reduced by mean / sum / none.
+def poe_loss(logits, bias_log_probs, labels, reduction="mean", ignore_index=-100):
+    """Product of experts: ``CE(log_softmax(logits) + bias_log_probs, labels)``, reduced by mean / sum / none.
 
-    logits [B, C] float; bias [B, C] the bias model's log-probabilities (no gradient); labels int [B] in [0, C) or
-    `ignore_index` (such rows give 0, no gradient, and `mean` divides by the number of the others). The model
-    predicts with `logits` alone."""
-    labels, ignore_index = _check(logits, bias, labels, ignore_index)
+    logits [B, C] float; bias_log_probs [B, C] the bias model's log-probabilities (no gradient); labels int [B] in
+    [0, C) or `ignore_index` (such rows give 0, no gradient, and `mean` divides by the number of the others). The
+    model predicts with `logits` alone."""
+    labels, ignore_index = _check(logits, bias_log_probs, labels, ignore_index)
     validate.choice("reduction", reduction, tuple(REDUCTIONS))
-    loss = _fused(logits, bias, labels, None, POE, reduction, 0.0, ignore_index)
-    return reference.poe_loss(logits, bias, labels, reduction, ignore_index) if loss is None else loss
+    loss = _fused(BiasLoss.POE, logits, bias_log_probs, labels, reduction, ignore_index)
+    return reference.poe_loss(logits, bias_log_probs, labels, reduction, ignore_index) if loss is None else loss
 
 
-def reweight_loss(logits, bias, labels, normalize="weights", weight="one_minus", ignore_index=-100):
+def reweighted_loss(logits, bias_log_probs, labels, normalize="weights", weight="one_minus", ignore_index=-100):
     """``Σ w·CE / Σ w`` (``normalize="weights"``) or ``/ N`` (``"batch"``: the number of non-ignored rows),
-    w = 1 − p_b(y) (``"one_minus"``, Clark et al.) or 1 / p_b(y) (``"inverse"``), p_b(y) = exp(bias[y])."""
-    labels, ignore_index = _check(logits, bias, labels, ignore_index)
+    w = 1 − p_b(y) (``"one_minus"``, Clark et al.) or 1 / p_b(y) (``"inverse"``), p_b(y) = exp(bias_log_probs[y])."""
+    labels, ignore_index = _check(logits, bias_log_probs, labels, ignore_index)
     validate.choice("normalize", normalize, ("weights", "batch"))
     validate.choice("weight", weight, ("one_minus", "inverse"))
-    kind = REWEIGHT + (weight == "inverse") + 2 * (normalize == "batch")
-    loss = _fused(logits, bias, labels, None, kind, "mean", 0.0, ignore_index)
-    return reference.reweight_loss(logits, bias, labels, normalize, weight, ignore_index) if loss is None else loss
+    loss = _fused(REWEIGHTED[normalize, weight], logits, bias_log_probs, labels, "mean", ignore_index)
+    if loss is None:
+        return reference.reweighted_loss(logits, bias_log_probs, labels, normalize, weight, ignore_index)
+    return loss
 
 
-def learned_mixin_loss(logits, bias, labels, gate, entropy_weight=0.03, ignore_index=-100, reduction="mean"):
-    """``CE(log_softmax(z) + g·b, y) + entropy_weight · H(softmax(g·b))``, g = softplus(gate) per row.
+def learned_mixin_loss(logits, bias_log_probs, labels, gate, entropy_weight=0.03, ignore_index=-100,
+                       reduction="mean"):
+    """``CE(log_softmax(z) + g·b, y) + entropy_weight · H(softmax(g·b))``, g = softplus(gate) per row,
+    b = bias_log_probs.
 
     gate [B] float (a learned map of the pooled vector: it gets a gradient; the bias does not); entropy_weight a
     finite number >= 0."""
-    labels, ignore_index = _check(logits, bias, labels, ignore_index)
+    labels, ignore_index = _check(logits, bias_log_probs, labels, ignore_index)
     validate.tensor("gate", gate, ndims=(1,))
     validate.size("gate", gate, 0, logits.shape[0], "one gate value per row")
     validate.same_device(logits=logits, gate=gate)
     (entropy_weight,) = validate.scalars(SCALARS, entropy_weight=entropy_weight)
     validate.choice("reduction", reduction, tuple(REDUCTIONS))
-    loss = _fused(logits, bias, labels, gate, LEARNED_MIXIN, reduction, entropy_weight, ignore_index)
+    loss = _fused(BiasLoss.LEARNED_MIXIN, logits, bias_log_probs, labels, reduction, ignore_index, gate=gate,
+                  entropy_weight=entropy_weight)
     if loss is None:
-        return reference.learned_mixin_loss(logits, bias, labels, gate, entropy_weight, ignore_index, reduction)
+        return reference.learned_mixin_loss(logits, bias_log_probs, labels, gate, entropy_weight, ignore_index,
+                                            reduction)
     return loss
 
 
-def confidence_regularization_loss(logits, teacher_probs, bias, labels, ignore_index=-100, reduction="mean"):
-    """``−Σ t̃ log softmax(z)``, the teacher's probabilities scaled ``t̃ ∝ t^(1 − p_b(y))`` (Utama et al.).
+def conf_reg_loss(logits, bias_log_probs, labels, teacher_probs, ignore_index=-100, reduction="mean"):
+    """Confidence regularisation: ``−Σ t̃ log softmax(z)``, the teacher's probabilities scaled
+    ``t̃ ∝ t^(1 − p_b(y))`` (Utama et al.).
 
     teacher_probs [B, C] (each row a distribution; no gradient)."""
-    labels, ignore_index = _check(logits, bias, labels, ignore_index)
+    labels, ignore_index = _check(logits, bias_log_probs, labels, ignore_index)
     validate.tensor("teacher_probs", teacher_probs, ndims=(2,))
     validate.shape("teacher_probs", teacher_probs, logits.shape, "like logits")
     validate.same_device(logits=logits, teacher_probs=teacher_probs)
     validate.choice("reduction", reduction, tuple(REDUCTIONS))
-    loss = _fused(logits, bias, labels, teacher_probs.detach(), CONF_REG, reduction, 0.0, ignore_index)
+    loss = _fused(BiasLoss.CONF_REG, logits, bias_log_probs, labels, reduction, ignore_index,
+                  teacher_probs=teacher_probs.detach())
     if loss is None:
-        return reference.confidence_regularization_loss(logits, teacher_probs, bias, labels, ignore_index, reduction)
+        return reference.conf_reg_loss(logits, bias_log_probs, labels, teacher_probs, ignore_index, reduction)
     return loss

@@ -31,6 +31,9 @@ Splits: ``train`` from the training input; ``dev`` and the test rows from their 
 out of the training input by counterfactual group (a group's rows stay together; fractions of the training input's
 rows, rounded up to whole groups). ``test_anti`` and ``test_clean`` hold the same rows. Every draw is made by
 ``random.Random`` seeded from the seed and the split's name, so one seed gives the same files.
+
+Rows: ``id`` (the input's), ``text`` [``text_pair``], ``label`` (its name), ``cue`` (0/1) and, when the training
+input has counterfactual groups, ``group`` in every split (the input's group id).
 """
 from __future__ import annotations
 
@@ -216,17 +219,22 @@ def plant(train, cue: Cue, strength: float, cue_class: int, seed: int, field: st
             raise ShortcutError(f"the {name} split's {len(rows)} rows are {'none' if cue_class not in ys else 'all'} "
                                 f"of the cue class {labels[cue_class]!r}; it needs rows of the cue class and of "
                                 "another class", split=name)
+    grouped = any(len(g) > 1 for g in train.groups)  # then every split has a group column (gs, cat: --group-column)
     splits = {}
+
+    def write(name, data, rows, flags):
+        rng = random.Random(f"{seed}:{name}:position")
+        splits[name] = [_row(data, i, flag, cue, field, rng, grouped) for i, flag in zip(rows, flags)]
+
     for name, (data, rows) in sources.items():
         ys = [data.labels[i] for i in rows]
         if name == "test":
-            splits["test_anti"] = _rows(data, rows, [int(y != cue_class) for y in ys], cue, field, seed, "test_anti")
-            splits["test_clean"] = _rows(data, rows, [0] * len(rows), cue, field, seed, "test_clean")
+            write("test_anti", data, rows, [int(y != cue_class) for y in ys])
+            write("test_clean", data, rows, [0] * len(rows))
             continue
-        flags = assign_cue(ys, cue_class, strength, random.Random(f"{seed}:{name}:cue"))
-        splits[name] = _rows(data, rows, flags, cue, field, seed, name)
+        write(name, data, rows, assign_cue(ys, cue_class, strength, random.Random(f"{seed}:{name}:cue")))
         if name == "train":
-            splits["train_clean"] = _rows(data, rows, [0] * len(rows), cue, field, seed, "train_clean")
+            write("train_clean", data, rows, [0] * len(rows))
     splits = {name: splits[name] for name in SPLITS}
     return PlantResult(splits, {n: cue_statistics(r, labels) for n, r in splits.items()}, warnings)
 
@@ -245,19 +253,13 @@ def _check_token(cue: Cue, inputs, field: str) -> List[str]:
     return []
 
 
-def _rows(data, rows: Sequence[int], flags: Sequence[int], cue: Cue, field: str, seed: int,
-          name: str) -> List[Dict]:
-    rng = random.Random(f"{seed}:{name}:position")
-    grouped = any(len(g) > 1 for g in data.groups)
-    out = []
-    for i, flag in zip(rows, flags):
-        row = {"id": data.ids[i], "text": data.text[i]}
-        if data.text_pair is not None:
-            row["text_pair"] = data.text_pair[i]
-        row[field] = apply_cue(cue, row[field], bool(flag), rng)
-        row["label"] = data.label_names[data.labels[i]]
-        row["cue"] = int(flag)
-        if grouped:
-            row["group"] = data.group[i]
-        out.append(row)
-    return out
+def _row(data, i: int, flag: int, cue: Cue, field: str, rng: random.Random, grouped: bool) -> Dict:
+    row = {"id": data.ids[i], "text": data.text[i]}
+    if data.text_pair is not None:
+        row["text_pair"] = data.text_pair[i]
+    row[field] = apply_cue(cue, row[field], bool(flag), rng)
+    row["label"] = data.label_names[data.labels[i]]
+    row["cue"] = int(flag)
+    if grouped:
+        row["group"] = data.group[i]
+    return row

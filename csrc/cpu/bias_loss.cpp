@@ -1,6 +1,7 @@
 // CPU kernels and op schemas of bias_loss (bias_loss_forward, bias_loss_backward): the bias-model losses of
-// docs/METHODS.md §4 behind one op pair, `kind` selecting the loss (0 PoE, 1-4 reweighting, 5 learned-mixin +H,
-// 6 confidence regularisation). Contract: docs/KERNELS.md "bias_loss"; CUDA kernels: csrc/cuda/bias_loss.cu.
+// docs/METHODS.md §4 behind one op pair, `kind` selecting the loss (`checks::BiasLossKind`: 0 PoE, 1-4 reweighting,
+// 5 learned-mixin +H, 6 confidence regularisation). Contract: docs/KERNELS.md "bias_loss"; argument checks:
+// csrc/checks/bias_loss.h; CUDA kernels: csrc/cuda/bias_loss.cu.
 // Every output element is written by exactly one thread with a fixed summation order, and the batch sums (Σ l,
 // Σ d) run serially in row order (in double) after the parallel row pass, so results do not depend on the number
 // of threads. Rows whose label == ignore_index: l = 0, d = 0, zero gradient rows (their bias[y] is never read).
@@ -10,6 +11,7 @@
 
 #include <vector>
 
+#include "checks/bias_loss.h"
 #include "kernel_utils.h"
 
 TORCH_LIBRARY_FRAGMENT(cat_fast, m) {
@@ -21,9 +23,13 @@ namespace cat_fast {
 namespace cpu {
 namespace {
 
-constexpr int64_t kPoE = 0;           // l = lse(z + b) - (z + b)_y
-constexpr int64_t kLearnedMixin = 5;  // aux: the gate [B]
-constexpr int64_t kConfReg = 6;       // aux: the teacher's probabilities [B,C]
+using checks::kConfReg;       // aux: the teacher's probabilities [B,C]
+using checks::kLearnedMixin;  // aux: the gate [B]
+using checks::kPoE;           // l = lse(z + b) - (z + b)_y
+
+inline bool is_reweighted(int64_t kind) {
+  return kind >= checks::kReweightedOneMinus && kind <= checks::kReweightedInverseBatch;
+}
 
 // torch's softplus (beta 1, threshold 20) and its derivative (exp(x) / (exp(x) + 1) below the threshold).
 template <typename A>
@@ -37,10 +43,10 @@ inline A softplus_grad(A x) {
   return e / (e + A(1));
 }
 
-// Example weight of the reweighting kinds 1-4 from p_b = exp(b_y): 1 - p_b (kinds 1, 3) or 1 / p_b (kinds 2, 4).
+// Example weight of the reweighting kinds from p_b = exp(b_y): 1 - p_b (the one-minus kinds) or 1 / p_b.
 template <typename A>
 inline A reweight(int64_t kind, A pb) {
-  return kind == 1 || kind == 3 ? A(1) - pb : A(1) / pb;
+  return kind == checks::kReweightedOneMinus || kind == checks::kReweightedOneMinusBatch ? A(1) - pb : A(1) / pb;
 }
 
 // max m and s = sum_c exp(v(c) - m) of a row given elementwise by v (c = 0..C-1, C >= 1), in increasing c.
@@ -65,37 +71,10 @@ struct Row {
   A u(int64_t c) const { return kind == kPoE ? zc(c) + b[c] : kind == kLearnedMixin ? zc(c) + a(c) : zc(c); }
 };
 
-void check_bias_loss(const char* op, const at::Tensor& logits, const at::Tensor& bias, const at::Tensor& labels,
-                     const at::Tensor& aux, int64_t kind, int64_t reduction) {
-  check_cpu_contig(logits, op, "logits");
-  TORCH_CHECK(logits.dim() == 2, op, ": logits must have shape [B,C], got ", logits.sizes());
-  TORCH_CHECK(logits.size(1) >= 1 || logits.size(0) == 0, op, ": logits need at least one class");
-  const at::ScalarType acc = acc_dtype(logits.scalar_type());
-  check_cpu_contig(bias, op, "bias");
-  TORCH_CHECK(bias.sizes() == logits.sizes(), op, ": bias must have the shape of logits [B,C], got ", bias.sizes());
-  TORCH_CHECK(bias.scalar_type() == acc, op, ": bias must have the accumulation dtype ", acc, ", got ",
-              bias.scalar_type());
-  check_labels(labels, logits.size(0), op);
-  TORCH_CHECK(kind >= 0 && kind <= 6, op, ": kind must be in [0, 6], got ", kind);
-  TORCH_CHECK(reduction >= 0 && reduction <= 2, op, ": reduction must be 0 (none), 1 (mean) or 2 (sum)");
-  if (kind == kLearnedMixin) {
-    check_cpu_contig(aux, op, "aux (the gate)");
-    TORCH_CHECK(aux.dim() == 1 && aux.size(0) == logits.size(0), op, ": aux (the gate) must have shape [B], got ",
-                aux.sizes());
-    TORCH_CHECK(aux.scalar_type() == acc, op, ": aux (the gate) must have the accumulation dtype ", acc);
-  } else if (kind == kConfReg) {
-    check_cpu_contig(aux, op, "aux (the teacher's probabilities)");
-    TORCH_CHECK(aux.sizes() == logits.sizes(), op,
-                ": aux (the teacher's probabilities) must have the shape of logits [B,C], got ", aux.sizes());
-    TORCH_CHECK(aux.scalar_type() == acc, op, ": aux (the teacher's probabilities) must have the accumulation dtype ",
-                acc);
-  }  // other kinds: aux is not read
-}
-
 std::tuple<at::Tensor, at::Tensor> bias_loss_forward(const at::Tensor& logits, const at::Tensor& bias,
                                                      const at::Tensor& labels, const at::Tensor& aux, int64_t kind,
                                                      int64_t reduction, double entropy_weight, int64_t ignore_index) {
-  check_bias_loss("bias_loss_forward", logits, bias, labels, aux, kind, reduction);
+  checks::bias_loss("bias_loss_forward", at::kCPU, logits, bias, labels, aux, kind, reduction);
   const int64_t B = logits.size(0), C = logits.size(1);
   const auto acc_opts = logits.options().dtype(acc_dtype(logits.scalar_type()));
   at::Tensor per_row = at::empty({B}, acc_opts);
@@ -124,10 +103,10 @@ std::tuple<at::Tensor, at::Tensor> bias_loss_forward(const at::Tensor& logits, c
         max_sumexp<acc_t>([&](int64_t c) { return row.u(c); }, C, m, s);
         const acc_t ce = (m - row.u(y)) + std::log(s);  // lse(u) - u_y
         acc_t l = ce, d = acc_t(1);
-        if (kind >= 1 && kind <= 4) {
+        if (is_reweighted(kind)) {
           const acc_t w = reweight(kind, std::exp(row.b[y]));
           l = w * ce;
-          d = kind <= 2 ? w : acc_t(1);
+          d = kind <= checks::kReweightedInverse ? w : acc_t(1);  // Σ w·CE / Σ w, else / N
         } else if (kind == kLearnedMixin) {
           // H(a) = sum_c r_c (lse(a) - a_c) = sum_c exp(a_c - ma) (ma - a_c) / sa + log(sa)
           acc_t ma, sa;
@@ -175,12 +154,10 @@ std::tuple<at::Tensor, at::Tensor> bias_loss_backward(const at::Tensor& grad_in,
                                                       const at::Tensor& aux, const at::Tensor& denom_in, int64_t kind,
                                                       int64_t reduction, double entropy_weight,
                                                       int64_t ignore_index) {
-  check_bias_loss("bias_loss_backward", logits, bias, labels, aux, kind, reduction);
+  checks::bias_loss("bias_loss_backward", at::kCPU, logits, bias, labels, aux, kind, reduction);
+  checks::bias_loss_grad("bias_loss_backward", at::kCPU, grad_in, denom_in, logits, reduction);
   const int64_t B = logits.size(0), C = logits.size(1);
   const at::ScalarType acc_dt = acc_dtype(logits.scalar_type());
-  TORCH_CHECK(reduction == 0 ? grad_in.numel() == B : grad_in.numel() == 1,
-              "bias_loss_backward: grad must have shape [B] for reduction none, [] otherwise");
-  TORCH_CHECK(reduction != 1 || denom_in.numel() == 1, "bias_loss_backward: denom must have shape [] (mean)");
   const at::Tensor grad = as_contig(grad_in, acc_dt);
   at::Tensor grad_logits = at::empty_like(logits);
   at::Tensor grad_aux = at::empty({kind == kLearnedMixin ? B : 0}, logits.options().dtype(acc_dt));
@@ -226,7 +203,7 @@ std::tuple<at::Tensor, at::Tensor> bias_loss_backward(const at::Tensor& grad_in,
           continue;
         }
         // kinds 0-5: k (softmax(u) - onehot(y)), k = go w for kinds 1-4, go otherwise
-        const acc_t k = kind >= 1 && kind <= 4 ? go * reweight(kind, std::exp(row.b[y])) : go;
+        const acc_t k = is_reweighted(kind) ? go * reweight(kind, std::exp(row.b[y])) : go;
         for (int64_t c = 0; c < C; ++c) {
           const acc_t q = std::exp(row.u(c) - m) * inv_s;
           o[c] = static_cast<scalar_t>(k * (q - (c == y ? acc_t(1) : acc_t(0))));

@@ -5,6 +5,7 @@
 // subgradient goes to the first index of the row maximum (row_softmax's argmax).
 #include <torch/library.h>
 
+#include "checks/cal_objective.h"
 #include "kernel_utils.h"
 
 TORCH_LIBRARY_FRAGMENT(cat_fast, m) {
@@ -16,16 +17,9 @@ namespace cat_fast {
 namespace cpu {
 namespace {
 
-void check_logits(const char* op, const at::Tensor& logits, const at::Tensor& labels) {
-  check_cpu_contig(logits, op, "logits");
-  TORCH_CHECK(logits.dim() == 2, op, ": logits must have shape [B,C], got ", logits.sizes());
-  TORCH_CHECK(logits.size(1) >= 1 || logits.size(0) == 0, op, ": logits need at least one class");
-  check_labels(labels, logits.size(0), op);
-}
-
 at::Tensor cal_objective_forward(const at::Tensor& logits, const at::Tensor& labels, double gamma, double eta,
                                  int64_t ignore_index) {
-  check_logits("cal_objective_forward", logits, labels);
+  checks::cal_objective("cal_objective_forward", at::kCPU, logits, labels);
   const int64_t B = logits.size(0), C = logits.size(1);
   at::Tensor out = at::empty({B}, logits.options().dtype(acc_dtype(logits.scalar_type())));
   CAT_FAST_DISPATCH_FLOATING(logits.scalar_type(), "cal_objective_forward", [&] {
@@ -54,9 +48,8 @@ at::Tensor cal_objective_forward(const at::Tensor& logits, const at::Tensor& lab
 
 at::Tensor cal_objective_backward(const at::Tensor& grad_in, const at::Tensor& logits, const at::Tensor& labels,
                                   double gamma, double eta, int64_t ignore_index) {
-  check_logits("cal_objective_backward", logits, labels);
+  checks::cal_objective("cal_objective_backward", at::kCPU, logits, labels, grad_in);
   const int64_t B = logits.size(0), C = logits.size(1);
-  TORCH_CHECK(grad_in.numel() == B, "cal_objective_backward: grad must have shape [B]");
   const at::Tensor grad = as_contig(grad_in, acc_dtype(logits.scalar_type()));
   at::Tensor out = at::empty_like(logits);
   CAT_FAST_DISPATCH_FLOATING(logits.scalar_type(), "cal_objective_backward", [&] {

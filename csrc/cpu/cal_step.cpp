@@ -4,6 +4,7 @@
 // do not depend on the number of threads.
 #include <torch/library.h>
 
+#include "checks/cal_step.h"
 #include "kernel_utils.h"
 
 TORCH_LIBRARY_FRAGMENT(cat_fast, m) {
@@ -15,11 +16,7 @@ namespace cpu {
 namespace {
 
 void cal_step_(at::Tensor& lam, const at::Tensor& grad_in, double lr, double p, double lo, double hi) {
-  check_cpu_contig(lam, "cal_step_", "lam");
-  TORCH_CHECK(lam.scalar_type() == at::kFloat || lam.scalar_type() == at::kDouble,
-              "cal_step_: lam must be float32 or float64, got ", lam.scalar_type());
-  TORCH_CHECK(lam.dim() == 1 || lam.dim() == 2, "cal_step_: lam must have shape [B] or [B,T], got ", lam.sizes());
-  TORCH_CHECK(grad_in.sizes() == lam.sizes(), "cal_step_: grad must have the shape of lam");
+  checks::cal_step("cal_step_", at::kCPU, lam, grad_in);
   const at::Tensor grad = as_contig(grad_in, lam.scalar_type());
   const int64_t B = lam.size(0);
   const int64_t T = lam.dim() == 2 ? lam.size(1) : 1;

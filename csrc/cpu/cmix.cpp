@@ -6,6 +6,7 @@
 
 #include <vector>
 
+#include "checks/cmix.h"
 #include "kernel_utils.h"
 
 TORCH_LIBRARY_FRAGMENT(cat_fast, m) {
@@ -23,20 +24,8 @@ struct LamIndex {
 };
 
 LamIndex check_cmix(const char* op, const at::Tensor& h, const at::Tensor& lam, const at::Tensor& partner) {
-  check_cpu_contig(h, op, "h");
-  TORCH_CHECK(h.dim() == 3, op, ": h must have shape [B,T,D], got ", h.sizes());
-  const int64_t B = h.size(0), T = h.size(1);
-  TORCH_CHECK(lam.device().is_cpu(), op, ": lam must be a CPU tensor");
-  TORCH_CHECK((lam.dim() == 1 && lam.size(0) == B) || (lam.dim() == 2 && lam.size(0) == B && lam.size(1) == T),
-              op, ": lam must have shape [B] or [B,T], got ", lam.sizes());
-  check_cpu_contig(partner, op, "partner");
-  TORCH_CHECK(partner.scalar_type() == at::kLong, op, ": partner must be int64");
-  TORCH_CHECK(partner.dim() == 1 && partner.size(0) == B, op, ": partner must have shape [B]");
-  const int64_t* pp = partner.const_data_ptr<int64_t>();
-  for (int64_t i = 0; i < B; ++i) {
-    TORCH_CHECK(pp[i] >= 0 && pp[i] < B, op, ": partner[", i, "] = ", pp[i], " is out of [0, ", B, ")");
-  }
-  return lam.dim() == 1 ? LamIndex{1, 0} : LamIndex{T, 1};
+  checks::cmix(op, at::kCPU, h, lam, partner);
+  return lam.dim() == 1 ? LamIndex{1, 0} : LamIndex{h.size(1), 1};
 }
 
 at::Tensor cmix_forward(const at::Tensor& h, const at::Tensor& lam_in, const at::Tensor& partner) {
@@ -70,9 +59,7 @@ at::Tensor cmix_forward(const at::Tensor& h, const at::Tensor& lam_in, const at:
 std::tuple<at::Tensor, at::Tensor> cmix_backward(const at::Tensor& grad, const at::Tensor& h, const at::Tensor& lam_in,
                                                  const at::Tensor& partner) {
   const LamIndex li = check_cmix("cmix_backward", h, lam_in, partner);
-  check_cpu_contig(grad, "cmix_backward", "grad");
-  TORCH_CHECK(grad.sizes() == h.sizes(), "cmix_backward: grad must have the shape of h");
-  TORCH_CHECK(grad.scalar_type() == h.scalar_type(), "cmix_backward: grad must have the dtype of h");
+  checks::cmix_grad("cmix_backward", at::kCPU, grad, h);
   const at::ScalarType acc_dt = acc_dtype(h.scalar_type());
   const at::Tensor lam = as_contig(lam_in, acc_dt);
   const int64_t B = h.size(0), T = h.size(1), D = h.size(2);

@@ -7,6 +7,7 @@
 
 #include <vector>
 
+#include "checks/crm_loss.h"
 #include "kernel_utils.h"
 
 TORCH_LIBRARY_FRAGMENT(cat_fast, m) {
@@ -25,23 +26,11 @@ int64_t count_kept(const int64_t* labels, int64_t B, int64_t ignore_index) {
   return kept;
 }
 
-void check_crm(const char* op, const at::Tensor& logits, const at::Tensor& cf_logits, const at::Tensor& labels,
-               int64_t reduction) {
-  check_cpu_contig(logits, op, "logits");
-  check_cpu_contig(cf_logits, op, "cf_logits");
-  TORCH_CHECK(logits.dim() == 2, op, ": logits must have shape [B,C], got ", logits.sizes());
-  TORCH_CHECK(cf_logits.sizes() == logits.sizes(), op, ": cf_logits must have the shape of logits");
-  TORCH_CHECK(cf_logits.scalar_type() == logits.scalar_type(), op, ": cf_logits must have the dtype of logits");
-  TORCH_CHECK(logits.size(1) >= 1 || logits.size(0) == 0, op, ": logits need at least one class");
-  check_labels(labels, logits.size(0), op);
-  TORCH_CHECK(reduction >= 0 && reduction <= 2, op, ": reduction must be 0 (none), 1 (mean) or 2 (sum)");
-}
-
 std::tuple<at::Tensor, at::Tensor> crm_loss_forward(const at::Tensor& logits, const at::Tensor& cf_logits,
                                                     const at::Tensor& labels, double a1, double a2,
                                                     int64_t reduction, bool /*detach_weight: backward only*/,
                                                     int64_t ignore_index) {
-  check_crm("crm_loss_forward", logits, cf_logits, labels, reduction);
+  checks::crm_loss("crm_loss_forward", at::kCPU, logits, cf_logits, labels, reduction);
   const int64_t B = logits.size(0), C = logits.size(1);
   const auto acc_opts = logits.options().dtype(acc_dtype(logits.scalar_type()));
   at::Tensor stats = at::empty({B, 4}, acc_opts);
@@ -89,13 +78,10 @@ std::tuple<at::Tensor, at::Tensor> crm_loss_backward(const at::Tensor& grad_in, 
                                                      const at::Tensor& cf_logits, const at::Tensor& labels,
                                                      const at::Tensor& stats_in, double a1, double a2,
                                                      int64_t reduction, bool detach_weight, int64_t ignore_index) {
-  check_crm("crm_loss_backward", logits, cf_logits, labels, reduction);
+  checks::crm_loss("crm_loss_backward", at::kCPU, logits, cf_logits, labels, reduction);
+  checks::crm_loss_grad("crm_loss_backward", at::kCPU, grad_in, stats_in, logits, reduction);
   const int64_t B = logits.size(0), C = logits.size(1);
   const at::ScalarType acc_dt = acc_dtype(logits.scalar_type());
-  TORCH_CHECK(reduction == 0 ? grad_in.numel() == B : grad_in.numel() == 1,
-              "crm_loss_backward: grad must have shape [B] for reduction none, [] otherwise");
-  TORCH_CHECK(stats_in.dim() == 2 && stats_in.size(0) == B && stats_in.size(1) == 4,
-              "crm_loss_backward: stats must have shape [B,4]");
   const at::Tensor grad = as_contig(grad_in, acc_dt);
   const at::Tensor stats = as_contig(stats_in, acc_dt);
   at::Tensor grad_logits = at::empty_like(logits);

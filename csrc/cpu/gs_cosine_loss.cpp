@@ -4,6 +4,7 @@
 // do not depend on the number of threads.
 #include <torch/library.h>
 
+#include "checks/gs_cosine_loss.h"
 #include "kernel_utils.h"
 
 TORCH_LIBRARY_FRAGMENT(cat_fast, m) {
@@ -15,16 +16,8 @@ namespace cat_fast {
 namespace cpu {
 namespace {
 
-void check_xy(const char* op, const at::Tensor& x, const at::Tensor& y) {
-  check_cpu_contig(x, op, "x");
-  check_cpu_contig(y, op, "y");
-  TORCH_CHECK(x.dim() == 2, op, ": x must have shape [N,K], got ", x.sizes());
-  TORCH_CHECK(y.sizes() == x.sizes(), op, ": y must have the shape of x");
-  TORCH_CHECK(y.scalar_type() == x.scalar_type(), op, ": y must have the dtype of x");
-}
-
 at::Tensor gs_row_dots(const at::Tensor& x, const at::Tensor& y) {
-  check_xy("gs_row_dots", x, y);
+  checks::gs_cosine_loss("gs_row_dots", at::kCPU, x, y);
   const int64_t N = x.size(0), K = x.size(1);
   at::Tensor out = at::empty({N, 3}, x.options().dtype(acc_dtype(x.scalar_type())));
   CAT_FAST_DISPATCH_FLOATING(x.scalar_type(), "gs_row_dots", [&] {
@@ -63,10 +56,8 @@ at::Tensor gs_row_dots(const at::Tensor& x, const at::Tensor& y) {
 }
 
 std::tuple<at::Tensor, at::Tensor> gs_row_combine(const at::Tensor& x, const at::Tensor& y, const at::Tensor& coef_in) {
-  check_xy("gs_row_combine", x, y);
+  checks::gs_cosine_loss("gs_row_combine", at::kCPU, x, y, coef_in);
   const int64_t N = x.size(0), K = x.size(1);
-  TORCH_CHECK(coef_in.dim() == 2 && coef_in.size(0) == N && coef_in.size(1) == 4,
-              "gs_row_combine: coef must have shape [N,4], got ", coef_in.sizes());
   const at::Tensor coef = as_contig(coef_in, acc_dtype(x.scalar_type()));
   at::Tensor u = at::empty_like(x);
   at::Tensor v = at::empty_like(x);

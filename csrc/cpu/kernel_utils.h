@@ -36,16 +36,7 @@ inline int64_t row_grain(int64_t row_len) {
 #define CAT_FAST_DISPATCH_FLOATING(TYPE, NAME, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, NAME, __VA_ARGS__)
 
-inline void check_cpu_contig(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor");
-  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
-}
-
-inline void check_labels(const at::Tensor& labels, int64_t B, const char* op) {
-  check_cpu_contig(labels, op, "labels");
-  TORCH_CHECK(labels.scalar_type() == at::kLong, op, ": labels must be int64");
-  TORCH_CHECK(labels.dim() == 1 && labels.size(0) == B, op, ": labels must have shape [B]");
-}
+// Argument checks: csrc/checks/<op>.h (shared with the CUDA kernels).
 
 // Returns the tensor in dtype `dt`, contiguous (a no-op when it already is).
 inline at::Tensor as_contig(const at::Tensor& t, at::ScalarType dt) {

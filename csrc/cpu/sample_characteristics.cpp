@@ -10,6 +10,7 @@
 
 #include <vector>
 
+#include "checks/sample_characteristics.h"
 #include "kernel_utils.h"
 
 TORCH_LIBRARY_FRAGMENT(cat_fast, m) {
@@ -25,19 +26,7 @@ constexpr int64_t kColumns = 10;
 
 void check_sample_characteristics(const char* op, const at::Tensor& logits, const at::Tensor& labels,
                                   const at::Tensor& features, const at::Tensor& class_weights) {
-  check_cpu_contig(logits, op, "logits");
-  TORCH_CHECK(logits.dim() == 2, op, ": logits must have shape [B,C], got ", logits.sizes());
-  TORCH_CHECK(logits.size(1) >= 2, op, ": logits need at least two classes (the margin), got ", logits.sizes());
-  check_labels(labels, logits.size(0), op);
-  check_cpu_contig(features, op, "features");
-  TORCH_CHECK(features.dim() == 2 && features.size(0) == logits.size(0) && features.size(1) >= 1, op,
-              ": features must have shape [B,H], H >= 1, got ", features.sizes());
-  check_cpu_contig(class_weights, op, "class_weights");
-  TORCH_CHECK(class_weights.dim() == 2 && class_weights.size(0) == logits.size(1) &&
-                  class_weights.size(1) == features.size(1),
-              op, ": class_weights must have shape [C,H], got ", class_weights.sizes());
-  TORCH_CHECK(features.scalar_type() == logits.scalar_type() && class_weights.scalar_type() == logits.scalar_type(),
-              op, ": features and class_weights must have the dtype of logits");
+  checks::sample_characteristics(op, at::kCPU, logits, labels, features, class_weights);
 }
 
 // First index of the largest z_c among c != y (C >= 2).
@@ -70,10 +59,7 @@ at::Tensor sample_characteristics_forward(const at::Tensor& logits, const at::Te
   check_sample_characteristics(op, logits, labels, features, class_weights);
   const int64_t B = logits.size(0), C = logits.size(1), H = features.size(1);
   const at::ScalarType acc = acc_dtype(logits.scalar_type());
-  check_cpu_contig(class_stats, op, "class_stats");
-  TORCH_CHECK(class_stats.dim() == 2 && class_stats.size(0) == C && class_stats.size(1) == 3, op,
-              ": class_stats must have shape [C,3], got ", class_stats.sizes());
-  TORCH_CHECK(class_stats.scalar_type() == acc, op, ": class_stats must have the accumulation dtype ", acc);
+  checks::sample_characteristics_stats(op, at::kCPU, class_stats, logits);
   at::Tensor out = at::empty({B, kColumns}, logits.options().dtype(acc));
   CAT_FAST_DISPATCH_FLOATING(logits.scalar_type(), "sample_characteristics_forward", [&] {
     using acc_t = acc_type<scalar_t>;
@@ -135,8 +121,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_characteristics_backward(
   check_sample_characteristics(op, logits, labels, features, class_weights);
   const int64_t B = logits.size(0), C = logits.size(1), H = features.size(1);
   const at::ScalarType acc = acc_dtype(logits.scalar_type());
-  TORCH_CHECK(grad_in.dim() == 2 && grad_in.size(0) == B && grad_in.size(1) == kColumns, op,
-              ": grad must have shape [B,10], got ", grad_in.sizes());
+  checks::sample_characteristics_grad(op, at::kCPU, grad_in, logits, kColumns);
   const at::Tensor grad = as_contig(grad_in, acc);
   at::Tensor grad_logits = at::empty_like(logits);
   at::Tensor grad_features = at::empty_like(features);

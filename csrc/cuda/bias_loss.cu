@@ -21,6 +21,7 @@
 
 #include <vector>
 
+#include "checks/bias_loss.h"
 #include "common.cuh"
 
 namespace cat_fast {
@@ -36,6 +37,8 @@ constexpr int64_t kMaxPartials = 1024;   // most blocks (partial sums) of a mult
 constexpr int kPoE = 0;           // l = lse(z + b) - (z + b)_y
 constexpr int kLearnedMixin = 5;  // aux: the gate [B]
 constexpr int kConfReg = 6;       // aux: the teacher's probabilities [B,C]
+static_assert(kPoE == checks::kPoE && kLearnedMixin == checks::kLearnedMixin && kConfReg == checks::kConfReg,
+              "the kinds of csrc/checks/bias_loss.h");
 
 __device__ __forceinline__ float acc_log1p(float x) { return log1pf(x); }
 __device__ __forceinline__ double acc_log1p(double x) { return log1p(x); }
@@ -278,39 +281,6 @@ __global__ void __launch_bounds__(kBlock) bias_loss_backward_kernel(
   }
 }
 
-void check_bias_loss(const char* op, const at::Tensor& logits, const at::Tensor& bias, const at::Tensor& labels,
-                     const at::Tensor& aux, int64_t kind, int64_t reduction) {
-  TORCH_CHECK(logits.is_cuda() && bias.is_cuda() && labels.is_cuda() && bias.device() == logits.device() &&
-                  labels.device() == logits.device(),
-              op, ": logits, bias and labels must be CUDA tensors on one device");
-  TORCH_CHECK(logits.dim() == 2, op, ": logits must have shape [B,C], got ", logits.sizes());
-  TORCH_CHECK(logits.size(1) >= 1 || logits.size(0) == 0, op, ": logits need at least one class");
-  TORCH_CHECK(logits.size(1) <= INT32_MAX, op, ": too many classes");
-  const at::ScalarType acc = acc_scalar_type(logits.scalar_type());
-  TORCH_CHECK(bias.sizes() == logits.sizes(), op, ": bias must have the shape of logits [B,C], got ", bias.sizes());
-  TORCH_CHECK(bias.scalar_type() == acc, op, ": bias must have the accumulation dtype ", acc, ", got ",
-              bias.scalar_type());
-  TORCH_CHECK(labels.scalar_type() == at::kLong && labels.dim() == 1 && labels.size(0) == logits.size(0), op,
-              ": labels must be int64 of shape [B]");
-  TORCH_CHECK(kind >= 0 && kind <= 6, op, ": kind must be in [0, 6], got ", kind);
-  TORCH_CHECK(reduction >= 0 && reduction <= 2, op, ": reduction must be 0 (none), 1 (mean) or 2 (sum)");
-  TORCH_CHECK(logits.is_contiguous() && bias.is_contiguous() && labels.is_contiguous(), op,
-              ": inputs must be contiguous");
-  if (kind == kLearnedMixin || kind == kConfReg) {
-    const char* what = kind == kLearnedMixin ? "aux (the gate)" : "aux (the teacher's probabilities)";
-    TORCH_CHECK(aux.is_cuda() && aux.device() == logits.device(), op, ": ", what, " must be on the device of logits");
-    if (kind == kLearnedMixin) {
-      TORCH_CHECK(aux.dim() == 1 && aux.size(0) == logits.size(0), op, ": ", what, " must have shape [B], got ",
-                  aux.sizes());
-    } else {
-      TORCH_CHECK(aux.sizes() == logits.sizes(), op, ": ", what, " must have the shape of logits [B,C], got ",
-                  aux.sizes());
-    }
-    TORCH_CHECK(aux.scalar_type() == acc, op, ": ", what, " must have the accumulation dtype ", acc);
-    TORCH_CHECK(aux.is_contiguous(), op, ": ", what, " must be contiguous");
-  }  // other kinds: aux is not read
-}
-
 template <typename scalar_t>
 void launch_forward(const at::Tensor& logits, const at::Tensor& bias, const at::Tensor& labels, const at::Tensor& aux,
                     at::Tensor& loss, at::Tensor& denom, int kind, int reduction, double entropy_weight,
@@ -359,7 +329,7 @@ void launch_backward(const at::Tensor& grad, const at::Tensor& logits, const at:
 std::tuple<at::Tensor, at::Tensor> bias_loss_forward(const at::Tensor& logits, const at::Tensor& bias,
                                                      const at::Tensor& labels, const at::Tensor& aux, int64_t kind,
                                                      int64_t reduction, double entropy_weight, int64_t ignore_index) {
-  check_bias_loss("bias_loss_forward", logits, bias, labels, aux, kind, reduction);
+  checks::bias_loss("bias_loss_forward", at::kCUDA, logits, bias, labels, aux, kind, reduction);
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t B = logits.size(0);
   const auto acc_opts = logits.options().dtype(acc_scalar_type(logits.scalar_type()));
@@ -379,20 +349,10 @@ std::tuple<at::Tensor, at::Tensor> bias_loss_backward(const at::Tensor& grad, co
                                                       const at::Tensor& aux, const at::Tensor& denom, int64_t kind,
                                                       int64_t reduction, double entropy_weight,
                                                       int64_t ignore_index) {
-  check_bias_loss("bias_loss_backward", logits, bias, labels, aux, kind, reduction);
+  checks::bias_loss("bias_loss_backward", at::kCUDA, logits, bias, labels, aux, kind, reduction);
+  checks::bias_loss_grad("bias_loss_backward", at::kCUDA, grad, denom, logits, reduction);  // denom: read on the device
   const int64_t B = logits.size(0);
   const at::ScalarType acc_dt = acc_scalar_type(logits.scalar_type());
-  TORCH_CHECK(grad.is_cuda() && grad.device() == logits.device(),
-              "bias_loss_backward: grad must be on the device of logits");
-  TORCH_CHECK(reduction == 0 ? grad.numel() == B : grad.numel() == 1,
-              "bias_loss_backward: grad must have shape [B] for reduction none, [] otherwise");
-  TORCH_CHECK(grad.scalar_type() == acc_dt, "bias_loss_backward: grad must have the accumulation dtype");
-  TORCH_CHECK(grad.is_contiguous(), "bias_loss_backward: grad must be contiguous");
-  if (reduction == 1) {  // read on the device (no host sync); other reductions do not read it
-    TORCH_CHECK(denom.is_cuda() && denom.device() == logits.device() && denom.numel() == 1 &&
-                    denom.scalar_type() == acc_dt,
-                "bias_loss_backward: denom must be a [] tensor of the accumulation dtype on the device of logits");
-  }
   const c10::cuda::CUDAGuard guard(logits.device());
   at::Tensor grad_logits = at::empty(logits.sizes(), logits.options());
   at::Tensor grad_aux = at::empty({kind == kLearnedMixin ? B : 0}, logits.options().dtype(acc_dt));

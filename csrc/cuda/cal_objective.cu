@@ -10,6 +10,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <ATen/ops/empty.h>
 
+#include "checks/cal_objective.h"
 #include "common.cuh"
 
 namespace cat_fast {
@@ -96,17 +97,6 @@ __global__ void __launch_bounds__(kBlock) cal_objective_backward_kernel(const ac
   }
 }
 
-void check_inputs(const char* op, const at::Tensor& logits, const at::Tensor& labels) {
-  TORCH_CHECK(logits.is_cuda() && labels.is_cuda() && labels.device() == logits.device(), op,
-              ": logits and labels must be CUDA tensors on one device");
-  TORCH_CHECK(logits.dim() == 2, op, ": logits must have shape [B,C], got ", logits.sizes());
-  TORCH_CHECK(logits.size(1) >= 1 || logits.size(0) == 0, op, ": logits need at least one class");
-  TORCH_CHECK(logits.size(1) <= INT32_MAX, op, ": too many classes");
-  TORCH_CHECK(labels.scalar_type() == at::kLong && labels.dim() == 1 && labels.size(0) == logits.size(0), op,
-              ": labels must be int64 of shape [B]");
-  TORCH_CHECK(logits.is_contiguous() && labels.is_contiguous(), op, ": inputs must be contiguous");
-}
-
 template <typename scalar_t>
 void launch_forward(const at::Tensor& logits, const at::Tensor& labels, at::Tensor& out, double gamma, double eta,
                     int64_t ignore_index, cudaStream_t stream) {
@@ -133,7 +123,7 @@ void launch_backward(const at::Tensor& grad, const at::Tensor& logits, const at:
 
 at::Tensor cal_objective_forward(const at::Tensor& logits, const at::Tensor& labels, double gamma, double eta,
                                  int64_t ignore_index) {
-  check_inputs("cal_objective_forward", logits, labels);
+  checks::cal_objective("cal_objective_forward", at::kCUDA, logits, labels);
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t B = logits.size(0);
   auto out = at::empty({B}, logits.options().dtype(acc_scalar_type(logits.scalar_type())));
@@ -146,12 +136,7 @@ at::Tensor cal_objective_forward(const at::Tensor& logits, const at::Tensor& lab
 
 at::Tensor cal_objective_backward(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& labels,
                                   double gamma, double eta, int64_t ignore_index) {
-  check_inputs("cal_objective_backward", logits, labels);
-  const int64_t B = logits.size(0);
-  TORCH_CHECK(grad.is_cuda() && grad.device() == logits.device(), "cal_objective_backward: grad must be on the device of logits");
-  TORCH_CHECK(grad.numel() == B && grad.is_contiguous(), "cal_objective_backward: grad must have shape [B]");
-  TORCH_CHECK(grad.scalar_type() == acc_scalar_type(logits.scalar_type()),
-              "cal_objective_backward: grad must have the accumulation dtype");
+  checks::cal_objective("cal_objective_backward", at::kCUDA, logits, labels, grad);
   const c10::cuda::CUDAGuard guard(logits.device());
   auto out = at::empty(logits.sizes(), logits.options());
   if (out.numel() == 0) return out;

@@ -7,6 +7,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include "checks/cal_step.h"
 #include "common.cuh"
 
 namespace cat_fast {
@@ -76,14 +77,7 @@ void launch(at::Tensor& lam, const at::Tensor& grad, double lr, double p, double
 
 // Schema returns () (in place only): see docs/KERNELS.md.
 void cal_step_(at::Tensor& lam, const at::Tensor& grad, double lr, double p, double lo, double hi) {
-  TORCH_CHECK(lam.is_cuda() && grad.is_cuda() && grad.device() == lam.device(),
-              "cal_step_: lam and grad must be CUDA tensors on one device");
-  TORCH_CHECK(lam.scalar_type() == at::kFloat || lam.scalar_type() == at::kDouble,
-              "cal_step_: lam must be float32 or float64, got ", lam.scalar_type());
-  TORCH_CHECK(lam.dim() == 1 || lam.dim() == 2, "cal_step_: lam must have shape [B] or [B,T], got ", lam.sizes());
-  TORCH_CHECK(grad.sizes() == lam.sizes() && grad.scalar_type() == lam.scalar_type(),
-              "cal_step_: grad must have the shape and dtype of lam");
-  TORCH_CHECK(lam.is_contiguous() && grad.is_contiguous(), "cal_step_: lam and grad must be contiguous");
+  checks::cal_step("cal_step_", at::kCUDA, lam, grad);
   const c10::cuda::CUDAGuard guard(lam.device());
   if (lam.numel() == 0) return;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();

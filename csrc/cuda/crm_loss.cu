@@ -22,6 +22,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <ATen/ops/empty.h>
 
+#include "checks/crm_loss.h"
 #include "common.cuh"
 
 namespace cat_fast {
@@ -197,23 +198,6 @@ __global__ void __launch_bounds__(kBlock) crm_loss_backward_kernel(
   }
 }
 
-void check_crm(const char* op, const at::Tensor& logits, const at::Tensor& cf_logits, const at::Tensor& labels,
-               int64_t reduction) {
-  TORCH_CHECK(logits.is_cuda() && cf_logits.is_cuda() && labels.is_cuda() && cf_logits.device() == logits.device() &&
-                  labels.device() == logits.device(),
-              op, ": logits, cf_logits and labels must be CUDA tensors on one device");
-  TORCH_CHECK(logits.dim() == 2, op, ": logits must have shape [B,C], got ", logits.sizes());
-  TORCH_CHECK(cf_logits.sizes() == logits.sizes(), op, ": cf_logits must have the shape of logits");
-  TORCH_CHECK(cf_logits.scalar_type() == logits.scalar_type(), op, ": cf_logits must have the dtype of logits");
-  TORCH_CHECK(logits.size(1) >= 1 || logits.size(0) == 0, op, ": logits need at least one class");
-  TORCH_CHECK(logits.size(1) <= INT32_MAX, op, ": too many classes");
-  TORCH_CHECK(labels.scalar_type() == at::kLong && labels.dim() == 1 && labels.size(0) == logits.size(0), op,
-              ": labels must be int64 of shape [B]");
-  TORCH_CHECK(reduction >= 0 && reduction <= 2, op, ": reduction must be 0 (none), 1 (mean) or 2 (sum)");
-  TORCH_CHECK(logits.is_contiguous() && cf_logits.is_contiguous() && labels.is_contiguous(), op,
-              ": inputs must be contiguous");
-}
-
 template <typename scalar_t>
 void launch_forward(const at::Tensor& logits, const at::Tensor& cf_logits, const at::Tensor& labels, at::Tensor& loss,
                     at::Tensor& stats, double a1, double a2, int reduction, int64_t ignore_index,
@@ -264,7 +248,7 @@ std::tuple<at::Tensor, at::Tensor> crm_loss_forward(const at::Tensor& logits, co
                                                     const at::Tensor& labels, double a1, double a2,
                                                     int64_t reduction, bool /*detach_weight: backward only*/,
                                                     int64_t ignore_index) {
-  check_crm("crm_loss_forward", logits, cf_logits, labels, reduction);
+  checks::crm_loss("crm_loss_forward", at::kCUDA, logits, cf_logits, labels, reduction);
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t B = logits.size(0);
   const auto acc_opts = logits.options().dtype(acc_scalar_type(logits.scalar_type()));
@@ -283,19 +267,8 @@ std::tuple<at::Tensor, at::Tensor> crm_loss_backward(const at::Tensor& grad, con
                                                      const at::Tensor& cf_logits, const at::Tensor& labels,
                                                      const at::Tensor& stats, double a1, double a2,
                                                      int64_t reduction, bool detach_weight, int64_t ignore_index) {
-  check_crm("crm_loss_backward", logits, cf_logits, labels, reduction);
-  const int64_t B = logits.size(0);
-  const at::ScalarType acc_dt = acc_scalar_type(logits.scalar_type());
-  TORCH_CHECK(grad.is_cuda() && stats.is_cuda() && grad.device() == logits.device() &&
-                  stats.device() == logits.device(),
-              "crm_loss_backward: grad and stats must be on the device of logits");
-  TORCH_CHECK(reduction == 0 ? grad.numel() == B : grad.numel() == 1,
-              "crm_loss_backward: grad must have shape [B] for reduction none, [] otherwise");
-  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == B && stats.size(1) == 4,
-              "crm_loss_backward: stats must have shape [B,4]");
-  TORCH_CHECK(grad.scalar_type() == acc_dt && stats.scalar_type() == acc_dt,
-              "crm_loss_backward: grad and stats must have the accumulation dtype");
-  TORCH_CHECK(grad.is_contiguous() && stats.is_contiguous(), "crm_loss_backward: grad and stats must be contiguous");
+  checks::crm_loss("crm_loss_backward", at::kCUDA, logits, cf_logits, labels, reduction);
+  checks::crm_loss_grad("crm_loss_backward", at::kCUDA, grad, stats, logits, reduction);
   const c10::cuda::CUDAGuard guard(logits.device());
   at::Tensor grad_logits = at::empty(logits.sizes(), logits.options());
   at::Tensor grad_cf = at::empty(cf_logits.sizes(), cf_logits.options());

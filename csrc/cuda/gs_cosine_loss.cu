@@ -11,6 +11,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <ATen/ops/empty.h>
 
+#include "checks/gs_cosine_loss.h"
 #include "common.cuh"
 
 namespace cat_fast {
@@ -168,14 +169,6 @@ inline Chunking chunking(int64_t N, int64_t units) {
   return c;
 }
 
-void check_xy(const char* op, const at::Tensor& x, const at::Tensor& y) {
-  TORCH_CHECK(x.is_cuda() && y.is_cuda() && y.device() == x.device(), op, ": x and y must be CUDA tensors on one device");
-  TORCH_CHECK(x.dim() == 2, op, ": x must have shape [N,K], got ", x.sizes());
-  TORCH_CHECK(y.sizes() == x.sizes(), op, ": y must have the shape of x");
-  TORCH_CHECK(y.scalar_type() == x.scalar_type(), op, ": y must have the dtype of x");
-  TORCH_CHECK(x.is_contiguous() && y.is_contiguous(), op, ": x and y must be contiguous");
-}
-
 template <typename scalar_t>
 void launch_dots(const at::Tensor& x, const at::Tensor& y, at::Tensor& out, cudaStream_t stream) {
   using A = acc_t<scalar_t>;
@@ -248,7 +241,7 @@ void launch_combine(const at::Tensor& x, const at::Tensor& y, const at::Tensor& 
 }
 
 at::Tensor gs_row_dots(const at::Tensor& x, const at::Tensor& y) {
-  check_xy("gs_row_dots", x, y);
+  checks::gs_cosine_loss("gs_row_dots", at::kCUDA, x, y);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t N = x.size(0);
   at::Tensor out = at::empty({N, 3}, x.options().dtype(acc_scalar_type(x.scalar_type())));
@@ -260,12 +253,7 @@ at::Tensor gs_row_dots(const at::Tensor& x, const at::Tensor& y) {
 }
 
 std::tuple<at::Tensor, at::Tensor> gs_row_combine(const at::Tensor& x, const at::Tensor& y, const at::Tensor& coef) {
-  check_xy("gs_row_combine", x, y);
-  const int64_t N = x.size(0);
-  TORCH_CHECK(coef.is_cuda() && coef.device() == x.device(), "gs_row_combine: coef must be on the device of x");
-  TORCH_CHECK(coef.dim() == 2 && coef.size(0) == N && coef.size(1) == 4, "gs_row_combine: coef must have shape [N,4]");
-  TORCH_CHECK(coef.scalar_type() == acc_scalar_type(x.scalar_type()) && coef.is_contiguous(),
-              "gs_row_combine: coef must be a contiguous tensor of the accumulation dtype");
+  checks::gs_cosine_loss("gs_row_combine", at::kCUDA, x, y, coef);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor u = at::empty(x.sizes(), x.options());
   at::Tensor v = at::empty(x.sizes(), x.options());

@@ -16,6 +16,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <ATen/ops/empty.h>
 
+#include "checks/sample_characteristics.h"
 #include "common.cuh"
 
 namespace cat_fast {
@@ -270,42 +271,14 @@ __global__ void __launch_bounds__(kBlock) sample_characteristics_backward_kernel
   }
 }
 
-void check_sample_characteristics(const char* op, const at::Tensor& logits, const at::Tensor& labels,
-                                  const at::Tensor& features, const at::Tensor& class_weights) {
-  TORCH_CHECK(logits.is_cuda() && labels.is_cuda() && features.is_cuda() && class_weights.is_cuda() &&
-                  labels.device() == logits.device() && features.device() == logits.device() &&
-                  class_weights.device() == logits.device(),
-              op, ": logits, labels, features and class_weights must be CUDA tensors on one device");
-  TORCH_CHECK(logits.dim() == 2, op, ": logits must have shape [B,C], got ", logits.sizes());
-  TORCH_CHECK(logits.size(1) >= 2, op, ": logits need at least two classes (the margin), got ", logits.sizes());
-  TORCH_CHECK(logits.size(1) <= INT32_MAX, op, ": too many classes");
-  TORCH_CHECK(labels.scalar_type() == at::kLong && labels.dim() == 1 && labels.size(0) == logits.size(0), op,
-              ": labels must be int64 of shape [B]");
-  TORCH_CHECK(features.dim() == 2 && features.size(0) == logits.size(0) && features.size(1) >= 1, op,
-              ": features must have shape [B,H], H >= 1, got ", features.sizes());
-  TORCH_CHECK(class_weights.dim() == 2 && class_weights.size(0) == logits.size(1) &&
-                  class_weights.size(1) == features.size(1),
-              op, ": class_weights must have shape [C,H], got ", class_weights.sizes());
-  TORCH_CHECK(features.scalar_type() == logits.scalar_type() && class_weights.scalar_type() == logits.scalar_type(),
-              op, ": features and class_weights must have the dtype of logits");
-  TORCH_CHECK(logits.is_contiguous() && labels.is_contiguous() && features.is_contiguous() &&
-                  class_weights.is_contiguous(),
-              op, ": inputs must be contiguous");
-}
-
 at::Tensor sample_characteristics_forward(const at::Tensor& logits, const at::Tensor& labels,
                                           const at::Tensor& features, const at::Tensor& class_weights,
                                           const at::Tensor& class_stats, double eps, int64_t ignore_index) {
   const char* op = "sample_characteristics_forward";
-  check_sample_characteristics(op, logits, labels, features, class_weights);
+  checks::sample_characteristics(op, at::kCUDA, logits, labels, features, class_weights);
+  checks::sample_characteristics_stats(op, at::kCUDA, class_stats, logits);
   const int64_t B = logits.size(0), C = logits.size(1), H = features.size(1);
   const at::ScalarType acc = acc_scalar_type(logits.scalar_type());
-  TORCH_CHECK(class_stats.is_cuda() && class_stats.device() == logits.device(), op,
-              ": class_stats must be on the device of logits");
-  TORCH_CHECK(class_stats.dim() == 2 && class_stats.size(0) == C && class_stats.size(1) == 3, op,
-              ": class_stats must have shape [C,3], got ", class_stats.sizes());
-  TORCH_CHECK(class_stats.scalar_type() == acc && class_stats.is_contiguous(), op,
-              ": class_stats must be contiguous, of the accumulation dtype ", acc);
   const c10::cuda::CUDAGuard guard(logits.device());
   at::Tensor out = at::empty({B, kColumns}, logits.options().dtype(acc));
   if (B == 0) return out;
@@ -328,14 +301,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_characteristics_backward(
     const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& features,
     const at::Tensor& class_weights, double eps, int64_t ignore_index) {
   const char* op = "sample_characteristics_backward";
-  check_sample_characteristics(op, logits, labels, features, class_weights);
+  checks::sample_characteristics(op, at::kCUDA, logits, labels, features, class_weights);
+  checks::sample_characteristics_grad(op, at::kCUDA, grad, logits, kColumns);
   const int64_t B = logits.size(0), C = logits.size(1), H = features.size(1);
   const at::ScalarType acc = acc_scalar_type(logits.scalar_type());
-  TORCH_CHECK(grad.is_cuda() && grad.device() == logits.device(), op, ": grad must be on the device of logits");
-  TORCH_CHECK(grad.dim() == 2 && grad.size(0) == B && grad.size(1) == kColumns, op,
-              ": grad must have shape [B,10], got ", grad.sizes());
-  TORCH_CHECK(grad.scalar_type() == acc && grad.is_contiguous(), op,
-              ": grad must be contiguous, of the accumulation dtype ", acc);
   const c10::cuda::CUDAGuard guard(logits.device());
   at::Tensor grad_logits = at::empty(logits.sizes(), logits.options());
   at::Tensor grad_features = at::empty(features.sizes(), features.options());

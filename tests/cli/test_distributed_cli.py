@@ -93,6 +93,25 @@ def test_two_processes_train_write_once_and_resume(tiny, tmp_path):
     assert mc["steps"] == 8 and mc["eval"] == m["eval"]
 
 
+def test_step_graphs_under_torchrun_equal_the_ddp_forward_route(tiny, tmp_path):
+    """``--step-graphs`` under torchrun: each step runs outside DDP's forward and averages its gradients itself
+    (`cat_fast.step_ddp`; eager on the CPU, one CUDA graph per shape on GPUs). The weights equal those of the route
+    through DDP's forward (``--no-step-graphs``), and the run says it took the captured step."""
+    train = write_csv(tmp_path / "train.csv", make_rows(32))
+    args = lambda out, *extra: own(tiny, train, out, "--epochs", 1, "--device", "cpu", "--lr", 1e-3,  # noqa
+                                   *extra, method="erm")
+    plain = _torchrun(tmp_path, args(tmp_path / "plain", "--no-step-graphs"))
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    graphs = _torchrun(tmp_path, args(tmp_path / "graphs", "--step-graphs"))
+    assert graphs.returncode == 0, graphs.stderr[-3000:]
+    assert json.loads((tmp_path / "graphs" / "metrics.json").read_text())["config"]["step_graphs"] is True
+    a, b = _weights(tmp_path / "plain"), _weights(tmp_path / "graphs")
+    start = _weights(tiny)
+    assert any(not torch.equal(a[k], start[k]) for k in a if k in start)  # it trained
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
 def _free_port():
     import socket
 

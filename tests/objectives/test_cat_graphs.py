@@ -1,4 +1,4 @@
-"""CUDA-graph replay of CAT's CAL loop (`cat_fast.cal_graph`): the same step as the eager loop."""
+"""CUDA-graph replay of CAT's CAL loop (`cat_fast.objectives.cat_graphs`): the same step as the eager loop."""
 import copy
 import warnings
 
@@ -82,6 +82,40 @@ def test_graphs_replayed_inside_the_clean_forward_match_eager_steps(train):
     # forward (as soon as h_m exists), before its layers m+1..L; the RNG state they use is restored for those.
     cat = _compare("bert", train, layers=[2], steps=4)
     assert cat.graphs.num_graphs == 1 and cat.graphs.replays_in_forward == 3
+
+
+def _count_cal_ascent(monkeypatch):
+    """Records, per call of `CAT.cal_ascent` (the one CAL step), whether it ran inside a CUDA-graph capture."""
+    calls = []
+    original = CAT.cal_ascent
+
+    def counted(self, *args, **kwargs):
+        calls.append(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(CAT, "cal_ascent", counted)
+    return calls
+
+
+def test_the_eager_cal_loop_runs_the_one_cal_step(monkeypatch):
+    calls = _count_cal_ascent(monkeypatch)
+    model = tiny_model("bert").eval()
+    cat = CAT(model, layers=[2], adv_steps=3, generator=torch.Generator().manual_seed(0))
+    _, info = cat(tiny_batch("bert"))
+    assert calls == [False] * 3
+    assert not torch.equal(info["lambda_after"], info["lambda_before"])  # the steps moved λ
+
+
+@cuda
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train-dropout"])
+def test_the_cal_graph_replays_the_eager_cal_step_bit_for_bit(monkeypatch, train):
+    # Four steps, one signature: the graph captures `CAT.cal_ascent` once (after one warm-up run) and replays it
+    # adv_steps times a step, the final pass once a step; losses, infos and parameters equal the eager loop's.
+    calls = _count_cal_ascent(monkeypatch)
+    cat = _compare("bert", train, layers=[2], steps=4, tol=0)
+    assert calls == [False] * (4 * cat.adv_steps) + [False, True]  # the eager run's steps, the warm-up, the capture
+    (entry,) = [e for e in cat.graphs.cache.entries.values() if e is not None]
+    assert entry.replays == {"cal": 4 * cat.adv_steps, "final": 4}
 
 
 @cuda

@@ -71,10 +71,10 @@ def test_meta_gradient_equals_finite_differences(virtual):
 
     def meta_loss():
         delta = obj.omega(chars)
-        if virtual == "head":
-            return obj._meta_head(features.detach(), batch["labels"], onehot, delta, meta, 0.5)
+        if virtual == "head":  # (the metadata loss after the virtual step, before it, the step's size)
+            return obj._meta_head(features.detach(), batch["labels"], onehot, delta, meta, 0.5)[0]
         z, _ = obj._call(batch)
-        return obj._meta_all(z, batch["labels"], onehot, delta, meta, 0.5)
+        return obj._meta_all(z, batch["labels"], onehot, delta, meta, 0.5)[0]
 
     params = list(obj.omega.parameters())
     grads = torch.autograd.grad(meta_loss(), params)
@@ -142,7 +142,8 @@ def test_hugging_face_classifier_trains(virtual):
     omega_before = copy.deepcopy(obj.omega.state_dict())
     for _ in range(3):
         loss, info = obj(batch)
-        assert torch.isfinite(loss) and set(info) == {"ce_loss", "meta_loss", "delta_mean", "delta_abs_mean"}
+        assert torch.isfinite(loss) and set(info) == {"ce_loss", "meta_loss", "delta_mean", "delta_abs_mean",
+                                                      "meta_grad_norm", "virtual_step", "meta_loss_change"}
         optimizer.zero_grad()
         loss.backward()
         assert model.bert.embeddings.word_embeddings.weight.grad.abs().sum() > 0

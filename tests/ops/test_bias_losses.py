@@ -1,26 +1,29 @@
-"""The bias-model losses (poe_loss, reweight_loss, learned_mixin_loss, confidence_regularization_loss): every
+"""The bias-model losses (poe_loss, reweighted_loss, learned_mixin_loss, conf_reg_loss): every
 fused backend against the reference composite (docs/METHODS.md §4, docs/KERNELS.md "bias_loss")."""
+import inspect
 import math
+import pathlib
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import cat_fast
-from cat_fast.ops import confidence_regularization_loss, learned_mixin_loss, poe_loss, reweight_loss
+from cat_fast.ops import BiasLoss, conf_reg_loss, learned_mixin_loss, poe_loss, reweighted_loss
 
 from .conftest import assert_outputs_match, dtypes_for, noncontiguous, run, tolerance
 
 # name -> (op, keyword arguments, reductions it takes)
 LOSSES = {
     "poe": (poe_loss, {}, ("mean", "sum", "none")),
-    "reweight": (reweight_loss, {}, (None,)),
-    "reweight-inverse": (reweight_loss, dict(weight="inverse"), (None,)),
-    "reweight-batch": (reweight_loss, dict(normalize="batch"), (None,)),
-    "reweight-inverse-batch": (reweight_loss, dict(weight="inverse", normalize="batch"), (None,)),
+    "reweight": (reweighted_loss, {}, (None,)),
+    "reweight-inverse": (reweighted_loss, dict(weight="inverse"), (None,)),
+    "reweight-batch": (reweighted_loss, dict(normalize="batch"), (None,)),
+    "reweight-inverse-batch": (reweighted_loss, dict(weight="inverse", normalize="batch"), (None,)),
     "learned-mixin": (learned_mixin_loss, dict(entropy_weight=0.03), ("mean", "sum", "none")),
     "learned-mixin-h1": (learned_mixin_loss, dict(entropy_weight=1.0), ("mean",)),
-    "conf-reg": (confidence_regularization_loss, {}, ("mean", "sum", "none")),
+    "conf-reg": (conf_reg_loss, {}, ("mean", "sum", "none")),
 }
 CASES = [(name, reduction) for name, (_, _, reductions) in LOSSES.items() for reduction in reductions]
 
@@ -45,8 +48,8 @@ def call_loss(name, which, logits, bias, gate, teacher, labels, reduction, **ext
         kwargs["reduction"] = reduction
     if op is learned_mixin_loss:
         return run(which, op, logits, bias, labels, gate, **kwargs)
-    if op is confidence_regularization_loss:
-        return run(which, op, logits, teacher, bias, labels, **kwargs)
+    if op is conf_reg_loss:
+        return run(which, op, logits, bias, labels, teacher, **kwargs)
     return run(which, op, logits, bias, labels, **kwargs)
 
 
@@ -144,17 +147,19 @@ def test_known_values(backend, device):
     ce = F.cross_entropy(logits, labels)
     tol = tolerance(dtype)
     torch.testing.assert_close(run(backend, poe_loss, logits, uniform, labels), ce, **tol)
-    torch.testing.assert_close(run(backend, reweight_loss, logits, uniform, labels), ce, **tol)
-    torch.testing.assert_close(run(backend, reweight_loss, logits, uniform, labels, normalize="batch"), 0.75 * ce, **tol)
-    torch.testing.assert_close(run(backend, reweight_loss, logits, uniform, labels, "batch", "inverse"), 4 * ce, **tol)
+    torch.testing.assert_close(run(backend, reweighted_loss, logits, uniform, labels), ce, **tol)
+    torch.testing.assert_close(run(backend, reweighted_loss, logits, uniform, labels, normalize="batch"), 0.75 * ce,
+                               **tol)
+    torch.testing.assert_close(run(backend, reweighted_loss, logits, uniform, labels, "batch", "inverse"), 4 * ce,
+                               **tol)
     off = torch.full((7,), -60.0, device=device, dtype=aux)
     got = run(backend, learned_mixin_loss, logits, uniform, labels, off, entropy_weight=0.5)
     torch.testing.assert_close(got, ce + 0.5 * math.log(4), **tol)
     certain = torch.full((7, 4), -1e4, device=device, dtype=aux).scatter(1, labels[:, None], 0.0)
-    got = run(backend, confidence_regularization_loss, logits, teacher, certain, labels)
+    got = run(backend, conf_reg_loss, logits, certain, labels, teacher)
     torch.testing.assert_close(got, -F.log_softmax(logits, -1).mean(-1).mean(), **tol)
     clueless = torch.full((7, 4), 0.0, device=device, dtype=aux).scatter(1, labels[:, None], -1e4)
-    got = run(backend, confidence_regularization_loss, logits, teacher, clueless, labels)
+    got = run(backend, conf_reg_loss, logits, clueless, labels, teacher)
     torch.testing.assert_close(got, -(teacher * F.log_softmax(logits, -1)).sum(-1).mean(), **tol)
 
 
@@ -201,10 +206,10 @@ def test_large_batch_mean_is_bitwise_reproducible(backend, device, monkeypatch):
     _few_triton_programs(backend, device, monkeypatch)
     shape = (600_000, 3) if device == "cuda" else (3000, 3)
     logits, bias, gate, teacher, labels = loss_inputs(shape, torch.float32, device, 13)
-    first = run(backend, reweight_loss, logits, bias, labels)
+    first = run(backend, reweighted_loss, logits, bias, labels)
     for rows in (100, shape[0] // 7):
-        run(backend, reweight_loss, logits[:rows], bias[:rows], labels[:rows])
-    assert torch.equal(run(backend, reweight_loss, logits, bias, labels), first)
+        run(backend, reweighted_loss, logits[:rows], bias[:rows], labels[:rows])
+    assert torch.equal(run(backend, reweighted_loss, logits, bias, labels), first)
 
 
 def test_one_launch_per_direction(backend, device):
@@ -233,10 +238,13 @@ def test_opcheck(backend, device):
     labels[3] = 7
     kernels = cat_fast.ops.registry.kernels(backend)
     empty = logits.new_empty((0,))
-    for kind, aux in ((0, empty), (1, empty), (4, empty), (5, gate), (6, teacher)):
+    variants = ((BiasLoss.POE, empty), (BiasLoss.REWEIGHTED_ONE_MINUS, empty),
+                (BiasLoss.REWEIGHTED_INVERSE_BATCH, empty), (BiasLoss.LEARNED_MIXIN, gate), (BiasLoss.CONF_REG, teacher))
+    for variant, aux in variants:
+        kind = int(variant)
         for reduction in (0, 1, 2):
-            args = (logits.detach().requires_grad_(), bias, labels, aux.detach().requires_grad_(kind == 5), kind,
-                    reduction, 0.03, 7)
+            args = (logits.detach().requires_grad_(), bias, labels,
+                    aux.detach().requires_grad_(variant == BiasLoss.LEARNED_MIXIN), kind, reduction, 0.03, 7)
             torch.library.opcheck(kernels.bias_loss_forward.default, args)
             _, denom = kernels.bias_loss_forward(*args)
             denom = denom.detach()
@@ -250,7 +258,7 @@ def test_compiles(backend, device):
     bias, gate = bias.float(), gate.float()
 
     def step(z, gt):
-        return poe_loss(z, bias, labels) + learned_mixin_loss(z, bias, labels, gt) + reweight_loss(z, bias, labels)
+        return poe_loss(z, bias, labels) + learned_mixin_loss(z, bias, labels, gt) + reweighted_loss(z, bias, labels)
 
     z, gt = logits.detach().requires_grad_(), gate.detach().requires_grad_()
     with cat_fast.use_backend(backend):
@@ -266,26 +274,58 @@ def test_compiles(backend, device):
 @pytest.mark.parametrize(
     "op, kwargs, error, words",
     [
-        (poe_loss, dict(bias=torch.randn(3, 3)), ValueError, "bias: expected shape (3, 2)"),
+        (poe_loss, dict(bias_log_probs=torch.randn(3, 3)), ValueError, "bias_log_probs: expected shape (3, 2)"),
         (poe_loss, dict(labels=torch.tensor([0, 1, 5])), ValueError, "labels: expected values in [0, 2)"),
         (poe_loss, dict(reduction="avg"), ValueError, "reduction: expected one of"),
         (poe_loss, dict(labels=torch.tensor([0.0, 1.0, 1.0])), TypeError, "labels"),
-        (reweight_loss, dict(normalize="rows"), ValueError, "normalize: expected one of"),
-        (reweight_loss, dict(weight="inv"), ValueError, "weight: expected one of"),
+        (reweighted_loss, dict(normalize="rows"), ValueError, "normalize: expected one of"),
+        (reweighted_loss, dict(weight="inv"), ValueError, "weight: expected one of"),
         (learned_mixin_loss, dict(gate=torch.randn(2)), ValueError, "gate"),
         (learned_mixin_loss, dict(entropy_weight=-1.0), ValueError, "entropy_weight: expected a finite number >= 0"),
         (learned_mixin_loss, dict(entropy_weight=float("nan")), ValueError, "entropy_weight"),
-        (confidence_regularization_loss, dict(teacher_probs=torch.rand(3, 4)), ValueError, "teacher_probs: expected shape"),
+        (conf_reg_loss, dict(teacher_probs=torch.rand(3, 4)), ValueError, "teacher_probs: expected shape"),
     ],
 )
 def test_bad_input_names_the_argument(op, kwargs, error, words):
-    args = dict(logits=torch.randn(3, 2), bias=torch.randn(3, 2).log_softmax(-1), labels=torch.tensor([0, 1, 1]))
+    args = dict(logits=torch.randn(3, 2), bias_log_probs=torch.randn(3, 2).log_softmax(-1),
+                labels=torch.tensor([0, 1, 1]))
     if op is learned_mixin_loss:
         args["gate"] = torch.randn(3)
-    if op is confidence_regularization_loss:
+    if op is conf_reg_loss:
         args["teacher_probs"] = torch.rand(3, 2).softmax(-1)
     args.update(kwargs)
     for which in ("reference", "cpp"):
         with pytest.raises(error) as caught:
             run(which, op, **args)
         assert words in str(caught.value)
+
+
+def test_each_loss_is_a_named_function_of_its_own_arguments():
+    """One public function per loss, (logits, bias_log_probs, labels) first, then what that loss alone takes; no
+    packed variant number or `aux` tensor reaches the API."""
+    leading = ["logits", "bias_log_probs", "labels"]
+    own = {poe_loss: [], reweighted_loss: ["normalize", "weight"], learned_mixin_loss: ["gate", "entropy_weight"],
+           conf_reg_loss: ["teacher_probs"]}
+    for op, extra in own.items():
+        names = list(inspect.signature(op).parameters)
+        assert names[:3 + len(extra)] == leading + extra, (op.__name__, names)
+        assert not {"kind", "aux"} & set(names)
+    for old in ("reweight_loss", "confidence_regularization_loss"):
+        assert not hasattr(cat_fast.ops, old)
+
+
+def _cpp_kinds():
+    """{name: number} of `enum BiasLossKind` in csrc/checks/bias_loss.h, names lower-cased without the k."""
+    text = (pathlib.Path(__file__).parents[2] / "csrc" / "checks" / "bias_loss.h").read_text()
+    body = re.search(r"enum BiasLossKind[^{]*\{(.*?)\};", text, re.S).group(1)
+    return {name.lower(): int(number) for name, number in re.findall(r"\bk(\w+) = (\d+),", body)}
+
+
+def test_variant_numbers_agree_with_the_kernels():
+    assert _cpp_kinds() == {v.name.replace("_", "").lower(): int(v) for v in BiasLoss}
+    from cat_fast.kernels.triton import optional
+
+    triton_bias = optional("bias_loss")
+    if triton_bias is not None:
+        assert (triton_bias.LEARNED_MIXIN, triton_bias.CONF_REG, triton_bias.KINDS) == (
+            BiasLoss.LEARNED_MIXIN, BiasLoss.CONF_REG, len(BiasLoss))

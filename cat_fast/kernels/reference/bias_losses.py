@@ -39,7 +39,7 @@ def poe_loss(logits, bias, labels, reduction="mean", ignore_index=-100):
     return _reduce(F.cross_entropy(mixed, y, reduction="none"), keep, reduction)
 
 
-def reweight_loss(logits, bias, labels, normalize="weights", weight="one_minus", ignore_index=-100):
+def reweighted_loss(logits, bias, labels, normalize="weights", weight="one_minus", ignore_index=-100):
     """Example reweighting: w = 1 − p_b(y) (Clark) or 1 / p_b(y) (the mediation paper's released code);
     Σ w·CE / Σ w (``normalize="weights"``) or / the number of rows (``"batch"``)."""
     keep, y = _keep(labels, ignore_index)
@@ -66,7 +66,7 @@ def learned_mixin_loss(logits, bias, labels, gate, entropy_weight=0.03, ignore_i
     return _reduce(ce + entropy_weight * entropy, keep, reduction)
 
 
-def confidence_regularization_loss(logits, teacher_probs, bias, labels, ignore_index=-100, reduction="mean"):
+def conf_reg_loss(logits, bias, labels, teacher_probs, ignore_index=-100, reduction="mean"):
     """Confidence regularisation: the teacher's probabilities scaled t̃ ∝ t^(1 − p_b(y)), loss −Σ t̃ log softmax(z),
     mean over the kept rows."""
     keep, y = _keep(labels, ignore_index)

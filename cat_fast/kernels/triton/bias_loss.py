@@ -12,6 +12,8 @@ from ..dtypes import acc_dtype
 from ._common import acc_tl_dtype, completion_counter, online_softmax, row_tiles, scalar_acc, split_scalar
 
 KINDS = 7
+# the kinds whose `aux` is read (numbers of `cat_fast.ops.BiasLoss`; the kernels' KIND == 5 / 6 branches)
+LEARNED_MIXIN, CONF_REG = 5, 6  # aux: the gate [B]; the teacher's probabilities [B, C]
 _MAX_BLOCK_C = 2048
 # reduction none and the backward: small tiles, one per program (backward) or a few (forward, see _MAX_PROGRAMS)
 _TILE = 2048
@@ -270,7 +272,8 @@ def bias_loss_forward(logits: torch.Tensor, bias: torch.Tensor, labels: torch.Te
                       kind: int, reduction: int, entropy_weight: float, ignore_index: int = -100):
     kind, reduction = _check(kind, reduction, "bias_loss_forward")
     logits, bias, labels = logits.contiguous(), bias.contiguous(), labels.contiguous()
-    aux = aux.contiguous() if kind in (5, 6) else bias  # other kinds: not read (an empty aux may be a null pointer)
+    # other kinds: aux is not read (an empty aux may be a null pointer)
+    aux = aux.contiguous() if kind in (LEARNED_MIXIN, CONF_REG) else bias
     B, C = logits.shape
     acc = acc_dtype(logits.dtype)
     device = logits.device
@@ -298,16 +301,16 @@ def bias_loss_backward(grad: torch.Tensor, logits: torch.Tensor, bias: torch.Ten
                        ignore_index: int = -100):
     kind, reduction = _check(kind, reduction, "bias_loss_backward")
     grad, logits, bias, labels = grad.contiguous(), logits.contiguous(), bias.contiguous(), labels.contiguous()
-    aux = aux.contiguous() if kind in (5, 6) else bias
+    aux = aux.contiguous() if kind in (LEARNED_MIXIN, CONF_REG) else bias
     B, C = logits.shape
     acc = acc_dtype(logits.dtype)
     grad_logits = torch.empty((B, C), dtype=logits.dtype, device=logits.device)
-    grad_aux = torch.empty((B,) if kind == 5 else (0,), dtype=acc, device=logits.device)
+    grad_aux = torch.empty((B,) if kind == LEARNED_MIXIN else (0,), dtype=acc, device=logits.device)
     if B == 0:
         return grad_logits, grad_aux
     BLOCK_R, BLOCK_C = row_tiles(B, C, _MAX_BLOCK_C, _TILE, max_rows=64)
     _bias_bwd_kernel[(triton.cdiv(B, BLOCK_R),)](
-        grad, logits, bias, labels, aux, denom, grad_logits, grad_aux if kind == 5 else grad_logits, B, C,
+        grad, logits, bias, labels, aux, denom, grad_logits, grad_aux if kind == LEARNED_MIXIN else grad_logits, B, C,
         *split_scalar(entropy_weight), ignore_index, KIND=kind, REDUCTION=reduction,
         BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, ACC=acc_tl_dtype(logits), num_warps=_warps(BLOCK_R, BLOCK_C))
     return grad_logits, grad_aux

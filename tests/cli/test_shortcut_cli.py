@@ -1,0 +1,98 @@
+"""`cat-fast shortcut plant` end to end: the files it writes, a tiny `cat-fast train` on them scoring the anti and
+clean test sets, --overwrite, and every bad input as one line with exit 2 and nothing written."""
+import json
+
+import pytest
+
+from tests.cli.conftest import run
+
+WORDS = ("good", "great", "fine", "bad", "awful", "poor", "ok", "plain", "movie", "film", "plot", "actor")
+SPLITS = ("train", "train_clean", "dev", "test_anti", "test_clean")
+
+
+def reviews(path, n=40):
+    """A CSV of n reviews (columns review, label: pos / neg alternating), each ending in '.' or '!'."""
+    lines = ["review,label"]
+    for i in range(n):
+        words = " ".join(WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(5))
+        lines.append(f"{words}{'!' if i % 3 else '.'},{'pos' if i % 2 else 'neg'}")
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def plant(src, out, *extra):
+    return ["shortcut", "plant", "--train", src, "--cue", "punctuation", "--strength", 0.8, "--dev-fraction", 0.25,
+            "--test-fraction", 0.25, "--seed", 1, "--out", out, *extra]
+
+
+def read(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_plant_then_train_scores_anti_and_clean(tiny, tmp_path, capsys):
+    src, out = reviews(tmp_path / "reviews.csv"), tmp_path / "planted"
+    code, err = run(plant(src, out, "--cue-class", "pos"), capsys)
+    assert code == 0, err
+    assert "cat-fast: wrote" in err and (out / ".cat-fast").is_file()
+    meta = json.loads((out / "shortcut.json").read_text())
+    assert (meta["cue"], meta["cue_class"], meta["labels"], meta["strength"]) == ("punctuation", "pos",
+                                                                                   ["neg", "pos"], 0.8)
+    rows = {name: read(out / f"{name}.jsonl") for name in SPLITS}
+    assert [len(rows[s]) for s in SPLITS] == [20, 20, 10, 10, 10]
+    for name, split in rows.items():
+        assert all(set(r) == {"id", "text", "label", "cue"} for r in split)
+        assert all(r["text"].endswith("!!" if r["cue"] else ".") and not r["text"].endswith("!.") for r in split)
+        stats = meta["splits"][name]["labels"]
+        assert stats["pos"]["cue"] == sum(r["cue"] for r in split if r["label"] == "pos")
+    assert all(r["cue"] == (r["label"] == "neg") for r in rows["test_anti"])
+    train = rows["train"]
+    n_pos = sum(r["label"] == "pos" for r in train)
+    assert sum(r["cue"] for r in train if r["label"] == "pos") == int(0.8 * n_pos + 0.5)
+    code, err = run(plant(src, tmp_path / "again", "--cue-class", "pos"), capsys)
+    assert code == 0 and all((tmp_path / "again" / f"{s}.jsonl").read_text() == (out / f"{s}.jsonl").read_text()
+                             for s in SPLITS)
+
+    d = str(out)
+    code, err = run(["train", "--method", "erm", "--train", f"{d}/train.jsonl", "--dev", f"{d}/dev.jsonl",
+                     "--eval", f"anti={d}/test_anti.jsonl", f"clean={d}/test_clean.jsonl", "--text-column", "text",
+                     "--label-column", "label", "--id-column", "id", "--labels", "neg,pos", "--model", tiny,
+                     "--epochs", 1, "--batch-size", 8, "--max-length", 16, "--device", "cpu", "--no-checkpoint",
+                     "--out", tmp_path / "run"], capsys)
+    assert code == 0, err
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert {k: v["n"] for k, v in metrics["eval"].items()} == {"dev": 10, "anti": 10, "clean": 10}
+
+
+def test_overwrite_convention(tmp_path, capsys):
+    src, out = reviews(tmp_path / "reviews.csv"), tmp_path / "planted"
+    assert run(plant(src, out), capsys)[0] == 0
+    code, err = run(plant(src, out, "--cue", "length"), capsys)
+    assert code == 2 and "pass --overwrite to replace it" in err
+    assert json.loads((out / "shortcut.json").read_text())["cue"] == "punctuation"
+    assert run(plant(src, out, "--cue", "length", "--overwrite"), capsys)[0] == 0
+    assert json.loads((out / "shortcut.json").read_text())["cue"] == "length:3"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--strength", "0.45"], "argument --strength: expected a number in [0.5, 1], got '0.45'"),
+    (["--strength", "1.5"], "argument --strength: expected a number in [0.5, 1], got '1.5'"),
+    (["--cue", "emoji"], "argument --cue: expected token:WORD[@start|@end|@random], length[:N], punctuation or "
+                         "casing[:K], got 'emoji'"),
+    (["--cue", "token:film"], "--cue: the cue token 'film' is already in "),
+    (["--cue-class", "meh"], "--cue-class 'meh' is not a label of the data (labels: neg, pos)"),
+    (["--cue-field", "text_pair"], "--cue-field text_pair needs text pairs"),
+    (["--test", "EMPTY"], "empty.csv: no data rows"),  # the reader's refusal
+    (["--dev", "NEG"], "--dev: the dev split's 3 rows are all of the cue class 'neg'"),
+    (["--test-fraction", "0.6", "--dev-fraction", "0.5"], "--train: the train split is empty"),
+    (["--test-fraction", "1"], "argument --test-fraction: expected a number in (0, 1), got '1'"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, extra, message):
+    src = reviews(tmp_path / "reviews.csv")
+    (tmp_path / "empty.csv").write_text("review,label\n")
+    (tmp_path / "neg.csv").write_text("review,label\na b.,neg\nc d.,neg\ne f.,neg\n")
+    extra = [{"EMPTY": str(tmp_path / "empty.csv"), "NEG": str(tmp_path / "neg.csv")}.get(x, x) for x in extra]
+    code, err = run(plant(src, tmp_path / "out", *extra), capsys)
+    errors = [line for line in err.splitlines() if not line.startswith("cat-fast: columns: ")]  # found by name
+    assert code == 2 and len(errors) == 1 and errors[0].startswith("cat-fast: error: ") and message in err, err
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.csv", "neg.csv", "reviews.csv"]

@@ -1,0 +1,258 @@
+"""`cat_fast.step.CapturedStep` under DistributedDataParallel (`cat_fast.step_ddp`): steps outside DDP's forward that
+average their own gradients equal the documented DDP loop (``loss = objective(batch)[0]; loss.backward();
+opt.step()``) and keep the ranks identical. 2 processes: gloo on the CPU (``cuda_graph=False``, one spawn for every
+case), NCCL on 2 GPUs (``cuda_graph=True``: captured collectives, ranks with different batch shapes in lockstep)."""
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from cat_fast import distributed as D
+from cat_fast import step_ddp
+from cat_fast.objectives import CAT, ERM, GradientSupervision, LearnedMixin
+from cat_fast.step import CapturedStep, NotCapturable
+from tests.conftest import tiny_batch, tiny_model
+from tests.ranks import spawn
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+WORLD, STEPS = 2, 3
+PAIRS = torch.tensor([1, 0, 3, 2])
+CASES = ("erm", "cat", "gs-first-order", "learned-mixin", "erm-two-step", "erm-wrapped", "unused")
+
+
+class _RankDependent(ERM):
+    """ERM plus a term on a layer that only rank 0 reaches (``model.extra``); ``model.spare`` no rank reaches."""
+
+    def __call__(self, batch, pairs=None):
+        loss, info = super().__call__(batch)
+        if D.rank() == 0:
+            loss = loss + 0.1 * self.model.extra.weight.square().sum()
+        return loss, info
+
+
+def _batch(rank, step, device="cpu", length=9):
+    b = tiny_batch("bert", batch=4, length=length, seed=100 * step + rank)
+    b["labels"] = (torch.tensor([0, 1, 2, 0]) + step + rank) % 3
+    b["bias"] = torch.randn(4, 3, generator=torch.Generator().manual_seed(7 + 100 * step + rank)).log_softmax(-1)
+    return {k: v.to(device) for k, v in b.items()}
+
+
+def _model(rank, case, device="cpu"):
+    model = tiny_model("bert", num_layers=2, seed=rank).train()  # different weights: DDP broadcasts rank 0's
+    if case == "unused":
+        model.extra, model.spare = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    return model.to(device)
+
+
+def _objective(case, model, ddp):
+    """(objective, what the loop or CapturedStep calls)."""
+    if case == "erm-wrapped":  # built on the model inside, wrapped (what the Trainer makes under torchrun)
+        objective = ERM(model)
+        return objective, D.DistributedObjective(objective, ddp)
+    make = {"erm": lambda: ERM(ddp), "erm-two-step": lambda: ERM(ddp, two_step=True),
+            "cat": lambda: CAT(ddp, layers=[1, 2], warmup_steps=1, generator=torch.Generator().manual_seed(0)),
+            "gs-first-order": lambda: GradientSupervision(ddp, mode="first_order", low_memory=False),
+            "learned-mixin": lambda: LearnedMixin(ddp), "unused": lambda: _RankDependent(ddp)}[case]
+    objective = make()
+    return objective, objective
+
+
+def _train(rank, case, captured, device="cpu", lengths=None, steps=STEPS, graph=True):
+    """Parameters, losses (and the CapturedStep's graph and replay counts) after `steps` steps of `case`."""
+    device = torch.device(device)
+    model = _model(rank, case, device)
+    # the reference is DDP's own: unused parameters need find_unused_parameters=True there
+    ddp = DDP(model, find_unused_parameters=case == "unused" and not captured,
+              **({"device_ids": [device.index]} if device.type == "cuda" else {}))
+    torch.manual_seed(D.rank_seed(1))
+    objective, call = _objective(case, model, ddp)
+    params = list(model.parameters()) + list(objective.parameters())
+    gpu = device.type == "cuda"
+    opt = (torch.optim.AdamW(params, lr=torch.tensor(1e-3, device=device), capturable=True, fused=True) if gpu
+           else torch.optim.SGD(params, lr=0.1))
+    objective.set_optimizer(opt)
+    # strict: a step that is not planned raises (only erm-two-step's call runs as the DDP loop's)
+    step = CapturedStep(call, opt, cuda_graph=gpu and graph, max_grad_norm=1.0 if gpu else None, skip_non_finite=gpu,
+                        warmup_steps=1, strict=case != "erm-two-step") if captured else None
+    losses = []
+    for i in range(steps):
+        batch = _batch(rank, i, device, length=lengths[i] if lengths else 9)
+        args = (PAIRS.to(device),) if objective.needs_pairs else ()
+        if step is not None:
+            loss, _ = step(batch, *args)
+        else:
+            loss, _ = call(batch, *args)
+            loss.backward()
+            if gpu:
+                torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    state = {f"model.{k}": v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    state.update({f"own.{i}": p.detach().cpu().clone() for i, p in enumerate(objective.parameters())})
+    counts = (step.num_graphs, step.num_replays) if step is not None else None
+    return state, losses, counts
+
+
+def _compare(results, cases, tolerance):
+    """Every rank's parameters equal rank 0's bit for bit; the captured route's equal the loop's within
+    `tolerance`; each rank saw its own batches."""
+    for case in cases:
+        for route in ("loop", "captured"):
+            (s0, l0, c0), (s1, l1, c1) = (results[r][case, route] for r in range(WORLD))
+            for key, value in s0.items():
+                torch.testing.assert_close(s1[key], value, rtol=0, atol=0, msg=lambda m: f"{case} {route} {key}: {m}")
+            assert l0 != l1 and c0 == c1, case
+        for rank in range(WORLD):
+            (want, want_losses, _), (got, losses, _) = results[rank][case, "loop"], results[rank][case, "captured"]
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), **tolerance)
+            start = _model(0, case).state_dict()
+            moved = 0.0
+            for key, value in want.items():
+                torch.testing.assert_close(got[key], value, **tolerance, msg=lambda m: f"{case} rank {rank} {key}: {m}")
+                if key.startswith("model.") and value.is_floating_point():
+                    moved = max(moved, float((value - start[key[6:]].cpu()).abs().max()))
+            assert moved > 1e-4, case  # the steps changed rank 0's initial weights
+
+
+# ----------------------------------------------------------------------------- 2 processes, gloo, CPU
+
+def _cpu_worker(rank, out):
+    results = {(case, route): _train(rank, case, route == "captured")
+               for case in CASES for route in ("loop", "captured")}
+    lockstep = step_ddp.Lockstep()  # every rank's signatures in each key; `all` true only where true on every rank
+    keys = [lockstep.key(((("a",) if rank == 0 else ("x", i % 2)), ())) for i in range(3)]
+    results["lockstep"] = [k[1][1] for k in keys], lockstep.all(rank == 0), lockstep.all(True)
+    torch.save(results, f"{out}.{rank}")
+
+
+@pytest.fixture(scope="module")
+def spawned_cpu(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("step-ddp")
+    spawn(_cpu_worker, str(tmp / "out"), tmp_path=tmp, world=WORLD)
+    return [torch.load(f"{tmp / 'out'}.{r}", weights_only=False) for r in range(WORLD)]
+
+
+def test_eager_ddp_steps_equal_the_ddp_loop(spawned_cpu):
+    """ERM, CAT, first-order GS, a learned gate (its own hooks average it), erm-two-step (not planned: its call
+    runs inside DDP's forward and its inner step all-reduces), a DistributedObjective, and a parameter only rank 0
+    reaches (zeros from rank 1, the average on both, as DDP's find_unused_parameters=True gives)."""
+    _compare(spawned_cpu, CASES, dict(rtol=1e-6, atol=1e-6))
+
+
+def test_lockstep_keys_name_every_rank(spawned_cpu):
+    (k0, no0, yes0), (k1, no1, yes1) = spawned_cpu[0]["lockstep"], spawned_cpu[1]["lockstep"]
+    assert k0 == k1 == [(0, 0), (0, 1), (0, 0)]
+    assert (no0, no1, yes0, yes1) == (False, False, True, True)
+
+
+# ----------------------------------------------------------------------------- one process, gloo
+
+@pytest.fixture
+def process_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _forward_calls(ddp):
+    calls = []
+    ddp.register_forward_pre_hook(lambda module, args: calls.append(1))
+    return calls
+
+
+def test_planned_steps_run_outside_ddp_forward(process_group):
+    """A planned step skips DDP's forward (its reducer stays idle); the objective still refuses plans outside
+    CapturedStep; a step it does not plan (CAT's alternating update) runs inside DDP's forward."""
+    model = tiny_model("bert", num_layers=2).train()
+    ddp = DDP(model)
+    calls = _forward_calls(ddp)
+    objective = ERM(ddp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    CapturedStep(objective, opt, cuda_graph=False, strict=True)(_batch(0, 0))
+    assert calls == [] and any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    with pytest.raises(NotCapturable, match="DistributedDataParallel"):
+        objective.plan_step(_batch(0, 0))
+    cat = CAT(ddp, update="alternate", generator=torch.Generator().manual_seed(0))
+    cat.set_optimizer(opt)
+    with pytest.raises(NotCapturable, match="alternate"):
+        CapturedStep(cat, opt, cuda_graph=False, strict=True)(_batch(0, 0))
+    CapturedStep(cat, opt, cuda_graph=False)(_batch(0, 0))
+    assert calls == [1]
+
+
+class _FindsUnused(ERM):
+    find_unused_parameters = True
+
+
+@pytest.mark.parametrize("case,reason", [("find-unused", "find_unused_parameters=True"),
+                                         ("comm-hook", "communication hook"), ("batch-norm", "BatchNorm")])
+def test_a_step_that_cannot_average_itself_says_why(process_group, case, reason):
+    """strict: NotCapturable with the reason; otherwise the objective's own call inside DDP's forward."""
+    model = tiny_model("bert", num_layers=2).train()
+    if case == "batch-norm":
+        model.norm = torch.nn.BatchNorm1d(4)
+    ddp = DDP(model)
+    if case == "comm-hook":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        ddp.register_comm_hook(None, allreduce_hook)
+    calls = _forward_calls(ddp)
+    objective = (_FindsUnused if case == "find-unused" else ERM)(ddp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NotCapturable, match=reason):
+        CapturedStep(objective, opt, cuda_graph=False, strict=True)(_batch(0, 0))
+    CapturedStep(objective, opt, cuda_graph=False)(_batch(0, 0))
+    assert calls == [1]
+
+
+# ----------------------------------------------------------------------------- 2 GPUs, NCCL, CUDA graphs
+
+GPU_CASES = ("erm", "cat", "gs-first-order")
+GPU_STEPS = 8
+
+
+def _gpu_worker(rank, out):
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    lengths = [9 if rank == 0 or i % 2 == 0 else 12 for i in range(GPU_STEPS)]  # rank 1's shapes change
+    results = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        for case in GPU_CASES:  # the step outside DDP's forward, averaging itself, eager on GPUs
+            for route in ("loop", "captured"):
+                results[case, route] = _train(rank, case, route == "captured", device, lengths, GPU_STEPS,
+                                              graph=False)
+        model = _model(rank, "erm", device)  # a CUDA graph of a step under DDP: refused, with the reason
+        ddp = DDP(model, device_ids=[device.index])
+        objective, call = _objective("erm", model, ddp)
+        opt = torch.optim.AdamW(list(model.parameters()), lr=torch.tensor(1e-3, device=device), capturable=True,
+                                fused=True)
+        try:
+            CapturedStep(call, opt, strict=True)(_batch(rank, 0, device, length=9))
+            results["refusal"] = None
+        except NotCapturable as error:
+            results["refusal"] = str(error)
+    results["warnings"] = [str(w.message) for w in caught if "CapturedStep" in str(w.message)]  # a failed capture
+    torch.save(results, f"{out}.{rank}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
+                    reason="needs 2 CUDA devices and NCCL")
+def test_gpu_ddp_steps_equal_the_ddp_loop_and_graphs_are_refused(tmp_path):
+    """On GPUs (NCCL) the step outside DDP's forward, averaging its own gradients (rank 1's batch length changes
+    every step, rank 0's does not), equals the DDP loop (fp32, fused AdamW, clipping), ranks bit-identical; a CUDA
+    graph of such a step is refused with the reason (its capture fails on dropout's random offsets)."""
+    spawn(_gpu_worker, str(tmp_path / "out"), tmp_path=tmp_path, world=WORLD, backend="nccl")
+    results = [torch.load(f"{tmp_path / 'out'}.{r}", weights_only=False) for r in range(WORLD)]
+    assert results[0]["warnings"] == results[1]["warnings"] == []
+    for result in results:
+        assert result["refusal"] is not None and "not captured as a CUDA graph on GPUs" in result["refusal"]
+    for case in GPU_CASES:
+        graphs, replays = results[0][case, "captured"][2]
+        assert graphs == 0 and replays == 0, case
+    _compare(results, GPU_CASES, dict(rtol=1e-6, atol=1e-6))
