@@ -117,14 +117,7 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
 
     handles = []
     try:
-        if layer is not None:
-            for mod in st.layer_modules:
-                handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
-                handles.append(mod.register_forward_hook(post, with_kwargs=True))
-            if st.embeddings is not None:
-                handles.append(st.embeddings.register_forward_hook(emb_post))
-        if pooled:
-            handles.append(st.head.register_forward_pre_hook(head_pre, with_kwargs=True))
+        handles += _capture_hooks(st, layer is not None, pooled, pre, post, emb_post, head_pre)
         prune = first_token and (layer is None or layer < L)
         with fast_layers.training_layers(model, st, inputs, training_layers), \
                 fast_layers.last_layer_first_token(model, st, inputs, prune), uncompiled(model) as module:
@@ -132,18 +125,38 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
     finally:
         for h in handles:
             h.remove()
+    _check_captured(model, st, cap, layer, calls["started"], pooled)
+    return cap
+
+
+def _capture_hooks(st, layers: bool, pooled: bool, pre, post, emb_post, head_pre) -> list:
+    """`capture`'s hooks: on every encoder layer and the embeddings (``layers``), on the head (``pooled``)."""
+    handles = []
+    if layers:
+        for mod in st.layer_modules:
+            handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(mod.register_forward_hook(post, with_kwargs=True))
+        if st.embeddings is not None:
+            handles.append(st.embeddings.register_forward_hook(emb_post))
+    if pooled:
+        handles.append(st.head.register_forward_pre_hook(head_pre, with_kwargs=True))
+    return handles
+
+
+def _check_captured(model, st, cap: Capture, layer, started: int, pooled: bool) -> None:
+    """`unsupported` where the forward `capture` watched did not go as the model's structure says."""
+    L = st.num_layers
     if (layer is not None and cap.hidden is not None and cap.padding_mask is not None
             and cap.hidden.shape[1] != cap.padding_mask.shape[-1]):
         unsupported(model, f"it pads the sequence inside its forward ({cap.padding_mask.shape[-1]} tokens in the batch, "
                            f"{cap.hidden.shape[1]} at layer {layer}; Longformer-style models pad to a multiple of "
                            "config.attention_window): pad the batches to that multiple yourself (tokenizer(..., "
                            "pad_to_multiple_of=N)) so that it has nothing to pad")
-    if layer is not None and calls["started"] != L:
-        unsupported(model, f"its layer list '{st.layer_list_name}' was called {calls['started']} times in one forward, "
+    if layer is not None and started != L:
+        unsupported(model, f"its layer list '{st.layer_list_name}' was called {started} times in one forward, "
                      f"expected {L} (config.num_hidden_layers)")
     if pooled and cap.head_input is None:
         unsupported(model, f"its classification module '{st.head_name}' was not called in the forward")
-    return cap
 
 
 def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, same_dropout: bool = True,
@@ -168,14 +181,7 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
     model = orig_module(model)
     st = structure(model)
     check_trainable_forward(model, st)
-    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
-        raise ValueError(f"repeat: expected an integer >= 1, got {repeat!r}")
-    if repeat > 1 and model.training:
-        raise ValueError("resume(repeat > 1) runs in eval mode only (no dropout masks to replay for the copies)")
-    want = (repeat * cap.hidden.shape[0],) + tuple(cap.hidden.shape[1:])
-    if tuple(h_tilde.shape) != want:
-        what = "of h_m" if repeat == 1 else f"of h_m stacked {repeat} times along the batch"
-        raise ValueError(f"h_tilde must have the shape {what} {want}, got {tuple(h_tilde.shape)}")
+    _check_resume(model, cap, h_tilde, repeat)
     m, L = cap.layer, st.num_layers
     restore_rng = same_dropout and cap.rng_state is not None and model.training
     device = h_tilde.device
@@ -199,12 +205,7 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
                         cap.rng_marker()
                 return out
             if k == m:
-                kind, where = cap.hidden_loc
-                if kind == "arg":
-                    args = (h_tilde,) + tuple(args[1:])
-                else:
-                    kwargs = dict(kwargs)
-                    kwargs[where] = h_tilde
+                args, kwargs = _with_hidden(args, kwargs, cap.hidden_loc, h_tilde)
                 if restore_rng:
                     set_rng_state(device, cap.rng_state)
                 if cap.rng_marker is not None:
@@ -212,25 +213,15 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
             if k == L - 1 and first_token:
                 out = layers.first_token.forward(mod, args, kwargs, first_token_fill, first_token_row_only,
                                                  input_only=input_grad_only)
-                if out is not None:
-                    return replace_first(cap.last_output, out)
-            elif input_grad_only and cap.last_output is not None:
-                out = layers.resumed.forward(mod, args, kwargs)
-                if out is not None:
-                    return replace_first(cap.last_output, out)
-            elif training_layers and cap.last_output is not None:
-                out = layers.training.forward(mod, args, kwargs)
-                if out is not None:
-                    return replace_first(cap.last_output, out)
-            return orig(*args, **kwargs)
+            elif cap.last_output is not None and (input_grad_only or training_layers):
+                out = (layers.resumed if input_grad_only else layers.training).forward(mod, args, kwargs)
+            else:
+                out = None
+            return orig(*args, **kwargs) if out is None else replace_first(cap.last_output, out)
 
         return forward
 
-    inputs = dict(cap.inputs)
-    if attention_mask is not None:
-        inputs = sync_free_inputs(model, dict(inputs, attention_mask=attention_mask))
-    if repeat > 1:
-        inputs = {k: _tile(v, repeat) for k, v in inputs.items()}
+    inputs = _resume_inputs(model, cap, attention_mask, repeat)
     try:
         for mod in st.layer_modules:
             patched.append(patch_forward(mod, layer_forward(mod)))
@@ -248,6 +239,39 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
         unsupported(model, f"its layer list '{st.layer_list_name}' was called {calls['n']} times when resuming, "
                      f"expected {L}")
     return out
+
+
+def _check_resume(model, cap: Capture, h_tilde, repeat) -> None:
+    """`resume`'s argument checks: ``repeat`` an integer >= 1 (eval mode when > 1), `h_tilde` shaped as ``h_m``
+    (stacked `repeat` times)."""
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"repeat: expected an integer >= 1, got {repeat!r}")
+    if repeat > 1 and model.training:
+        raise ValueError("resume(repeat > 1) runs in eval mode only (no dropout masks to replay for the copies)")
+    want = (repeat * cap.hidden.shape[0],) + tuple(cap.hidden.shape[1:])
+    if tuple(h_tilde.shape) != want:
+        what = "of h_m" if repeat == 1 else f"of h_m stacked {repeat} times along the batch"
+        raise ValueError(f"h_tilde must have the shape {what} {want}, got {tuple(h_tilde.shape)}")
+
+
+def _with_hidden(args, kwargs, loc, hidden):
+    """The layer call's ``(args, kwargs)`` with its hidden-states argument (at `loc`, `hidden_argument`'s second
+    value) replaced by `hidden`."""
+    kind, where = loc
+    if kind == "arg":
+        return (hidden,) + tuple(args[1:]), kwargs
+    return args, dict(kwargs, **{where: hidden})
+
+
+def _resume_inputs(model, cap: Capture, attention_mask, repeat: int) -> dict:
+    """The model inputs of a resumed pass: the captured ones, `attention_mask` in place of the batch's, tiled
+    `repeat` times along the batch."""
+    inputs = dict(cap.inputs)
+    if attention_mask is not None:
+        inputs = sync_free_inputs(model, dict(inputs, attention_mask=attention_mask))
+    if repeat > 1:
+        inputs = {k: _tile(v, repeat) for k, v in inputs.items()}
+    return inputs
 
 
 def _tile(value, k):
