@@ -5,7 +5,7 @@ import argparse
 import math
 
 __all__ = ["scheduler_types", "method_names", "add_column_options", "label_names", "SEED_MAX", "seed_int",
-           "positive_float"]
+           "positive_float", "float_in"]
 
 
 def scheduler_types():
@@ -66,3 +66,20 @@ def positive_float(s: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {s!r}")
     return value
 
+
+def float_in(low: float, high: float, *, low_open: bool = False, high_open: bool = False):
+    """An argparse type: a number in the interval from `low` to `high` (each end closed unless ``*_open``), else
+    "expected a number in [low, high], got ..."."""
+    where = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+    def parse(s: str) -> float:
+        try:
+            value = float(s)
+        except ValueError:
+            value = math.nan
+        inside = (low < value if low_open else low <= value) and (value < high if high_open else value <= high)
+        if not inside:
+            raise argparse.ArgumentTypeError(f"expected a number in {where}, got {s!r}")
+        return value
+
+    return parse

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from .arguments import SEED_MAX, add_column_options, seed_int
+from .arguments import SEED_MAX, add_column_options, float_in, seed_int
 from .common import Parser
 
 __all__ = ["add_shortcut"]
@@ -18,24 +18,8 @@ def cue_spec(s: str):
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def strength(s: str) -> float:
-    try:
-        value = float(s)
-    except ValueError:
-        value = float("nan")
-    if not 0.5 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0.5, 1], got {s!r}")
-    return value
-
-
-def fraction(s: str) -> float:
-    try:
-        value = float(s)
-    except ValueError:
-        value = float("nan")
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {s!r}")
-    return value
+strength = float_in(0.5, 1.0)  # the cue's strength P
+fraction = float_in(0.0, 1.0, low_open=True, high_open=True)  # a held-out share of the input
 
 
 def add_shortcut(sub, fmt) -> None:
