@@ -1,5 +1,6 @@
-"""The op benchmarks' cases: backends, sizes and dtypes as pytest params (`op_params`), and the `measure()` closure
-of one case (`op_measure`): forward and forward + backward timed per backend, bytes and bandwidth, launch counts.
+"""The op benchmarks' cases: backends, sizes and dtypes as pytest params (`op_params`), a case's seeded first input
+(`logits_case`, `hidden_case`), and the `measure()` closure of one case (`op_measure`): forward and forward +
+backward timed per backend, bytes and bandwidth, launch counts.
 
 Every `benchmarks/ops/test_bench_<op>.py` imports this module alone (`record`, `finish`, `dims` and
 `virtual_clock` of `benchmarks/_harness.py` come with it). GPU timing: `_harness.time_cuda` (L2 evicted before each
@@ -133,6 +134,24 @@ def backend_skip_reason(backend, device):
 
 
 # ----------------------------------------------------------------------------- a case
+
+
+def logits_case(size, device, dtype):
+    """(rows, classes, logits) of an [N, C] case: seed 0, then the logits, 3 * N(0, 1) drawn in fp32 and cast to
+    `dtype` (a key of DTYPES), a leaf that requires grad."""
+    rows, classes = dims(size)
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(rows, classes, device=device)).to(DTYPES[dtype]).requires_grad_()
+    return rows, classes, logits
+
+
+def hidden_case(size, device, dtype):
+    """(batch, tokens, hidden, h) of a [B, T, D] case: seed 0, then h ~ N(0, 1) drawn in `dtype` (a key of DTYPES),
+    a leaf that requires grad."""
+    batch, tokens, hidden = dims(size)
+    torch.manual_seed(0)
+    h = torch.randn(batch, tokens, hidden, device=device, dtype=DTYPES[dtype], requires_grad=True)
+    return batch, tokens, hidden, h
 
 
 def op_measure(op_name, backend, device, forward, grad_inputs=None, grad_outputs=None, bytes_fwd=0, bytes_bwd=0,

@@ -15,9 +15,7 @@ pytestmark = pytest.mark.benchmark(timer=H.virtual_clock)
 
 @pytest.mark.parametrize(H.OP_ARGNAMES, H.op_params(H.SIZES_NC_GPU, H.SIZES_NC_CPU))
 def test_cal_objective(benchmark, copy_bandwidth, device, backend, size, dtype):
-    rows, classes = H.dims(size)
-    torch.manual_seed(0)
-    logits = (3 * torch.randn(rows, classes, device=device)).to(H.DTYPES[dtype]).requires_grad_()
+    rows, classes, logits = H.logits_case(size, device, dtype)
     labels = torch.randint(0, classes, (rows,), device=device)
     grad_out = torch.randn(rows, device=device)
     s = logits.element_size()

@@ -15,9 +15,7 @@ pytestmark = pytest.mark.benchmark(timer=H.virtual_clock)
 
 @pytest.mark.parametrize(H.OP_ARGNAMES, H.op_params(H.SIZES_BTD_GPU, H.SIZES_BTD_CPU))
 def test_cmix(benchmark, copy_bandwidth, device, backend, size, dtype):
-    batch, tokens, hidden = H.dims(size)
-    torch.manual_seed(0)
-    h = torch.randn(batch, tokens, hidden, device=device, dtype=H.DTYPES[dtype], requires_grad=True)
+    batch, tokens, hidden, h = H.hidden_case(size, device, dtype)
     lam = torch.rand(batch, device=device, requires_grad=True)
     partner = torch.randperm(batch, device=device)
     grad_out = torch.randn(batch, tokens, hidden, device=device, dtype=h.dtype)

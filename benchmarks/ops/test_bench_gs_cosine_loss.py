@@ -14,9 +14,7 @@ pytestmark = pytest.mark.benchmark(timer=H.virtual_clock)
 
 @pytest.mark.parametrize(H.OP_ARGNAMES, H.op_params(H.SIZES_BTD_GPU, H.SIZES_BTD_CPU))
 def test_gs_cosine_loss(benchmark, copy_bandwidth, device, backend, size, dtype):
-    batch, tokens, hidden = H.dims(size)
-    torch.manual_seed(0)
-    g = torch.randn(batch, tokens, hidden, device=device, dtype=H.DTYPES[dtype], requires_grad=True)
+    batch, tokens, hidden, g = H.hidden_case(size, device, dtype)
     g_hat = torch.randn(batch, tokens, hidden, device=device, dtype=g.dtype, requires_grad=True)
     grad_out = torch.ones((), device=device, dtype=torch.float32)
     n, s = g.numel(), g.element_size()

@@ -38,7 +38,9 @@ META_METHODS = ("clp", "clp-all")
 META_ROWS = 100
 # the masking route (`mask_jobs`): mediation on the ERM model of the seed with the cue rows of dev as the treatment,
 # k chosen on the biased dev set, then the masked model scored; ``mask-random`` masks as many random neurons
-MASK_METHODS = ("mask", "mask-random")
+# ``unlearn``: gradient unlearning of the chosen k neurons of that analysis (the cue bias model's advantaged rows);
+# ``poe+mask``: the paper's combination, the same masking route run on the PoE model of the seed
+MASK_METHODS = ("mask", "mask-random", "unlearn", "poe+mask")
 MEDIATION = "--per-class 40 --max-length 128"
 
 
@@ -102,22 +104,25 @@ def plan(data: str, methods: Sequence[str], seeds: Sequence[int], root: str, tra
     0), then the other methods (phase 1: they may read the bias file or an ERM teacher)."""
     cols = data_flags(data)
     jobs = []
-    if any(split_spec(m)[1] in BIAS_METHODS for m in methods):
-        out = f"{root}/bias"
-        jobs.append(Job("bias", f"{bias_fit} --train {data}/train.jsonl {cols} --out {out} --overwrite", out,
-                        "bias.jsonl", 0))
     masking = [m for m in methods if m in MASK_METHODS]
     methods = [m for m in methods if m not in MASK_METHODS]
     evals = f"--dev {data}/dev.jsonl --eval anti={data}/test_anti.jsonl clean={data}/test_clean.jsonl"
     teacher = "conf-reg" in methods or bool(masking)
     if teacher and "erm" not in methods:
         methods = ["erm"] + list(methods)
+    if "poe+mask" in masking and "poe" not in methods:
+        methods = list(methods) + ["poe"]
+    if "unlearn" in masking or any(split_spec(m)[1] in BIAS_METHODS for m in methods):
+        out = f"{root}/bias"
+        jobs.append(Job("bias", f"{bias_fit} --train {data}/train.jsonl {cols} --out {out} --overwrite", out,
+                        "bias.jsonl", 0))
+    kept = {"erm"} | ({"poe"} if "poe+mask" in masking else set())
     for seed in seeds:  # seeds outermost: a study cut short keeps the same seeds for every method
         runs = [(CEILING, "erm", "", "train_clean")] if ceiling else []
         runs += [(*split_spec(m), "train") for m in methods]
         for name, method, flags, train in runs:
             out = f"{root}/{name}/seed{seed}"
-            extra = ("" if teacher and name == "erm" else " --no-checkpoint") + flags
+            extra = ("" if teacher and name in kept else " --no-checkpoint") + flags
             if method in META_METHODS:
                 extra += f" --meta-data {root}/meta.jsonl --diagnose-column cue"
             if method in BIAS_METHODS:
@@ -131,21 +136,37 @@ def plan(data: str, methods: Sequence[str], seeds: Sequence[int], root: str, tra
     return jobs
 
 
-def mask_jobs(data: str, cols: str, root: str, seed: int, masking: Sequence[str], evals: str) -> List[Job]:
-    """The masking route of one seed: ``mask`` (phase 1: mediation, ``mask --select-k`` on the biased dev set, the
-    masked model scored into ROOT/mask/seedN) and ``mask-random`` (phase 2: the chosen k, random neurons)."""
-    if not masking:
-        return []
+def _masking(data, cols, root, seed, model, name, scores, phase) -> Job:
+    """Mediation of `model` with dev's cue rows as the treatment, ``mask --select-k`` on the biased dev set, the
+    masked model scored into ROOT/NAME/seedN (its analysis and model in ROOT/NAME-work/seedN)."""
     with open(os.path.join(data, "shortcut.json")) as f:
         cue_class = json.load(f)["cue_class"]
+    work = f"{root}/{name}-work/seed{seed}"
+    return Job(f"{name}-seed{seed}", f"cat-fast mediation --model {model} --samples {data}/dev.jsonl {cols} "
+               f"--treatment-where cue=1 --target-class {shlex.quote(cue_class)} {MEDIATION} --seed {seed} "
+               f"--out {work}/nie --overwrite ;; cat-fast mask --model {model} --nie {work}/nie --select-k "
+               f"--select-dev {data}/dev.jsonl {cols} --out {work}/model --overwrite ;; cat-fast eval --model "
+               f"{work}/model {scores} --out {root}/{name}/seed{seed} --overwrite", f"{root}/{name}/seed{seed}",
+               "metrics.json", phase)
+
+
+def mask_jobs(data: str, cols: str, root: str, seed: int, masking: Sequence[str], evals: str) -> List[Job]:
+    """The masking route of one seed: ``mask`` (phase 1: `_masking` of the ERM model), then (phase 2) ``mask-random``
+    (the chosen k, random neurons), ``unlearn`` (the chosen k unlearned on the ERM model) and ``poe+mask``
+    (`_masking` of the PoE model)."""
+    if not masking:
+        return []
     erm, work = f"{root}/erm/seed{seed}", f"{root}/mask-work/seed{seed}"
     scores = evals.replace("--dev ", "--eval dev=").replace(" --eval anti=", " anti=")
-    jobs = [Job(f"mask-seed{seed}", f"cat-fast mediation --model {erm} --samples {data}/dev.jsonl {cols} "
-                f"--treatment-where cue=1 --target-class {shlex.quote(cue_class)} {MEDIATION} --seed {seed} "
-                f"--out {work}/nie --overwrite ;; cat-fast mask --model {erm} --nie {work}/nie --select-k "
-                f"--select-dev {data}/dev.jsonl {cols} --out {work}/model --overwrite ;; cat-fast eval --model "
-                f"{work}/model {scores} --out {root}/mask/seed{seed} --overwrite", f"{root}/mask/seed{seed}",
-                "metrics.json", 1)]
+    jobs = [_masking(data, cols, root, seed, erm, "mask", scores, 1)]
+    if "poe+mask" in masking:
+        jobs.append(_masking(data, cols, root, seed, f"{root}/poe/seed{seed}", "poe+mask", scores, 2))
+    if "unlearn" in masking:
+        jobs.append(Job(f"unlearn-seed{seed}", f"cat-fast unlearn --model {erm} --nie {work}/nie --train "
+                        f"{data}/train.jsonl {cols} --bias {root}/bias --top-k {{chosen_k:{work}/model/"
+                        f"k_selection.json}} --seed {seed} --out {work}/unlearn --overwrite ;; cat-fast eval --model "
+                        f"{work}/unlearn {scores} --out {root}/unlearn/seed{seed} --overwrite",
+                        f"{root}/unlearn/seed{seed}", "metrics.json", 2))
     if "mask-random" in masking:
         jobs.append(Job(f"mask-random-seed{seed}", f"cat-fast mask --model {erm} --nie {work}/nie --random-neurons "
                         f"--top-k {{chosen_k:{work}/model/k_selection.json}} --seed {seed} --out {work}/random "

@@ -176,7 +176,7 @@ def pct(nbytes_moved, ms, copy_gbps):
     return 100.0 * nbytes_moved / ms / 1e6 / copy_gbps
 
 
-def main():
+def _parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("plans", nargs="*", help="plan strings ('' = default); default: the built-in list")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -185,34 +185,33 @@ def main():
     parser.add_argument("--no-combine", action="store_true")
     parser.add_argument("--budget-s", type=float, default=150.0)
     parser.add_argument("--child-timeout-s", type=float, default=90.0)
-    args = parser.parse_args()
-    if args.child:
-        return child(args)
+    return parser.parse_args()
 
-    plans = args.plans if args.plans else PLANS
-    start = time.time()
-    results = []
-    ref_copy = None
-    print(f"cmix tile-plan sweep, [B,T,D]={list(SHAPE)}, {len(plans)} plans, kernel-only "
-          "(kernel_only.time_fwd_bwd: median, L2 evicted clean)", flush=True)
-    header = (f"{'plan':58s} {'dtype':9s} {'fwd us':>8s} {'%':>5s} {'bwd us':>8s} {'%':>5s} {'f+b us':>8s} "
-              f"{'%':>5s}  check  effective plan")
 
-    printed_header = False
+HEADER = (f"{'plan':58s} {'dtype':9s} {'fwd us':>8s} {'%':>5s} {'bwd us':>8s} {'%':>5s} {'f+b us':>8s} "
+          f"{'%':>5s}  check  effective plan")
 
-    def report(res):
-        nonlocal ref_copy, printed_header
-        if ref_copy is None and res.get("copy_gbps"):
-            ref_copy = res["copy_gbps"]
-            print(f"copy bandwidth {ref_copy:,.0f} GB/s (read + write; reference for every plan)", flush=True)
-        if not printed_header:
-            print(header, flush=True)
-            printed_header = True
+
+class _Reporter:
+    """Prints each plan's rows as it finishes; the first process that measured the copy bandwidth sets the
+    reference (`ref_copy`) for every plan."""
+
+    def __init__(self):
+        self.ref_copy = None
+        self.printed_header = False
+
+    def __call__(self, res):
+        if self.ref_copy is None and res.get("copy_gbps"):
+            self.ref_copy = res["copy_gbps"]
+            print(f"copy bandwidth {self.ref_copy:,.0f} GB/s (read + write; reference for every plan)", flush=True)
+        if not self.printed_header:
+            print(HEADER, flush=True)
+            self.printed_header = True
         label = res["plan"] or "<default>"
         if res.get("error") or not res["times_ms"]:
             print(f"{label:58s} ERROR {res.get('error', 'no timings')}", flush=True)
             return
-        copy = ref_copy or res["copy_gbps"]
+        copy = self.ref_copy or res["copy_gbps"]
         for name in DTYPES:
             t = res["times_ms"].get(name)
             if not t:
@@ -228,43 +227,44 @@ def main():
         for note in res["notes"]:
             print(f"    {note}", flush=True)
 
-    def run_all(todo):
-        for plan in todo:
-            elapsed = time.time() - start
-            avg = sum(r["wall_s"] for r in results) / len(results) if results else 0.0
-            if results and elapsed + avg > args.budget_s:
-                print(f"(budget {args.budget_s:.0f} s: skipped {normalize(plan) or '<default>'})", flush=True)
-                continue
-            res = run_plan(plan, args)
-            results.append(res)
-            report(res)
 
-    run_all(plans)
+def _run_all(todo, args, results, start, report):
+    """Each plan in its own process while the budget lasts; appended to `results` and reported."""
+    for plan in todo:
+        elapsed = time.time() - start
+        avg = sum(r["wall_s"] for r in results) / len(results) if results else 0.0
+        if results and elapsed + avg > args.budget_s:
+            print(f"(budget {args.budget_s:.0f} s: skipped {normalize(plan) or '<default>'})", flush=True)
+            continue
+        res = run_plan(plan, args)
+        results.append(res)
+        report(res)
 
-    ok = [r for r in results if r["times_ms"] and not r.get("error") and not r["check"].startswith("FAIL")]
-    if not ok:
-        print("no plan produced valid timings")
-        return 1
 
-    def best(name, key):
-        have = [r for r in ok if name in r["times_ms"]]
-        return min(have, key=lambda r: key(r["times_ms"][name])) if have else None
+def _valid(results):
+    return [r for r in results if r["times_ms"] and not r.get("error") and not r["check"].startswith("FAIL")]
 
-    if not args.no_combine:
-        combos = []
-        for name in DTYPES:
-            bf, bb = best(name, lambda t: t["fwd"]), best(name, lambda t: t["bwd"])
-            if bf is None or bb is None:
-                continue
-            combo = ",".join(keys_of(bf["plan"], ("fwd_",)) + keys_of(bb["plan"], ("bwd_", "fill")))
-            if combo not in {r["plan"] for r in results} and combo not in combos:
-                combos.append(combo)
-        if combos:
-            print("combined best forward + best backward knobs:", flush=True)
-            run_all(combos)
-            ok = [r for r in results if r["times_ms"] and not r.get("error") and not r["check"].startswith("FAIL")]
 
-    copy = ref_copy
+def _best(ok, name, key):
+    have = [r for r in ok if name in r["times_ms"]]
+    return min(have, key=lambda r: key(r["times_ms"][name])) if have else None
+
+
+def _combos(ok, results):
+    """Per dtype, the best forward's fwd_* knobs with the best backward's bwd_* and fill knobs, where that plan is
+    new."""
+    combos = []
+    for name in DTYPES:
+        bf, bb = _best(ok, name, lambda t: t["fwd"]), _best(ok, name, lambda t: t["bwd"])
+        if bf is None or bb is None:
+            continue
+        combo = ",".join(keys_of(bf["plan"], ("fwd_",)) + keys_of(bb["plan"], ("bwd_", "fill")))
+        if combo not in {r["plan"] for r in results} and combo not in combos:
+            combos.append(combo)
+    return combos
+
+
+def _summary(ok, copy, start):
     print(f"\nsummary ({time.time() - start:.0f} s; copy reference {copy:,.0f} GB/s; copy measured per process "
           f"{min(r.get('copy_gbps', copy) for r in ok):,.0f}..{max(r.get('copy_gbps', copy) for r in ok):,.0f} GB/s)")
     for name in DTYPES:
@@ -278,10 +278,36 @@ def main():
                   f"({pct(5 * n, max(fb), copy):.1f}..{pct(5 * n, min(fb), copy):.1f} % of copy) over {len(fb)} runs")
         for what, key, moved in (("fwd+bwd", lambda t: t["fwd"] + t["bwd"], 5), ("fwd", lambda t: t["fwd"], 2),
                                  ("bwd", lambda t: t["bwd"], 3)):
-            r = best(name, key)
+            r = _best(ok, name, key)
             ms = key(r["times_ms"][name])
             print(f"  {name:9s} best {what:8s} {ms * 1e3:8.1f} us {pct(moved * n, ms, copy):5.1f} % of copy  "
                   f"CAT_FAST_CMIX_PLAN=\"{r['plan']}\"  ({r['effective'].get(name, '?')})")
+
+
+def main():
+    args = _parse_args()
+    if args.child:
+        return child(args)
+
+    plans = args.plans if args.plans else PLANS
+    start = time.time()
+    results = []
+    print(f"cmix tile-plan sweep, [B,T,D]={list(SHAPE)}, {len(plans)} plans, kernel-only "
+          "(kernel_only.time_fwd_bwd: median, L2 evicted clean)", flush=True)
+    report = _Reporter()
+    _run_all(plans, args, results, start, report)
+
+    ok = _valid(results)
+    if not ok:
+        print("no plan produced valid timings")
+        return 1
+    if not args.no_combine:
+        combos = _combos(ok, results)
+        if combos:
+            print("combined best forward + best backward knobs:", flush=True)
+            _run_all(combos, args, results, start, report)
+            ok = _valid(results)
+    _summary(ok, report.ref_copy, start)
     return 0
 
 

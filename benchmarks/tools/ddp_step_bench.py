@@ -84,10 +84,8 @@ def allreduce_row(device, numel, repeats=10):
             "bus_gb_per_s": round(2 * (n - 1) / n * numel * 4 / seconds / 1e9, 1)}
 
 
-def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None, comm_hook=None, bucket_mb=None,
-          captured=False):
-    batch_size, tokens = (int(x) for x in size.lower().split("x"))
-    model = make_model(device, tiny)
+def _ddp(model, device, use_ddp, comm_hook, bucket_mb):
+    """`model` inside DistributedDataParallel (None in one process or with use_ddp=False)."""
     kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
     kwargs["broadcast_buffers"] = False  # BERT's buffers (position and token-type ids) are constants
     if bucket_mb is not None:
@@ -97,14 +95,19 @@ def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None,
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
         wrapped.register_comm_hook(None, bf16_compress_hook)
-    objective = make_objective(method, model, tiny)
-    call = D.DistributedObjective(objective, wrapped) if wrapped is not None else objective
+    return wrapped
+
+
+def _training_step(call, objective, model, device, batch_size, tokens, captured):
+    """(step, whole): one training step on this rank's batch as a call without arguments, and the CapturedStep
+    (None unless `captured`)."""
     gpu = device.type == "cuda"
     lr = torch.tensor(2e-5, device=device) if captured and gpu else 2e-5  # a captured step replays a tensor lr
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=gpu, capturable=captured and gpu)
     batch, pairs = make_batch(batch_size, tokens, model.config.vocab_size, device, seed=1234 + D.rank())
     args = (pairs,) if objective.needs_pairs else ()
     dtype = torch.bfloat16
+    whole = None
     if captured:
         from cat_fast.step import CapturedStep
 
@@ -119,6 +122,11 @@ def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None,
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    return step, whole
+
+
+def _seconds_per_step(step, device, warmup, steps):
+    """Seconds per step after `warmup` steps, the slowest rank's."""
     for _ in range(warmup):
         step()
     sync(device)
@@ -133,29 +141,52 @@ def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None,
         t = torch.tensor([seconds], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         seconds = float(t)
-    host = []  # host time to issue one step, each measured from a synchronised start
+    return seconds
+
+
+def _host_seconds(step, device):
+    """Host time to issue one step, each of 3 measured from a synchronised start."""
+    host = []
     for _ in range(3):
         sync(device)
         t0 = time.perf_counter()
         step()
         host.append(time.perf_counter() - t0)
     sync(device)
-    if profile:
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
+    return host
 
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with torch_profile(activities=activities) as prof:
-            for _ in range(3):
-                step()
-            sync(device)
-        os.makedirs(profile, exist_ok=True)
+
+def _write_profile(step, device, directory, tag):
+    """3 more steps under torch.profiler; the operator tables to `directory`/`tag`.txt."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(3):
+            step()
+        sync(device)
+    os.makedirs(directory, exist_ok=True)
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    with open(os.path.join(directory, tag + ".txt"), "w") as f:
+        f.write(prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=70))
+        f.write("\n\n")
+        f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70))
+
+
+def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None, comm_hook=None, bucket_mb=None,
+          captured=False):
+    batch_size, tokens = (int(x) for x in size.lower().split("x"))
+    model = make_model(device, tiny)
+    wrapped = _ddp(model, device, use_ddp, comm_hook, bucket_mb)
+    objective = make_objective(method, model, tiny)
+    call = D.DistributedObjective(objective, wrapped) if wrapped is not None else objective
+    step, whole = _training_step(call, objective, model, device, batch_size, tokens, captured)
+    seconds = _seconds_per_step(step, device, warmup, steps)
+    host = _host_seconds(step, device)
+    if profile:
         tag = f"{method}-w{D.world()}{'' if wrapped is not None or D.world() == 1 else '-noddp'}-r{D.rank()}"
-        sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-        with open(os.path.join(profile, tag + ".txt"), "w") as f:
-            f.write(prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=70))
-            f.write("\n\n")
-            f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70))
+        _write_profile(step, device, profile, tag)
     world = D.world()
     graphs = getattr(objective, "graphs", None)
     extra = {} if graphs is None else {"cat_graphs": graphs.num_graphs, "replays_in_forward": graphs.replays_in_forward}

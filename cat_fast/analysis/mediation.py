@@ -209,18 +209,25 @@ def _neuron_effects(model, samples, zbar, target, n, keys, layers, components, m
 
 
 @torch.no_grad()
+def _sweep_setup(model, zbar, samples, target_class, components, layers):
+    """The checked arguments of a sweep over neurons (components, layers, target label, samples and their count),
+    the model's device and training flag; the model is put in eval mode (the caller restores the flag)."""
+    components, layers = from_zbar(model, zbar, components, layers)
+    label = target(model, target_class)
+    samples, n = check_samples("samples", samples)
+    was = model.training
+    model.eval()
+    return components, layers, label, samples, n, next(model.parameters()).device, was
+
+
 def neuron_effects_looped(model, samples: dict, zbar: Dict[Key, torch.Tensor], target_class=0, components=None,
                           layers=None, batch_size: int = 128, neurons: Optional[Dict[Key, Sequence[int]]] = None
                           ) -> NeuronEffects:
     """The paper's method and the reference of `neuron_effects`: one whole forward of each batch (of `batch_size`
     samples padded to their longest) per neuron, with one intervention hook. `neurons` limits the sweep to some
     neurons per (layer, component) (the others are NaN): for timing a subset."""
-    components, layers = from_zbar(model, zbar, components, layers)
-    label = target(model, target_class)
-    samples, n = check_samples("samples", samples)
-    device = next(model.parameters()).device
-    was = model.training
-    model.eval()
+    components, layers, label, samples, n, device, was = _sweep_setup(model, zbar, samples, target_class, components,
+                                                                      layers)
     keep = [k for k in INPUTS if k in samples]
     batches = []
     for start in range(0, n, batch_size):
@@ -267,12 +274,8 @@ def attribution_effects(model, samples: dict, zbar: Dict[Key, torch.Tensor], tar
                         layers=None, batch_tokens: int = 16384) -> NeuronEffects:
     """First-order NIE (attribution patching): ``mean_u ∂ log p_t(u)/∂z_n(u, 0) · (z̄_n − z_n(u, 0))`` from one
     forward and one backward per batch of samples."""
-    components, layers = from_zbar(model, zbar, components, layers)
-    label = target(model, target_class)
-    samples, n = check_samples("samples", samples)
-    device = next(model.parameters()).device
-    was = model.training
-    model.eval()
+    components, layers, label, samples, n, device, was = _sweep_setup(model, zbar, samples, target_class, components,
+                                                                      layers)
     keys = [(layer, c) for layer in layers for c in components]
     sums = {key: torch.zeros(zbar[key].numel(), dtype=torch.float64, device=device) for key in keys}
     try:

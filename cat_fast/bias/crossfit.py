@@ -14,6 +14,11 @@ The rows are split into ``folds`` folds by counterfactual group (``CadData.group
 in one fold, so a row's partner never informs its prediction): the groups, shuffled with ``random.Random(seed)``,
 go largest first to the fold holding the fewest rows. Fold ``k``'s rows are predicted by a model fitted on the
 other folds. ``folds=1`` is in-sample: one model fitted on every row predicts every row.
+
+:func:`fit_temperature` calibrates held-out predictions: a fine-tuned network is over-confident (a weak learner
+93 % right on held-out rows puts p ≈ 1 on nearly all of them), and a bias-model loss given p_bias(y) ≈ 1 leaves
+the main model almost no gradient. One inverse temperature β, chosen on the cross-fitted predictions (rows the model
+did not see), rescales them to their held-out accuracy.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-__all__ = ["CrossFitError", "CrossFit", "assign_folds", "cross_fit"]
+__all__ = ["CrossFitError", "CrossFit", "assign_folds", "cross_fit", "Calibration", "fit_temperature"]
 
 Predictor = Callable[[List[int]], torch.Tensor]
 
@@ -106,3 +111,66 @@ def cross_fit(data, fit: Callable[[List[int]], Predictor], folds: int = 1, seed:
         sizes.append(len(held))
         accs.append(float((lp.argmax(-1) == torch.tensor([labels[i] for i in held])).double().mean()))
     return CrossFit(out, fold, folds, sizes, accs)
+
+
+@dataclass
+class Calibration:
+    """``log_softmax(β · log_probs)``: ``beta`` (1 / temperature) minimises the mean negative log-likelihood of the
+    labels; ``nll_before`` / ``nll_after`` and ``confidence_before`` / ``_after`` (the mean probability of the
+    predicted class) are reported with it."""
+
+    beta: float
+    nll_before: float
+    nll_after: float
+    confidence_before: float
+    confidence_after: float
+
+    def apply(self, log_probs: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(log_probs.to(torch.float64) * self.beta, dim=-1)
+
+    def meta(self) -> dict:
+        return {"method": "temperature", "temperature": 1.0 / self.beta, "nll_before": self.nll_before,
+                "nll_after": self.nll_after, "confidence_before": self.confidence_before,
+                "confidence_after": self.confidence_after}
+
+
+def _nll(log_probs: torch.Tensor, labels: torch.Tensor, beta: float) -> float:
+    scaled = torch.log_softmax(log_probs * beta, dim=-1)
+    return float(-scaled.gather(1, labels[:, None]).mean())
+
+
+def fit_temperature(log_probs: torch.Tensor, labels: Sequence[int], low: float = 1e-3, high: float = 20.0,
+                    iterations: int = 80) -> Calibration:
+    """The inverse temperature β in [``low``, ``high``] minimising the labels' mean negative log-likelihood under
+    ``log_softmax(β · log_probs)`` (convex in β: golden-section search). Fit it on held-out predictions
+    (:func:`cross_fit` with ``folds > 1``): in-sample ones would calibrate to the rows the model memorised."""
+    lp = torch.as_tensor(log_probs, dtype=torch.float64)
+    y = torch.as_tensor(list(labels), dtype=torch.long)
+    if lp.ndim != 2 or lp.shape[0] != y.shape[0] or lp.shape[0] == 0:
+        raise ValueError(f"fit_temperature: expected log_probs [N, C] with N = len(labels) > 0, got "
+                         f"{tuple(lp.shape)} and {y.shape[0]} labels")
+    if not torch.isfinite(lp).all():
+        raise ValueError("fit_temperature: log_probs holds NaN or an infinity")
+    ratio = (5 ** 0.5 - 1) / 2
+    a, b = low, high
+    c, d = b - ratio * (b - a), a + ratio * (b - a)
+    fc, fd = _nll(lp, y, c), _nll(lp, y, d)
+    for _ in range(iterations):
+        if fc <= fd:
+            b, d, fd = d, c, fc
+            c = b - ratio * (b - a)
+            fc = _nll(lp, y, c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + ratio * (b - a)
+            fd = _nll(lp, y, d)
+    beta = (a + b) / 2
+    if _nll(lp, y, 1.0) <= _nll(lp, y, beta):  # never worse than leaving the predictions alone
+        beta = 1.0
+
+    def confidence(x):
+        return float(x.exp().max(-1).values.mean())
+
+    after = torch.log_softmax(lp * beta, dim=-1)
+    return Calibration(beta, _nll(lp, y, 1.0), _nll(lp, y, beta), confidence(torch.log_softmax(lp, -1)),
+                       confidence(after))

@@ -12,7 +12,9 @@ Kinds (`FITTERS`, one function each):
   examples for ``--epochs``, optionally its first ``--layers`` (`cat_fast.bias.WeakLearner`).
 
 ``--folds K`` cross-fits (`cat_fast.bias.cross_fit`): each row's prediction comes from a model fitted on the other
-folds, counterfactual groups kept in one fold; 1 (the default) predicts in-sample. Writes ``DIR/bias.jsonl``
+folds, counterfactual groups kept in one fold; 1 (the default) predicts in-sample. ``--calibrate temperature``
+(the default for a cross-fitted weak learner) rescales the held-out predictions by one temperature fitted on them
+(`cat_fast.bias.fit_temperature`). Writes ``DIR/bias.jsonl``
 (per-example log-probabilities keyed by example id, with the fingerprint of each example's texts and label that
 ``train --bias`` checks, `cat_fast.bias.save_bias`) and ``DIR/bias_meta.json`` (kind, options, folds, each fold's
 held-out accuracy, the model), atomically.
@@ -150,6 +152,26 @@ def _cross_fit(args, train, fit_rows):
         raise CliError(f"--kind {args.kind}: {error}") from error
 
 
+def _check_calibrate(args) -> None:
+    if args.calibrate is None:
+        args.calibrate = "temperature" if args.kind == "weak-learner" and args.folds > 1 else "none"
+    if args.calibrate == "temperature" and args.folds == 1:
+        raise CliError("--calibrate temperature needs held-out predictions (--folds K > 1): in-sample ones would be "
+                       "calibrated to the rows the model memorised")
+
+
+def _calibrate(args, crossfit, train):
+    """The cross-fitted log-probabilities, rescaled by `fit_temperature` when ``--calibrate temperature``."""
+    if args.calibrate != "temperature":
+        return crossfit.log_probs, None
+    from ..bias import fit_temperature
+
+    calibration = fit_temperature(crossfit.log_probs, train.labels)
+    sys.stderr.write(f"cat-fast: calibrated the held-out predictions: temperature {1 / calibration.beta:.3g}, mean "
+                     f"confidence {calibration.confidence_before:.3f} -> {calibration.confidence_after:.3f}\n")
+    return calibration.apply(crossfit.log_probs), calibration
+
+
 def fit(args) -> Dict:
     import torch
 
@@ -157,6 +179,7 @@ def fit(args) -> Dict:
     from ..data import require_classes
 
     _check_kind_options(args)
+    _check_calibrate(args)
     source = Source.from_args(args)
     AtomicDir.check(args.out, args.overwrite, inputs=list(args.train or []) + [args.model or ""])
     train = source.read_train(args.train)
@@ -167,12 +190,13 @@ def fit(args) -> Dict:
         crossfit = _cross_fit(args, train, fit_rows)
     except FeatureColumnError as error:
         raise CliError(f"--feature-columns {','.join(args.feature_columns)}: {error}") from error
-    log_probs = crossfit.log_probs
+    log_probs, calibration = _calibrate(args, crossfit, train)
     accuracy = float((log_probs.argmax(-1) == torch.tensor(train.labels)).double().mean())
     meta = {"kind": args.kind, "options": options, "folds": args.folds, "seed": args.seed,
             "in_sample": args.folds == 1, "fold_sizes": crossfit.fold_sizes,
             "fold_accuracy": crossfit.fold_accuracy if args.folds > 1 else [], "model": last.get("model"),
-            "task": source.name, "n": len(train), "train_accuracy": accuracy}
+            "task": source.name, "n": len(train), "train_accuracy": accuracy,
+            "calibration": calibration.meta() if calibration else None}
     atomic = AtomicDir(args.out, args.overwrite)
     with atomic as tmp:
         save_bias(os.path.join(tmp, BIAS_FILE), train.ids, log_probs, labels, meta, data=train)

@@ -50,6 +50,11 @@ def add_bias(sub, fmt) -> None:
                    help="cross-fitting: each row predicted by a model fitted on the other K-1 folds (counterfactual "
                         "groups kept in one fold); 1: in-sample. 5 is recommended for features and weak-learner")
     f.add_argument("--seed", type=seed_int, default=0, help="the fold split, the weak learner's subset and training")
+    f.add_argument("--calibrate", choices=("none", "temperature"),
+                   help="temperature: rescale the held-out predictions by one temperature fitted on them (needs "
+                        "--folds K > 1), so that their confidence matches their accuracy; a fine-tuned weak learner "
+                        "is over-confident, and a bias-model loss given p_bias(y) near 1 leaves the main model "
+                        "nothing to learn (default: temperature for weak-learner with --folds K > 1, else none)")
     # the options of one kind are absent from the namespace unless given (cli/bias.py refuses them for other kinds)
     g = f.add_argument_group("--kind features", argument_default=argparse.SUPPRESS)
     g.add_argument("--feature-columns", type=column_names, metavar="A,B,...",

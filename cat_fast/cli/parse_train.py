@@ -94,9 +94,11 @@ def _add_run_options(t) -> None:
     lo = t.add_argument_group("LoRA (peft: pip install 'cat_fast[lora]')")
     lo.add_argument("--lora", type=positive_int, metavar="R", help="train LoRA adapters of rank R on the encoder's "
                     "projections and the classification head, the rest frozen; the checkpoint holds the merged model. "
-                    "The fast layers do not run adapter-wrapped projections (a warning says so)")
+                    "The fast layers run the adapted projections as W + scaling * B @ A (with --lora-dropout 0; "
+                    "otherwise the model's own layers run, and a warning says why)")
     lo.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA scaling numerator (default: 2 x R)")
-    lo.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the LoRA branch's input")
+    lo.add_argument("--lora-dropout", type=float, default=0.0,
+                    help="dropout on the LoRA branch's input (above 0 the model's own layers run)")
     lo.add_argument("--lora-target-modules", metavar="NAME,...", help="the projections to adapt (default: peft's "
                     "for the model type, e.g. query,value for BERT)")
     r = t.add_argument_group("checkpoints and logs")

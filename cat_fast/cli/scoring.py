@@ -89,6 +89,10 @@ def confusion(preds: Sequence[int], labels: Sequence[int], names: Sequence[str],
     return {"labels": list(names), "matrix": matrix}
 
 
+# the share of a scored set's rows in one predicted class from which the model is said to have collapsed
+COLLAPSED_SHARE = 0.99
+
+
 class EvalSet:
     """One scored set: accuracy (HANS: by heuristic and label), with ``confusion=True`` also its confusion matrix
     (`confusion`, under the key ``confusion`` of each score)."""
@@ -102,10 +106,22 @@ class EvalSet:
         self.tokenized = TokenizedData(data, tokenizer, max_length)
         self.split_orig_edit = split_orig_edit
         self.confusion = confusion
+        self.collapsed = None  # the class the last scored model predicted for (nearly) every row, if any
+
+    def _check_collapse(self, preds, names) -> None:
+        """A model that puts (nearly) every row of a set holding several classes into one class has collapsed (a bias
+        model that leaves nothing to learn, a learning rate too high): remembered for the command to say so."""
+        self.collapsed = None
+        if len(preds) >= 20 and len(set(self.data.labels)) > 1:
+            top = max(set(preds), key=preds.count)
+            if preds.count(top) >= COLLAPSED_SHARE * len(preds):
+                self.collapsed = names[top] if top < len(names) else str(top)
 
     def evaluate(self, model, batch_size, device, bf16) -> Dict[str, Dict]:
         preds = predict(model, self.tokenized, batch_size, device, bf16)
         names = [model.config.id2label[i] for i in range(model.config.num_labels)]
+        same = len(self.data.label_names) == len(names)
+        self._check_collapse(preds, list(self.data.label_names) if same else names)
         if self.name == "hans" and hasattr(self.data, "heuristic"):  # accuracy by heuristic x label, as HANS reports
             from ..data import HANS_LABELS, score_hans
 

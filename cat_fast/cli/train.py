@@ -73,13 +73,24 @@ def fit_cat_graphs(objective, epoch_batches, buckets) -> None:
     graphs.max_graphs = max(graphs.max_graphs, min(MAX_CAT_GRAPHS, len(sizes) * len(buckets) * len(objective.layers)))
 
 
+def _position_offset(model) -> int:
+    """How many position ids a family uses before the first token's: RoBERTa-style embeddings (their position
+    table has a padding index) start counting after the padding index."""
+    import torch
+
+    for name, module in model.named_modules():
+        if name.endswith("position_embeddings") and isinstance(module, torch.nn.Embedding):
+            return 0 if module.padding_idx is None else module.padding_idx + 1
+    return 0
+
+
 def check_max_length(max_length: int, model, pairs: bool, flag: str = "--max-length") -> None:
     """`max_length` must leave room for the special tokens and fit the model's position embeddings."""
     config = model.config
     low = 5 if pairs else 3  # [CLS] a [SEP] (b [SEP])
     limit = getattr(config, "max_position_embeddings", None)
-    if limit and getattr(config, "model_type", "") in ("roberta", "xlm-roberta", "camembert", "longformer"):
-        limit -= (getattr(config, "pad_token_id", 1) or 1) + 1  # their positions start after the padding index
+    if limit:
+        limit -= _position_offset(model)
     if max_length < low or (limit and max_length > limit):
         bound = f"at most {limit} (the model's positions)" if limit else "no upper bound"
         raise CliError(f"{flag} must be at least {low} (room for the special tokens{' of a text pair' if pairs else ''})"
@@ -235,6 +246,11 @@ def _train_and_write(run, t_start) -> Dict:
     scores = ", ".join(f"{name} accuracy {r['accuracy']:.4f}" for name, r in metrics["eval"].items()
                        if "/" not in name and isinstance(r, dict) and "accuracy" in r)
     sys.stderr.write(f"cat-fast: wrote {run.out} ({scores or 'no dev or --eval set scored'})\n")
+    for s in ([run.dev_set] if run.dev_set is not None else []) + list(run.eval_sets):
+        if s.collapsed is not None:
+            sys.stderr.write(f"cat-fast: warning: the trained model predicts {s.collapsed!r} for nearly every "
+                             f"{s.name} example (a collapsed run: with a bias-model method, a bias model that is "
+                             f"right and confident on most rows leaves nothing to learn; else try a lower --lr)\n")
     return metrics
 
 

@@ -112,6 +112,24 @@ class Bias(Handler):
                                          extra="ignore")
         except (ValueError, OSError) as error:
             raise CliError(f"--bias {args.bias}: {error}") from error
+        _warn_if_certain(run.rows["bias"], run.clean.labels, args.bias)
+
+
+# the share of training rows on which a bias model may put p(label) >= 0.99 before the run says so
+CERTAIN_SHARE = 0.5
+
+
+def _warn_if_certain(log_probs, labels, path) -> None:
+    """A bias model right with p ≥ 0.99 on most training rows leaves a bias-model loss almost no gradient (the main
+    model then stays at chance): say so, with the fix, before training."""
+    import torch
+
+    p_label = torch.as_tensor(log_probs, dtype=torch.float64).exp().gather(1, torch.as_tensor(labels)[:, None])
+    share = float((p_label >= 0.99).double().mean()) if len(labels) else 0.0
+    if share > CERTAIN_SHARE:
+        sys.stderr.write(f"cat-fast: warning: --bias {path} gives the true label p >= 0.99 on {100 * share:.0f}% of "
+                         "the training rows; a bias-model loss then leaves the main model little to learn from. "
+                         "Calibrate it (cat-fast bias fit --folds K --calibrate temperature) or make it weaker\n")
 
 
 class Teacher(Handler):

@@ -15,7 +15,9 @@ __all__ = ["with_lora", "make_trainer", "run_trainer", "history_of", "Scratch", 
 def with_lora(model, args):
     """``--lora R``: LoRA adapters of rank R (peft) on the target projections, trained with the classification
     head; everything else frozen. The model object stays the Hugging Face model (its projections wrapped in place),
-    so the objectives drive it as before; the returned PeftModel merges the adapters into it for the checkpoint."""
+    so the objectives drive it as before; the returned PeftModel merges the adapters into it for the checkpoint.
+    The fast layers read each adapted projection as one weight, W + scaling · B @ A (`layers.layout.projection`);
+    a --lora-dropout above 0 keeps them off while training, and the model's `AdapterWarning` says so."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:

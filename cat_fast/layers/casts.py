@@ -91,7 +91,10 @@ def weights(layer, params, dtype) -> Weights16:
     """The `dtype` copies of `params` — ``(query W, key W, value W, query b, key b, value b, attention output W, b,
     intermediate W, b, output W, b)`` of `layer`, one dtype and device — made now, or inside `shared` reused from an
     earlier pass of the step when still valid (module docstring). Detached: no gradient flows through them."""
-    return _reused((id(layer), dtype), layer, lambda: _stamp(params), lambda: _cast(params, dtype))
+    # weights made for this pass (a LoRA projection's W + s·BA, `layout.projection`) stamp as a new object: not reused
+    parameters = all(isinstance(p, torch.nn.Parameter) for p in params)
+    return _reused((id(layer), dtype), layer, (lambda: _stamp(params)) if parameters else object,
+                   lambda: _cast(params, dtype))
 
 
 def _additive(mask, dtype):

@@ -60,13 +60,14 @@ class _KeyValueFirst(torch.autograd.Function):
 def _key_value_weights(layer, parts, x):
     """``(dtype, W_kv, b_kv)`` for the one-matmul keys and values of an input-only pass, or None where the layer or
     the call does not allow it (a family whose weights are not read directly, `Layout.fused`: only the Bert
-    layout's are; hooked or non-plain key/value modules, missing biases,
-    parameters of another dtype or device, an autocast setting other than an fp32 layer under 16-bit autocast)."""
-    if not INPUT_ONLY_KEY_VALUE or not parts.spec.fused:
+    layout's are; hooked or non-plain key/value modules, LoRA projections `layout.lora_refusal` refuses, missing
+    biases, parameters of another dtype or device, an autocast setting other than an fp32 layer under 16-bit
+    autocast)."""
+    if (not INPUT_ONLY_KEY_VALUE or not parts.spec.fused or type(parts.key) is not nn.Linear
+            or type(parts.value) is not nn.Linear or any(layout.lora_refusal(m) for m in layer.modules())):
         return None
     params = layout.bert_projections(layer)
     if (any(p is None for p in params) or not layout.plain(parts.key, parts.value)
-            or type(parts.key) is not nn.Linear or type(parts.value) is not nn.Linear
             or any(p.device != x.device or p.dtype != params[0].dtype for p in params)):
         return None
     dtype = layout.compute_dtype(x, params[0].dtype)

@@ -4,8 +4,8 @@
 `family(layer)` recognises a layer by its structure, `component(layer, name)` returns the module whose output is one
 of the mediators of `COMPONENTS`, `producer(layer, name)` the parameters that make it, `pieces(layer)` the layer as
 pieces that run on chosen rows (mediation, the first-token layer). The fast layers (`layers.training`,
-`layers.resumed`, `layers.first_token`) read the Bert layout's weights directly; `plain` says when that computes what
-calling the modules would.
+`layers.resumed`, `layers.first_token`) read the Bert layout's weights directly (`projection`, a peft LoRA Linear's
+as W + s·BA); `plain` says when that computes what calling the modules would.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from . import casts
 
 __all__ = ["Layout", "LAYOUTS", "MODEL_TYPES", "COMPONENTS", "BertParts", "Pieces", "family", "config_family",
            "component", "producer", "pieces", "bert_parts", "call_arguments", "plain", "sdpa_mask", "dropout",
-           "dropout_p", "fp32_mm_supported", "attach_copy16", "copy16", "bert_projections", "compute_dtype", "mm_at"]
+           "dropout_p", "fp32_mm_supported", "attach_copy16", "copy16", "bert_projections", "compute_dtype", "mm_at",
+           "lora", "lora_refusal", "projection"]
 
 # The activations a layer exposes to interventions (`layers.interventions`), in the order a forward computes them:
 # the query, key and value projections, the attention block's output (after its LayerNorm), the feed-forward
@@ -130,10 +131,58 @@ def _get(module, path):
     return module
 
 
+def lora(module) -> bool:
+    """Whether `module` is a peft adapter wrapper of the LoRA kind (base layer, A and B, scaling, dropout)."""
+    return type(module).__module__.startswith("peft.") and all(
+        hasattr(module, n) for n in ("base_layer", "lora_A", "lora_B", "scaling", "lora_dropout", "active_adapters"))
+
+
+def _adapter(module):
+    """(the one active adapter of a LoRA wrapper that its forward runs, None) or (None, why not one)."""
+    if module.disable_adapters or module.merged:
+        return None, "adapters disabled" if module.disable_adapters else "adapters merged"
+    names = [n for n in module.active_adapters if n in module.lora_A]
+    return (names[0], None) if len(names) == 1 else (None, f"{len(names)} active adapters")
+
+
+def lora_refusal(module) -> str | None:
+    """Why the fast layers cannot read the peft wrapper `module` as one weight and bias now (`projection`), or None
+    when they can or it is no peft module: a LoRA Linear over an nn.Linear, one active adapter, not merged, no DoRA or
+    other variant, no LoRA bias, fan_in_fan_out off, A and B of the base weight's dtype, no dropout (p = 0 or eval)."""
+    kind = type(module)
+    if not kind.__module__.startswith("peft."):
+        return None
+    if f"{kind.__module__}.{kind.__name__}" != "peft.tuners.lora.layer.Linear" or type(module.base_layer) is not nn.Linear:
+        return f"peft's {kind.__name__} (only LoRA Linears over an nn.Linear are read)"
+    name, why = _adapter(module)
+    if why is not None or getattr(module, "fan_in_fan_out", False):
+        return why or "fan_in_fan_out"
+    if getattr(module, "use_dora", {}).get(name) or name in getattr(module, "lora_variant", {}):
+        return "DoRA" if getattr(module, "use_dora", {}).get(name) else "a LoRA variant"
+    a, b, drop, w = module.lora_A[name], module.lora_B[name], module.lora_dropout[name], module.base_layer.weight
+    if type(a) is not nn.Linear or type(b) is not nn.Linear or a.bias is not None or b.bias is not None:
+        return "a LoRA bias"
+    if not a.weight.dtype == b.weight.dtype == w.dtype:
+        return f"adapter weights in {a.weight.dtype}, the base weight in {w.dtype}"
+    if type(drop) is not nn.Identity and not (type(drop) is nn.Dropout and (drop.p == 0 or not drop.training)):
+        return f"lora_dropout {getattr(drop, 'p', type(drop).__name__)} in training mode"
+    return None
+
+
+def projection(module) -> tuple:
+    """``(weight, bias)`` the fast layers apply for `module` (a Linear, a LayerNorm): its parameters, or for a LoRA
+    wrapper that `lora_refusal` accepts ``W + scaling · B @ A`` (made now: autograd reaches A and B) and W's bias."""
+    if not lora(module):
+        return module._parameters["weight"], module._parameters["bias"]
+    name, base = _adapter(module)[0], module.base_layer
+    return base.weight + module.lora_B[name].weight @ module.lora_A[name].weight * module.scaling[name], base.bias
+
+
 def _has(layer, spec: Layout) -> bool:
     attention, chunked = _get(layer, spec.attention), _get(layer, spec.chunking)
     return (attention is not None and all(hasattr(attention, n) for n in (spec.heads, spec.head_width))
-            and all(isinstance(_get(layer, p), nn.Linear) for p in spec.linears)
+            and all(isinstance(m, nn.Linear) or (lora(m) and type(m.base_layer) is nn.Linear)
+                    for m in (_get(layer, p) for p in spec.linears))
             and all(isinstance(_get(layer, p), nn.LayerNorm) for p in spec.norms)
             and all(_get(layer, p) is not None for p in spec.required)
             and chunked is not None and getattr(chunked, "chunk_size_feed_forward", 0) == 0)
@@ -239,8 +288,8 @@ def bert_projections(layer: nn.Module) -> tuple:
     """A Bert-layout layer's twelve projection parameters in `casts.weights`'s order: query, key and value weights,
     their biases, then the attention output, intermediate and output projections' weight and bias."""
     sa, so, inter, out = bert_parts(layer)
-    return (sa.query.weight, sa.key.weight, sa.value.weight, sa.query.bias, sa.key.bias, sa.value.bias,
-            so.dense.weight, so.dense.bias, inter.dense.weight, inter.dense.bias, out.dense.weight, out.dense.bias)
+    (wq, bq), (wk, bk), (wv, bv) = (projection(m) for m in (sa.query, sa.key, sa.value))
+    return (wq, wk, wv, bq, bk, bv, *projection(so.dense), *projection(inter.dense), *projection(out.dense))
 
 
 def call_arguments(args, kwargs):

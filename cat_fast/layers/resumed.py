@@ -29,9 +29,11 @@ def supported(layer: nn.Module) -> bool:
         return False
     sa, so, inter, out = parts
     inner = [m for m in layer.modules() if m is not layer and m is not getattr(inter, "intermediate_act_fn", None)]
+    denses = (getattr(m, "dense", None) for m in (so, inter, out))
     return (getattr(sa.config, "_attn_implementation", None) == "sdpa"
             and plain(*inner)  # the layer's parts are read, not called: no hooks, plain types
-            and all(isinstance(getattr(m, "dense", None), nn.Linear) for m in (so, inter, out))
+            and not any(layout.lora_refusal(m) for m in inner)  # LoRA projections read as one weight each
+            and all(isinstance(d, nn.Linear) or layout.lora(d) for d in denses)
             and all(m.bias is not None for m in (sa.query, sa.key, sa.value, so.dense, inter.dense, out.dense))
             and all(isinstance(getattr(m, "LayerNorm", None), nn.LayerNorm) for m in (so, out))
             and all(isinstance(getattr(m, "dropout", None), nn.Dropout) for m in (so, out))

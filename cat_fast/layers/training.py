@@ -49,8 +49,8 @@ def _weighted(layer):
 
 def _parameters(weighted):
     """(query W, b, key W, b, value W, b, attention output W, b, its LayerNorm γ, β, intermediate W, b, output W, b,
-    its LayerNorm γ, β), read from the modules' parameter dictionaries."""
-    return tuple(p for m in weighted for p in (m._parameters["weight"], m._parameters["bias"]))
+    its LayerNorm γ, β), each module's as `layout.projection` gives it (a LoRA projection's effective weight)."""
+    return tuple(p for m in weighted for p in layout.projection(m))
 
 
 def _gelu_approximate(inter):
@@ -84,7 +84,9 @@ def _checked(layer: nn.Module):
         weighted = _weighted(layer)
         if any(p is None for p in _parameters(weighted)):
             return None
-        entry = _CHECKED[layer] = (modules, weighted)
+        entry = _CHECKED[layer] = (modules, weighted, tuple(m for m, _ in modules if layout.lora(m)))
+    if any(layout.lora_refusal(m) for m in entry[2]):  # LoRA dropout in training mode, adapters switched...
+        return None
     mm = nn.modules.module
     if mm._global_forward_hooks or mm._global_forward_pre_hooks or any(
             m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m, _ in modules):
@@ -141,7 +143,8 @@ def _composed(layer, hidden, mask, dtype, edits):
     heads, width = sa.num_attention_heads, sa.attention_head_size
 
     def linear(x, module):
-        return F.linear(x, module.weight.to(dtype), module.bias.to(dtype))
+        weight, bias = layout.projection(module)
+        return F.linear(x, weight.to(dtype), bias.to(dtype))
 
     with torch.autocast(hidden.device.type, enabled=False):
         x = hidden.to(dtype)

@@ -89,21 +89,23 @@ _WARNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 class AdapterWarning(UserWarning):
-    """A model's adapter-wrapped projections (peft's LoRA) keep the fast layers off: its layers run their own code."""
+    """A model's adapter-wrapped projections (peft) that the fast layers cannot read as one weight keep them off: its
+    layers run their own code. peft's LoRA Linears they read as W + scaling · B @ A (`layers.layout.projection`) where
+    `layers.layout.lora_refusal` allows: one active adapter, no dropout in training mode, no DoRA, not merged."""
 
 
 def warn_adapters(model, modules) -> None:
-    """Warn once per model when adapter-wrapped projections (peft) are what keeps the fast layers off."""
+    """Warn once per model when adapter-wrapped projections (peft) are what keeps the fast layers off, naming why."""
     if model in _WARNED:
         return
-    wrapped = sorted({type(m).__name__ for mod in modules for m in mod.modules()
-                      if type(m).__module__.split(".")[0] == "peft"})
-    if wrapped:
+    reasons = sorted({why for mod in modules for why in map(layers.layout.lora_refusal, mod.modules()) if why})
+    if reasons:
         _WARNED.add(model)
         warnings.warn(AdapterWarning(
-            f"cat_fast: the encoder's projections are wrapped by peft ({', '.join(wrapped)}): the fast training and "
-            "first-token layers (cat_fast.layers) do not run them, so every encoder layer runs its own code, slower "
-            "(merge the adapters, peft's merge_and_unload(), to train the merged model fast)"), stacklevel=3)
+            f"cat_fast: the encoder's projections are wrapped by peft in a way the fast training and first-token "
+            f"layers (cat_fast.layers) do not read ({'; '.join(reasons)}), so every encoder layer runs its own code, "
+            "slower (they read LoRA Linears with one active adapter, no dropout in training, no DoRA; or merge the "
+            "adapters, peft's merge_and_unload(), to train the merged model fast)"), stacklevel=3)
 
 
 def first_token_known(model, st):

@@ -29,7 +29,7 @@ inline void bias_loss(const char* op, DeviceType device, const at::Tensor& logit
   shape(op, "bias", bias, logits.sizes(), "the shape of logits");
   dtype(op, "bias", bias, acc, "the accumulation dtype");
   class_labels(op, labels, logits.size(0), device, logits);
-  TORCH_CHECK(kind >= kPoE && kind <= kConfReg, op, ": kind: expected a variant in [0, 6], got ", kind);
+  TORCH_CHECK(kind >= kPoE && kind <= kConfReg, message(op, ": kind: expected a variant in [0, 6], got ", kind));
   reduction_code(op, reduction);
   if (kind == kLearnedMixin) {
     input(op, "aux (the gate)", aux, device, logits);
@@ -48,7 +48,8 @@ inline void bias_loss_grad(const char* op, DeviceType device, const at::Tensor& 
   loss_grad(op, grad, logits.size(0), reduction, device, logits);
   if (reduction != 1) return;  // other reductions do not read denom
   acc_input(op, "denom", denom, device, logits);
-  TORCH_CHECK(denom.numel() == 1, op, ": denom: expected shape [] (the mean's denominator), got ", denom.sizes());
+  TORCH_CHECK(denom.numel() == 1,
+              message(op, ": denom: expected shape [] (the mean's denominator), got ", denom.sizes()));
 }
 
 }  // namespace checks

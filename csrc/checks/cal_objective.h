@@ -7,12 +7,15 @@
 namespace cat_fast {
 namespace checks {
 
-// logits [B,C], labels int64 [B]; backward (`grad` defined): grad [B] of the accumulation dtype.
-inline void cal_objective(const char* op, DeviceType device, const at::Tensor& logits, const at::Tensor& labels,
-                          const at::Tensor& grad = at::Tensor()) {
+// logits [B,C], labels int64 [B].
+inline void cal_objective(const char* op, DeviceType device, const at::Tensor& logits, const at::Tensor& labels) {
   class_logits(op, "logits", logits, device, logits);
   class_labels(op, labels, logits.size(0), device, logits);
-  if (grad.defined()) loss_grad(op, grad, logits.size(0), 0, device, logits);
+}
+
+// The backward's grad [B] of the accumulation dtype.
+inline void cal_objective_grad(const char* op, DeviceType device, const at::Tensor& grad, const at::Tensor& logits) {
+  loss_grad(op, grad, logits.size(0), 0, device, logits);
 }
 
 }  // namespace checks

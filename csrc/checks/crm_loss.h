@@ -11,9 +11,7 @@ namespace checks {
 inline void crm_loss(const char* op, DeviceType device, const at::Tensor& logits, const at::Tensor& cf_logits,
                      const at::Tensor& labels, int64_t reduction) {
   class_logits(op, "logits", logits, device, logits);
-  input(op, "cf_logits", cf_logits, device, logits);
-  shape(op, "cf_logits", cf_logits, logits.sizes(), "the shape of logits");
-  dtype(op, "cf_logits", cf_logits, logits.scalar_type(), "the dtype of logits");
+  like(op, "cf_logits", cf_logits, device, logits, "logits");
   class_labels(op, labels, logits.size(0), device, logits);
   reduction_code(op, reduction);
 }

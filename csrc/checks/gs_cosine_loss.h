@@ -7,15 +7,15 @@
 namespace cat_fast {
 namespace checks {
 
-// x [N,K], y like x; gs_row_combine (`coef` defined): coef [N,4] of the accumulation dtype.
-inline void gs_cosine_loss(const char* op, DeviceType device, const at::Tensor& x, const at::Tensor& y,
-                           const at::Tensor& coef = at::Tensor()) {
+// x [N,K], y like x.
+inline void gs_cosine_loss(const char* op, DeviceType device, const at::Tensor& x, const at::Tensor& y) {
   input(op, "x", x, device, x);
-  input(op, "y", y, device, x);
-  TORCH_CHECK(x.dim() == 2, op, ": x: expected a 2-D tensor [N, K], got shape ", x.sizes());
-  shape(op, "y", y, x.sizes(), "the shape of x");
-  dtype(op, "y", y, x.scalar_type(), "the dtype of x");
-  if (!coef.defined()) return;
+  TORCH_CHECK(x.dim() == 2, message(op, ": x: expected a 2-D tensor [N, K], got shape ", x.sizes()));
+  like(op, "y", y, device, x, "x");
+}
+
+// gs_row_combine's coef [N,4] of the accumulation dtype.
+inline void gs_row_combine_coef(const char* op, DeviceType device, const at::Tensor& coef, const at::Tensor& x) {
   acc_input(op, "coef", coef, device, x);
   shape(op, "coef", coef, {x.size(0), 4}, "[N, 4]");
 }

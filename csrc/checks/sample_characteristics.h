@@ -13,12 +13,13 @@ inline void sample_characteristics(const char* op, DeviceType device, const at::
                                    const at::Tensor& labels, const at::Tensor& features,
                                    const at::Tensor& class_weights) {
   class_logits(op, "logits", logits, device, logits);
-  TORCH_CHECK(logits.size(1) >= 2, op, ": logits: expected at least two classes (the margin), got shape ",
-              logits.sizes());
+  TORCH_CHECK(logits.size(1) >= 2,
+              message(op, ": logits: expected at least two classes (the margin), got shape ", logits.sizes()));
   class_labels(op, labels, logits.size(0), device, logits);
   input(op, "features", features, device, logits);
-  TORCH_CHECK(features.dim() == 2 && features.size(0) == logits.size(0) && features.size(1) >= 1, op,
-              ": features: expected shape [B, H] = [", logits.size(0), ", H], H >= 1, got ", features.sizes());
+  TORCH_CHECK(features.dim() == 2 && features.size(0) == logits.size(0) && features.size(1) >= 1,
+              message(op, ": features: expected shape [B, H] = [", logits.size(0), ", H], H >= 1, got ",
+                      features.sizes()));
   input(op, "class_weights", class_weights, device, logits);
   shape(op, "class_weights", class_weights, {logits.size(1), features.size(1)}, "[C, H]");
   dtype(op, "features", features, logits.scalar_type(), "the dtype of logits");

@@ -97,7 +97,7 @@ std::tuple<at::Tensor, at::Tensor> bias_loss_forward(const at::Tensor& logits, c
           lp[i] = dp[i] = acc_t(0);
           continue;
         }
-        TORCH_CHECK(y >= 0 && y < C, "bias_loss_forward: label ", y, " out of [0, ", C, ")");
+        TORCH_CHECK(y >= 0 && y < C, checks::label_out_of_range("bias_loss_forward", y, C));
         const Row<scalar_t, acc_t> row{zp + i * C, bp + i * C, kind, kind == kLearnedMixin ? softplus(xp[i]) : acc_t(0)};
         acc_t m, s;  // softmax statistics of u
         max_sumexp<acc_t>([&](int64_t c) { return row.u(c); }, C, m, s);
@@ -183,7 +183,7 @@ std::tuple<at::Tensor, at::Tensor> bias_loss_backward(const at::Tensor& grad_in,
           if (gap != nullptr) gap[i] = acc_t(0);
           continue;
         }
-        TORCH_CHECK(y >= 0 && y < C, "bias_loss_backward: label ", y, " out of [0, ", C, ")");
+        TORCH_CHECK(y >= 0 && y < C, checks::label_out_of_range("bias_loss_backward", y, C));
         const acc_t go = reduction == 0 ? gp[i] : g_scalar;
         const acc_t gate = kind == kLearnedMixin ? xp[i] : acc_t(0);
         const Row<scalar_t, acc_t> row{zp + i * C, bp + i * C, kind, kind == kLearnedMixin ? softplus(gate) : acc_t(0)};

@@ -36,7 +36,7 @@ at::Tensor cal_objective_forward(const at::Tensor& logits, const at::Tensor& lab
           op[i] = acc_t(0);
           continue;
         }
-        TORCH_CHECK(y >= 0 && y < C, "cal_objective_forward: label ", y, " out of [0, ", C, ")");
+        TORCH_CHECK(y >= 0 && y < C, checks::label_out_of_range("cal_objective_forward", y, C));
         const RowSoftmax<acc_t> st = row_softmax<scalar_t>(z, C);
         const acc_t ce = st.m + std::log(st.s) - static_cast<acc_t>(z[y]);
         op[i] = g * ce + e / st.s;
@@ -48,7 +48,8 @@ at::Tensor cal_objective_forward(const at::Tensor& logits, const at::Tensor& lab
 
 at::Tensor cal_objective_backward(const at::Tensor& grad_in, const at::Tensor& logits, const at::Tensor& labels,
                                   double gamma, double eta, int64_t ignore_index) {
-  checks::cal_objective("cal_objective_backward", at::kCPU, logits, labels, grad_in);
+  checks::cal_objective("cal_objective_backward", at::kCPU, logits, labels);
+  checks::cal_objective_grad("cal_objective_backward", at::kCPU, grad_in, logits);
   const int64_t B = logits.size(0), C = logits.size(1);
   const at::Tensor grad = as_contig(grad_in, acc_dtype(logits.scalar_type()));
   at::Tensor out = at::empty_like(logits);
@@ -68,7 +69,7 @@ at::Tensor cal_objective_backward(const at::Tensor& grad_in, const at::Tensor& l
           for (int64_t c = 0; c < C; ++c) o[c] = static_cast<scalar_t>(0);
           continue;
         }
-        TORCH_CHECK(y >= 0 && y < C, "cal_objective_backward: label ", y, " out of [0, ", C, ")");
+        TORCH_CHECK(y >= 0 && y < C, checks::label_out_of_range("cal_objective_backward", y, C));
         const RowSoftmax<acc_t> st = row_softmax<scalar_t>(z, C);  // st.argmax: the FIRST index of the max
         const acc_t inv_s = acc_t(1) / st.s;  // = pmax
         const acc_t gi = gp[i];

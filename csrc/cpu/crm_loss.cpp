@@ -49,7 +49,7 @@ std::tuple<at::Tensor, at::Tensor> crm_loss_forward(const at::Tensor& logits, co
         const scalar_t* z = zp + i * C;
         const int64_t y = yp[i];
         const bool ignored = y == ignore_index;  // loss 0, ce 0 in stats (w, phi, phi_cf as for any row)
-        TORCH_CHECK(ignored || (y >= 0 && y < C), "crm_loss_forward: label ", y, " out of [0, ", C, ")");
+        TORCH_CHECK(ignored || (y >= 0 && y < C), checks::label_out_of_range("crm_loss_forward", y, C));
         const RowSoftmax<acc_t> st = row_softmax<scalar_t>(z, C);
         const RowSoftmax<acc_t> sc = row_softmax<scalar_t>(cp + i * C, C);
         const acc_t phi = acc_t(1) / st.s;
@@ -113,7 +113,7 @@ std::tuple<at::Tensor, at::Tensor> crm_loss_backward(const at::Tensor& grad_in, 
         const acc_t ratio = phi / phi_cf;
         const bool active = !detach_weight && lo < ratio && ratio < hi;
         const scalar_t* z = zp + i * C;
-        TORCH_CHECK(y >= 0 && y < C, "crm_loss_backward: label ", y, " out of [0, ", C, ")");
+        TORCH_CHECK(y >= 0 && y < C, checks::label_out_of_range("crm_loss_backward", y, C));
         const RowSoftmax<acc_t> st = row_softmax<scalar_t>(z, C);  // argmax: the FIRST index of the max
         const acc_t inv_s = acc_t(1) / st.s;
         const acc_t a = go * w;

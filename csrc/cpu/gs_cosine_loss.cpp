@@ -56,7 +56,8 @@ at::Tensor gs_row_dots(const at::Tensor& x, const at::Tensor& y) {
 }
 
 std::tuple<at::Tensor, at::Tensor> gs_row_combine(const at::Tensor& x, const at::Tensor& y, const at::Tensor& coef_in) {
-  checks::gs_cosine_loss("gs_row_combine", at::kCPU, x, y, coef_in);
+  checks::gs_cosine_loss("gs_row_combine", at::kCPU, x, y);
+  checks::gs_row_combine_coef("gs_row_combine", at::kCPU, coef_in, x);
   const int64_t N = x.size(0), K = x.size(1);
   const at::Tensor coef = as_contig(coef_in, acc_dtype(x.scalar_type()));
   at::Tensor u = at::empty_like(x);

@@ -78,7 +78,7 @@ at::Tensor sample_characteristics_forward(const at::Tensor& logits, const at::Te
           for (int64_t k = 0; k < kColumns; ++k) o[k] = acc_t(0);
           continue;
         }
-        TORCH_CHECK(y >= 0 && y < C, op, ": label ", y, " out of [0, ", C, ")");
+        TORCH_CHECK(y >= 0 && y < C, checks::label_out_of_range(op, y, C));
         const scalar_t* z = zp + i * C;
         const RowSoftmax<acc_t> rs = row_softmax<scalar_t>(z, C);
         const acc_t log_s = std::log(rs.s);
@@ -150,7 +150,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_characteristics_backward(
           coef[2 * i] = coef[2 * i + 1] = acc_t(0);
           continue;
         }
-        TORCH_CHECK(y >= 0 && y < C, op, ": label ", y, " out of [0, ", C, ")");
+        TORCH_CHECK(y >= 0 && y < C, checks::label_out_of_range(op, y, C));
         const acc_t* g = gp + i * kColumns;
         const scalar_t* z = zp + i * C;
         const RowSoftmax<acc_t> rs = row_softmax<scalar_t>(z, C);

@@ -76,6 +76,31 @@ __device__ __forceinline__ A u_of(int kind, A z, A b, A s) {
   return kind == kPoE ? z + b : (kind == kLearnedMixin ? z + s * b : z);
 }
 
+template <typename A>
+struct USoftmax {
+  SoftmaxState<A> u;  // of u (the row above)
+  SoftmaxState<A> a;  // of a = s b (kind 5 only)
+};
+
+// Pass 1 over a row (z, b; s as for u_of): the softmax statistics of u and, for kind 5, of a = s b, reduced over the
+// slot. Every thread of the block calls it (kind is uniform: every thread makes the same group_reduce calls).
+template <typename scalar_t, typename A>
+__device__ __forceinline__ USoftmax<A> u_softmax(int kind, bool keep, const scalar_t* __restrict__ z,
+                                                 const A* __restrict__ b, A s, int64_t C, SoftmaxState<A>* s_red) {
+  SoftmaxState<A> st = softmax_identity<A>();
+  SoftmaxState<A> sa = softmax_identity<A>();
+  if (keep) {
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+      const A bc = kind == kPoE || kind == kLearnedMixin ? b[c] : A(0);  // the other kinds read only b[y]
+      softmax_push(st, u_of(kind, static_cast<A>(z[c]), bc, s), static_cast<int>(c));
+      if (kind == kLearnedMixin) softmax_push(sa, s * bc, static_cast<int>(c));
+    }
+  }
+  st = group_reduce(st, SoftmaxOp{}, s_red);
+  if (kind == kLearnedMixin) sa = group_reduce(sa, SoftmaxOp{}, s_red);
+  return {st, sa};
+}
+
 template <typename scalar_t>
 __global__ void __launch_bounds__(kReduceBlock) bias_loss_forward_kernel(
     const scalar_t* __restrict__ logits, const acc_t<scalar_t>* __restrict__ bias, const int64_t* __restrict__ labels,
@@ -86,34 +111,17 @@ __global__ void __launch_bounds__(kReduceBlock) bias_loss_forward_kernel(
   __shared__ SoftmaxState<A> s_red[kReduceBlock / 32];
   __shared__ Vals<A, 2> s_vals[kReduceBlock / 32];
   __shared__ double s_sum[kReduceBlock / 32];
-  __shared__ bool s_last;
   double run_l = 0.0;  // used by x == 0 of each slot: Σ l of its rows, in row order
   double run_d = 0.0;  // ... and Σ d
   const int64_t groups = (B + blockDim.y - 1) / blockDim.y;
   const int64_t g_begin = static_cast<int64_t>(blockIdx.x) * chunk;  // `chunk` consecutive row groups per block
   const int64_t g_end = g_begin + chunk > groups ? groups : g_begin + chunk;
   for (int64_t g = g_begin; g < g_end; ++g) {  // uniform trip count in the block
-    const int64_t r = g * blockDim.y + threadIdx.y;
-    const bool valid = r < B;
-    const int64_t rr = valid ? r : 0;
-    const int64_t y = valid ? labels[rr] : ignore_index;
-    const bool keep = valid && y != ignore_index;
-    CAT_FAST_DEVICE_ASSERT(!keep || (y >= 0 && y < C));
+    const auto [r, rr, y, valid, keep] = labeled_row(g, labels, B, C, ignore_index);
     const scalar_t* z = logits + rr * C;
     const A* b = bias + rr * C;
     const A s = kind == kLearnedMixin && keep ? softplus(aux[rr]) : A(0);
-    // pass 1: softmax statistics of u (and of a = s b for kind 5)
-    SoftmaxState<A> st = softmax_identity<A>();
-    SoftmaxState<A> sa = softmax_identity<A>();
-    if (keep) {
-      for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-        const A bc = kind == kPoE || kind == kLearnedMixin ? b[c] : A(0);  // the other kinds read only b[y]
-        softmax_push(st, u_of(kind, static_cast<A>(z[c]), bc, s), static_cast<int>(c));
-        if (kind == kLearnedMixin) softmax_push(sa, s * bc, static_cast<int>(c));
-      }
-    }
-    st = group_reduce(st, SoftmaxOp{}, s_red);  // kind is uniform: every thread of the block calls the same ones
-    if (kind == kLearnedMixin) sa = group_reduce(sa, SoftmaxOp{}, s_red);
+    const auto [st, sa] = u_softmax(kind, keep, z, b, s, C, s_red);  // pass 1
     // pass 2, sums that need the maximum: kind 5 Σ exp(a_c - ma) (ma - a_c); kind 6 Σ t^e (m - z_c) and Σ t^e
     Vals<A, 2> v;
     v.v[0] = v.v[1] = A(0);
@@ -155,35 +163,11 @@ __global__ void __launch_bounds__(kReduceBlock) bias_loss_forward_kernel(
       run_d += static_cast<double>(d);
     }
   }
-  const bool lead = threadIdx.x == 0 && threadIdx.y == 0;
-  double total = block_sum(run_l, s_sum);
-  double total_d = block_sum(run_d, s_sum);
-  if (gridDim.x > 1) {  // the block that finishes last adds the partials of all blocks
-    if (lead) {
-      partials[blockIdx.x] = total;
-      partials[gridDim.x + blockIdx.x] = total_d;
-      __threadfence();  // the partial is visible before the count says so
-      s_last = atomicAdd(counter, 1) == static_cast<int>(gridDim.x) - 1;
-      if (s_last) __threadfence();
-    }
-    __syncthreads();
-    if (!s_last) return;
-    const int t = threadIdx.y * blockDim.x + threadIdx.x;
-    const int nt = blockDim.x * blockDim.y;
-    double vl = 0.0, vd = 0.0;
-    for (int k = t; k < static_cast<int>(gridDim.x); k += nt) {
-      vl += __ldcg(partials + k);  // L2, not a stale L1
-      vd += __ldcg(partials + gridDim.x + k);
-    }
-    total = block_sum(vl, s_sum);
-    total_d = block_sum(vd, s_sum);
-    if (lead) *counter = 0;  // ready for the next launch on this stream
-  }
-  if (lead) {
-    denom[0] = static_cast<A>(total_d);
-    if (reduction == 1) total /= total_d;  // Σ d == 0 (every row ignored, B == 0) gives NaN, like F.cross_entropy
-    if (reduction != 0) loss[0] = static_cast<A>(total);
-  }
+  double total = run_l, total_d = run_d;
+  if (!grid_sum2(total, total_d, partials, counter, s_sum)) return;  // thread (0,0) of the block with the sums goes on
+  denom[0] = static_cast<A>(total_d);
+  if (reduction == 1) total /= total_d;  // Σ d == 0 (every row ignored, B == 0) gives NaN, like F.cross_entropy
+  if (reduction != 0) loss[0] = static_cast<A>(total);
 }
 
 template <typename scalar_t>
@@ -200,28 +184,12 @@ __global__ void __launch_bounds__(kBlock) bias_loss_backward_kernel(
   const A g_all = reduction == 0 ? A(0) : (reduction == 1 ? grad[0] / denom[0] : grad[0]);  // mean: grad / Σ d
   const int64_t groups = (B + blockDim.y - 1) / blockDim.y;
   for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {  // uniform trip count in the block
-    const int64_t r = g * blockDim.y + threadIdx.y;
-    const bool valid = r < B;
-    const int64_t rr = valid ? r : 0;
-    const int64_t y = valid ? labels[rr] : ignore_index;
-    const bool keep = valid && y != ignore_index;
-    CAT_FAST_DEVICE_ASSERT(!keep || (y >= 0 && y < C));
+    const auto [r, rr, y, valid, keep] = labeled_row(g, labels, B, C, ignore_index);
     const scalar_t* z = logits + rr * C;
     const A* b = bias + rr * C;
     const A gate = kind == kLearnedMixin && keep ? aux[rr] : A(0);
     const A s = kind == kLearnedMixin && keep ? softplus(gate) : A(0);
-    // pass 1: softmax statistics of u (and of a = s b for kind 5)
-    SoftmaxState<A> st = softmax_identity<A>();
-    SoftmaxState<A> sa = softmax_identity<A>();
-    if (keep) {
-      for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-        const A bc = kind == kPoE || kind == kLearnedMixin ? b[c] : A(0);  // the other kinds read only b[y]
-        softmax_push(st, u_of(kind, static_cast<A>(z[c]), bc, s), static_cast<int>(c));
-        if (kind == kLearnedMixin) softmax_push(sa, s * bc, static_cast<int>(c));
-      }
-    }
-    st = group_reduce(st, SoftmaxOp{}, s_red);  // kind is uniform: every thread of the block calls the same ones
-    if (kind == kLearnedMixin) sa = group_reduce(sa, SoftmaxOp{}, s_red);
+    const auto [st, sa] = u_softmax(kind, keep, z, b, s, C, s_red);  // pass 1
     // pass 2: kind 5 Σ exp(a_c - ma) (ma - a_c) (for H); kind 6 Σ t^e
     const A e = kind == kConfReg && keep ? A(1) - acc_exp(b[y]) : A(0);
     Vals<A, 2> v;

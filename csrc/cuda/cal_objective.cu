@@ -136,7 +136,8 @@ at::Tensor cal_objective_forward(const at::Tensor& logits, const at::Tensor& lab
 
 at::Tensor cal_objective_backward(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& labels,
                                   double gamma, double eta, int64_t ignore_index) {
-  checks::cal_objective("cal_objective_backward", at::kCUDA, logits, labels, grad);
+  checks::cal_objective("cal_objective_backward", at::kCUDA, logits, labels);
+  checks::cal_objective_grad("cal_objective_backward", at::kCUDA, grad, logits);
   const c10::cuda::CUDAGuard guard(logits.device());
   auto out = at::empty(logits.sizes(), logits.options());
   if (out.numel() == 0) return out;

@@ -238,6 +238,30 @@ __device__ __forceinline__ double block_sum(double v, double* smem) {
   return r;
 }
 
+// ---------------------------------------------------------------- rows of class logits
+// The row of row group g that the calling thread's slot owns, and its label. Rows at or past B (the padding slots of
+// the last group) are not `valid`: they read row 0 (`rr`) and take label ignore_index. `keep`: a valid row whose
+// label is not ignore_index (then in [0, C): the Python wrappers check it, CAT_FAST_DEVICE_CHECKS asserts it).
+struct LabeledRow {
+  int64_t r;
+  int64_t rr;
+  int64_t y;
+  bool valid;
+  bool keep;
+};
+
+__device__ __forceinline__ LabeledRow labeled_row(int64_t g, const int64_t* __restrict__ labels, int64_t B, int64_t C,
+                                                  int64_t ignore_index) {
+  LabeledRow row;
+  row.r = g * blockDim.y + threadIdx.y;
+  row.valid = row.r < B;
+  row.rr = row.valid ? row.r : 0;
+  row.y = row.valid ? labels[row.rr] : ignore_index;
+  row.keep = row.valid && row.y != ignore_index;
+  CAT_FAST_DEVICE_ASSERT(!row.keep || (row.y >= 0 && row.y < C));
+  return row;
+}
+
 // ---------------------------------------------------------------- multi-block reductions
 // Completion counter of the multi-block mean/sum reductions (crm_loss, bias_loss): 0 before every launch, since
 // each launch's last block sets it back to 0. One per (device, stream), shared by the ops (launches on one stream
@@ -256,6 +280,43 @@ inline at::Tensor completion_counter(const at::Tensor& like, const c10::cuda::CU
   at::Tensor& counter = (*counters)[{static_cast<int>(stream.device_index()), static_cast<int64_t>(stream.id())}];
   if (!counter.defined()) counter = at::zeros({1}, opts);
   return counter;
+}
+
+// Adds x and y (one double each per thread) over the whole grid in a fixed order: the end of the multi-block mean/sum
+// reductions (crm_loss, bias_loss). Each block adds its threads' values (block_sum); a single block has the totals.
+// Otherwise each block writes its two partials (partials[blockIdx.x], partials[gridDim.x + blockIdx.x], L2) and
+// counts itself on `counter` (completion_counter); the block that counts last reads all partials (block-strided,
+// then block_sum) and sets the counter back to 0 for the next launch on its stream. Every thread of the block must
+// call it. Returns true in thread (0,0) of the block that holds the totals (then in x and y), false elsewhere.
+// smem: one double per warp.
+__device__ __forceinline__ bool grid_sum2(double& x, double& y, double* __restrict__ partials,
+                                          int* __restrict__ counter, double* smem) {
+  __shared__ bool s_last;
+  const bool lead = threadIdx.x == 0 && threadIdx.y == 0;
+  x = block_sum(x, smem);
+  y = block_sum(y, smem);
+  if (gridDim.x > 1) {  // the block that finishes last adds the partials of all blocks
+    if (lead) {
+      partials[blockIdx.x] = x;
+      partials[gridDim.x + blockIdx.x] = y;
+      __threadfence();  // the partial is visible before the count says so
+      s_last = atomicAdd(counter, 1) == static_cast<int>(gridDim.x) - 1;
+      if (s_last) __threadfence();
+    }
+    __syncthreads();
+    if (!s_last) return false;
+    const int t = threadIdx.y * blockDim.x + threadIdx.x;
+    const int nt = blockDim.x * blockDim.y;
+    double px = 0.0, py = 0.0;
+    for (int k = t; k < static_cast<int>(gridDim.x); k += nt) {
+      px += __ldcg(partials + k);  // L2, not a stale L1
+      py += __ldcg(partials + gridDim.x + k);
+    }
+    x = block_sum(px, smem);
+    y = block_sum(py, smem);
+    if (lead) *counter = 0;  // ready for the next launch on this stream
+  }
+  return lead;
 }
 
 // ---------------------------------------------------------------- launch configuration

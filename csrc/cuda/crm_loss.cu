@@ -44,7 +44,6 @@ __global__ void __launch_bounds__(kReduceBlock) crm_loss_forward_kernel(
   using A = acc_t<scalar_t>;
   __shared__ SoftmaxState<A> s_red[kReduceBlock / 32];
   __shared__ double s_sum[kReduceBlock / 32];
-  __shared__ bool s_last;
   double running = 0.0;  // used by x == 0 of each slot when reduction != 0
   double kept = 0.0;     // ... and the number of its non-ignored rows
   const int64_t groups = (B + blockDim.y - 1) / blockDim.y;
@@ -90,34 +89,10 @@ __global__ void __launch_bounds__(kReduceBlock) crm_loss_forward_kernel(
     }
   }
   if (reduction == 0) return;
-  const bool lead = threadIdx.x == 0 && threadIdx.y == 0;
-  double total = block_sum(running, s_sum);
-  double count = block_sum(kept, s_sum);
-  if (gridDim.x > 1) {  // the block that finishes last adds the partials of all blocks
-    if (lead) {
-      partials[blockIdx.x] = total;
-      partials[gridDim.x + blockIdx.x] = count;
-      __threadfence();  // the partial is visible before the count says so
-      s_last = atomicAdd(counter, 1) == static_cast<int>(gridDim.x) - 1;
-      if (s_last) __threadfence();
-    }
-    __syncthreads();
-    if (!s_last) return;
-    const int t = threadIdx.y * blockDim.x + threadIdx.x;
-    const int nt = blockDim.x * blockDim.y;
-    double v = 0.0, n = 0.0;
-    for (int k = t; k < static_cast<int>(gridDim.x); k += nt) {
-      v += __ldcg(partials + k);  // L2, not a stale L1
-      n += __ldcg(partials + gridDim.x + k);
-    }
-    total = block_sum(v, s_sum);
-    count = block_sum(n, s_sum);
-    if (lead) *counter = 0;  // ready for the next launch on this stream
-  }
-  if (lead) {
-    if (reduction == 1) total /= count;  // no non-ignored row (or B == 0) gives NaN, like F.cross_entropy
-    loss[0] = static_cast<A>(total);
-  }
+  double total = running, count = kept;
+  if (!grid_sum2(total, count, partials, counter, s_sum)) return;  // thread (0,0) of the block with the sums goes on
+  if (reduction == 1) total /= count;  // no non-ignored row (or B == 0) gives NaN, like F.cross_entropy
+  loss[0] = static_cast<A>(total);
 }
 
 template <typename scalar_t>

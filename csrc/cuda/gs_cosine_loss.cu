@@ -253,7 +253,8 @@ at::Tensor gs_row_dots(const at::Tensor& x, const at::Tensor& y) {
 }
 
 std::tuple<at::Tensor, at::Tensor> gs_row_combine(const at::Tensor& x, const at::Tensor& y, const at::Tensor& coef) {
-  checks::gs_cosine_loss("gs_row_combine", at::kCUDA, x, y, coef);
+  checks::gs_cosine_loss("gs_row_combine", at::kCUDA, x, y);
+  checks::gs_row_combine_coef("gs_row_combine", at::kCUDA, coef, x);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor u = at::empty(x.sizes(), x.options());
   at::Tensor v = at::empty(x.sizes(), x.options());

@@ -26,6 +26,18 @@ namespace {
 constexpr int kBlock = 256;
 constexpr int kColumns = 10;
 
+// The calling thread's part of pass 1 over a logits row z with label y: the softmax state of all logits (st) and of
+// the logits other than z_y (so: the largest other logit, its first index).
+template <typename scalar_t, typename A>
+__device__ __forceinline__ void push_logits(const scalar_t* __restrict__ z, int64_t C, int64_t y, SoftmaxState<A>& st,
+                                            SoftmaxState<A>& so) {
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    const A zc = static_cast<A>(z[c]);
+    softmax_push(st, zc, static_cast<int>(c));
+    if (c != y) softmax_push(so, zc, static_cast<int>(c));
+  }
+}
+
 template <typename scalar_t>
 __global__ void __launch_bounds__(kBlock) sample_characteristics_forward_kernel(
     const scalar_t* __restrict__ logits, const int64_t* __restrict__ labels, const scalar_t* __restrict__ features,
@@ -36,12 +48,7 @@ __global__ void __launch_bounds__(kBlock) sample_characteristics_forward_kernel(
   __shared__ Vals<A, 3> s_vals[kBlock / 32];
   const int64_t groups = (B + blockDim.y - 1) / blockDim.y;
   for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {  // uniform trip count in the block
-    const int64_t r = g * blockDim.y + threadIdx.y;
-    const bool valid = r < B;
-    const int64_t rr = valid ? r : 0;
-    const int64_t y = valid ? labels[rr] : ignore_index;
-    const bool keep = valid && y != ignore_index;
-    CAT_FAST_DEVICE_ASSERT(!keep || (y >= 0 && y < C));
+    const auto [r, rr, y, valid, keep] = labeled_row(g, labels, B, C, ignore_index);
     const scalar_t* z = logits + rr * C;
     // pass 1: softmax statistics of the row, the largest other logit (first index), f . W_y, |f|^2, |W_y|^2
     SoftmaxState<A> st = softmax_identity<A>();
@@ -49,11 +56,7 @@ __global__ void __launch_bounds__(kBlock) sample_characteristics_forward_kernel(
     Vals<A, 3> dv;
     dv.v[0] = dv.v[1] = dv.v[2] = A(0);
     if (keep) {
-      for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-        const A zc = static_cast<A>(z[c]);
-        softmax_push(st, zc, static_cast<int>(c));
-        if (c != y) softmax_push(so, zc, static_cast<int>(c));
-      }
+      push_logits(z, C, y, st, so);
       const scalar_t* f = features + rr * H;
       const scalar_t* w = weights + y * H;
       for (int64_t j = threadIdx.x; j < H; j += blockDim.x) {
@@ -123,22 +126,11 @@ __device__ __forceinline__ void backward_rows(
     int64_t B, int64_t C, int64_t H, int64_t ignore_index, SoftmaxState<acc_t<scalar_t>>* s_red,
     Vals<acc_t<scalar_t>, 3>* s_vals) {
   using A = acc_t<scalar_t>;
-  const int64_t r = g * blockDim.y + threadIdx.y;
-  const bool valid = r < B;
-  const int64_t rr = valid ? r : 0;
-  const int64_t y = valid ? labels[rr] : ignore_index;
-  const bool keep = valid && y != ignore_index;
-  CAT_FAST_DEVICE_ASSERT(!keep || (y >= 0 && y < C));
+  const auto [r, rr, y, valid, keep] = labeled_row(g, labels, B, C, ignore_index);
   const scalar_t* z = logits + rr * C;
   SoftmaxState<A> st = softmax_identity<A>();
   SoftmaxState<A> so = softmax_identity<A>();
-  if (keep) {
-    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-      const A zc = static_cast<A>(z[c]);
-      softmax_push(st, zc, static_cast<int>(c));
-      if (c != y) softmax_push(so, zc, static_cast<int>(c));
-    }
-  }
+  if (keep) push_logits(z, C, y, st, so);
   st = group_reduce(st, SoftmaxOp{}, s_red);
   so = group_reduce(so, SoftmaxOp{}, s_red);
   const A log_s = keep ? acc_log(st.s) : A(0);

@@ -3,9 +3,14 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <cmath>
 #include <cstdio>
+#include <limits>
+#include <sstream>
 #include <string>
 #include <tuple>
+
+#include "../checks/common.h"
 
 namespace {
 
@@ -190,9 +195,47 @@ void test_gs(at::ScalarType dt) {
 
 }  // namespace
 
+// The argument checks' messages are built by checks::message without iostreams; each part reads as operator<< writes
+// it (here, in the test, streaming is fine).
+template <typename V>
+void check_text(const V& v) {
+  ++g_checks;
+  std::ostringstream want;
+  want << v;
+  const std::string got = cat_fast::checks::text(v);
+  if (got != want.str()) {
+    std::printf("FAIL checks::text: '%s', operator<< writes '%s'\n", got.c_str(), want.str().c_str());
+    ++g_failures;
+  }
+}
+
+void test_message_text() {
+  for (int64_t v : {int64_t(0), int64_t(-7), int64_t(INT32_MAX), std::numeric_limits<int64_t>::min()}) check_text(v);
+  check_text(42);
+  check_text(size_t(3));
+  for (double v : {0.0, -0.0, 0.1, -2.5, 1e-8, 123456789.0, 1.5e300, 1.0 / 3.0, std::numeric_limits<double>::infinity(),
+                   std::nan("")}) {
+    check_text(v);
+  }
+  check_text(at::IntArrayRef{});
+  check_text(at::IntArrayRef{3});
+  check_text(at::IntArrayRef{4, -1, 1LL << 40});
+  check_text(at::kBFloat16);
+  check_text(c10::Device(c10::DeviceType::CPU));
+  check_text(c10::Device(c10::DeviceType::CUDA, 1));
+  ++g_checks;
+  const std::string msg = cat_fast::checks::message("op", ": x: expected shape ", at::IntArrayRef{2, 3}, " (", "[N, ",
+                                                    std::string("K]"), "), got ", int64_t(7), ", ", 0.5);
+  if (msg != "op: x: expected shape [2, 3] ([N, K]), got 7, 0.5") {
+    std::printf("FAIL checks::message: '%s'\n", msg.c_str());
+    ++g_failures;
+  }
+}
+
 int main() {
   at::manual_seed(0);
   try {
+    test_message_text();
     for (auto dt : {at::kDouble, at::kFloat, at::kBFloat16, at::kHalf}) {
       test_cmix(dt);
       test_cal_objective(dt);

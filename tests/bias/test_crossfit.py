@@ -84,3 +84,27 @@ def test_rows_not_groups_without_groups_and_one_class_outside_a_fold():
     d2.labels[:] = labels
     with pytest.raises(bias.CrossFitError, match="have one class"):
         bias.cross_fit(d2, exact_fit(d2, cols, labels), folds=5)
+
+
+def test_fit_temperature_undoes_a_known_over_confidence():
+    """Labels drawn from softmax(z): predictions log_softmax(5 z) are over-confident by a factor 5; the fitted
+    inverse temperature brings them back near 1/5, lowers the NLL, and leaves calibrated predictions near beta 1."""
+    from cat_fast.bias import fit_temperature
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(4000, 3, generator=g, dtype=torch.float64)
+    y = torch.multinomial(z.softmax(-1), 1, generator=g).squeeze(1).tolist()
+    over = fit_temperature(torch.log_softmax(5 * z, -1), y)
+    assert abs(over.beta - 0.2) < 0.03 and over.nll_after < over.nll_before
+    assert over.confidence_after < over.confidence_before
+    assert abs(fit_temperature(torch.log_softmax(z, -1), y).beta - 1.0) < 0.15
+    torch.testing.assert_close(over.apply(torch.log_softmax(5 * z, -1)), torch.log_softmax(5 * z * over.beta, -1))
+
+
+def test_fit_temperature_refuses_bad_input():
+    from cat_fast.bias import fit_temperature
+
+    with pytest.raises(ValueError, match="expected log_probs"):
+        fit_temperature(torch.zeros(3, 2), [0, 1])
+    with pytest.raises(ValueError, match="NaN"):
+        fit_temperature(torch.tensor([[float("nan"), 0.0]]), [0])

@@ -92,6 +92,7 @@ def test_weak_learner_end_to_end_into_poe(tiny, tmp_path, capsys):
     assert meta["kind"] == "weak-learner" and meta["folds"] == 2 and len(meta["fold_accuracy"]) == 2
     assert meta["options"]["subset"] == 6 and meta["model"]["layers"] == 1 and meta["model"]["encoder_layers"] == 2
     assert meta["model"]["subset_rows"] == 6
+    assert meta["calibration"]["method"] == "temperature"  # the default for a cross-fitted weak learner
     out = tmp_path / "poe"
     code, err = run(["train", "--method", "poe", "--model", tiny, "--train", data, *OWN, "--epochs", 1,
                      "--max-length", 16, "--batch-size", 4, "--bias", bias_dir, "--no-checkpoint", "--out", out],
@@ -116,6 +117,8 @@ BAD = [
     (["--kind", "features", "--feature-columns", "cue", "--subset", 10], ["--subset is for --kind weak-learner"]),
     (["--kind", "weak-learner", "--subset", 1], ["argument --subset", "expected an integer >= 2"]),
     (["--kind", "column", "--model", "x", "--folds", 2], ["--folds 2: --kind column scores a classifier"]),
+    (["--kind", "features", "--feature-columns", "cue", "--calibrate", "temperature"],
+     ["--calibrate temperature needs held-out predictions (--folds K > 1)"]),
 ]
 
 
@@ -139,3 +142,66 @@ def test_a_subset_of_one_class_is_refused(tiny, tmp_path, capsys):
     one_line_error(code, err, "--subset 2: the 2 example(s) drawn all have the label 'pos'; expected at least two "
                               "classes")
     assert not out.exists()
+
+
+def test_calibrated_features_keep_their_argmax_and_record_the_temperature(tmp_path, capsys):
+    """--calibrate temperature over cross-fitted predictions: the written log-probabilities are
+    log_softmax(beta * held-out log-probabilities) with the recorded temperature, the predicted classes unchanged."""
+    data = write_csv(tmp_path / "t.csv", planted())
+    plain, calibrated = tmp_path / "plain", tmp_path / "cal"
+    base = ["--kind", "features", "--feature-columns", "cue", "--folds", 3, "--smoothing", 0.01]
+    assert run(fit_argv(data, plain, *base), capsys)[0] == 0
+    code, err = run(fit_argv(data, calibrated, *base, "--calibrate", "temperature"), capsys)
+    assert code == 0 and "calibrated the held-out predictions" in err, err
+    train = load_table(data, text_column="text", label_column="label")
+    a = load_bias(plain / "bias.jsonl", data=train, label_names=train.label_names).double()
+    b = load_bias(calibrated / "bias.jsonl", data=train, label_names=train.label_names).double()
+    cal = json.loads((calibrated / "bias_meta.json").read_text())["calibration"]
+    assert json.loads((plain / "bias_meta.json").read_text())["calibration"] is None
+    torch.testing.assert_close(b, torch.log_softmax(a / cal["temperature"], -1), rtol=0, atol=1e-6)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert cal["temperature"] > 1 and cal["nll_after"] < cal["nll_before"]  # smoothing 0.01 is over-confident
+
+
+def test_a_bias_certain_on_most_rows_is_said_before_training(tiny, tmp_path, capsys):
+    """A bias file with p(label) = 1 on every training row: the run says it leaves the main model little to learn."""
+    from cat_fast.bias import save_bias
+
+    data = write_csv(tmp_path / "t.csv", planted())
+    train = load_table(data, text_column="text", label_column="label")
+    certain = torch.full((len(train), 2), -30.0, dtype=torch.float64)
+    certain[torch.arange(len(train)), torch.tensor(train.labels)] = 0.0
+    save_bias(str(tmp_path / "certain.jsonl"), train.ids, certain, train.label_names, {"kind": "hand"}, data=train)
+    code, err = run(["train", "--train", data, *OWN, "--method", "poe", "--bias", str(tmp_path / "certain.jsonl"),
+                     "--model", tiny, "--epochs", 1, "--batch-size", 8, "--max-length", 16, "--no-checkpoint",
+                     "--out", str(tmp_path / "run")], capsys)
+    assert code == 0, err
+    assert "gives the true label p >= 0.99 on 100% of the training rows" in err
+
+
+def test_a_collapsed_model_is_said(tiny, tmp_path, capsys):
+    """A classifier whose head puts every row into one class: the scored set remembers it (the training command
+    prints a warning from it); predictions spread over the classes are not a collapse."""
+    import transformers
+
+    from cat_fast.cli.scoring import EvalSet
+
+    data = write_csv(tmp_path / "t.csv", planted())
+    table = load_table(data, text_column="text", label_column="label")
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(tiny)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny)
+    scored = EvalSet("dev", table, tokenizer, 16)
+    half = [i % 2 for i in range(len(table))]
+    scored._check_collapse(half, table.label_names)
+    assert scored.collapsed is None
+    scored._check_collapse([1] * (len(table) - 1) + [0], table.label_names)  # 23 of 24 rows: under 99 %
+    assert scored.collapsed is None
+    with torch.no_grad():
+        model.classifier.bias.copy_(torch.tensor([50.0, -50.0]))
+    scored.evaluate(model, 8, torch.device("cpu"), False)
+    assert scored.collapsed == table.label_names[0]
+    with torch.no_grad():
+        model.classifier.bias.zero_()
+        model.classifier.weight.zero_()
+    scored.evaluate(model, 8, torch.device("cpu"), False)  # ties: argmax 0 everywhere, still one class
+    assert scored.collapsed == table.label_names[0]

@@ -164,10 +164,6 @@ def _strings(path):
             and isinstance(node.value, str)}
 
 
-# cli/train.py: the position offset of RoBERTa-style model types (a fact of their embeddings, not of the layers)
-_ELSEWHERE = {"cli/train.py": {"roberta", "xlm-roberta", "camembert"}}
-
-
 def test_no_module_but_the_table_names_a_family():
     """No string naming a family, one of its model types or a dotted module path of its entry appears in any module
     of the package but `layers/layout.py` (the table)."""
@@ -181,7 +177,7 @@ def test_no_module_but_the_table_names_a_family():
         rel = path.relative_to(PACKAGE).as_posix()
         if rel == "layers/layout.py":
             continue
-        hits = (_strings(path) & names) - _ELSEWHERE.get(rel, set())
+        hits = _strings(path) & names
         if hits:
             found[rel] = sorted(hits)
     assert not found, f"per-family knowledge outside the table: {found}"
@@ -195,3 +191,19 @@ def test_analysis_reaches_models_only_through_models():
                 module = "." * node.level + (node.module or "")
                 assert not any(module.startswith(p) for p in ("..layers", "..ops", "..kernels", "cat_fast.layers")), \
                     f"{path.name} imports {module}"
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta", "distilbert"])
+def test_max_length_leaves_out_the_positions_before_the_first_token(arch):
+    """RoBERTa-style position ids start after the padding index (recognised by the position table's padding index,
+    no model-type list): their longest input is that many positions shorter."""
+    from cat_fast.cli.common import CliError
+    from cat_fast.cli.train import check_max_length
+
+    model = tiny_model(arch)
+    table = next(m for n, m in model.named_modules() if n.endswith("position_embeddings"))
+    longest = table.num_embeddings - (0 if table.padding_idx is None else table.padding_idx + 1)
+    assert (arch == "roberta") == (longest < table.num_embeddings)
+    check_max_length(longest, model, pairs=False)
+    with pytest.raises(CliError, match=f"at most {longest}"):
+        check_max_length(longest + 1, model, pairs=False)

@@ -134,3 +134,29 @@ def test_report_table_from_metrics(study, planted, tmp_path):
     out = tmp_path / "report" / "table.md"
     assert study.main([planted, "--root", root, "--methods", "erm", "--report", str(out)]) == 0
     assert out.read_text().splitlines()[4].startswith("| erm | 2 |")
+
+
+def test_masking_route_unlearning_and_the_combination(study, planted, tmp_path):
+    """mask (phase 1), then mask-random, unlearn and poe+mask (phase 2): each command parses as its cat-fast
+    subcommand; poe's model is kept for its own mediation; unlearning reads the bias model and the chosen k."""
+    import re
+
+    from cat_fast import cli
+
+    root = str(tmp_path / "runs")
+    jobs = {j.name: j for j in study.plan(planted, ["mask", "mask-random", "unlearn", "poe+mask"], [0], root)}
+    assert {"bias", "erm-seed0", "poe-seed0", "mask-seed0", "mask-random-seed0", "unlearn-seed0",
+            "poe+mask-seed0"} <= set(jobs)
+    assert "--no-checkpoint" not in jobs["poe-seed0"].command and "--no-checkpoint" not in jobs["erm-seed0"].command
+    assert jobs["mask-seed0"].phase == 1 and {jobs[n].phase for n in ("mask-random-seed0", "unlearn-seed0",
+                                                                       "poe+mask-seed0")} == {2}
+    assert f"--model {root}/poe/seed0 " in jobs["poe+mask-seed0"].command
+    assert jobs["poe+mask-seed0"].out == f"{root}/poe+mask/seed0"
+    unlearn = jobs["unlearn-seed0"].command
+    assert f"--bias {root}/bias" in unlearn and f"{{chosen_k:{root}/mask-work/seed0/model/k_selection.json}}" in unlearn
+    parser = cli.build_parser()
+    for name in ("mask-seed0", "mask-random-seed0", "unlearn-seed0", "poe+mask-seed0"):
+        for part in jobs[name].command.split(" ;; "):
+            argv = shlex.split(re.sub(r"\{chosen_k:[^}]+\}", "7", part))
+            assert argv[0] == "cat-fast"
+            parser.parse_args(argv[1:])

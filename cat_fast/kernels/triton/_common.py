@@ -119,3 +119,63 @@ def online_softmax(m, s, x):
     base = tl.where(nm == float("-inf"), 0.0, nm)  # rows all -inf so far: no (-inf) - (-inf)
     s = s * tl.exp(m - base) + tl.sum(tl.exp(x - base[:, None]), axis=1)
     return nm, s
+
+
+@triton.jit
+def labelled_rows(labels_ptr, tile, B, C, ignore_index, BLOCK_R: tl.constexpr):
+    """Row tile `tile` of a [B, C] problem with labels: rows, rmask (rows < B), keep (in range and not ignored),
+    yc (the label where kept, else 0: a safe column) and roff (each row's offset in a row-major [B, C] matrix)."""
+    rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < B
+    y = tl.load(labels_ptr + rows, mask=rmask, other=ignore_index)
+    keep = rmask & (y != ignore_index)
+    yc = tl.where(keep, y, 0)
+    return rows, rmask, keep, yc, rows.to(tl.int64) * C
+
+
+@triton.jit
+def row_dots(x_ptr, xoff, y_ptr, yoff, rmask, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr):
+    """Per row r (masked by rmask): Σ x·y, Σ x² and Σ y² over K columns, x's row starting at element xoff[r] of
+    x_ptr and y's at yoff[r] of y_ptr."""
+    xy = tl.zeros([BLOCK_R], ACC)
+    xx = tl.zeros([BLOCK_R], ACC)
+    yy = tl.zeros([BLOCK_R], ACC)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        m2 = rmask[:, None] & (cols < K)[None, :]
+        x = tl.load(x_ptr + xoff[:, None] + cols[None, :], mask=m2, other=0.0).to(ACC)
+        y = tl.load(y_ptr + yoff[:, None] + cols[None, :], mask=m2, other=0.0).to(ACC)
+        xy += tl.sum(x * y, axis=1)
+        xx += tl.sum(x * x, axis=1)
+        yy += tl.sum(y * y, axis=1)
+    return xy, xx, yy
+
+
+@triton.jit
+def finish_partials(part_ptr, count_ptr, loss_ptr, denom_ptr, loss_part, denom_part, REDUCTION: tl.constexpr,
+                    STORE_DENOM: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The end of a one-launch reduction over n programs: store this program's partials (float64; part_ptr[pid]
+    the loss sum, REDUCTION 1 / 2 only, part_ptr[n + pid] the denominator); the program that increments the
+    completion counter last adds them in a fixed order, writes the loss (REDUCTION 1: Σ loss / Σ denominator, NaN
+    for 0 / 0; 2: Σ loss) and, STORE_DENOM, Σ denominator to denom_ptr, and resets the counter to 0."""
+    pid = tl.program_id(0)
+    n = tl.num_programs(0)
+    if REDUCTION != 0:
+        tl.store(part_ptr + pid, loss_part)
+    tl.store(part_ptr + n + pid, denom_part)
+    tl.debug_barrier()  # the partials are stored before the (acq_rel) increment publishes them
+    done = tl.atomic_add(count_ptr, 1)  # the old count
+    if done == n - 1:
+        offs = tl.arange(0, BLOCK_P)
+        if STORE_DENOM or REDUCTION == 1:
+            dparts = tl.load(part_ptr + n + offs, mask=offs < n, other=0.0, cache_modifier=".cg")
+            dtot = tl.sum(dparts, axis=0)
+        if STORE_DENOM:
+            tl.store(denom_ptr, dtot.to(denom_ptr.dtype.element_ty))
+        if REDUCTION != 0:
+            parts = tl.load(part_ptr + offs, mask=offs < n, other=0.0, cache_modifier=".cg")
+            tot = tl.sum(parts, axis=0)
+            if REDUCTION == 1:
+                tot = tot / dtot
+            tl.store(loss_ptr, tot.to(loss_ptr.dtype.element_ty))
+        tl.store(count_ptr, 0)  # ready for the next launch on this stream

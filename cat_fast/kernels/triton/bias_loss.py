@@ -9,7 +9,16 @@ import triton
 import triton.language as tl
 
 from ..dtypes import acc_dtype
-from ._common import acc_tl_dtype, completion_counter, online_softmax, row_tiles, scalar_acc, split_scalar
+from ._common import (
+    acc_tl_dtype,
+    completion_counter,
+    finish_partials,
+    labelled_rows,
+    online_softmax,
+    row_tiles,
+    scalar_acc,
+    split_scalar,
+)
 
 KINDS = 7
 # the kinds whose `aux` is read (numbers of `cat_fast.ops.BiasLoss`; the kernels' KIND == 5 / 6 branches)
@@ -47,77 +56,111 @@ def _pow(t, e):
 
 
 @triton.jit
+def _reweight(by, KIND: tl.constexpr):
+    """The reweighting kinds' weight of a row: 1 - p_b(y) (kinds 1, 3) or 1 / p_b(y) (kinds 2, 4)."""
+    pb = tl.exp(by)
+    if KIND == 1 or KIND == 3:
+        w = 1.0 - pb
+    else:
+        w = 1.0 / pb
+    return w
+
+
+@triton.jit
+def _row_terms(bias_ptr, aux_ptr, rows, rmask, keep, yc, roff, KIND: tl.constexpr, ACC: tl.constexpr):
+    """Per row: by = b_y (0 where not kept); kind 5 the gate and sp = softplus(gate); kind 6 the teacher's exponent
+    e = 1 - p_b(y) (zeros where a kind does not use them)."""
+    by = tl.load(bias_ptr + roff + yc, mask=keep, other=0.0).to(ACC)
+    gate = tl.zeros_like(by)
+    sp = gate
+    e = gate
+    if KIND == 5:
+        gate = tl.load(aux_ptr + rows, mask=rmask, other=0.0).to(ACC)
+        sp = _softplus(gate)
+    if KIND == 6:
+        e = 1.0 - tl.exp(by)
+    return by, gate, sp, e
+
+
+@triton.jit
+def _chunk(logits_ptr, bias_ptr, roff, rmask, c0, C, sp, KIND: tl.constexpr, BLOCK_C: tl.constexpr,
+           ACC: tl.constexpr):
+    """Columns c0 .. c0 + BLOCK_C of the row tile: cols, cmask, m2 (the load mask), offs, and x = z (kind 0: + b;
+    kind 5: + a, a = sp b) with a and b (kind 5; zeros otherwise)."""
+    cols = c0 + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    m2 = rmask[:, None] & cmask[None, :]
+    offs = roff[:, None] + cols[None, :]
+    x = tl.load(logits_ptr + offs, mask=m2, other=0.0).to(ACC)
+    a = tl.zeros_like(x)
+    b = a
+    if KIND == 0:
+        x += tl.load(bias_ptr + offs, mask=m2, other=0.0).to(ACC)
+    if KIND == 5:
+        b = tl.load(bias_ptr + offs, mask=m2, other=0.0).to(ACC)
+        a = sp[:, None] * b  # 0 on masked lanes
+        x += a
+    return cols, cmask, m2, offs, x, a, b
+
+
+@triton.jit
+def _row_stats(logits_ptr, bias_ptr, aux_ptr, rmask, roff, sp, e, C, KIND: tl.constexpr, WITH_TZ: tl.constexpr,
+               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr):
+    """The first pass over the columns: of x (see _chunk) the max m and s = Σ exp(x - m); kind 5 also of a the max
+    ma, sa = Σ exp(a - ma) and ua = Σ exp(a - ma) a; kind 6 tsum = Σ t^e and (WITH_TZ) tz = Σ t^e x."""
+    m = tl.full([BLOCK_R], float("-inf"), ACC)
+    s = tl.zeros([BLOCK_R], ACC)
+    ma = tl.full([BLOCK_R], float("-inf"), ACC)
+    sa = tl.zeros([BLOCK_R], ACC)
+    ua = tl.zeros([BLOCK_R], ACC)
+    tsum = tl.zeros([BLOCK_R], ACC)
+    tz = tl.zeros([BLOCK_R], ACC)
+    for c0 in range(0, C, BLOCK_C):
+        cols, cmask, m2, offs, x, a, _b = _chunk(logits_ptr, bias_ptr, roff, rmask, c0, C, sp, KIND, BLOCK_C, ACC)
+        if KIND == 5:
+            a_inf = tl.where(cmask[None, :], a, float("-inf"))
+            nma = tl.maximum(ma, tl.max(a_inf, axis=1))  # finite: every chunk has a column, b finite
+            scale = tl.exp(ma - nma)
+            ea = tl.exp(a_inf - nma[:, None])
+            sa = sa * scale + tl.sum(ea, axis=1)
+            ua = ua * scale + tl.sum(ea * a, axis=1)
+            ma = nma
+        if KIND == 6:
+            t = tl.load(aux_ptr + offs, mask=m2, other=0.0).to(ACC)
+            te = tl.where(m2, _pow(t, e[:, None]), 0.0)
+            tsum += tl.sum(te, axis=1)
+            if WITH_TZ:
+                tz += tl.sum(te * x, axis=1)
+        m, s = online_softmax(m, s, tl.where(cmask[None, :], x, float("-inf")))
+    return m, s, ma, sa, ua, tsum, tz
+
+
+@triton.jit
 def _bias_fwd_kernel(logits_ptr, bias_ptr, labels_ptr, aux_ptr, loss_ptr, denom_ptr, part_ptr, count_ptr, B, C,
                      TILES, ew_hi, ew_lo, ignore_index, KIND: tl.constexpr, REDUCTION: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, ACC: tl.constexpr):
     # Each program handles TILES consecutive row tiles: it writes the row losses (reduction none) or sums them
-    # into one partial (float64, part_ptr[pid]), and sums the denominator terms d into a second partial
-    # (part_ptr[n + pid]). The program that increments the counter last adds the partials in a fixed order,
-    # writes denom (and the mean / sum loss) and resets the counter to 0.
+    # into one partial, and sums the denominator terms d into a second partial; finish_partials adds them (the
+    # program that finishes last, in a fixed order) and writes denom (and the mean / sum loss).
     ew = scalar_acc(ew_hi, ew_lo, ACC)
     pid = tl.program_id(0)
     t_start = pid * TILES
     t_end = tl.minimum(t_start + TILES, tl.cdiv(B, BLOCK_R))
-    cols0 = tl.arange(0, BLOCK_C)
     total = tl.zeros([BLOCK_R], ACC)
     dsum = tl.zeros([BLOCK_R], ACC)
     for tile in range(t_start, t_end):
-        rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
-        rmask = rows < B
-        roff = rows.to(tl.int64) * C
-        y = tl.load(labels_ptr + rows, mask=rmask, other=ignore_index)
-        keep = rmask & (y != ignore_index)
-        yc = tl.where(keep, y, 0)
+        rows, rmask, keep, yc, roff = labelled_rows(labels_ptr, tile, B, C, ignore_index, BLOCK_R)
         zy = tl.load(logits_ptr + roff + yc, mask=keep, other=0.0).to(ACC)
-        by = tl.load(bias_ptr + roff + yc, mask=keep, other=0.0).to(ACC)
-        if KIND == 5:
-            sp = _softplus(tl.load(aux_ptr + rows, mask=rmask, other=0.0).to(ACC))
-        if KIND == 6:
-            e = 1.0 - tl.exp(by)
-        # x = z (+ b, + a): max m and sum s of exp(x - m); kind 5 also of a (ma, sa) and ua = Σ exp(a - ma) a;
-        # kind 6 tsum = Σ t^e and tz = Σ t^e z
-        m = tl.full([BLOCK_R], float("-inf"), ACC)
-        s = tl.zeros([BLOCK_R], ACC)
-        ma = tl.full([BLOCK_R], float("-inf"), ACC)
-        sa = tl.zeros([BLOCK_R], ACC)
-        ua = tl.zeros([BLOCK_R], ACC)
-        tsum = tl.zeros([BLOCK_R], ACC)
-        tz = tl.zeros([BLOCK_R], ACC)
-        for c0 in range(0, C, BLOCK_C):
-            cols = c0 + cols0
-            cmask = cols < C
-            m2 = rmask[:, None] & cmask[None, :]
-            offs = roff[:, None] + cols[None, :]
-            x = tl.load(logits_ptr + offs, mask=m2, other=0.0).to(ACC)
-            if KIND == 0:
-                x += tl.load(bias_ptr + offs, mask=m2, other=0.0).to(ACC)
-            if KIND == 5:
-                a = sp[:, None] * tl.load(bias_ptr + offs, mask=m2, other=0.0).to(ACC)  # 0 on masked lanes
-                x += a
-                a_inf = tl.where(cmask[None, :], a, float("-inf"))
-                nma = tl.maximum(ma, tl.max(a_inf, axis=1))  # finite: every chunk has a column, b finite
-                scale = tl.exp(ma - nma)
-                ea = tl.exp(a_inf - nma[:, None])
-                sa = sa * scale + tl.sum(ea, axis=1)
-                ua = ua * scale + tl.sum(ea * a, axis=1)
-                ma = nma
-            if KIND == 6:
-                t = tl.load(aux_ptr + offs, mask=m2, other=0.0).to(ACC)
-                te = tl.where(m2, _pow(t, e[:, None]), 0.0)
-                tsum += tl.sum(te, axis=1)
-                tz += tl.sum(te * x, axis=1)
-            m, s = online_softmax(m, s, tl.where(cmask[None, :], x, float("-inf")))
+        by, _gate, sp, e = _row_terms(bias_ptr, aux_ptr, rows, rmask, keep, yc, roff, KIND, ACC)
+        m, s, ma, sa, ua, tsum, tz = _row_stats(logits_ptr, bias_ptr, aux_ptr, rmask, roff, sp, e, C, KIND, True,
+                                                BLOCK_R, BLOCK_C, ACC)
         # lse(x) - x_y as (m - x_y) + log(s): exact difference first (small losses keep their digits)
         log_s = tl.log(s)
         d = tl.full([BLOCK_R], 1.0, ACC)
         if KIND == 0:
             l = (m - (zy + by)) + log_s
         if KIND == 1 or KIND == 2 or KIND == 3 or KIND == 4:
-            pb = tl.exp(by)
-            if KIND == 1 or KIND == 3:
-                w = 1.0 - pb
-            else:
-                w = 1.0 / pb
+            w = _reweight(by, KIND)
             l = w * ((m - zy) + log_s)
             if KIND == 1 or KIND == 2:
                 d = w
@@ -133,24 +176,8 @@ def _bias_fwd_kernel(logits_ptr, bias_ptr, labels_ptr, aux_ptr, loss_ptr, denom_
         else:
             total += l
         dsum += d
-    n = tl.num_programs(0)
-    if REDUCTION != 0:
-        tl.store(part_ptr + pid, tl.sum(total, axis=0).to(tl.float64))
-    tl.store(part_ptr + n + pid, tl.sum(dsum, axis=0).to(tl.float64))
-    tl.debug_barrier()  # the partials are stored before the (acq_rel) increment publishes them
-    done = tl.atomic_add(count_ptr, 1)  # the old count
-    if done == n - 1:
-        offs = tl.arange(0, BLOCK_P)
-        dparts = tl.load(part_ptr + n + offs, mask=offs < n, other=0.0, cache_modifier=".cg")
-        dtot = tl.sum(dparts, axis=0)
-        tl.store(denom_ptr, dtot.to(denom_ptr.dtype.element_ty))
-        if REDUCTION != 0:
-            parts = tl.load(part_ptr + offs, mask=offs < n, other=0.0, cache_modifier=".cg")
-            tot = tl.sum(parts, axis=0)
-            if REDUCTION == 1:  # Σ l / Σ d (Σ d = 0: NaN, like F.cross_entropy with every row ignored)
-                tot = tot / dtot
-            tl.store(loss_ptr, tot.to(loss_ptr.dtype.element_ty))
-        tl.store(count_ptr, 0)  # ready for the next launch on this stream
+    finish_partials(part_ptr, count_ptr, loss_ptr, denom_ptr, tl.sum(total, axis=0).to(tl.float64),
+                    tl.sum(dsum, axis=0).to(tl.float64), REDUCTION, True, BLOCK_P)
 
 
 @triton.jit
@@ -160,13 +187,7 @@ def _bias_bwd_kernel(grad_ptr, logits_ptr, bias_ptr, labels_ptr, aux_ptr, denom_
     # Two passes over the columns: the row statistics (as in the forward), then the gradient row (and, kind 5,
     # the gate's gradient sum).
     ew = scalar_acc(ew_hi, ew_lo, ACC)
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < B
-    roff = rows.to(tl.int64) * C
-    cols0 = tl.arange(0, BLOCK_C)
-    y = tl.load(labels_ptr + rows, mask=rmask, other=ignore_index)
-    keep = rmask & (y != ignore_index)
-    yc = tl.where(keep, y, 0)
+    rows, rmask, keep, yc, roff = labelled_rows(labels_ptr, tl.program_id(0), B, C, ignore_index, BLOCK_R)
     if REDUCTION == 0:
         go = tl.load(grad_ptr + rows, mask=rmask, other=0.0).to(ACC)
     else:
@@ -174,47 +195,12 @@ def _bias_bwd_kernel(grad_ptr, logits_ptr, bias_ptr, labels_ptr, aux_ptr, denom_
         if REDUCTION == 1:  # mean: grad / Σ d, read on the device
             go = go / tl.load(denom_ptr + rows * 0, mask=rmask, other=1.0).to(ACC)
     go = tl.where(keep, go, 0.0)
-    by = tl.load(bias_ptr + roff + yc, mask=keep, other=0.0).to(ACC)
+    by, gate, sp, e = _row_terms(bias_ptr, aux_ptr, rows, rmask, keep, yc, roff, KIND, ACC)
     coef = go
     if KIND == 1 or KIND == 2 or KIND == 3 or KIND == 4:
-        pb = tl.exp(by)
-        if KIND == 1 or KIND == 3:
-            coef = go * (1.0 - pb)
-        else:
-            coef = go * (1.0 / pb)
-    if KIND == 5:
-        gate = tl.load(aux_ptr + rows, mask=rmask, other=0.0).to(ACC)
-        sp = _softplus(gate)
-    if KIND == 6:
-        e = 1.0 - tl.exp(by)
-    m = tl.full([BLOCK_R], float("-inf"), ACC)
-    s = tl.zeros([BLOCK_R], ACC)
-    ma = tl.full([BLOCK_R], float("-inf"), ACC)
-    sa = tl.zeros([BLOCK_R], ACC)
-    ua = tl.zeros([BLOCK_R], ACC)
-    tsum = tl.zeros([BLOCK_R], ACC)
-    for c0 in range(0, C, BLOCK_C):
-        cols = c0 + cols0
-        cmask = cols < C
-        m2 = rmask[:, None] & cmask[None, :]
-        offs = roff[:, None] + cols[None, :]
-        x = tl.load(logits_ptr + offs, mask=m2, other=0.0).to(ACC)
-        if KIND == 0:
-            x += tl.load(bias_ptr + offs, mask=m2, other=0.0).to(ACC)
-        if KIND == 5:
-            a = sp[:, None] * tl.load(bias_ptr + offs, mask=m2, other=0.0).to(ACC)
-            x += a
-            a_inf = tl.where(cmask[None, :], a, float("-inf"))
-            nma = tl.maximum(ma, tl.max(a_inf, axis=1))
-            scale = tl.exp(ma - nma)
-            ea = tl.exp(a_inf - nma[:, None])
-            sa = sa * scale + tl.sum(ea, axis=1)
-            ua = ua * scale + tl.sum(ea * a, axis=1)
-            ma = nma
-        if KIND == 6:
-            t = tl.load(aux_ptr + offs, mask=m2, other=0.0).to(ACC)
-            tsum += tl.sum(tl.where(m2, _pow(t, e[:, None]), 0.0), axis=1)
-        m, s = online_softmax(m, s, tl.where(cmask[None, :], x, float("-inf")))
+        coef = go * _reweight(by, KIND)
+    m, s, ma, sa, ua, tsum, _tz = _row_stats(logits_ptr, bias_ptr, aux_ptr, rmask, roff, sp, e, C, KIND, False,
+                                             BLOCK_R, BLOCK_C, ACC)
     inv_s = 1.0 / s
     if KIND == 5:
         lse_a = ma + tl.log(sa)
@@ -224,17 +210,7 @@ def _bias_bwd_kernel(grad_ptr, logits_ptr, bias_ptr, labels_ptr, aux_ptr, denom_
     if KIND == 6:
         inv_t = 1.0 / tsum
     for c0 in range(0, C, BLOCK_C):
-        cols = c0 + cols0
-        cmask = cols < C
-        m2 = rmask[:, None] & cmask[None, :]
-        offs = roff[:, None] + cols[None, :]
-        x = tl.load(logits_ptr + offs, mask=m2, other=0.0).to(ACC)
-        if KIND == 0:
-            x += tl.load(bias_ptr + offs, mask=m2, other=0.0).to(ACC)
-        if KIND == 5:
-            b = tl.load(bias_ptr + offs, mask=m2, other=0.0).to(ACC)
-            a = sp[:, None] * b
-            x += a
+        cols, cmask, m2, offs, x, a, b = _chunk(logits_ptr, bias_ptr, roff, rmask, c0, C, sp, KIND, BLOCK_C, ACC)
         p = tl.exp(tl.where(cmask[None, :], x, float("-inf")) - m[:, None]) * inv_s[:, None]
         oy = tl.where(cols[None, :] == yc[:, None], 1.0, 0.0)
         if KIND == 6:

@@ -7,7 +7,15 @@ import triton
 import triton.language as tl
 
 from ..dtypes import acc_dtype
-from ._common import acc_tl_dtype, completion_counter, row_softmax_stats, row_tiles, scalar_acc, split_scalar
+from ._common import (
+    acc_tl_dtype,
+    completion_counter,
+    finish_partials,
+    row_softmax_stats,
+    row_tiles,
+    scalar_acc,
+    split_scalar,
+)
 
 _MAX_BLOCK_C = 2048
 # mean/sum forward: big tiles and many warps (a program may loop over several tiles)
@@ -24,9 +32,8 @@ def _crm_fwd_kernel(logits_ptr, cf_ptr, labels_ptr, loss_ptr, stats_ptr, part_pt
                     a1_hi, a1_lo, a2_hi, a2_lo, ignore_index, REDUCTION: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, ACC: tl.constexpr):
     # REDUCTION 0: grid over row tiles, one tile each. 1/2: each program sums the losses of TILES
-    # consecutive tiles into one partial (float64) and counts their non-ignored rows (a second partial at
-    # part_ptr + num_programs); the program that increments the counter last adds the partials in a fixed order,
-    # writes the loss (mean: sum / count) and resets the counter to 0.
+    # consecutive tiles into one partial and counts their non-ignored rows (a second partial); finish_partials
+    # adds them (the program that finishes last, in a fixed order) and writes the loss (mean: sum / count).
     a1 = scalar_acc(a1_hi, a1_lo, ACC)
     a2 = scalar_acc(a2_hi, a2_lo, ACC)
     pid = tl.program_id(0)
@@ -63,21 +70,9 @@ def _crm_fwd_kernel(logits_ptr, cf_ptr, labels_ptr, loss_ptr, stats_ptr, part_pt
         else:
             total += tl.where(rmask, l, 0.0)
             kept += (rmask & keep).to(tl.int32)
-    if REDUCTION != 0:
-        n = tl.num_programs(0)
-        tl.store(part_ptr + pid, tl.sum(total, axis=0).to(tl.float64))
-        tl.store(part_ptr + n + pid, tl.sum(kept, axis=0).to(tl.float64))
-        tl.debug_barrier()  # the partial is stored before the (acq_rel) increment publishes it
-        done = tl.atomic_add(count_ptr, 1)  # the old count
-        if done == n - 1:
-            offs = tl.arange(0, BLOCK_P)
-            parts = tl.load(part_ptr + offs, mask=offs < n, other=0.0, cache_modifier=".cg")
-            tot = tl.sum(parts, axis=0)
-            if REDUCTION == 1:  # sum / number of non-ignored rows (0 of them: NaN)
-                cnts = tl.load(part_ptr + n + offs, mask=offs < n, other=0.0, cache_modifier=".cg")
-                tot = tot / tl.sum(cnts, axis=0)
-            tl.store(loss_ptr, tot.to(loss_ptr.dtype.element_ty))
-            tl.store(count_ptr, 0)  # ready for the next launch on this stream
+    if REDUCTION != 0:  # mean: sum / number of non-ignored rows (0 of them: NaN)
+        finish_partials(part_ptr, count_ptr, loss_ptr, loss_ptr, tl.sum(total, axis=0).to(tl.float64),
+                        tl.sum(kept, axis=0).to(tl.float64), REDUCTION, False, BLOCK_P)
 
 
 @triton.jit

@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 
 from ..dtypes import acc_dtype
-from ._common import acc_tl_dtype, row_tiles
+from ._common import acc_tl_dtype, row_dots, row_tiles
 
 
 @triton.jit
@@ -13,17 +13,7 @@ def _gs_row_dots_kernel(x_ptr, y_ptr, out_ptr, N, K,
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < N
     roff = rows.to(tl.int64) * K
-    xy = tl.zeros([BLOCK_R], ACC)
-    xx = tl.zeros([BLOCK_R], ACC)
-    yy = tl.zeros([BLOCK_R], ACC)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        m2 = rmask[:, None] & (cols < K)[None, :]
-        x = tl.load(x_ptr + roff[:, None] + cols[None, :], mask=m2, other=0.0).to(ACC)
-        y = tl.load(y_ptr + roff[:, None] + cols[None, :], mask=m2, other=0.0).to(ACC)
-        xy += tl.sum(x * y, axis=1)
-        xx += tl.sum(x * x, axis=1)
-        yy += tl.sum(y * y, axis=1)
+    xy, xx, yy = row_dots(x_ptr, roff, y_ptr, roff, rmask, K, BLOCK_R, BLOCK_K, ACC)
     op = out_ptr + rows.to(tl.int64) * 3
     tl.store(op + 0, xy, mask=rmask)
     tl.store(op + 1, xx, mask=rmask)

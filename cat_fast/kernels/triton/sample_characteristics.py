@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ..dtypes import acc_dtype
-from ._common import acc_tl_dtype, online_softmax, pow2_at_least, scalar_acc, split_scalar
+from ._common import acc_tl_dtype, labelled_rows, online_softmax, pow2_at_least, row_dots, scalar_acc, split_scalar
 
 COLUMNS = 10
 _MAX_BLOCK_C = 1024
@@ -65,31 +65,15 @@ def _fwd_kernel(logits_ptr, labels_ptr, features_ptr, weights_ptr, stats_ptr, ou
                 ignore_index, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
                 ACC: tl.constexpr):
     eps = scalar_acc(eps_hi, eps_lo, ACC)
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < B
-    y = tl.load(labels_ptr + rows, mask=rmask, other=ignore_index)
-    keep = rmask & (y != ignore_index)
-    yc = tl.where(keep, y, 0)
-    roff = rows.to(tl.int64) * C
+    rows, rmask, keep, yc, roff = labelled_rows(labels_ptr, tl.program_id(0), B, C, ignore_index, BLOCK_R)
     m, log_s, inv_s, k, _, gap2, neg_entropy = _row_stats(logits_ptr, roff, rmask, yc, C, BLOCK_R, BLOCK_C, ACC)
     zy = tl.load(logits_ptr + roff + yc, mask=keep, other=0.0).to(ACC)
     zk = tl.load(logits_ptr + roff + k, mask=keep, other=0.0).to(ACC)
     loss = (m - zy) + log_s
     margin = (tl.exp(zy - m) - tl.exp(zk - m)) * inv_s
-    foff = rows.to(tl.int64) * H
-    woff = yc.to(tl.int64) * H
-    hcols0 = tl.arange(0, BLOCK_H)
-    dot = tl.zeros([BLOCK_R], ACC)
-    ff = tl.zeros([BLOCK_R], ACC)
-    ww = tl.zeros([BLOCK_R], ACC)
-    for h0 in range(0, H, BLOCK_H):
-        hcols = h0 + hcols0
-        m2 = keep[:, None] & (hcols < H)[None, :]
-        f = tl.load(features_ptr + foff[:, None] + hcols[None, :], mask=m2, other=0.0).to(ACC)
-        w = tl.load(weights_ptr + woff[:, None] + hcols[None, :], mask=m2, other=0.0).to(ACC)
-        dot += tl.sum(f * w, axis=1)
-        ff += tl.sum(f * f, axis=1)
-        ww += tl.sum(w * w, axis=1)
+    # each row's features f and its class's weight row w: f·w, |f|², |w|²
+    dot, ff, ww = row_dots(features_ptr, rows.to(tl.int64) * H, weights_ptr, yc.to(tl.int64) * H, keep, H, BLOCK_R,
+                           BLOCK_H, ACC)
     nf = tl.sqrt(ff)
     nw = tl.sqrt(ww)
     cosine = dot / (tl.maximum(nf, eps) * tl.maximum(nw, eps))
@@ -114,12 +98,7 @@ def _fwd_kernel(logits_ptr, labels_ptr, features_ptr, weights_ptr, stats_ptr, ou
 def _bwd_rows(grad_ptr, logits_ptr, labels_ptr, gl_ptr, gf_ptr, B, C, H, ignore_index, tile,
               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, ACC: tl.constexpr):
     """The logits' gradient of one row tile; zero feature-gradient rows for its ignored rows."""
-    rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < B
-    y = tl.load(labels_ptr + rows, mask=rmask, other=ignore_index)
-    keep = rmask & (y != ignore_index)
-    yc = tl.where(keep, y, 0)
-    roff = rows.to(tl.int64) * C
+    rows, rmask, keep, yc, roff = labelled_rows(labels_ptr, tile, B, C, ignore_index, BLOCK_R)
     m, log_s, inv_s, k, sq, gap2, neg_entropy = _row_stats(logits_ptr, roff, rmask, yc, C, BLOCK_R, BLOCK_C, ACC)
     g = grad_ptr + rows.to(tl.int64) * 10
     a = tl.load(g, mask=keep, other=0.0).to(ACC) + tl.load(g + 8, mask=keep, other=0.0).to(ACC)  # the loss's
@@ -144,7 +123,7 @@ def _bwd_rows(grad_ptr, logits_ptr, labels_ptr, gl_ptr, gf_ptr, B, C, H, ignore_
         v -= tl.where(cols[None, :] == k[:, None], (b * pk)[:, None], 0.0)
         v = tl.where(keep[:, None], v, 0.0)
         tl.store(gl_ptr + roff[:, None] + cols[None, :], v.to(gl_ptr.dtype.element_ty), mask=m2)
-    dropped = rmask & (y == ignore_index)
+    dropped = rmask & ~keep  # in range, label ignore_index
     foff = rows.to(tl.int64) * H
     hcols0 = tl.arange(0, BLOCK_H)
     for h0 in range(0, H, BLOCK_H):
