@@ -164,13 +164,12 @@ def fit_temperature(log_probs: torch.Tensor, labels: Sequence[int], low: float =
             a, c, fc = c, d, fd
             d = a + ratio * (b - a)
             fd = _nll(lp, y, d)
-    beta = (a + b) / 2
-    if _nll(lp, y, 1.0) <= _nll(lp, y, beta):  # never worse than leaving the predictions alone
-        beta = 1.0
+    beta, before = (a + b) / 2, _nll(lp, y, 1.0)
+    after = _nll(lp, y, beta)
+    if before <= after:  # never worse than leaving the predictions alone
+        beta, after = 1.0, before
 
-    def confidence(x):
-        return float(x.exp().max(-1).values.mean())
+    def confidence(scale):
+        return float(torch.softmax(lp * scale, dim=-1).max(-1).values.mean())
 
-    after = torch.log_softmax(lp * beta, dim=-1)
-    return Calibration(beta, _nll(lp, y, 1.0), _nll(lp, y, beta), confidence(torch.log_softmax(lp, -1)),
-                       confidence(after))
+    return Calibration(beta, before, after, confidence(1.0), confidence(beta))

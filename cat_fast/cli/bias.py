@@ -166,7 +166,10 @@ def _calibrate(args, crossfit, train):
         return crossfit.log_probs, None
     from ..bias import fit_temperature
 
-    calibration = fit_temperature(crossfit.log_probs, train.labels)
+    try:
+        calibration = fit_temperature(crossfit.log_probs, train.labels)
+    except ValueError as error:
+        raise CliError(f"--calibrate temperature: {error}") from error
     sys.stderr.write(f"cat-fast: calibrated the held-out predictions: temperature {1 / calibration.beta:.3g}, mean "
                      f"confidence {calibration.confidence_before:.3f} -> {calibration.confidence_after:.3f}\n")
     return calibration.apply(crossfit.log_probs), calibration

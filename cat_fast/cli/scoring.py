@@ -2,6 +2,7 @@
 evaluation sets (`EvalSet`) that ``train`` scores after each epoch and ``eval`` at the end."""
 from __future__ import annotations
 
+import collections
 from typing import Dict, List, Optional, Sequence
 
 __all__ = ["autocast", "to_device", "encode_batches", "predict_logits", "predict", "predict_probs", "accuracy",
@@ -113,15 +114,16 @@ class EvalSet:
         model that leaves nothing to learn, a learning rate too high): remembered for the command to say so."""
         self.collapsed = None
         if len(preds) >= 20 and len(set(self.data.labels)) > 1:
-            top = max(set(preds), key=preds.count)
-            if preds.count(top) >= COLLAPSED_SHARE * len(preds):
+            top, count = collections.Counter(preds).most_common(1)[0]
+            if count >= COLLAPSED_SHARE * len(preds):
                 self.collapsed = names[top] if top < len(names) else str(top)
 
     def evaluate(self, model, batch_size, device, bf16) -> Dict[str, Dict]:
         preds = predict(model, self.tokenized, batch_size, device, bf16)
         names = [model.config.id2label[i] for i in range(model.config.num_labels)]
-        same = len(self.data.label_names) == len(names)
-        self._check_collapse(preds, list(self.data.label_names) if same else names)
+        # a model with unnamed labels: the data's names, in id order
+        shown = list(self.data.label_names) if len(self.data.label_names) == len(names) else names
+        self._check_collapse(preds, shown)
         if self.name == "hans" and hasattr(self.data, "heuristic"):  # accuracy by heuristic x label, as HANS reports
             from ..data import HANS_LABELS, score_hans
 
@@ -131,8 +133,7 @@ class EvalSet:
                 gold = [int(self.data.label_names[y] != HANS_LABELS[0]) for y in self.data.labels]
                 out[self.name]["confusion"] = confusion(two, gold, HANS_LABELS)
             return out
-        if len(self.data.label_names) == len(names):  # a model with unnamed labels: the data's names, in id order
-            names = list(self.data.label_names)
+        names = shown
         parts = [(self.name, None)]
         if self.split_orig_edit:
             parts += [(f"{self.name}_orig", self.data.is_orig), (f"{self.name}_edit", [not o for o in self.data.is_orig])]

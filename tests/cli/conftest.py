@@ -1,4 +1,6 @@
-"""Fixtures of the CLI tests: a tiny random BERT with the MiniLM tokenizer saved to a directory, and `run`."""
+"""Fixtures of the CLI tests: a tiny random BERT with the MiniLM tokenizer saved to a directory, `run`, and the
+table writers `write` (TSV rows) and `write_csv` (dicts)."""
+import csv
 import os
 import shutil
 
@@ -15,6 +17,15 @@ TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "spec
 
 def write(path, rows):
     path.write_text("".join("\t".join(map(str, r)) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+def write_csv(path, rows, bom=False):
+    """`rows` (dicts with the same keys) as a CSV file with a header; ``bom``: UTF-8 with a byte-order mark."""
+    with open(path, "w", newline="", encoding="utf-8-sig" if bom else "utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
     return str(path)
 
 

@@ -1,6 +1,5 @@
 """Arguments and data that cat-fast must refuse with one line (`cat-fast: error: ...`, exit 2) and nothing written:
 one-class training data, a bias file for other rows, out-of-range seeds, --C, weight decays and --report-to names."""
-import csv
 import json
 
 import pytest
@@ -8,15 +7,7 @@ import pytest
 from cat_fast import cli
 from cat_fast.cli.train import check_options
 
-from .conftest import run
-
-
-def write_csv(path, rows):
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    return str(path)
+from .conftest import run, write_csv
 
 
 def pairs(n=12, labels=("yes", "no")):

@@ -1,7 +1,6 @@
 """`cat-fast bias fit --kind features | weak-learner` and `--folds`: the file written (hand counts, the meta record),
 a weak learner on the tiny BERT end to end into `train --method poe --bias`, and every bad input refused with one
 line, exit 2 and nothing written."""
-import csv
 import json
 
 import pytest
@@ -10,15 +9,7 @@ import torch
 from cat_fast.bias import load_bias
 from cat_fast.data import load_table
 
-from .conftest import run
-
-
-def write_csv(path, rows):
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    return str(path)
+from .conftest import run, write_csv
 
 
 def planted(n=24):

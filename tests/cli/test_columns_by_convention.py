@@ -1,14 +1,13 @@
 """cat-fast on a user's files without column options (the names of run_glue.py and the datasets hub), splits of a
 DatasetDict folder (``PATH@SPLIT``; ``--dev`` takes ``validation``), and the choices it refuses to guess."""
 import argparse
-import csv
 import json
 import os
 
 import pytest
 import torch
 
-from tests.cli.conftest import run
+from tests.cli.conftest import run, write_csv
 
 datasets = pytest.importorskip("datasets")
 
@@ -30,14 +29,6 @@ def examples(n, seed=0, text="text", label="label", pair=None):
 
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return str(path)
-
-
-def write_csv(path, rows):
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
     return str(path)
 
 

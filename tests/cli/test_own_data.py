@@ -1,6 +1,5 @@
 """cat-fast on the user's own files (CSV, JSON Lines, save_to_disk), through the Hugging Face Trainer: labels, groups,
 checkpoints and --resume, and the mistakes that must end in one line with exit 2 (or 3) and no output."""
-import csv
 import json
 import os
 import signal
@@ -10,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from tests.cli.conftest import run
+from tests.cli.conftest import run, write_csv
 
 datasets = pytest.importorskip("datasets")
 safetensors = pytest.importorskip("safetensors.torch")
@@ -28,14 +27,6 @@ def rows(n=24, seed=0):
         out.append({"id": f"ex{i}", "premise": " ".join(words), "hypothesis": " ".join(words[:3]),
                     "label": labels[(i // 2 + i % 2) % 3], "group": i // 2})
     return out
-
-
-def write_csv(path, data, bom=False):
-    with open(path, "w", newline="", encoding="utf-8-sig" if bom else "utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=list(data[0]))
-        w.writeheader()
-        w.writerows(data)
-    return str(path)
 
 
 def write_jsonl(path, data):

@@ -71,6 +71,17 @@ def without_ties(logits):
     return logits.scatter_add(-1, top, torch.full_like(top, 0.5, dtype=logits.dtype))
 
 
+def with_ignored(labels, pattern, ignore_index=-100):
+    """A copy of `labels` with ``ignore_index`` in no row (``"none"``), in row 0 and every third row (``"some"``) or
+    in every row (``"all"``)."""
+    labels = labels.clone()
+    if pattern == "some":
+        labels[::3] = ignore_index
+    elif pattern == "all":
+        labels[:] = ignore_index
+    return labels
+
+
 def assert_outputs_match(names, got, same_dtype, truth, dtype, terms=None):
     """Each output has the dtype the reference gives at the same input dtype, and the value of the reference
     computed in float64 from the same (rounded) inputs: in bf16/fp16 the eager reference itself rounds

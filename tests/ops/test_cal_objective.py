@@ -6,7 +6,7 @@ import torch
 import cat_fast
 from cat_fast.ops import cal_objective
 
-from .conftest import assert_outputs_match, dtypes_for, noncontiguous, run, tolerance, without_ties
+from .conftest import assert_outputs_match, dtypes_for, noncontiguous, run, tolerance, with_ignored, without_ties
 
 SHAPES = [(1, 2), (5, 3), (8, 7), (3, 130)]
 
@@ -95,15 +95,6 @@ def test_defaults_are_the_papers():
     assert signature.parameters["ignore_index"].default == -100
 
 
-def _ignored(labels, pattern, ignore_index):
-    labels = labels.clone()
-    if pattern == "some":
-        labels[::3] = ignore_index  # row 0 and every third row
-    elif pattern == "all":
-        labels[:] = ignore_index
-    return labels
-
-
 @pytest.mark.parametrize("shape", [(1, 2), (7, 3), (5, 130)], ids=str)
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 @pytest.mark.parametrize("pattern", ["none", "some", "all"])
@@ -111,7 +102,7 @@ def _ignored(labels, pattern, ignore_index):
 def test_ignore_index_and_reductions_match_reference(backend, device, shape, reduction, pattern, ignore_index):
     for seed, dtype in enumerate(dtypes_for(device)):
         logits, labels = _inputs(shape, dtype, device, 40 + seed)
-        labels = _ignored(labels, pattern, ignore_index)
+        labels = with_ignored(labels, pattern, ignore_index)
         grad_out = torch.randn(shape[0] if reduction == "none" else (), generator=torch.Generator().manual_seed(seed),
                                dtype=torch.float64).to(device)
 
@@ -137,7 +128,7 @@ def test_ignore_index_and_reductions_match_reference(backend, device, shape, red
 def test_mean_matches_cross_entropy_with_ignored_rows(backend, device):
     """gamma = 1, eta = 0: the objective is CE, and its mean is F.cross_entropy's (same ignore_index convention)."""
     logits, labels = _inputs((9, 4), torch.float64 if device == "cpu" else torch.float32, device, 5)
-    labels = _ignored(labels, "some", -100)
+    labels = with_ignored(labels, "some", -100)
     got = run(backend, cal_objective, logits, labels, 1.0, 0.0, "mean")
     torch.testing.assert_close(got, torch.nn.functional.cross_entropy(logits, labels).to(got.dtype))
     got = run(backend, cal_objective, logits, labels, 1.0, 0.0, "sum")
@@ -149,7 +140,7 @@ def test_gradcheck_with_ignored_rows(backend, device, reduction):
     if device != "cpu":
         pytest.skip("float64 gradcheck runs on the CPU")
     logits, labels = _inputs((5, 4), torch.float64, device, 19)
-    labels = _ignored(labels, "some", -100)
+    labels = with_ignored(labels, "some", -100)
     logits.requires_grad_()
     assert torch.autograd.gradcheck(lambda z: run(backend, cal_objective, z, labels, 10.0, 20.0, reduction), (logits,))
 

@@ -6,17 +6,8 @@ import torch
 import cat_fast
 from cat_fast.ops import crm_loss
 
-from .conftest import assert_outputs_match, dtypes_for, run, tolerance
+from .conftest import assert_outputs_match, dtypes_for, run, tolerance, with_ignored
 from .test_crm_loss import _few_triton_programs, _inputs
-
-
-def _ignored(labels, pattern, ignore_index=-100):
-    labels = labels.clone()
-    if pattern == "some":
-        labels[::3] = ignore_index  # row 0 and every third row
-    elif pattern == "all":
-        labels[:] = ignore_index
-    return labels
 
 
 @pytest.mark.parametrize("shape", [(1, 2), (8, 3), (4, 130)], ids=str)
@@ -26,7 +17,7 @@ def _ignored(labels, pattern, ignore_index=-100):
 def test_ignore_index_matches_reference(backend, device, shape, reduction, detach_weight, pattern):
     for seed, dtype in enumerate(dtypes_for(device)):
         logits, cf_logits, labels = _inputs(shape, dtype, device, 50 + seed)
-        labels = _ignored(labels, pattern)
+        labels = with_ignored(labels, pattern)
         grad_out = torch.randn(shape[0] if reduction == "none" else (), generator=torch.Generator().manual_seed(seed),
                                dtype=torch.float64).to(device)
 
@@ -56,7 +47,7 @@ def test_ignore_index_matches_reference(backend, device, shape, reduction, detac
 def test_mean_matches_cross_entropy_with_ignored_rows(backend, device):
     """A weight clipped to 1 (a1 = a2 = 1) leaves the CE: its mean over the non-ignored rows is F.cross_entropy's."""
     logits, cf_logits, labels = _inputs((10, 4), torch.float64 if device == "cpu" else torch.float32, device, 3)
-    labels = _ignored(labels, "some")
+    labels = with_ignored(labels, "some")
     for reduction in ("mean", "sum"):
         got = run(backend, crm_loss, logits, cf_logits, labels, 1.0, 1.0, True, reduction)
         expected = torch.nn.functional.cross_entropy(logits, labels, reduction=reduction)
@@ -87,7 +78,7 @@ def test_gradcheck_with_ignored_rows(backend, device, reduction):
     if device != "cpu":
         pytest.skip("float64 gradcheck runs on the CPU")
     logits, cf_logits, labels = _inputs((6, 3), torch.float64, device, 16)
-    labels = _ignored(labels, "some")
+    labels = with_ignored(labels, "some")
     logits.requires_grad_()
     cf_logits.requires_grad_()
 
