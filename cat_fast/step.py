@@ -42,9 +42,9 @@ tensor; with ``skip_non_finite``; under DDP true on every rank when true on one)
 
 Under DistributedDataParallel (an objective built on the DDP module, or a `cat_fast.distributed.DistributedObjective`;
 build the CapturedStep on every rank at the same point): each planned step runs outside DDP's forward and averages
-its gradients itself (`cat_fast.step_ddp`), eagerly: on GPUs a CUDA graph of such a step is refused
-(`cat_fast.step_ddp.CAPTURE_UNDER_DDP`: its capture fails on dropout's random offsets), so there it needs
-``cuda_graph=False``; on the CPU (gloo) every step is eager anyway.
+its gradients itself (`cat_fast.step_ddp`); on GPUs the whole step, its all-reduces included, is one CUDA graph, the
+ranks capturing and replaying together (DDP's reducer is rebuilt once on a side stream so that its gradient
+accumulators can join a capture); on the CPU (gloo) every step is eager.
 """
 from __future__ import annotations
 

@@ -125,11 +125,30 @@ def _refusal(planner, ddp) -> str | None:
     return None
 
 
-# Why a step under DDP is not captured as a CUDA graph on GPUs: the captured step fails there (2 H100s, NCCL: a
-# dropout's random offset is drawn outside the capture), so it runs eagerly, averaging its gradients all the same.
-CAPTURE_UNDER_DDP = ("a whole step under DistributedDataParallel is not captured as a CUDA graph on GPUs: its capture "
-                     "fails on dropout's random offsets (RuntimeError 'Offset increment outside graph capture "
-                     "encountered unexpectedly'); CapturedStep(..., cuda_graph=False) runs the same step eagerly")
+def accumulators_off_the_default_stream(ddp) -> str | None:
+    """Rebuilds `ddp`'s reducer under a new side stream, so that the gradient accumulators it holds (made when DDP
+    was built, and kept alive by it) belong to that stream; None, or why it could not be done.
+
+    The autograd engine runs each parameter's gradient accumulation on the stream its accumulator was made on. DDP
+    makes them on the stream current at its construction, usually the legacy default stream, and a backward
+    captured on another stream then has to make the legacy stream wait on the capturing one, which CUDA refuses
+    (``cudaErrorStreamCaptureImplicit``). On a side stream of its own, the accumulation joins the capture like any
+    forked stream. The rebuild is the one DDP runs when unpickled (``__setstate__``)."""
+    needed = ("_build_params_for_reducer", "_build_debug_param_to_name_mapping", "_ddp_init_helper")
+    if not all(hasattr(ddp, name) for name in needed):
+        return "this PyTorch's DistributedDataParallel does not rebuild its reducer as this code expects"
+    stream = torch.cuda.Stream(next(ddp.module.parameters()).device)
+    stream.wait_stream(torch.cuda.current_stream())
+    ddp.reducer = ddp.logger = None  # the old accumulators go with the reducer, so that new ones are made
+    with torch.cuda.stream(stream):
+        parameters, sparse = ddp._build_params_for_reducer()
+        ddp._ddp_init_helper(parameters, sparse, ddp._build_debug_param_to_name_mapping(parameters), ddp.static_graph)
+        if ddp.static_graph:
+            ddp.reducer._set_static_graph()
+            ddp.logger._set_static_graph()
+    torch.cuda.current_stream().wait_stream(stream)
+    ddp._cat_fast_accumulation_stream = stream
+    return None
 
 
 class DDPStep:
@@ -140,14 +159,18 @@ class DDPStep:
     def __init__(self, objective, params, cuda_graph: bool):
         self.planner, self.ddp = ddp_of(objective)
         self.reason = _refusal(self.planner, self.ddp)
-        self.capture_reason = CAPTURE_UNDER_DDP if cuda_graph else None
+        self.capture_reason = None
+        if cuda_graph and self.reason is None and getattr(self.ddp, "_cat_fast_accumulation_stream", None) is None:
+            self.capture_reason = accumulators_off_the_default_stream(self.ddp)
         own = {id(p) for p in self.planner.parameters()}  # averaged by their own gradient hooks
         self.average = GradientAverager([p for p in params if id(p) not in own])
-        self.lockstep = None  # the ranks' agreement on each step's graph, were steps captured (`Lockstep`)
+        # the ranks' agreement on each step's graph (a collective call: every rank builds its CapturedStep together)
+        self.lockstep = Lockstep() if cuda_graph and self.reason is None and self.capture_reason is None else None
 
     def check(self):
         if self.capture_reason is not None:
-            raise NotCapturable(self.capture_reason)
+            raise NotCapturable(f"a whole step under DistributedDataParallel is not captured as a CUDA graph: "
+                                f"{self.capture_reason}; CapturedStep(..., cuda_graph=False) runs it eagerly")
         if self.reason is not None:
             raise NotCapturable(f"{type(self.planner).__name__} under DistributedDataParallel cannot average its own "
                                 f"gradients: {self.reason}; CapturedStep(..., cuda_graph=False) without strict=True "

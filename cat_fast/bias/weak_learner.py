@@ -8,10 +8,11 @@ Typical use::
     wl.fit(train, rows=None)                  # rows: the examples it may draw its subset from (default: all)
     b = wl.log_probs(train)                   # [N, C] float64, columns in train.label_names order
 
-Training is cat_fast's plain loop: the ERM objective (`cat_fast.objectives.build("erm", model)`), AdamW at ``lr``,
-batches of ``batch_size`` drawn in a seeded order, ``max_length`` tokens, the head drawn afresh for the data's
-labels. Deterministic on the CPU for a given ``seed``. Use with :func:`~cat_fast.bias.cross_fit` (or a subset much
-smaller than the data) so that a row's prediction does not come from a model trained on it.
+Training is cat_fast's plain loop: the loss ``loss`` (``"ce"``: the ERM objective, `cat_fast.objectives.build("erm",
+model)`; ``"gce"``: :func:`gce_loss` with ``gce_q``, which keeps the learner on the feature it fits first), AdamW at
+``lr``, batches of ``batch_size`` drawn in a seeded order, ``max_length`` tokens, the head drawn afresh for the
+data's labels. Deterministic on the CPU for a given ``seed``. Use with :func:`~cat_fast.bias.cross_fit` (or a subset
+much smaller than the data) so that a row's prediction does not come from a model trained on it.
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["WeakLearner", "WeakLearnerError"]
+__all__ = ["WeakLearner", "WeakLearnerError", "gce_loss", "LOSSES"]
+
+LOSSES = ("ce", "gce")
 
 
 class WeakLearnerError(ValueError):
@@ -39,6 +42,15 @@ def _check_int(name: str, value, low: int, optional: bool = False) -> Optional[i
     return value
 
 
+def gce_loss(logits: torch.Tensor, labels: torch.Tensor, q: float = 0.7) -> torch.Tensor:
+    """The mean generalized cross-entropy ``(1 − p_y^q) / q`` of ``logits`` ``[n, C]`` (Zhang & Sabuncu 2018; the
+    biased model of Nam et al. 2020): its gradient is cross-entropy's times ``p_y^q``, so rows the model already
+    fits weigh more than rows against it, and what it learns first (a shortcut) is amplified, not corrected.
+    ``q → 0`` is cross-entropy; ``q = 1`` is the mean absolute error ``1 − p_y``."""
+    p_y = torch.softmax(logits.float(), dim=-1).gather(1, labels.long()[:, None]).squeeze(1)
+    return ((1.0 - p_y.clamp_min(1e-12) ** q) / q).mean()
+
+
 def keep_first_layers(model, layers: int) -> int:
     """Keep the first ``layers`` encoder layers of ``model`` (in place); returns how many it had."""
     from ..models import structure
@@ -55,10 +67,14 @@ def keep_first_layers(model, layers: int) -> int:
 
 class WeakLearner:
     """A classifier (``model``: ``"minilm"`` or a directory, `cat_fast.models.pretrained.load_classifier`) fine-tuned
-    on ``subset`` examples for ``epochs`` epochs, ``layers`` first encoder layers kept (``None``: all)."""
+    on ``subset`` examples for ``epochs`` epochs, ``layers`` first encoder layers kept (``None``: all), with the
+    ``loss`` ``"gce"`` (the default; ``gce_q``) or ``"ce"``. Cross-entropy can go on within a few epochs from the
+    first feature it learns (a planted cue) to the task itself, and a bias model that has learned the task leaves a
+    bias-model loss nothing to keep; generalized cross-entropy stays with the first feature longer."""
 
     def __init__(self, model: str = "minilm", subset: int = 2000, epochs: int = 3, layers: Optional[int] = None,
-                 lr: float = 5e-5, batch_size: int = 32, max_length: int = 128, seed: int = 0, device="cpu"):
+                 lr: float = 5e-5, batch_size: int = 32, max_length: int = 128, seed: int = 0, device="cpu",
+                 loss: str = "gce", gce_q: float = 0.7):
         self.model_name = model
         self.subset = _check_int("subset", subset, 1)
         self.epochs = _check_int("epochs", epochs, 1)
@@ -69,6 +85,11 @@ class WeakLearner:
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < float("inf"):
             raise WeakLearnerError("lr", lr, "expected a finite number > 0")
         self.lr, self.device = float(lr), torch.device(device)
+        if loss not in LOSSES:
+            raise WeakLearnerError("loss", loss, f"expected one of {', '.join(LOSSES)}")
+        if isinstance(gce_q, bool) or not isinstance(gce_q, (int, float)) or not 0 < gce_q <= 1:
+            raise WeakLearnerError("gce_q", gce_q, "expected a number in (0, 1]")
+        self.loss, self.gce_q = loss, float(gce_q)
         self.model = None
 
     def _draw(self, data, rows: List[int]) -> List[int]:
@@ -107,12 +128,18 @@ class WeakLearner:
                 order.shuffle(index)
                 for start in range(0, len(index), self.batch_size):
                     batch = collate([tokenized[i] for i in index[start:start + self.batch_size]])
-                    loss, _ = objective({k: v.to(self.device) for k, v in batch.items()})
+                    loss = self._loss(objective, model, {k: v.to(self.device) for k, v in batch.items()})
                     loss.backward()
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
         self.model, self.label_names, self.n_subset = model.eval(), names, len(chosen)
         return self
+
+    def _loss(self, objective, model, batch) -> torch.Tensor:
+        if self.loss == "ce":
+            return objective(batch)[0]
+        labels = batch.pop("labels")
+        return gce_loss(model(**batch).logits, labels, self.gce_q)
 
     def log_probs(self, data, rows: Optional[Sequence[int]] = None) -> torch.Tensor:
         """``[n, C]`` float64 log-probabilities of ``rows`` of ``data`` (default: all), eval mode, no gradients."""
@@ -138,4 +165,5 @@ class WeakLearner:
     def meta(self) -> Dict[str, Any]:
         return {"model": self.model_name, "subset": self.subset, "epochs": self.epochs, "layers": self.layers,
                 "encoder_layers": self.total_layers, "lr": self.lr, "batch_size": self.batch_size,
-                "max_length": self.max_length, "seed": self.seed}
+                "max_length": self.max_length, "seed": self.seed, "loss": self.loss,
+                "gce_q": self.gce_q if self.loss == "gce" else None}

@@ -9,7 +9,8 @@ Kinds (`FITTERS`, one function each):
 * ``features``: p(y | named columns of the training file) (``--feature-columns``, ``--model-type exact|logistic``,
   ``--smoothing``; `cat_fast.bias.FeatureBias`);
 * ``weak-learner``: an unknown bias, a small classifier (``--model``, default minilm) fine-tuned on ``--subset``
-  examples for ``--epochs``, optionally its first ``--layers`` (`cat_fast.bias.WeakLearner`).
+  examples for ``--epochs``, optionally its first ``--layers``, with generalized cross-entropy (``--weak-loss gce``,
+  the default, ``--gce-q``) or cross-entropy (``--weak-loss ce``) (`cat_fast.bias.WeakLearner`).
 
 ``--folds K`` cross-fits (`cat_fast.bias.cross_fit`): each row's prediction comes from a model fitted on the other
 folds, counterfactual groups kept in one fold; 1 (the default) predicts in-sample. ``--calibrate temperature``
@@ -36,7 +37,8 @@ BIAS_FILE = "bias.jsonl"
 _KIND_OPTIONS = {"feature_columns": ("features",), "categorical_columns": ("features",), "model_type": ("features",),
                  "smoothing": ("features",), "class_weight": ("features",), "model": ("column", "weak-learner"),
                  "subset": ("weak-learner",), "epochs": ("weak-learner",), "layers": ("weak-learner",),
-                 "lr": ("weak-learner",), "max_length": ("weak-learner",)}
+                 "lr": ("weak-learner",), "max_length": ("weak-learner",), "weak_loss": ("weak-learner",),
+                 "gce_q": ("weak-learner",)}
 
 Fit = Callable[[List[int]], Callable[[List[int]], object]]
 
@@ -113,7 +115,12 @@ def _weak_learner(args, train) -> Tuple[Fit, Dict, Dict]:
 
     options = {"model": args.model or "minilm", "subset": args.subset or 2000, "epochs": args.epochs or 3,
                "layers": args.layers, "lr": args.lr or 5e-5, "batch_size": args.batch_size,
-               "max_length": args.max_length or 128, "seed": args.seed}
+               "max_length": args.max_length or 128, "seed": args.seed, "loss": args.weak_loss or "gce"}
+    if options["loss"] == "gce":
+        options["gce_q"] = 0.7 if args.gce_q is None else args.gce_q
+    elif args.gce_q is not None:
+        raise CliError(f"--gce-q {args.gce_q}: it is the q of --weak-loss gce, not ce; expected --weak-loss gce "
+                       f"(the default) with it")
     device = get_device(args.device)
     last: Dict = {}
 

@@ -29,6 +29,16 @@ def at_least_two(s: str) -> int:
     return value
 
 
+def gce_q(s: str) -> float:
+    try:
+        value = float(s)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {s!r}")
+    return value
+
+
 def add_bias(sub, fmt) -> None:
     """Add the ``bias fit`` command to the `cat-fast` subparsers `sub` (help formatter `fmt`)."""
     bias = sub.add_parser("bias", help="bias models for the bias-model methods", formatter_class=fmt,
@@ -82,6 +92,15 @@ def add_bias(sub, fmt) -> None:
                    help="weak-learner: keep only the first K encoder layers (default all)")
     w.add_argument("--lr", type=positive_float, help="weak-learner: AdamW learning rate (default 5e-5)")
     w.add_argument("--max-length", type=at_least_two, help="weak-learner: tokens per example (default 128)")
+    w.add_argument("--weak-loss", choices=("ce", "gce"),
+                   help="weak-learner: its training loss. gce (the default): generalized cross-entropy "
+                        "(1 - p_y^q)/q, whose gradient weighs each row by p_y^q, so the rows the learner already "
+                        "fits (those of the feature it learns first, often a shortcut) outweigh the rows against "
+                        "it and it stays with that feature; ce: cross-entropy, which can go on from that feature "
+                        "to the task itself within the default epochs (a bias model that knows the task leaves the "
+                        "bias-model methods nothing to learn)")
+    w.add_argument("--gce-q", type=gce_q, metavar="Q", help="weak-learner, --weak-loss gce: q in (0, 1] (towards "
+                   "0: cross-entropy; 1: mean absolute error; default 0.7)")
     f.add_argument("--batch-size", type=positive_int, default=32, help="--kind column and weak-learner: examples "
                    "per batch")
     f.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when available")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from .arguments import SEED_MAX, add_column_options, float_in, seed_int
-from .common import Parser
+from .common import Parser, positive_int
 
 __all__ = ["add_shortcut"]
 
@@ -54,6 +54,12 @@ def add_shortcut(sub, fmt) -> None:
                    help="rows of --train held out as dev without --dev")
     p.add_argument("--test-fraction", type=fraction, default=0.2, metavar="F",
                    help="rows of --train held out as the test sets without --test")
+    p.add_argument("--max-length", type=positive_int, default=128, metavar="N",
+                   help="the truncation length the data will be trained at: a cue at the end of the text (punctuation, "
+                        "length, token:WORD@end) that lies beyond N tokens of --model's tokenizer on many rows is said, "
+                        "and counted in shortcut.json")
+    p.add_argument("--model", default="minilm", help="the model whose tokenizer counts the tokens (as cat-fast train "
+                   "--model)")
     p.add_argument("--seed", type=seed_int, default=0, help=f"seed of every draw (0 to {SEED_MAX})")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out that cat-fast wrote")

@@ -7,6 +7,7 @@ from .arguments import SEED_MAX, add_column_options, method_names, scheduler_typ
 from .common import DATA_MODES, nonneg_int, positive_int
 from .train_data import add_requirement_options
 from .train_objective import add_objective_options
+from .trainer_args import add_trainer_args
 
 __all__ = ["add_train"]
 
@@ -15,7 +16,8 @@ def add_train(sub, fmt) -> None:
     """Add the ``train`` command to the `cat-fast` subparsers `sub` (help formatter `fmt`)."""
     t = sub.add_parser("train", help="train a classifier", formatter_class=fmt,
                        description="Train a classifier (see `python -m pydoc cat_fast.cli`). Give --task for the "
-                                   "built-in CAD data, or --train FILE with --text-column and --label-column.")
+                                   "built-in CAD data, or --train FILE with --text-column and --label-column. The "
+                                   "Trainer's other TrainingArguments fields go last, after --trainer-args.")
     t.add_argument("--task", choices=("sentiment", "nli"),
                    help="built-in CAD data (and CAD-format --train files): a preset of the columns and labels")
     t.add_argument("--method", required=True, choices=method_names(), help="the objective (cat_fast.objectives registry)")
@@ -122,3 +124,4 @@ def _add_run_options(t) -> None:
                    "(losses and the objective's terms are averaged over them)")
     r.add_argument("--report-to", nargs="+", metavar="NAME", help="logging integrations of the Hugging Face Trainer "
                    "(tensorboard, wandb, ... where installed)")
+    add_trainer_args(t.add_argument_group("the Trainer's other settings"))

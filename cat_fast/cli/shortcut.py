@@ -13,6 +13,9 @@ cue-label counts. Train on them with ``--text-column text --label-column label -
 [``--text-pair-column text_pair``] [``--group-column group``] ``--labels`` (the labels of shortcut.json, in order).
 
 A cue token already in more than 1% of the input rows is refused (the cue would be noisy); in fewer, a warning.
+A cue at the end of the text (punctuation, length, ``token:WORD@end``) that lies beyond ``--max-length`` tokens of
+``--model``'s tokenizer on more than 5% of the training rows with it is said (truncation would cut it from them), and
+counted in shortcut.json (``beyond_max_length``).
 """
 from __future__ import annotations
 
@@ -27,6 +30,35 @@ from .sources import Source
 __all__ = ["plant", "SHORTCUT_FILE"]
 
 SHORTCUT_FILE = "shortcut.json"
+# The share of the training rows with an end-of-text cue that may lie beyond --max-length before it is said.
+CUT_SHARE = 0.05
+
+
+def _beyond_max_length(args, rows) -> Dict | None:
+    """For a cue at the end of the text: how many training rows with the cue are longer than ``--max-length`` tokens
+    of ``--model``'s tokenizer (the pair counted as the model reads it), so that truncation cuts the cue from them;
+    said when more than `CUT_SHARE` of them. None for a cue at the start."""
+    cue = args.cue
+    if not (cue.kind in ("punctuation", "length") or (cue.kind == "token" and cue.position == "end")):
+        return None
+    from transformers import AutoTokenizer
+
+    from ..models.pretrained import ModelLoadError, resolve_model_dir
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(args.model))
+    except (ModelLoadError, OSError, ValueError) as error:
+        raise CliError(f"--model {args.model}: no tokenizer to count the cue's position with "
+                       f"({' '.join(str(error).split())[:160]})") from None
+    cued = [r for r in rows if r["cue"] == 1]
+    pairs = [r.get("text_pair") for r in cued] if cued and "text_pair" in cued[0] else None
+    lengths = tokenizer([r["text"] for r in cued], pairs, verbose=False)["input_ids"] if cued else []
+    cut = sum(len(ids) > args.max_length for ids in lengths)
+    if cued and cut > CUT_SHARE * len(cued):
+        sys.stderr.write(f"cat-fast: warning: --cue {cue.spec} sits at the end of the text, and {cut} of the "
+                         f"{len(cued)} training rows with it are longer than --max-length {args.max_length} tokens "
+                         f"({args.model}'s tokenizer): trained at that length, they lose the cue. Train with a larger "
+                         "--max-length, or plant a cue at the start (token:WORD@start, casing)\n")
+    return {"max_length": args.max_length, "model": args.model, "rows_with_cue": len(cued), "longer": cut}
 
 
 def plant(args) -> Dict:
@@ -54,13 +86,14 @@ def plant(args) -> Dict:
         raise CliError(f"{flags.get(error.split, '--cue')}: {error}") from None
     for warning in result.warnings:
         sys.stderr.write(f"cat-fast: warning: --cue: {warning}\n")
+    beyond = _beyond_max_length(args, result.splits["train"])
     record = {"cue": args.cue.spec, "kind": args.cue.kind, "field": args.cue_field, "strength": args.strength,
               "cue_class": cue_class, "labels": labels, "seed": args.seed,
               "source": {"task": source.name, "train": args.train, "dev": args.dev, "test": args.test,
                          "columns": dict(source.columns), "dev_fraction": None if args.dev else args.dev_fraction,
                          "test_fraction": None if args.test else args.test_fraction},
               "pairs": train.text_pair is not None, "groups": "group" in result.splits["train"][0],
-              "splits": result.statistics}
+              "splits": result.statistics, "beyond_max_length": beyond}
     atomic = AtomicDir(args.out, args.overwrite)
     with atomic as tmp:
         for name, rows in result.splits.items():

@@ -47,6 +47,7 @@ from .train_data import HANDLERS, Prepared, dev_half, read_dev, read_train
 from .train_data import stream_parts as _stream_parts
 from .train_objective import apply_objective_config, check_options, objective_record, pop_given
 from .train_run import Scratch, finish, history_of, make_trainer, run_trainer, with_lora
+from .trainer_args import resolve as resolve_trainer_args
 
 __all__ = ["train", "check_options", "dev_half", "fit_cat_graphs", "train_buckets", "check_max_length"]
 
@@ -114,6 +115,7 @@ def train(args) -> Dict:
 
     run.device, run.rank, run.world = init_from_env(get_device(args.device))
     setup_device(run.device)
+    args.trainer_args = resolve_trainer_args(getattr(args, "trainer_args", None), args, run.device, run.world)
     seed_everything(args.seed)
 
     read_train(run)  # ---- data (validated before anything is written)

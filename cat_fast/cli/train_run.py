@@ -38,22 +38,10 @@ def with_lora(model, args):
 
 
 def _training_arguments(args, output_dir, total_steps, lr_warm, objective, world, device):
-    from transformers import TrainingArguments
+    from .trainer_args import training_arguments
 
-    saving = args.save_steps > 0
-    return TrainingArguments(
-        output_dir=output_dir, max_steps=total_steps, num_train_epochs=1,
-        per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.grad_accum,
-        max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else 0.0,
-        learning_rate=args.lr, weight_decay=args.weight_decay, lr_scheduler_type=args.lr_scheduler_type,
-        warmup_steps=lr_warm, optim=args.optim,
-        logging_steps=args.logging_steps, save_strategy="steps" if saving else "no",
-        save_steps=args.save_steps if saving else 500, save_total_limit=args.save_total_limit,
-        seed=args.seed, data_seed=args.seed, bf16=args.bf16, use_cpu=device.type == "cpu",
-        report_to=args.report_to or "none", remove_unused_columns=False, dataloader_num_workers=0,
-        disable_tqdm=False, log_level="error", save_only_model=False,
-        ddp_find_unused_parameters=objective.find_unused_parameters if world > 1 else None,
-        ddp_bucket_cap_mb=args.ddp_bucket_mb if world > 1 else None)
+    find_unused = objective.find_unused_parameters if world > 1 else None
+    return training_arguments(args, output_dir, total_steps, lr_warm, find_unused, world, device)
 
 
 def make_trainer(args, model, objective, parts, output_dir, plan, world, device):
@@ -63,6 +51,7 @@ def make_trainer(args, model, objective, parts, output_dir, plan, world, device)
     from transformers.trainer_callback import ProgressCallback
 
     from ..integrations.trainer import ObjectiveTrainer
+    from .trainer_args import loader_kwargs
 
     items, stream, collate = parts
 
@@ -70,7 +59,8 @@ def make_trainer(args, model, objective, parts, output_dir, plan, world, device)
         pending: Dict = {}  # the last epoch's dev accuracy, logged with that step's loss
 
         def get_train_dataloader(self):
-            loader = torch.utils.data.DataLoader(items, batch_sampler=stream, collate_fn=collate, num_workers=0)
+            loader = torch.utils.data.DataLoader(items, batch_sampler=stream, collate_fn=collate,
+                                                 **loader_kwargs(getattr(args, "trainer_args", None)))
             return self.accelerator.prepare(loader)
 
         def log(self, logs, *a, **k):

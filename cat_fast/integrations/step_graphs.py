@@ -10,7 +10,7 @@ import torch
 from ..models import orig_module
 from ..step import CapturedStep, NotCapturable
 
-__all__ = ["StepGraphs", "StepGraphsError", "StepGraphsWarning", "NonFiniteLossError", "eager_warning", "NOT_ON_A_GPU"]
+__all__ = ["StepGraphs", "StepGraphsError", "StepGraphsWarning", "NonFiniteLossError", "eager_warning", "NOT_ON_A_GPU", "TRAINER_UNDER_DDP"]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -26,6 +26,10 @@ class StepGraphsError(ValueError):
 
 
 NOT_ON_A_GPU = "not on a GPU"
+# `CapturedStep` under DDP captures on GPUs (`cat_fast.step_ddp`), but not yet through the Trainer: a 2-GPU run of
+# the CLI with it did not finish (benchmarks/RESULTS.md), so under torchrun on GPUs the Trainer steps eagerly.
+TRAINER_UNDER_DDP = ("the Trainer does not capture its steps under torchrun on GPUs yet (cat_fast.step.CapturedStep "
+                     "under DistributedDataParallel does, in a loop of your own)")
 
 
 class StepGraphsWarning(UserWarning):
@@ -57,9 +61,7 @@ class StepGraphs:
         if torch.distributed.is_available() and torch.distributed.is_initialized() and (
                 torch.distributed.get_world_size() > 1) and torch.cuda.is_available() and (
                 next(self.model.parameters()).is_cuda):
-            from ..step_ddp import CAPTURE_UNDER_DDP
-
-            return CAPTURE_UNDER_DDP
+            return TRAINER_UNDER_DDP
         if a.gradient_accumulation_steps != 1:
             return (f"gradient_accumulation_steps must be 1 (one captured step per optimizer step), got "
                     f"{a.gradient_accumulation_steps}")

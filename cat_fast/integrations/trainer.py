@@ -44,8 +44,8 @@ are the Trainer's. What they add:
   is one `cat_fast.step.CapturedStep` (one CUDA graph per batch signature on a GPU; the same step run eagerly
   elsewhere), and the Trainer's own backward, clipping and optimizer step are skipped. Under torchrun on the CPU
   (gloo; ``step_graphs=True``) the step runs outside DDP's forward and averages the gradients itself
-  (`cat_fast.step_ddp`); on GPUs under torchrun a captured step is refused (its capture fails on dropout's random
-  offsets: `cat_fast.step_ddp.CAPTURE_UNDER_DDP`), so the default runs the eager step there. It needs no
+  (`cat_fast.step_ddp`); on GPUs under torchrun the Trainer runs the eager step (`step_graphs.TRAINER_UNDER_DDP`;
+  `CapturedStep` itself captures steps under DDP, in a loop of one's own). It needs no
   gradient accumulation, bf16 or fp32, and a fused AdamW (the trainer makes one, with a tensor learning rate that the
   scheduler updates in place, capturable on a GPU; a given optimizer must be so). ``None`` (the default): on where
   the run allows it on a GPU; elsewhere, and from the first step an objective cannot replay (CAT's alternating

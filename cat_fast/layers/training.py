@@ -16,6 +16,18 @@ False` turns it off, for comparisons. Supported: the
 layers `resumed.supported` accepts, parameters in one dtype on the input's device, an fp32 layer under autocast
 or none; a layer with cat_fast interventions runs a composed version differentiated by autograd. No double
 backward (``once_differentiable``).
+
+``PACKED = True`` (off by default) runs the row-wise work on the real (non-padding) rows only (`layers.packing`):
+the projections, dropouts, residual adds, LayerNorms and the feed-forward block on the N real rows of the B·T, the
+attention in the padded layout with zero projections on the padding rows (masked keys; padding queries whose
+context nobody reads). It applies in eager mode (not while a CUDA graph is captured: N depends on the data) to a
+key-padding mask from which the real tokens can be read, with at least `PACKED_MIN_PADDING` of the rows padding.
+The output's padding rows are then the layer's input rows there (finite values for a consumer that reads them;
+the padded path computes attention outputs there, which a key-padding mask keeps from every real row), and the
+input gradient there is the output gradient there (the derivative of that copy: zero in a model, where nothing
+the loss reads depends on padding rows). Real rows and every gradient equal the padded path's without dropout;
+under dropout the hidden dropouts draw their masks over the N rows, so the draws differ from the padded path's
+(the same distribution, not the same numbers).
 """
 from __future__ import annotations
 
@@ -27,10 +39,10 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..ops.fused import fused_kernels
-from . import casts, interventions, layout, resumed
+from . import casts, interventions, layout, packing, resumed
 from .layout import attach_copy16, bert_parts, copy16, dropout, dropout_p, fp32_mm_supported, plain, sdpa_mask
 
-__all__ = ["supported", "forward", "FUSED", "FUSED_MIN_ROWS"]
+__all__ = ["supported", "forward", "FUSED", "FUSED_MIN_ROWS", "PACKED", "PACKED_MIN_PADDING"]
 
 # Whether the fused Triton kernels run where they apply (module docstring); False runs the same arithmetic in
 # PyTorch ops (16-bit roundings may differ), as the benchmarks compare.
@@ -39,6 +51,12 @@ FUSED = True
 # where the fused layer is faster than the unfused one (benchmarks/RESULTS.md); fewer rows keep the
 # unfused path (not measured).
 FUSED_MIN_ROWS = 1024
+# Whether the row-wise work runs on the real rows only (module docstring); off until measured on the GPU.
+PACKED = False
+# The least fraction of padding rows the packed path runs for: 1/8. Packing adds row gathers and scatters (the
+# input, the projections, the context, the output) and a host synchronisation per mask; with less padding they
+# would cost about what the skipped rows save (not measured).
+PACKED_MIN_PADDING = 0.125
 
 
 def _weighted(layer):
@@ -132,7 +150,15 @@ def forward(layer: nn.Module, args, kwargs) -> torch.Tensor | None:
     edits = interventions.active(layer)
     if edits:
         return _composed(layer, hidden, mask, dtype, edits)
-    return _TrainingLayer.apply(hidden, mask, layer, dtype, *params)
+    return _TrainingLayer.apply(hidden, mask, _packed_rows(hidden, mask), layer, dtype, *params)
+
+
+def _packed_rows(hidden, mask):
+    """The real rows the packed path runs on (`packing.real_rows`), or None: the padded path."""
+    if not PACKED or mask is None or (hidden.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    B, T, _ = hidden.shape
+    return packing.real_rows(mask, B, T, PACKED_MIN_PADDING)
 
 
 def _composed(layer, hidden, mask, dtype, edits):
@@ -213,7 +239,7 @@ def _fused_norm_backward(rln, grad_y, branch, residual, weight, mean, rstd, keep
 
 class _TrainingLayer(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, mask, layer, dtype, *params):
+    def forward(ctx, hidden, mask, idx, layer, dtype, *params):
         wq, bq, wk, bk, wv, bv, wo, bo, g1, be1, wi, bi, wo2, bo2, g2, be2 = params
         sa, so, inter, out = bert_parts(layer)
         B, T, D = hidden.shape
@@ -221,19 +247,18 @@ class _TrainingLayer(torch.autograd.Function):
         p_attn = sa.dropout.p if sa.training else 0.0
         p1, p2 = dropout_p(so.dropout), dropout_p(out.dropout)
         approximate = _gelu_approximate(inter)
-        fused = _fusion(hidden, dtype, g1.dtype)
         with torch.autocast(hidden.device.type, enabled=False):
-            x = hidden.reshape(-1, D)
-            x16 = copy16(hidden, dtype).reshape(-1, D)  # the previous fast layer's 16-bit copy, or a cast
+            x_all = x = hidden.reshape(-1, D)
+            x16_all = x16 = copy16(hidden, dtype).reshape(-1, D)  # the previous fast layer's 16-bit copy, or a cast
+            if idx is not None:  # the packed path: the real rows only
+                x, x16 = x.index_select(0, idx), x16.index_select(0, idx)
+            fused = _fusion(x, dtype, g1.dtype)
             w16 = casts.weights(layer, (wq, wk, wv, bq, bk, bv, wo, bo, wi, bi, wo2, bo2), dtype)
             w_qkv = w16.qkv
             qkv = torch.addmm(w16.qkv_bias, x16, w_qkv.t())
             qkv_leaf = qkv.detach().requires_grad_(True)
-            with torch.enable_grad():
-                q, k, v = (t.view(B, T, heads, width).transpose(1, 2) for t in qkv_leaf.split(heads * width, dim=1))
-                context = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask(mask, dtype),
-                                                         dropout_p=p_attn, scale=sa.scaling)
-            rows = context.detach().transpose(1, 2).reshape(-1, heads * width)
+            context, rows = packing.attend(qkv_leaf, (B, T, heads, width), sdpa_mask(mask, dtype), p_attn,
+                                           sa.scaling, idx)
             wo16 = w16.attention_output
             a, keep1 = dropout(torch.addmm(w16.attention_output_bias, rows, wo16.t()), p1)
             if fused:  # s1 = a + x is recomputed by the backward from a and x
@@ -264,7 +289,7 @@ class _TrainingLayer(torch.autograd.Function):
         saved = dict(x16=x16, w_qkv=w_qkv, qkv_leaf=qkv_leaf, context=context, rows=rows, wo16=wo16, keep1=keep1,
                      **first_sum, mean1=mean1, rstd1=rstd1, h1_16=h1_16, wi16=wi16, inner=inner,
                      activated=activated, wo2_16=wo2_16, keep2=keep2, **second_sum, mean2=mean2, rstd2=rstd2, g1=g1,
-                     be1=be1, g2=g2, be2=be2)
+                     be1=be1, g2=g2, be2=be2, idx=idx)
         # saved tensors (not ctx attributes) are freed when the backward has run, as the layer's own are
         ctx.save_for_backward(*saved.values())
         ctx.names = tuple(saved)
@@ -272,6 +297,8 @@ class _TrainingLayer(torch.autograd.Function):
         ctx.params = params  # leaves that outlive the step: only to ask whether this backward wants their gradients
         ctx.shapes = (B, T, D, heads, width, p1, p2, approximate, hidden.dtype, g1.dtype,
                       (wq.shape[0], wk.shape[0], wv.shape[0]))
+        if idx is not None:  # the padding rows: the input's
+            y, y16 = packing.scatter(x_all, idx, y), (packing.scatter(x16_all, idx, y16) if fused else None)
         return attach_copy16(y.view(B, T, D), y16.view(B, T, D)) if fused else y.view(B, T, D)
 
     @staticmethod
@@ -280,17 +307,18 @@ class _TrainingLayer(torch.autograd.Function):
         t = dict(zip(ctx.names, ctx.saved_tensors))
         B, T, D, heads, width, p1, p2, approximate, x_dtype, p_dtype, qkv_sizes = ctx.shapes
         g1, be1, g2, be2 = t["g1"], t["be1"], t["g2"], t["be2"]
-        need = _wanted(ctx.needs_input_grad[4:], ctx.params)
+        need = _wanted(ctx.needs_input_grad[5:], ctx.params)
         dtype = t["x16"].dtype
-        fused = ctx.fused
+        fused, idx = ctx.fused, t["idx"]
+        grad_rows = grad_y.reshape(-1, D) if idx is None else grad_y.reshape(-1, D).index_select(0, idx)
         with torch.autocast(grad_y.device.type, enabled=False):
             if fused:
                 grad_s2, grad_o, grad_g2, grad_be2, grad_bo2 = _fused_norm_backward(
-                    fused[0], grad_y.reshape(-1, D), t["o"], t["h1"], g2, t["mean2"], t["rstd2"], t["keep2"], p2,
+                    fused[0], grad_rows, t["o"], t["h1"], g2, t["mean2"], t["rstd2"], t["keep2"], p2,
                     need[13:16])
             else:
                 grad_s2, grad_g2, grad_be2 = torch.ops.aten.native_layer_norm_backward(
-                    grad_y.reshape(-1, D).to(t["s2"].dtype), t["s2"], (D,), t["mean2"], t["rstd2"], g2, be2,
+                    grad_rows.to(t["s2"].dtype), t["s2"], (D,), t["mean2"], t["rstd2"], g2, be2,
                     (True, need[14], need[15]))
                 grad_o = _dropout_backward(grad_s2.to(dtype), t["keep2"], p2)
                 grad_bo2 = grad_o.sum(0, dtype=p_dtype) if need[13] else None
@@ -316,9 +344,8 @@ class _TrainingLayer(torch.autograd.Function):
                 grad_a = _dropout_backward(grad_s1.to(dtype), t["keep1"], p1)
                 grad_bo = grad_a.sum(0, dtype=p_dtype) if need[7] else None
             grad_wo = _weight_grad(grad_a, t["rows"], p_dtype) if need[6] else None
-            grad_context = torch.mm(grad_a, t["wo16"]).view(B, T, heads, width).transpose(1, 2)
-            # retained: this one-node graph is freed with the saved tensors (a retain_graph backward can run again)
-            (grad_qkv,) = torch.autograd.grad(t["context"], t["qkv_leaf"], grad_context, retain_graph=True)
+            grad_qkv = packing.attention_backward(t["context"], t["qkv_leaf"], torch.mm(grad_a, t["wo16"]),
+                                                  (B, T, heads, width), idx is not None)
             grad_x = _mm_into(grad_s1.to(torch.promote_types(x_dtype, grad_s1.dtype)), grad_qkv, t["w_qkv"])
             grad_w_qkv = _weight_grad(grad_qkv, t["x16"], p_dtype) if any(need[0:6:2]) else None
             grad_b_qkv = None
@@ -329,6 +356,9 @@ class _TrainingLayer(torch.autograd.Function):
         bq_bk_bv = grad_b_qkv.split(qkv_sizes) if grad_b_qkv is not None else (None,) * 3
         qkv_grads = [g if need[i] else None for i, g in enumerate(
             (wq_wk_wv[0], bq_bk_bv[0], wq_wk_wv[1], bq_bk_bv[1], wq_wk_wv[2], bq_bk_bv[2]))]
-        grad_hidden = grad_x.view(B, T, D).to(x_dtype) if ctx.needs_input_grad[0] else None
-        return (grad_hidden, None, None, None, *qkv_grads, grad_wo, grad_bo, grad_g1, grad_be1, grad_wi, grad_bi,
+        grad_hidden = None
+        if ctx.needs_input_grad[0]:  # packed: the padding rows pass the output's gradient (the output copies them)
+            grad_x = grad_x.to(x_dtype)
+            grad_hidden = (grad_x if idx is None else packing.scatter(grad_y.reshape(-1, D), idx, grad_x)).view(B, T, D)
+        return (grad_hidden, None, None, None, None, *qkv_grads, grad_wo, grad_bo, grad_g1, grad_be1, grad_wi, grad_bi,
                 grad_wo2, grad_bo2, grad_g2, grad_be2)

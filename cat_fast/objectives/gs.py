@@ -81,7 +81,8 @@ class GradientSupervision(FirstOrder, Objective):
     ``mode="exact"``: g with ``create_graph=True`` (double backward; an attention kernel without it is a one-line
     error, `DOUBLE_BACKWARD_HINT`); for the pooled vector of a linear head g = W[y_j] in closed form, and on CUDA
     the whole loss is one Triton kernel from the second call. ``mode="first_order"``: the parameter term by finite
-    differences, ``difference="central"`` (two passes) or ``"forward"`` (one), step ``eps · ‖x_i‖ / ‖u_i‖``, on the
+    differences, ``difference="central"`` (two passes) or ``"forward"`` (one), step ``eps · ‖x_i‖ / ‖u_i‖`` (``eps``
+    None: 1e-3, or 0.1 where the matmuls run in 16 bits, whose rounding a smaller step drowns in), on the
     clean forward's dropout masks; any attention kernel (§2.3). ``low_memory=True`` runs those passes inside the
     caller's ``backward()`` and accumulates their parameter gradients into ``.grad`` (use ``False`` with
     ``torch.autograd.grad``). ``prune_last_layer`` / ``training_layers``: the fast layers, as in `CAT`.
@@ -89,7 +90,7 @@ class GradientSupervision(FirstOrder, Objective):
     """
 
     def __init__(self, model, weight=1.0, representation="pooled", target="counterfactual", mode="exact",
-                 random_pairs=False, eps=1e-3, generator=None, difference="central", low_memory=True,
+                 random_pairs=False, eps=None, generator=None, difference="central", low_memory=True,
                  prune_last_layer=True, training_layers=True):
         given, model = model, models.unwrap(model)  # `Objective` finds a torch.compile wrapper in `given`
         st = models.structure(model)
@@ -99,7 +100,8 @@ class GradientSupervision(FirstOrder, Objective):
             raise ValueError(f"target must be 'counterfactual' or 'factual', got {target!r}")
         if mode not in ("exact", "first_order"):
             raise ValueError(f"mode must be 'exact' or 'first_order', got {mode!r}")
-        eps = check_number("eps", eps, low=0, low_open=True)
+        if eps is not None:
+            eps = float(check_number("eps", eps, low=0, low_open=True))
         weight = check_number("weight", weight, low=0)
         if difference not in ("central", "forward"):
             raise ValueError(f"difference must be 'central' or 'forward', got {difference!r}")
@@ -113,7 +115,7 @@ class GradientSupervision(FirstOrder, Objective):
         self.target = target
         self.mode = mode
         self.random_pairs = random_pairs
-        self.eps = float(eps)
+        self.eps = eps  # None: `EPS` or `EPS_16_BIT` by the precision of each call (`gs_first_order.step_size`)
         self.generator = generator
         self._pass_rng = {}  # input shapes -> models.PassGenerators of planned first-order steps (`plan_step`)
         self.difference = difference

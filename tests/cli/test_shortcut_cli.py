@@ -73,6 +73,22 @@ def test_overwrite_convention(tmp_path, capsys):
     assert json.loads((out / "shortcut.json").read_text())["cue"] == "length:3"
 
 
+def test_an_end_of_text_cue_beyond_the_truncation_length_is_said(tmp_path, capsys):
+    """Punctuation ends each text: at --max-length 4 (fewer tokens than any planted text) every training row with the
+    cue loses it, which is said and counted; at 64 nothing; a cue at the start is not checked."""
+    src = reviews(tmp_path / "reviews.csv")
+    code, err = run(plant(src, tmp_path / "short", "--max-length", 4), capsys)
+    beyond = json.loads((tmp_path / "short" / "shortcut.json").read_text())["beyond_max_length"]
+    assert code == 0 and "sits at the end of the text" in err and "--max-length 4 tokens" in err, err
+    assert beyond["max_length"] == 4 and beyond["longer"] == beyond["rows_with_cue"] > 0
+    code, err = run(plant(src, tmp_path / "long", "--max-length", 64), capsys)
+    beyond = json.loads((tmp_path / "long" / "shortcut.json").read_text())["beyond_max_length"]
+    assert code == 0 and "sits at the end" not in err and beyond["longer"] == 0 and beyond["rows_with_cue"] > 0
+    code, err = run(plant(src, tmp_path / "start", "--max-length", 4, "--cue", "token:zeugma@start"), capsys)
+    assert code == 0 and "sits at the end" not in err
+    assert json.loads((tmp_path / "start" / "shortcut.json").read_text())["beyond_max_length"] is None
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--strength", "0.45"], "argument --strength: expected a number in [0.5, 1], got '0.45'"),
     (["--strength", "1.5"], "argument --strength: expected a number in [0.5, 1], got '1.5'"),

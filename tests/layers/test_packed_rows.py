@@ -1,0 +1,286 @@
+"""The training layer's packed path (`layers.training.PACKED`, `layers.packing`): the row-wise work on the real
+rows only, against the padded path (output on real rows, input and every parameter gradient), the padding rows'
+documented values, the masks it reads, and whole models (`models.first_token_forward`, ERM) with it on and off."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cat_fast import models
+from cat_fast.layers import packing
+from cat_fast.layers import training as training_layer
+from cat_fast.objectives import ERM
+from tests.conftest import tiny_batch, tiny_model
+
+D = 32
+
+
+@pytest.fixture
+def packed_runs(monkeypatch):
+    """Each `packing.attend` call of the training layer: True where it ran packed (real rows given)."""
+    runs = []
+    original = packing.attend
+
+    def counted(*args):
+        runs.append(args[-1] is not None)
+        return original(*args)
+
+    monkeypatch.setattr(packing, "attend", counted)
+    return runs
+
+
+def _padding_mask(lengths, T):
+    return (torch.arange(T) < torch.tensor(lengths)[:, None]).long()
+
+
+def _layer(train=False, **extra):
+    model = tiny_model("bert", attn="sdpa", dtype=torch.float64, num_layers=2, hidden_dropout_prob=0.3,
+                       attention_probs_dropout_prob=0.3, **extra)
+    return models.structure(model).layer_modules[1].train(train)
+
+
+def _run(layer, x, mask, g, packed, monkeypatch, seed=3):
+    """(output, gradients of the input and of every parameter) of the training layer, packed or padded."""
+    monkeypatch.setattr(training_layer, "PACKED", packed)
+    torch.manual_seed(seed)
+    t = x.detach().requires_grad_(True)
+    y = training_layer.forward(layer, (t, mask), {})
+    assert y is not None and y.shape == x.shape
+    return y, torch.autograd.grad(y, [t, *layer.parameters()], g)
+
+
+def _real(lengths, T):
+    return _padding_mask(lengths, T).bool()
+
+
+@pytest.mark.parametrize("case", ["plain", "one_real_token", "batch_of_one", "non_contiguous", "attention_dropout"])
+def test_packed_equals_padded_on_real_rows_and_in_every_gradient(case, monkeypatch, packed_runs):
+    """Without hidden dropout, an output gradient that is zero on the padding rows (as in a model): the real rows'
+    output, the input gradient (zero on padding rows in both: nothing real depends on them) and every parameter
+    gradient are the padded path's; the padding rows of the output are the input's."""
+    T = 9
+    lengths = {"one_real_token": [1, 5, 1, 1], "batch_of_one": [5]}.get(case, [9, 4, 6, 3])
+    layer = _layer(train=case == "attention_dropout")
+    layer.output.dropout.p = layer.attention.output.dropout.p = 0.0  # attention dropout: the same draws
+    real = _real(lengths, T)
+    mask = models.inputs._padding_mask_4d(real.long())
+    B = len(lengths)
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    if case == "non_contiguous":
+        x = torch.randn(B, D, T, dtype=torch.float64).transpose(1, 2)
+        assert not x.is_contiguous()
+    g = torch.randn(B, T, D, dtype=torch.float64) * real[..., None]
+    y_pad, grads_pad = _run(layer, x, mask, g, False, monkeypatch)
+    y, grads = _run(layer, x, mask, g, True, monkeypatch)
+    assert packed_runs == [False, True]
+    torch.testing.assert_close(y[real], y_pad[real], rtol=1e-12, atol=1e-12)
+    assert torch.equal(y[~real], x[~real])  # the documented padding rows: the layer's input
+    assert torch.equal(grads_pad[0][~real], torch.zeros_like(grads_pad[0][~real]))
+    for a, b in zip(grads, grads_pad):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert not torch.equal(grads[1], torch.zeros_like(grads[1]))
+
+
+def test_the_padding_rows_pass_the_output_gradient(monkeypatch, packed_runs):
+    """The output copies the input's padding rows: their input gradient is the output gradient there."""
+    lengths, T = [9, 4, 6, 3], 9
+    layer = _layer()
+    real = _real(lengths, T)
+    mask = models.inputs._padding_mask_4d(real.long())
+    x = torch.randn(4, T, D, dtype=torch.float64)
+    g = torch.randn(4, T, D, dtype=torch.float64)
+    _, (grad_x, *_) = _run(layer, x, mask, g, True, monkeypatch)
+    assert packed_runs == [True]
+    assert torch.equal(grad_x[~real], g[~real])
+
+
+@pytest.mark.parametrize("lengths", [[9, 9, 9, 9], [9, 9, 9, 8], [0, 0, 0, 0]],
+                         ids=["no_padding", "below_threshold", "no_real_row"])
+def test_too_little_padding_or_no_real_row_runs_the_padded_path(lengths, monkeypatch, packed_runs):
+    layer = _layer(train=True)
+    mask = models.inputs._padding_mask_4d(_padding_mask(lengths, 9))
+    x = torch.randn(4, 9, D, dtype=torch.float64)
+    g = torch.randn(4, 9, D, dtype=torch.float64)
+    y_pad, grads_pad = _run(layer, x, mask, g, False, monkeypatch)
+    y, grads = _run(layer, x, mask, g, True, monkeypatch)
+    assert packed_runs == [False, False]
+    torch.testing.assert_close(y, y_pad, rtol=0, atol=0, equal_nan=True)
+    for a, b in zip(grads, grads_pad):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def test_train_mode_with_dropout_runs_packed_and_is_finite(monkeypatch, packed_runs):
+    layer = _layer(train=True)
+    real = _real([9, 4, 6, 3], 9)
+    mask = models.inputs._padding_mask_4d(real.long())
+    x = torch.randn(4, 9, D, dtype=torch.float64)
+    g = torch.randn(4, 9, D, dtype=torch.float64) * real[..., None]
+    y, grads = _run(layer, x, mask, g, True, monkeypatch)
+    assert packed_runs == [True]
+    assert torch.isfinite(y).all() and all(torch.isfinite(gr).all() for gr in grads)
+    y_other, _ = _run(layer, x, mask, g, True, monkeypatch, seed=4)
+    assert (y - y_other)[real].abs().max() > 1e-3  # dropout drew masks
+
+
+def test_gradcheck_float64(monkeypatch, packed_runs):
+    """Input (padding rows included) and parameter gradients of the packed layer against finite differences (a
+    narrow layer: gradcheck perturbs every entry)."""
+    monkeypatch.setattr(training_layer, "PACKED", True)
+    layer = _layer(hidden_size=8, num_attention_heads=2, intermediate_size=12)
+    mask = models.inputs._padding_mask_4d(_padding_mask([5, 2], 5))
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    params = (layer.attention.self.query.weight, layer.attention.self.value.bias, layer.attention.output.dense.weight,
+              layer.attention.output.LayerNorm.weight, layer.intermediate.dense.weight, layer.output.LayerNorm.bias)
+    assert torch.autograd.gradcheck(lambda t, *_: training_layer.forward(layer, (t, mask), {}), (x, *params))
+    assert packed_runs and all(packed_runs)
+
+
+def _mask_forms(lengths, T):
+    real = _real(lengths, T)
+    bool4 = models.inputs._padding_mask_4d(real.long())
+    additive = torch.zeros(bool4.shape, dtype=torch.float64)
+    return {"bool": bool4, "bool_one_query_row": bool4[:, :, :1],
+            "min": additive.masked_fill(~bool4, torch.finfo(torch.float64).min),
+            "-inf": additive.masked_fill(~bool4, float("-inf")).float()}
+
+
+@pytest.mark.parametrize("form", ["bool", "bool_one_query_row", "min", "-inf"])
+def test_the_real_rows_of_each_key_padding_mask_form(form):
+    lengths, T = [9, 4, 6, 3], 9
+    mask = _mask_forms(lengths, T)[form]
+    idx = packing.real_rows(mask, 4, T, 0.125)
+    torch.testing.assert_close(idx, _real(lengths, T).reshape(-1).nonzero().squeeze(1), rtol=0, atol=0)
+    shared = mask[:1].clone()  # one mask for the whole batch
+    torch.testing.assert_close(packing.real_rows(shared, 3, T, 0.0), torch.arange(27),
+                               rtol=0, atol=0)
+
+
+def test_masks_whose_padding_cannot_be_read_run_padded():
+    T = 9
+    forms = _mask_forms([9, 4, 6, 3], T)
+    causal = forms["bool"] & torch.ones(T, T, dtype=torch.bool).tril()
+    biased = forms["min"].clone()
+    biased[0, 0, :, 1] = -1.0  # an additive bias, not a padding mask
+    per_head = forms["bool"].expand(4, 2, T, T)
+    for mask in (causal, biased, per_head, forms["bool"].long(), forms["bool"][:, :, :, :8]):
+        assert packing.real_rows(mask, 4, T, 0.0) is None
+    assert packing.real_rows(forms["bool"], 4, T, 0.0) is not None
+
+
+def test_the_rows_are_read_once_per_mask_until_it_changes(monkeypatch):
+    calls = []
+    original = packing._real_keys
+    monkeypatch.setattr(packing, "_real_keys", lambda *a: calls.append(1) or original(*a))
+    mask = _mask_forms([9, 4, 6, 3], 9)["bool"]
+    first = packing.real_rows(mask, 4, 9, 0.125)
+    assert packing.real_rows(mask, 4, 9, 0.125) is first and len(calls) == 1
+    mask[1, ..., 3] = False  # in place: read again
+    again = packing.real_rows(mask, 4, 9, 0.125)
+    assert len(calls) == 2 and again.numel() == first.numel() - 1
+    assert packing.real_rows(mask.clone(), 4, 9, 0.125) is not again and len(calls) == 3
+
+
+def _model_batch():
+    batch = tiny_batch("bert", batch=4, length=12)
+    batch["attention_mask"] = _padding_mask([12, 5, 8, 3], 12)
+    batch["input_ids"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, 0)
+    return batch
+
+
+def _first_token_step(model, batch, seed=5):
+    """Logits, parameter gradients and the gradient w.r.t. the embeddings' output of a first-token forward with the
+    training layers."""
+    outs = []
+    handle = model.base_model.embeddings.register_forward_hook(lambda m, i, o: outs.append(o))
+    try:
+        torch.manual_seed(seed)
+        logits = models.first_token_forward(model, batch, training_layers=True).logits
+    finally:
+        handle.remove()
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(F.cross_entropy(logits, batch["labels"]), [outs[-1], *params], allow_unused=True)
+    return logits, grads[0], grads[1:]
+
+
+def test_first_token_forward_with_packed_layers_equals_padded(monkeypatch, packed_runs):
+    """Eval mode: the same logits and parameter gradients; in both, the gradient w.r.t. every padding row of the
+    embeddings' output is exactly zero (nothing the loss reads depends on padding rows)."""
+    model = tiny_model("bert", attn="sdpa", dtype=torch.float64, num_layers=3).eval()
+    batch = _model_batch()
+    real = batch["attention_mask"].bool()
+    _first_token_step(model, batch)  # the layers' output format recorded
+    results = {}
+    for packed in (False, True):
+        monkeypatch.setattr(training_layer, "PACKED", packed)
+        packed_runs.clear()
+        results[packed] = _first_token_step(model, batch)
+        assert packed_runs == [packed] * 2  # layers 0 and 1; the last runs for the first token
+    (logits, grad_emb, grads), (want_logits, want_emb, want) = results[True], results[False]
+    torch.testing.assert_close(logits, want_logits, rtol=1e-12, atol=1e-12)
+    for emb in (grad_emb, want_emb):
+        assert torch.equal(emb[~real], torch.zeros_like(emb[~real]))
+    torch.testing.assert_close(grad_emb, want_emb, rtol=1e-10, atol=1e-12)
+    for a, b in zip(grads, want):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_erm_fast_step_with_packed_layers(train, monkeypatch, packed_runs):
+    """ERM(fast=True): eval mode, the same loss and gradients; train mode (dropout), both finite, of one shape."""
+    model = tiny_model("bert", attn="sdpa", dtype=torch.float64, num_layers=3, hidden_dropout_prob=0.2,
+                       attention_probs_dropout_prob=0.2).train(train)
+    batch = _model_batch()
+    erm = ERM(model, fast=True)
+    erm(batch)  # the layers' output format recorded
+    results = {}
+    for packed in (False, True):
+        monkeypatch.setattr(training_layer, "PACKED", packed)
+        packed_runs.clear()
+        torch.manual_seed(7)
+        loss, _ = erm(batch)
+        assert packed_runs == [packed] * 2
+        results[packed] = (loss, torch.autograd.grad(loss, list(model.parameters()), allow_unused=True))
+    (loss, grads), (want_loss, want) = results[True], results[False]
+    assert torch.isfinite(loss) and loss.shape == want_loss.shape
+    for a, b in zip(grads, want):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.shape == b.shape and torch.isfinite(a).all()
+            if not train:
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    if not train:
+        torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=1e-12)
+    else:
+        assert not torch.equal(loss, want_loss)  # other dropout draws over the real rows
+
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("autocast", [False, True])
+def test_packed_on_cuda_agrees_and_a_capture_runs_padded(autocast, monkeypatch, packed_runs):
+    """fp32, and bf16 autocast with the fused kernels (from any row count): the packed path's real rows and
+    gradients are the padded path's to rounding; while a CUDA graph is captured the padded path runs."""
+    monkeypatch.setattr(training_layer, "FUSED_MIN_ROWS", 0)
+    model = tiny_model("bert", attn="sdpa", num_layers=2, hidden_size=64, num_attention_heads=4,
+                       intermediate_size=256).cuda()
+    layer = models.structure(model).layer_modules[1].eval()
+    real = _real([40, 17, 25, 9, 33, 40], 40).cuda()
+    mask = models.inputs._padding_mask_4d(real.long())
+    x = torch.randn(6, 40, 64, device="cuda")
+    g = torch.randn(6, 40, 64, device="cuda") * real[..., None]
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        (y_pad, grads_pad), (y, grads) = (_run(layer, x, mask, g, packed, monkeypatch) for packed in (False, True))
+    assert packed_runs == [False, True]
+    tol = 3e-2 if autocast else 1e-4
+    torch.testing.assert_close(y[real], y_pad[real], rtol=tol, atol=tol)
+    assert torch.equal(y[~real], x[~real])
+    names = ["input"] + [n for n, _ in layer.named_parameters()]
+    for name, a, b in zip(names, grads, grads_pad):
+        if not name.endswith("key.bias"):  # exactly 0 in exact arithmetic: rounding noise on both sides
+            assert (a - b).abs().max() <= tol * b.abs().max().clamp_min(1e-6), name
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    packed_runs.clear()
+    _run(layer, x, mask, g, True, monkeypatch)
+    assert packed_runs == [False]
