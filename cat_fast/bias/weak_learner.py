@@ -138,8 +138,9 @@ class WeakLearner:
     def _loss(self, objective, model, batch) -> torch.Tensor:
         if self.loss == "ce":
             return objective(batch)[0]
-        labels = batch.pop("labels")
-        return gce_loss(model(**batch).logits, labels, self.gce_q)
+        from ..models import model_inputs
+
+        return gce_loss(model(**model_inputs(batch)).logits, batch["labels"], self.gce_q)
 
     def log_probs(self, data, rows: Optional[Sequence[int]] = None) -> torch.Tensor:
         """``[n, C]`` float64 log-probabilities of ``rows`` of ``data`` (default: all), eval mode, no gradients."""
