@@ -97,6 +97,26 @@ def cat_steps(model, cat, arch="bert", steps=3, seed=None):
     return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def cat_steps_fast_and_own(option, prune, calls, what):
+    """`cat_steps` of a float64 tiny BERT in train mode (dropout) with CAL steps, CAT built with ``option=True``
+    and then ``option=False``: [fast, own]. `calls` is a list the patched fast path appends to: filled by the first
+    run (else `what` "never ran"), empty after the second (the model's own layers only)."""
+    from cat_fast.objectives import CAT
+
+    results = []
+    for fast in (True, False):
+        model = tiny_model("bert", attn="sdpa", dtype=torch.float64, num_layers=4, hidden_dropout_prob=0.3,
+                           attention_probs_dropout_prob=0.3).train()
+        cat = CAT(model, layers=[0, 1, 2], adv_steps=2, adv_lr=0.5, generator=torch.Generator().manual_seed(5),
+                  prune_last_layer=prune, **{option: fast})
+        results.append(cat_steps(model, cat, seed=11))
+        if fast:
+            assert calls, f"{what} never ran"
+            calls.clear()
+    assert not calls
+    return results
+
+
 def assert_same_cat_steps(got, want):
     """`cat_steps` results equal to float64 rounding: losses, every info entry, every parameter gradient."""
     (steps_a, grads_a), (steps_b, grads_b) = got, want

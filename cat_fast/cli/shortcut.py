@@ -41,14 +41,11 @@ def _beyond_max_length(args, rows) -> Dict | None:
     cue = args.cue
     if not (cue.kind in ("punctuation", "length") or (cue.kind == "token" and cue.position == "end")):
         return None
-    from transformers import AutoTokenizer
-
-    from ..models.pretrained import ModelLoadError, resolve_model_dir
+    from ..models.pretrained import ModelLoadError, load_tokenizer
     try:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(args.model))
-    except (ModelLoadError, OSError, ValueError) as error:
-        raise CliError(f"--model {args.model}: no tokenizer to count the cue's position with "
-                       f"({' '.join(str(error).split())[:160]})") from None
+        tokenizer = load_tokenizer(args.model)
+    except ModelLoadError as error:
+        raise CliError(f"--model {args.model}: no tokenizer to count the cue's position with ({error})") from None
     cued = [r for r in rows if r["cue"] == 1]
     pairs = [r.get("text_pair") for r in cued] if cued and "text_pair" in cued[0] else None
     lengths = tokenizer([r["text"] for r in cued], pairs, verbose=False)["input_ids"] if cued else []

@@ -37,13 +37,6 @@ def with_lora(model, args):
     return wrapped
 
 
-def _training_arguments(args, output_dir, total_steps, lr_warm, objective, world, device):
-    from .trainer_args import training_arguments
-
-    find_unused = objective.find_unused_parameters if world > 1 else None
-    return training_arguments(args, output_dir, total_steps, lr_warm, find_unused, world, device)
-
-
 def make_trainer(args, model, objective, parts, output_dir, plan, world, device):
     """The `ObjectiveTrainer` over the stream `parts` (items, batch sampler, collate function), logging the last
     epoch's dev accuracy with that step's loss and showing the loss on its progress bar."""
@@ -51,7 +44,7 @@ def make_trainer(args, model, objective, parts, output_dir, plan, world, device)
     from transformers.trainer_callback import ProgressCallback
 
     from ..integrations.trainer import ObjectiveTrainer
-    from .trainer_args import loader_kwargs
+    from .trainer_args import loader_kwargs, training_arguments
 
     items, stream, collate = parts
 
@@ -77,7 +70,8 @@ def make_trainer(args, model, objective, parts, output_dir, plan, world, device)
                 if shown:
                     self.training_bar.set_postfix(shown, refresh=False)
 
-    targs = _training_arguments(args, output_dir, plan.total_steps, plan.lr_warm, objective, world, device)
+    find_unused = objective.find_unused_parameters if world > 1 else None
+    targs = training_arguments(args, output_dir, plan.total_steps, plan.lr_warm, find_unused, world, device)
     with step_graph_warnings():
         trainer = Run(model=model, args=targs, train_dataset=items, objective=objective,
                       step_graphs=getattr(args, "step_graphs", None))

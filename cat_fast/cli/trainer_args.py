@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import enum
 import json
+import math
 import multiprocessing
 from typing import Dict, List, Optional
 
@@ -174,6 +175,9 @@ def resolve(tokens: Optional[List[str]], args, device, world: int) -> Optional[D
     from ..models.pretrained import quiet_transformers
 
     fields = _parse(tokens)
+    for name, value in fields.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise CliError(f"--trainer-args --{name}: expected a finite number, got {value}")
     own = own_fields(args, "cat-fast-check", 1, 0, None, world, device)  # not created: a check only
     with quiet_transformers():  # its notes are said again when the run's own TrainingArguments are made
         for name in fields:
@@ -196,15 +200,18 @@ def resolve(tokens: Optional[List[str]], args, device, world: int) -> Optional[D
 
 
 def _check_optimizer_and_schedule(made, fields: Dict) -> None:
-    """The fields read only when training starts: the optimizer's (``optim_args``, ``optim_target_modules``) and the
-    schedule's (``lr_scheduler_kwargs``), tried on a one-parameter optimizer now."""
+    """The fields read only when training starts: the optimizer's (``adam_*``, ``optim_*``: the optimizer is built on
+    one CPU parameter, so that its own checks run now) and the schedule's (``lr_scheduler_kwargs``)."""
     import torch
     from transformers import Trainer, get_scheduler
 
-    names = [n for n in ("optim_args", "optim_target_modules") if n in fields]
+    names = [n for n in fields if n.startswith(("adam_", "optim_"))]
     try:
         if names:
-            Trainer.get_optimizer_cls_and_kwargs(made)
+            optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(made)
+            if getattr(optimizer_cls, "__module__", "").startswith("torch.optim"):  # fused or not: the same checks
+                kwargs = {k: v for k, v in kwargs.items() if k != "fused"}
+                optimizer_cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
         if "lr_scheduler_kwargs" in fields:
             names = ["lr_scheduler_kwargs"]
             one = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)

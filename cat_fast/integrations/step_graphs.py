@@ -7,6 +7,7 @@ import warnings
 
 import torch
 
+from ..distributed import world
 from ..models import orig_module
 from ..step import CapturedStep, NotCapturable
 
@@ -26,9 +27,9 @@ class StepGraphsError(ValueError):
 
 
 NOT_ON_A_GPU = "not on a GPU"
-# `CapturedStep` under DDP captures on GPUs (`cat_fast.step_ddp`), but not yet through the Trainer: a 2-GPU run of
-# the CLI with it did not finish (benchmarks/RESULTS.md), so under torchrun on GPUs the Trainer steps eagerly.
-TRAINER_UNDER_DDP = ("the Trainer does not capture its steps under torchrun on GPUs yet (cat_fast.step.CapturedStep "
+# Under torchrun on GPUs the Trainer steps eagerly; `CapturedStep` under DDP captures in a loop of one's own
+# (`cat_fast.step_ddp`; benchmarks/RESULTS.md, "A whole step under DDP as one CUDA graph").
+TRAINER_UNDER_DDP = ("the Trainer does not capture its steps under torchrun on GPUs (cat_fast.step.CapturedStep "
                      "under DistributedDataParallel does, in a loop of your own)")
 
 
@@ -58,9 +59,7 @@ class StepGraphs:
             param = next(self.model.parameters(), None)
             if param is None or param.device.type != "cuda":
                 return NOT_ON_A_GPU
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and (
-                torch.distributed.get_world_size() > 1) and torch.cuda.is_available() and (
-                next(self.model.parameters()).is_cuda):
+        if world() > 1 and next(self.model.parameters()).is_cuda:
             return TRAINER_UNDER_DDP
         if a.gradient_accumulation_steps != 1:
             return (f"gradient_accumulation_steps must be 1 (one captured step per optimizer step), got "

@@ -51,11 +51,12 @@ FUSED = True
 # where the fused layer is faster than the unfused one (benchmarks/RESULTS.md); fewer rows keep the
 # unfused path (not measured).
 FUSED_MIN_ROWS = 1024
-# Whether the row-wise work runs on the real rows only (module docstring); off until measured on the GPU.
+# Whether the row-wise work runs on the real rows only (module docstring); off by default: the padded path is the
+# one the step suite times (benchmarks/RESULTS.md).
 PACKED = False
 # The least fraction of padding rows the packed path runs for: 1/8. Packing adds row gathers and scatters (the
-# input, the projections, the context, the output) and a host synchronisation per mask; with less padding they
-# would cost about what the skipped rows save (not measured).
+# input, the projections, the context, the output) and a host synchronisation per mask, which less padding would
+# not pay for.
 PACKED_MIN_PADDING = 0.125
 
 

@@ -21,8 +21,8 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["ModelLoadError", "MINILM", "resolve_model_dir", "load_classifier", "has_weights", "has_tokenizer",
-           "label_names_of", "generic_labels", "quiet_transformers"]
+__all__ = ["ModelLoadError", "MINILM", "resolve_model_dir", "load_classifier", "load_tokenizer", "has_weights",
+           "has_tokenizer", "label_names_of", "generic_labels", "quiet_transformers"]
 
 MINILM = "minilm"
 _WEIGHT_PATTERNS = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
@@ -149,7 +149,7 @@ def load_classifier(
     ``"eager"`` (needed for exact double backward through attention, e.g. gradient supervision on token states)
     or ``"sdpa"``. ``label_names`` fills id2label/label2id.
     """
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForSequenceClassification
 
     if not isinstance(new_head, bool):
         raise ValueError(f"new_head: expected a bool, got {new_head!r}")
@@ -188,16 +188,25 @@ def load_classifier(
                              "(--labels), or start from a model without this head")
     model = model.to(dtype)
     _saved_mask(directory, model, saved_mask)
+    return model, load_tokenizer(directory)
+
+
+def load_tokenizer(name_or_dir: str):
+    """The tokenizer of ``name_or_dir`` (``"minilm"``, a directory or a cached hub name; local files only); raises
+    :class:`ModelLoadError` naming what is missing."""
+    from transformers import AutoTokenizer
+
+    directory = resolve_model_dir(name_or_dir)
     if not has_tokenizer(directory):
         raise ModelLoadError(f"{directory}: no tokenizer files (expected one of {', '.join(_TOKENIZER_FILES)}): copy "
                              "the tokenizer of the base model there (tokenizer.save_pretrained(DIR))")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except Exception as e:
         raise ModelLoadError(f"{directory}: cannot load the tokenizer: {_one_line(e)}") from e
     if tokenizer is None or not callable(tokenizer):
         raise ModelLoadError(f"{directory}: no tokenizer files (tokenizer.json or vocab.txt)")
-    return model, tokenizer
+    return tokenizer
 
 
 def _check_head(directory: str, model, info, new_head: bool) -> bool:

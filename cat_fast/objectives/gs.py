@@ -82,7 +82,7 @@ class GradientSupervision(FirstOrder, Objective):
     error, `DOUBLE_BACKWARD_HINT`); for the pooled vector of a linear head g = W[y_j] in closed form, and on CUDA
     the whole loss is one Triton kernel from the second call. ``mode="first_order"``: the parameter term by finite
     differences, ``difference="central"`` (two passes) or ``"forward"`` (one), step ``eps · ‖x_i‖ / ‖u_i‖`` (``eps``
-    None: 1e-3, or 0.1 where the matmuls run in 16 bits, whose rounding a smaller step drowns in), on the
+    None: 1e-3, or 0.1 where the matmuls round to 16-bit precision, which a smaller step drowns in), on the
     clean forward's dropout masks; any attention kernel (§2.3). ``low_memory=True`` runs those passes inside the
     caller's ``backward()`` and accumulates their parameter gradients into ``.grad`` (use ``False`` with
     ``torch.autograd.grad``). ``prune_last_layer`` / ``training_layers``: the fast layers, as in `CAT`.

@@ -17,10 +17,8 @@ from .gs_pairs import masked_mean
 __all__ = ["FirstOrder", "EPS", "EPS_16_BIT", "step_size"]
 
 # The relative step ``eps`` when none is given: the finite difference of a logit between x ± eps·‖x‖·u/‖u‖. In fp32 a
-# small step keeps the truncation error small; where the matmuls run in 16 bits (autocast to bf16/fp16, or a 16-bit
-# model) the perturbation must stand above their rounding, or the difference is noise: on the shipped MiniLM under
-# bf16 autocast (CPU, token level h_0, central), the parameter term's cosine with the exact double backward's was
-# 0.10 at 1e-3, 0.85 at 1e-2, 0.97 at 3e-2, 0.995 at 0.1 and 0.87 at 0.3 (docs/METHODS.md §2.3).
+# small step keeps the truncation error small; where the matmuls round to 16-bit precision the perturbation must
+# stand above that rounding, or the difference is noise (the measured choice: docs/METHODS.md §2.3).
 EPS = 1e-3
 EPS_16_BIT = 0.1
 

@@ -75,6 +75,8 @@ def test_without_it_the_trainers_defaults(tiny, tmp_path, capsys, seen):
     (["--remove_unused_columns", "true"], "--remove_unused_columns: cat-fast controls it: the batches carry"),
     (["--hub_token", "secret"], "--hub_token: cat-fast controls it"),
     (["--adam_beta2", "x"], "--trainer-args: argument --adam_beta2/--adam-beta2: invalid float value: 'x'"),
+    (["--adam_beta2", "nan"], "--trainer-args --adam_beta2: expected a finite number, got nan"),
+    (["--adam_beta2", "1.5"], "--trainer-args --adam_beta2 1.5: Invalid beta parameter"),  # the optimizer's check
     (["--lr_scheduler_kwargs", "{power"], "--trainer-args --lr_scheduler_kwargs {power: Expecting property name"),
     (["--lr_scheduler_kwargs", '{"power": 2}'], "--trainer-args --lr_scheduler_kwargs"),  # linear takes no power
     (["--dataloader_persistent_workers"], "--dataloader_persistent_workers: needs --dataloader_num_workers above 0"),

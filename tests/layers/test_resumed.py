@@ -5,7 +5,7 @@ import torch
 from cat_fast import models
 from cat_fast.layers import resumed as resumed_layer
 from cat_fast.objectives import CAT
-from tests.conftest import assert_same_cat_steps, cat_steps, tiny_batch, tiny_model
+from tests.conftest import assert_same_cat_steps, cat_steps_fast_and_own, tiny_batch, tiny_model
 
 BERT_LAYOUTS = ("bert", "roberta", "electra")
 CUDA = torch.cuda.is_available()
@@ -135,17 +135,7 @@ def test_cat_step_is_unchanged(prune, monkeypatch):
     calls = []
     original = resumed_layer.forward
     monkeypatch.setattr(resumed_layer, "forward", lambda *a: calls.append(1) or original(*a))
-    results = []
-    for fast in (True, False):
-        model = tiny_model("bert", attn="sdpa", dtype=torch.float64, num_layers=4, hidden_dropout_prob=0.3,
-                           attention_probs_dropout_prob=0.3).train()
-        cat = CAT(model, layers=[0, 1, 2], adv_steps=2, adv_lr=0.5, generator=torch.Generator().manual_seed(5),
-                  prune_last_layer=prune, fast_resume=fast)
-        results.append(cat_steps(model, cat, seed=11))
-        if fast:
-            assert calls, "the resumed layer never ran"
-            calls.clear()
-    assert not calls  # fast_resume=False: the model's own layers only
+    results = cat_steps_fast_and_own("fast_resume", prune, calls, "the resumed layer")
     assert all(info["lambda_after"] != info["lambda_before"] for _, info in results[0][0])
     assert_same_cat_steps(*results)
 

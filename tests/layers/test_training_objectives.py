@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from cat_fast import models
 from cat_fast.layers import training as training_layer
 from cat_fast.objectives import CAT, GradientSupervision
-from tests.conftest import assert_same_cat_steps, cat_steps, tiny_batch, tiny_model
+from tests.conftest import assert_same_cat_steps, cat_steps_fast_and_own, tiny_batch, tiny_model
 from tests.layers.test_training import BERT_LAYOUTS
 
 CUDA = torch.cuda.is_available()
@@ -92,17 +92,7 @@ def test_cat_step_is_unchanged_by_training_layers(prune, monkeypatch):
     calls = []
     original = training_layer._TrainingLayer.apply
     monkeypatch.setattr(training_layer._TrainingLayer, "apply", lambda *a: calls.append(1) or original(*a))
-    results = []
-    for fast in (True, False):
-        model = tiny_model("bert", attn="sdpa", dtype=torch.float64, num_layers=4, hidden_dropout_prob=0.3,
-                           attention_probs_dropout_prob=0.3).train()
-        cat = CAT(model, layers=[0, 1, 2], adv_steps=2, adv_lr=0.5, generator=torch.Generator().manual_seed(5),
-                  prune_last_layer=prune, training_layers=fast)
-        results.append(cat_steps(model, cat, seed=11))
-        if fast:
-            assert calls, "the training layer never ran"
-            calls.clear()
-    assert not calls
+    results = cat_steps_fast_and_own("training_layers", prune, calls, "the training layer")
     assert_same_cat_steps(*results)
 
 
