@@ -1,7 +1,7 @@
 """``cat-fast bias fit``: a bias model's predictions for the training examples, for the bias-model methods
 (``cat-fast train --method poe|reweight|reweight-inverse|learned-mixin|conf-reg --bias DIR``).
 
-Kinds (`FITTERS`, one function each):
+Kinds (`cat_fast.cli.bias_kinds.BIAS_KINDS`: each kind's options, their defaults and its fitter, declared once):
 
 * ``overlap``: word-overlap features and a logistic regression (text pairs: NLI; `cat_fast.bias.OverlapBias`);
 * ``column``: a classifier trained on one column (``--model DIR``, ``--column text_pair`` for a hypothesis-only
@@ -24,23 +24,15 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, Dict, List, Tuple
+from typing import Dict
 
-from .common import AtomicDir, CliError, get_device, write_json
+from .bias_kinds import BIAS_KINDS, resolve_kind_options
+from .common import AtomicDir, CliError, write_json
 from .sources import Source
 
 __all__ = ["fit", "BIAS_FILE", "resolve", "FITTERS"]
 
 BIAS_FILE = "bias.jsonl"
-
-# the options of one kind only (dest -> the kinds that take it); the parser leaves them out when not given
-_KIND_OPTIONS = {"feature_columns": ("features",), "categorical_columns": ("features",), "model_type": ("features",),
-                 "smoothing": ("features",), "class_weight": ("features",), "model": ("column", "weak-learner"),
-                 "subset": ("weak-learner",), "epochs": ("weak-learner",), "layers": ("weak-learner",),
-                 "lr": ("weak-learner",), "max_length": ("weak-learner",), "weak_loss": ("weak-learner",),
-                 "gce_q": ("weak-learner",)}
-
-Fit = Callable[[List[int]], Callable[[List[int]], object]]
 
 
 def resolve(path: str) -> str:
@@ -48,99 +40,7 @@ def resolve(path: str) -> str:
     return os.path.join(path, BIAS_FILE) if os.path.isdir(path) else path
 
 
-def _overlap(args, train) -> Tuple[Fit, Dict, Dict]:
-    from ..bias import OverlapBias
-
-    if train.text_pair is None:
-        raise CliError("--kind overlap needs text pairs (premise and hypothesis: --task nli or --text-pair-column)")
-    last: Dict = {}
-
-    def fit_rows(rows):
-        model = OverlapBias(C=args.C).fit(train.subset(rows))
-        last["model"] = model.meta()
-        return lambda held: model.log_probs(train.subset(held))
-
-    return fit_rows, {"C": args.C}, last
-
-
-def _column(args, train) -> Tuple[Fit, Dict, Dict]:
-    from ..bias import ColumnBias
-
-    if not args.model:
-        raise CliError("--kind column needs --model DIR: a classifier trained on that column (cat-fast train "
-                       "--text-column ...)")
-    if args.folds != 1:
-        raise CliError(f"--folds {args.folds}: --kind column scores a classifier trained elsewhere (--model), so "
-                       f"nothing is fitted here to cross-fit; expected --folds 1 (or --kind weak-learner --folds K)")
-    try:
-        model = ColumnBias(args.model, column=args.column, label_names=list(train.label_names))
-    except ValueError as error:
-        raise CliError(f"--kind column: {error}") from error
-    device = get_device(args.device)
-    options = {"model": args.model, "column": args.column}
-    return (lambda rows: lambda held: model.log_probs(train.subset(held), batch_size=args.batch_size,
-                                                      device=device)), options, {"model": options}
-
-
-def _features(args, train) -> Tuple[Fit, Dict, Dict]:
-    from ..bias import FeatureBias, read_feature_columns, typed_columns
-
-    if not args.feature_columns:
-        raise CliError("--kind features needs --feature-columns A,B,...: columns of the training file whose values "
-                       "carry the bias")
-    columns = typed_columns(train, read_feature_columns(train, args.feature_columns), args.categorical_columns or ())
-    numeric = [c.name for c in columns if c.kind == "numeric"]
-    if args.model_type == "exact" and numeric:
-        raise CliError(f"--model-type exact: feature column(s) {', '.join(numeric)} hold numbers; expected "
-                       f"categorical columns (--categorical-columns {','.join(numeric)}, or --model-type logistic)")
-    model_type = args.model_type or ("logistic" if numeric else "exact")
-    smoothing = 1.0 if args.smoothing is None else args.smoothing
-    class_weight = None if args.class_weight in (None, "none") else args.class_weight
-    options = {"feature_columns": [c.name for c in columns], "kinds": {c.name: c.kind for c in columns},
-               "model_type": model_type}
-    options.update({"smoothing": smoothing} if model_type == "exact" else {"C": args.C, "class_weight": class_weight})
-    last: Dict = {}
-
-    def fit_rows(rows):
-        model = FeatureBias(model_type, smoothing=smoothing, C=args.C, class_weight=class_weight)
-        model.fit(columns, train.labels, train.num_labels, rows)
-        last["model"] = model.meta()
-        return lambda held: model.log_probs(columns, held)
-
-    return fit_rows, options, last
-
-
-def _weak_learner(args, train) -> Tuple[Fit, Dict, Dict]:
-    from ..bias import WeakLearner
-
-    options = {"model": args.model or "minilm", "subset": args.subset or 2000, "epochs": args.epochs or 3,
-               "layers": args.layers, "lr": args.lr or 5e-5, "batch_size": args.batch_size,
-               "max_length": args.max_length or 128, "seed": args.seed, "loss": args.weak_loss or "gce"}
-    if options["loss"] == "gce":
-        options["gce_q"] = 0.7 if args.gce_q is None else args.gce_q
-    elif args.gce_q is not None:
-        raise CliError(f"--gce-q {args.gce_q}: it is the q of --weak-loss gce, not ce; expected --weak-loss gce "
-                       f"(the default) with it")
-    device = get_device(args.device)
-    last: Dict = {}
-
-    def fit_rows(rows):
-        model = WeakLearner(**options, device=device).fit(train, rows)
-        last["model"] = dict(model.meta(), subset_rows=model.n_subset)
-        return lambda held: model.log_probs(train, held)
-
-    return fit_rows, options, last
-
-
-FITTERS = {"overlap": _overlap, "column": _column, "features": _features, "weak-learner": _weak_learner}
-
-
-def _check_kind_options(args) -> None:
-    """Refuse an option of another kind; an option not given becomes None (the parser leaves it out)."""
-    for dest, kinds in _KIND_OPTIONS.items():
-        if getattr(args, dest, None) is not None and args.kind not in kinds:
-            raise CliError(f"--{dest.replace('_', '-')} is for --kind {' and '.join(kinds)}, not {args.kind}")
-        setattr(args, dest, getattr(args, dest, None))
+FITTERS = {kind.name: kind.fit for kind in BIAS_KINDS}
 
 
 def _cross_fit(args, train, fit_rows):
@@ -188,7 +88,7 @@ def fit(args) -> Dict:
     from ..bias import FeatureColumnError, save_bias
     from ..data import require_classes
 
-    _check_kind_options(args)
+    kind = resolve_kind_options(args)
     _check_calibrate(args)
     source = Source.from_args(args)
     AtomicDir.check(args.out, args.overwrite, inputs=list(args.train or []) + [args.model or ""])
@@ -196,7 +96,7 @@ def fit(args) -> Dict:
     labels = tuple(train.label_names)
     require_classes(train)
     try:
-        fit_rows, options, last = FITTERS[args.kind](args, train)
+        fit_rows, options, last = kind.fit(args, train)
         crossfit = _cross_fit(args, train, fit_rows)
     except FeatureColumnError as error:
         raise CliError(f"--feature-columns {','.join(args.feature_columns)}: {error}") from error

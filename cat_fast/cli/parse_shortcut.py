@@ -55,9 +55,16 @@ def add_shortcut(sub, fmt) -> None:
     p.add_argument("--test-fraction", type=fraction, default=0.2, metavar="F",
                    help="rows of --train held out as the test sets without --test")
     p.add_argument("--max-length", type=positive_int, default=128, metavar="N",
-                   help="the truncation length the data will be trained at: a cue at the end of the text (punctuation, "
-                        "length, token:WORD@end) that lies beyond N tokens of --model's tokenizer on many rows is said, "
-                        "and counted in shortcut.json")
+                   help="the truncation length the data will be trained at: the texts are cut to it for a cue at the "
+                        "end of the text (--fit-max-length), and one that still lies beyond N tokens of --model's "
+                        "tokenizer on many rows is said, and counted in shortcut.json")
+    p.add_argument("--fit-max-length", action=argparse.BooleanOptionalAction, default=True,
+                   help="for a cue at the end of the text (punctuation, length, token:WORD@end): before the splits "
+                        "are drawn, cut every input row's --cue-field after its last whole word that lets the row, "
+                        "read by --model's tokenizer as the model reads it, fit in --max-length tokens with the cue's "
+                        "longest ending (all splits alike, the clean ones included; rows that fit are kept whole). "
+                        "--no-fit-max-length plants into the whole texts, where truncation may cut the cue. Ignored "
+                        "for other cues (token:WORD@start or @random, casing)")
     p.add_argument("--model", default="minilm", help="the model whose tokenizer counts the tokens (as cat-fast train "
                    "--model)")
     p.add_argument("--seed", type=seed_int, default=0, help=f"seed of every draw (0 to {SEED_MAX})")

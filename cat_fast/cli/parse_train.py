@@ -70,9 +70,9 @@ def add_train(sub, fmt) -> None:
     t.add_argument("--step-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="each training step (loss, backward, clipping, a fused AdamW step) as one CUDA graph per "
                         "batch shape and CAT mixing layer (cat_fast.step.CapturedStep). Default: on a GPU wherever "
-                        "the run allows it (one process on GPUs, no --grad-accum, a method whose steps can be replayed), "
-                        "else the eager step with one line saying why; --step-graphs requires it (an error naming "
-                        "what prevents it: several processes on GPUs, --grad-accum, a second "
+                        "the run allows it (no --grad-accum, a method whose steps can be replayed; under torchrun the "
+                        "all-reduce is part of the graph), else the eager step with one line saying why; "
+                        "--step-graphs requires it (an error naming what prevents it: --grad-accum, a second "
                         "optimizer step inside the step "
                         "as in erm-two-step and CAT's alternating update); --no-step-graphs turns it off")
     t.add_argument("--ddp-bucket-mb", type=positive_int, metavar="MB",

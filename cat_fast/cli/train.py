@@ -234,12 +234,12 @@ def _train_and_write(run, t_start) -> Dict:
         trainer, dev_eval = _fit(run, tmp)
         if run.rank != 0:  # rank 0 evaluates and writes; the others are done
             steps = trainer.state.global_step
-            trainer = None  # the DDP reducer goes before the process group (see finish)
+            trainer = dev_eval = None  # the DDP reducer and step graphs go before the process group (see finish)
             finish(run.world)
             return {"rank": run.rank, "steps": steps, "train_seconds": round(run.train_seconds, 3)}
         metrics = _write_outputs(run, trainer, dev_eval, tmp, t_start)
         atomic.commit()
-    trainer = None  # the DDP reducer goes before the process group (see finish)
+    trainer = dev_eval = None  # (dev_eval's logging closure holds the trainer)
     finish(run.world)
     if args.keep_checkpoints and run.folder.has_checkpoint():
         sys.stderr.write(f"cat-fast: checkpoints kept in {run.folder.path} (--keep-checkpoints)\n")

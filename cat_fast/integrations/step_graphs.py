@@ -7,11 +7,10 @@ import warnings
 
 import torch
 
-from ..distributed import world
 from ..models import orig_module
 from ..step import CapturedStep, NotCapturable
 
-__all__ = ["StepGraphs", "StepGraphsError", "StepGraphsWarning", "NonFiniteLossError", "eager_warning", "NOT_ON_A_GPU", "TRAINER_UNDER_DDP"]
+__all__ = ["StepGraphs", "StepGraphsError", "StepGraphsWarning", "NonFiniteLossError", "eager_warning", "NOT_ON_A_GPU"]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -27,10 +26,6 @@ class StepGraphsError(ValueError):
 
 
 NOT_ON_A_GPU = "not on a GPU"
-# Under torchrun on GPUs the Trainer steps eagerly; `CapturedStep` under DDP captures in a loop of one's own
-# (`cat_fast.step_ddp`; benchmarks/RESULTS.md, "A whole step under DDP as one CUDA graph").
-TRAINER_UNDER_DDP = ("the Trainer does not capture its steps under torchrun on GPUs (cat_fast.step.CapturedStep "
-                     "under DistributedDataParallel does, in a loop of your own)")
 
 
 class StepGraphsWarning(UserWarning):
@@ -59,8 +54,6 @@ class StepGraphs:
             param = next(self.model.parameters(), None)
             if param is None or param.device.type != "cuda":
                 return NOT_ON_A_GPU
-        if world() > 1 and next(self.model.parameters()).is_cuda:
-            return TRAINER_UNDER_DDP
         if a.gradient_accumulation_steps != 1:
             return (f"gradient_accumulation_steps must be 1 (one captured step per optimizer step), got "
                     f"{a.gradient_accumulation_steps}")
@@ -82,7 +75,16 @@ class StepGraphs:
         """``step_graphs=None``: a step the captured step cannot take (refused before any state changed) runs
         eagerly from now on, with one warning."""
         eager_warning(reason)
-        self.step_graphs, self._captured = False, None
+        self.step_graphs = False
+        self._release_step_graphs()
+
+    def _release_step_graphs(self):
+        """Drops the captured step and gives the Trainer its optimizer step back; a later training step captures
+        again. Under torchrun this runs when `train` returns: graphs holding captured NCCL collectives that outlive
+        their process group make ``destroy_process_group`` wait for ever."""
+        if self._captured is None:
+            return
+        self._captured = None
         if self._eager_step is not None:  # the Trainer steps the optimizer again, as the LR scheduler wrapped it
             self.optimizer.step = self._eager_step
         else:

@@ -42,10 +42,10 @@ are the Trainer's. What they add:
 * A double-backward failure of the attention kernel is re-raised as `cat_fast.objectives.DOUBLE_BACKWARD_HINT`.
 * ``step_graphs``: each training step, the objective's loss, backward, gradient clipping and the optimizer's step,
   is one `cat_fast.step.CapturedStep` (one CUDA graph per batch signature on a GPU; the same step run eagerly
-  elsewhere), and the Trainer's own backward, clipping and optimizer step are skipped. Under torchrun on the CPU
-  (gloo; ``step_graphs=True``) the step runs outside DDP's forward and averages the gradients itself
-  (`cat_fast.step_ddp`); on GPUs under torchrun the Trainer runs the eager step (`step_graphs.TRAINER_UNDER_DDP`;
-  `CapturedStep` itself captures steps under DDP, in a loop of one's own). It needs no
+  elsewhere), and the Trainer's own backward, clipping and optimizer step are skipped. Under torchrun the step runs
+  outside DDP's forward and averages the gradients itself (`cat_fast.step_ddp`: on GPUs the all-reduce is part of
+  the captured graph, and the ranks capture and replay in lockstep); when `train` returns, the captured step is
+  dropped (graphs holding NCCL collectives must go before the process group). It needs no
   gradient accumulation, bf16 or fp32, and a fused AdamW (the trainer makes one, with a tensor learning rate that the
   scheduler updates in place, capturable on a GPU; a given optimizer must be so). ``None`` (the default): on where
   the run allows it on a GPU; elsewhere, and from the first step an objective cannot replay (CAT's alternating
@@ -64,6 +64,7 @@ from transformers import Trainer
 from transformers.modeling_utils import unwrap_model
 
 from .. import objectives
+from ..distributed import world
 from ..models import compiled_wrapper, orig_module
 from ..objectives import double_backward_error
 from .step_graphs import (
@@ -128,6 +129,13 @@ class ObjectiveTrainer(StepGraphs, TrainerCheckpoints, Trainer):
         self._warned_no_pairs = False
         self._distributed = None  # the DistributedObjective, made on the first step under DDP
         self._objective_loaded = False  # a resumed run: each rank's generator comes from the checkpoint
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if world() > 1:
+                self._release_step_graphs()
 
     # ------------------------------------------------------------------ data
     def _set_signature_columns_if_needed(self):

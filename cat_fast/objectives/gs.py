@@ -115,7 +115,7 @@ class GradientSupervision(FirstOrder, Objective):
         self.target = target
         self.mode = mode
         self.random_pairs = random_pairs
-        self.eps = eps  # None: `EPS` or `EPS_16_BIT` by the precision of each call (`gs_first_order.step_size`)
+        self.eps = eps  # None: by the precision of each call (`gs_first_order.step_size`)
         self.generator = generator
         self._pass_rng = {}  # input shapes -> models.PassGenerators of planned first-order steps (`plan_step`)
         self.difference = difference

@@ -14,26 +14,32 @@ from .. import models
 from ..ops import gs_cosine_loss
 from .gs_pairs import masked_mean
 
-__all__ = ["FirstOrder", "EPS", "EPS_16_BIT", "step_size"]
+__all__ = ["FirstOrder", "EPS", "EPS_FLOAT64", "EPS_16_BIT", "step_size"]
 
-# The relative step ``eps`` when none is given: the finite difference of a logit between x ± eps·‖x‖·u/‖u‖. In fp32 a
-# small step keeps the truncation error small; where the matmuls round to 16-bit precision the perturbation must
-# stand above that rounding, or the difference is noise (the measured choice: docs/METHODS.md §2.3).
-EPS = 1e-3
+# The relative step ``eps`` when none is given: the finite difference of a logit between x ± eps·‖x‖·u/‖u‖. Its error
+# is the truncation, growing with the step, plus the rounding of the two passes divided by the step; the two balance
+# near the cube root of the unit roundoff (float64 about 6e-6, fp32 5e-3, 10 mantissa bits as in TF32 and fp16 0.1).
+# In fp32 a step of 1e-3 left backends apart by their rounding (3e-5 of gradients of 0.5), 1e-2 by 4e-6 with the
+# same agreement with the exact term; where matmuls round to 16 bits, 1e-3 is mostly noise (docs/METHODS.md §2.3).
+EPS = 1e-2
+EPS_FLOAT64 = 1e-3
 EPS_16_BIT = 0.1
 
 
 def step_size(eps, x) -> float:
-    """The relative step of a call: `eps` when given, else `EPS`, or `EPS_16_BIT` where the matmuls on `x` round to
-    16-bit precision: 16-bit x, autocast to a 16-bit dtype on x's device, or fp32 on CUDA with TF32 matmuls allowed
-    (TF32 keeps fp16's 10 mantissa bits; the CLI allows it on GPUs)."""
+    """The relative step of a call: `eps` when given, else by the precision of the matmuls on `x`: `EPS_16_BIT`
+    where they round to 16-bit precision (16-bit x, autocast to a 16-bit dtype on x's device, or fp32 on CUDA with
+    TF32 matmuls allowed: TF32 keeps fp16's 10 mantissa bits, and the CLI allows it on GPUs), `EPS_FLOAT64` for a
+    float64 x, else `EPS` (fp32)."""
     if eps is not None:
         return eps
     half = (torch.float16, torch.bfloat16)
     device_type = x.device.type
     low = x.dtype in half or (torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) in half)
     low = low or (x.is_cuda and x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
-    return EPS_16_BIT if low else EPS
+    if low:
+        return EPS_16_BIT
+    return EPS_FLOAT64 if x.dtype == torch.float64 else EPS
 
 
 class FirstOrder:

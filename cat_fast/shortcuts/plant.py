@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 __all__ = ["Cue", "CUE_FORMS", "FILLER", "MAX_PRESENT", "ShortcutError", "PlantResult", "parse_cue", "apply_cue",
-           "assign_cue", "hold_out", "rows_with", "cue_statistics", "plant"]
+           "kept_before_ending", "assign_cue", "hold_out", "rows_with", "cue_statistics", "plant"]
 
 CUE_FORMS = "token:WORD[@start|@end|@random], length[:N], punctuation or casing[:K]"
 FILLER = "This sentence was added to the text."
@@ -78,6 +78,12 @@ class Cue:
             return f"token:{self.token}@{self.position}"
         return self.kind if self.kind == "punctuation" else f"{self.kind}:{self.count}"
 
+    @property
+    def at_end(self) -> bool:
+        """Whether the cue sits at the end of the text (punctuation, length, ``token:WORD@end``), where truncation
+        cuts it."""
+        return self.kind in ("punctuation", "length") or (self.kind == "token" and self.position == "end")
+
 
 def parse_cue(spec: str) -> Cue:
     """``token:WORD[@POSITION]``, ``length[:N]``, ``punctuation`` or ``casing[:K]`` -> a :class:`Cue`."""
@@ -103,7 +109,7 @@ def parse_cue(spec: str) -> Cue:
 def apply_cue(cue: Cue, text: str, present: bool, rng: random.Random) -> str:
     """`text` with the cue (``present``) or as a row without it reads (`rng`: the ``@random`` position)."""
     if cue.kind == "punctuation":
-        return _ENDING.sub("", text.rstrip()).rstrip() + ("!!" if present else ".")
+        return kept_before_ending(cue, text) + ("!!" if present else ".")
     if not present:
         return text
     if cue.kind == "token":
@@ -127,6 +133,13 @@ def apply_cue(cue: Cue, text: str, present: bool, rng: random.Random) -> str:
             parts[i] = part.upper()
             seen += 1
     return "".join(parts)
+
+
+def kept_before_ending(cue: Cue, text: str) -> str:
+    """What an end-of-text cue keeps of `text` before its ending: the text without trailing whitespace, and for
+    punctuation also without its trailing run of ``.``, ``!``, ``?``, ``…`` (which the cue replaces)."""
+    text = text.rstrip()
+    return _ENDING.sub("", text).rstrip() if cue.kind == "punctuation" else text
 
 
 def rows_with(token: str, texts: Sequence[str]) -> int:

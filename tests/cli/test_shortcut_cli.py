@@ -1,9 +1,11 @@
 """`cat-fast shortcut plant` end to end: the files it writes, a tiny `cat-fast train` on them scoring the anti and
 clean test sets, --overwrite, and every bad input as one line with exit 2 and nothing written."""
 import json
+import re
 
 import pytest
 
+from cat_fast.shortcuts import FILLER
 from tests.cli.conftest import run
 
 WORDS = ("good", "great", "fine", "bad", "awful", "poor", "ok", "plain", "movie", "film", "plot", "actor")
@@ -74,19 +76,85 @@ def test_overwrite_convention(tmp_path, capsys):
 
 
 def test_an_end_of_text_cue_beyond_the_truncation_length_is_said(tmp_path, capsys):
-    """Punctuation ends each text: at --max-length 4 (fewer tokens than any planted text) every training row with the
-    cue loses it, which is said and counted; at 64 nothing; a cue at the start is not checked."""
+    """Punctuation ends each text: with --no-fit-max-length at --max-length 4 (fewer tokens than any planted text)
+    every training row with the cue loses it, which is said and counted, the texts whole; at 64 nothing; a cue at the
+    start is not checked."""
     src = reviews(tmp_path / "reviews.csv")
-    code, err = run(plant(src, tmp_path / "short", "--max-length", 4), capsys)
-    beyond = json.loads((tmp_path / "short" / "shortcut.json").read_text())["beyond_max_length"]
+    code, err = run(plant(src, tmp_path / "short", "--max-length", 4, "--no-fit-max-length"), capsys)
+    meta = json.loads((tmp_path / "short" / "shortcut.json").read_text())
+    beyond = meta["beyond_max_length"]
     assert code == 0 and "sits at the end of the text" in err and "--max-length 4 tokens" in err, err
     assert beyond["max_length"] == 4 and beyond["longer"] == beyond["rows_with_cue"] > 0
+    assert meta["fit_max_length"] is None and "cut to fit" not in err and "plant with --fit-max-length" in err
+    assert all(len(r["text"].split()) == 5 for r in read(tmp_path / "short" / "train.jsonl"))
     code, err = run(plant(src, tmp_path / "long", "--max-length", 64), capsys)
     beyond = json.loads((tmp_path / "long" / "shortcut.json").read_text())["beyond_max_length"]
     assert code == 0 and "sits at the end" not in err and beyond["longer"] == 0 and beyond["rows_with_cue"] > 0
     code, err = run(plant(src, tmp_path / "start", "--max-length", 4, "--cue", "token:zeugma@start"), capsys)
     assert code == 0 and "sits at the end" not in err
     assert json.loads((tmp_path / "start" / "shortcut.json").read_text())["beyond_max_length"] is None
+
+
+def long_reviews(path):
+    """A CSV of 40 reviews (columns review, label): every fourth row 3 words, the others 30 to 60 words of several
+    tokens each ("well-made," is four), some ending in '!' or without an ending."""
+    words = WORDS + ("well-made,", "unbelievably", "(mostly)", "cinematography.")
+    lines = ["review,label"]
+    for i in range(40):
+        n = 3 if i % 4 == 0 else 30 + i
+        text = " ".join(words[(i * 5 + k * 7) % len(words)] for k in range(n)) + ("!" if i % 3 else "")
+        lines.append(f'"{text}",{"pos" if i % 2 else "neg"}')
+    path.write_text("\n".join(lines) + "\n")
+    return str(path), [line.rsplit(",", 1)[0].strip('"') for line in lines[1:]]
+
+
+def bare(cue, text):
+    """The planted text without the cue's ending."""
+    return text[:-2] if cue == "punctuation" and text.endswith("!!") else (
+        text[:-1] if cue == "punctuation" else text.split(" " + FILLER)[0])
+
+
+@pytest.mark.parametrize("cue", ["punctuation", "length:2"])
+def test_an_end_of_text_cue_is_fitted_into_the_truncation_length(tmp_path, capsys, cue):
+    """At --max-length 32, every row of every split, as MiniLM's tokenizer reads it, fits with the cue: its text a
+    prefix of the input row's ending at a word's end, the same in train, train_clean and the test sets; short rows
+    whole; shortcut.json counts the cut rows and no longer row."""
+    from cat_fast.models.pretrained import load_tokenizer
+
+    tokenizer = load_tokenizer("minilm")
+    (src, original), out = long_reviews(tmp_path / "long.csv"), tmp_path / "fitted"
+    code, err = run(plant(src, out, "--cue", cue, "--max-length", 32), capsys)
+    assert code == 0 and "sits at the end" not in err and "30 input rows cut to fit --max-length 32" in err, err
+    meta = json.loads((out / "shortcut.json").read_text())
+    assert meta["fit_max_length"]["inputs"]["train"]["rows_cut"] == meta["fit_max_length"]["rows_cut"] == 30
+    assert meta["fit_max_length"]["unfit"] == 0 and meta["beyond_max_length"]["longer"] == 0
+    rows = {name: {r["id"]: r for r in read(out / f"{name}.jsonl")} for name in SPLITS}
+    for name, split in rows.items():
+        for i, r in split.items():
+            assert len(tokenizer(r["text"])["input_ids"]) <= 32, (name, r)
+            kept = bare(cue, r["text"])
+            assert r["text"] == kept + ("!!" if r["cue"] else ".") if cue == "punctuation" else (
+                r["text"] == kept + (" " + " ".join([FILLER] * 2) if r["cue"] else ""))
+            source = original[int(i)]
+            whole = source.rstrip("!.") if cue == "punctuation" else source  # punctuation replaces the ending
+            end = r"[.!]*( |$)" if cue == "punctuation" else r"( |$)"  # at a word's end (less the replaced ending)
+            assert source.startswith(kept) and re.match(end, source[len(kept):]), (source, r)
+            if int(i) % 4 == 0:
+                assert kept == whole
+    for i, r in rows["train"].items():
+        assert bare(cue, rows["train_clean"][i]["text"]) == bare(cue, r["text"])
+    for i, r in rows["test_anti"].items():
+        assert bare(cue, rows["test_clean"][i]["text"]) == bare(cue, r["text"])
+    assert sum(len(bare(cue, r["text"]).split()) < len(original[int(i)].split()) for i, r in rows["train"].items()) > 10
+
+
+def test_a_row_that_cannot_fit_keeps_one_word_and_is_said(tmp_path, capsys):
+    src = reviews(tmp_path / "reviews.csv")
+    code, err = run(plant(src, tmp_path / "tiny", "--max-length", 4), capsys)
+    meta = json.loads((tmp_path / "tiny" / "shortcut.json").read_text())
+    assert code == 0 and "--fit-max-length: 40 input rows do not fit in --max-length 4 tokens" in err, err
+    assert meta["fit_max_length"]["unfit"] == 40 and meta["beyond_max_length"]["longer"] > 0
+    assert all(len(r["text"].split()) == 1 for r in read(tmp_path / "tiny" / "train.jsonl"))
 
 
 @pytest.mark.parametrize("extra, message", [
