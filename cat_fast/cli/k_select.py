@@ -3,7 +3,8 @@
 The grid (``--k-grid``: percentages of the neurons swept, ``0.5%``, or numbers; default a small geometric grid)
 always includes k = 0, the unmasked model. Rules: ``--k-rule max-drop:D`` (default D = 3): the largest k whose
 accuracy on ``--select-dev FILE`` (a dev set that carries the bias) stays within D points of the unmasked model's
-for it and every smaller k of the grid; ``--k-rule best-on:FILE``: the k of the best accuracy on FILE (a small
+for it and every smaller k of the grid, then the gap to the next k of the grid bisected ``--k-refine N`` times
+(default 3; `cat_fast.analysis.k_selection.refine_max_drop`); ``--k-rule best-on:FILE``: the k of the best accuracy on FILE (a small
 cue-balanced or anti-correlated set), the smallest on ties. ``k_selection.json``: the curve (k -> the accuracy on
 each scored set), the files, the rule and the chosen k.
 """
@@ -24,8 +25,8 @@ def check_select_options(args) -> List[str]:
     """The --select-k options' shapes, before anything is loaded; returns the files they score (inputs)."""
     from ..analysis.k_selection import parse_rule
 
-    flags = [f for f, v in (("--k-grid", args.k_grid), ("--k-rule", args.k_rule), ("--select-dev", args.select_dev))
-             if v is not None]
+    flags = [f for f, v in (("--k-grid", args.k_grid), ("--k-rule", args.k_rule), ("--select-dev", args.select_dev),
+                            ("--k-refine", args.k_refine)) if v is not None]
     if not args.select_k:
         if flags:
             raise CliError(f"{flags[0]} needs --select-k (it chooses k on data)")
@@ -75,12 +76,17 @@ def select_k(args, model, tokenizer, effects, directory) -> Dict:
             for name, d in data.items()}
     ranked = effects.top(grid[-1])
     curve = K.k_curve(model, ranked, grid, sets, args.factor, args.rescale)
-    chosen = K.choose_k(curve, rule, "select-dev" if rule.kind == "max-drop" else "best-on")
+    on = "select-dev" if rule.kind == "max-drop" else "best-on"
+    refine = K.REFINE_STEPS if args.k_refine is None else args.k_refine
+    if refine:
+        curve = K.refine_max_drop(model, ranked, curve, rule, on, sets, refine, args.factor, args.rescale)
+    chosen = K.choose_k(curve, rule, on)
     model.to("cpu")
     if chosen == 0:
         sys.stderr.write(f"cat-fast: --k-rule {rule}: no k of the grid passes; k = 0 chosen (the model unmasked)\n")
     shown = ", ".join(f"k={p['k']}: " + " ".join(f"{n}={a:.4f}" for n, a in p["accuracy"].items()) for p in curve)
     sys.stderr.write(f"cat-fast: k selection ({rule}): {shown}; chosen k={chosen}\n")
-    return {"rule": str(rule), "grid": grid, "neurons_swept": swept, "sets": files,
+    return {"rule": str(rule), "grid": grid, "refine": refine if rule.kind == "max-drop" else 0,
+            "neurons_swept": swept, "sets": files,
             "sizes": {name: len(d) for name, d in data.items()}, "curve": curve, "chosen_k": chosen,
             "factor": args.factor, "rescale": args.rescale}

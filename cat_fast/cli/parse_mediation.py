@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from .arguments import SEED_MAX, add_column_options, seed_int
-from .common import positive_int
+from .common import nonneg_int, positive_int
 
 __all__ = ["add_mediation", "MASK_RECIPE"]
 
@@ -93,6 +93,9 @@ def _add_mask(sub) -> None:
                    "best-on:FILE (the best accuracy on FILE, the smallest k on ties)")
     s.add_argument("--select-dev", metavar="FILE", help="a held-out dev set that carries the bias (needed by "
                    "max-drop; scored too with best-on)")
+    s.add_argument("--k-refine", type=nonneg_int, metavar="N", help="max-drop: bisect the gap between the k the grid "
+                   "picks and the next k of the grid N times (each one more masked model scored), so that k is the "
+                   "largest within the drop to 1/2^N of that gap; 0: the grid's k (None: 3)")
     add_column_options(mk)
     s.add_argument("--max-length", type=positive_int, help="tokens per example (None: the checkpoint's)")
     s.add_argument("--batch-size", type=positive_int, default=64, help="examples per scoring batch")

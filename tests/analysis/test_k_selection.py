@@ -81,3 +81,35 @@ def test_grid_percentages_and_rules():
     for bad in ("max-drop:-1", "max-drop:x", "best-on", "best-on:", "top:3"):
         with pytest.raises(ValueError, match="k rule"):
             K.parse_rule(bad)
+
+
+@pytest.mark.parametrize("lo, hi, limit, steps, scored", [
+    (16, 64, 37, 3, [40, 28, 34]),       # fail, pass, pass: 34 is the largest passing k found
+    (16, 64, 37, 10, [40, 28, 34, 37, 38]),  # run to the end: the exact threshold, then no k left between
+    (0, 1, 5, 3, []),                     # no whole k between
+    (8, 16, 100, 2, [12, 14]),            # everything passes: climbs towards hi
+])
+def test_bisect_largest(lo, hi, limit, steps, scored):
+    assert K.bisect_largest(lo, hi, lambda k: k <= limit, steps) == scored
+
+
+def test_refine_max_drop_scores_the_gap_above_the_grids_pick():
+    model, batches, _ = _setup()
+    exact = K.k_curve(model, RANKED, list(range(33)), {"dev": batches})  # every k, to check against
+    drops = [100 * (1.0 - p["accuracy"]["dev"]) for p in exact]
+    rule = K.Rule("max-drop", 13.0)
+    assert drops[12] <= 13 and drops[32] > 13 and all(d <= 13 for d in drops[12:24]) and drops[24] > 13
+    curve = K.k_curve(model, RANKED, [0, 12, 32], {"dev": batches})
+    assert K.choose_k(curve, rule, "dev") == 12  # the grid's pick; 32 fails
+    refined = K.refine_max_drop(model, RANKED, curve, rule, "dev", {"dev": batches}, steps=5)
+    assert [p["k"] for p in refined] == [0, 12, 22, 23, 24, 27, 32]  # scored 22, 27, 24, 23, then no k between
+    assert [p["k"] for p in refined if p.get("refined")] == [22, 23, 24, 27]
+    for p in refined:  # each scored as on its own
+        assert p["accuracy"]["dev"] == exact[p["k"]]["accuracy"]["dev"]
+    assert K.choose_k(refined, rule, "dev") == 23  # the largest k before the first failing one (24)
+    assert masking.masked_neurons(model) is None
+    assert [p["k"] for p in K.refine_max_drop(model, RANKED, curve, rule, "dev", {"dev": batches}, steps=1)] == \
+        [0, 12, 22, 32]
+    assert K.refine_max_drop(model, RANKED, curve, K.Rule("best-on", "x"), "dev", {"dev": batches}) == curve
+    top = K.k_curve(model, RANKED, [0, 4], {"dev": batches})  # the pick is the curve's last k: nothing to refine
+    assert K.refine_max_drop(model, RANKED, top, K.Rule("max-drop", 100.0), "dev", {"dev": batches}) == top

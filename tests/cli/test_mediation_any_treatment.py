@@ -65,6 +65,23 @@ def test_where_then_select_k(setup, tmp_path, capsys):
     plain = json.loads((tmp_path / "ev" / "metrics.json").read_text())["eval"]["dev"]["accuracy"]
     assert sel["curve"][0]["accuracy"]["select-dev"] == pytest.approx(plain)  # k = 0: the unmasked model
 
+    out = tmp_path / "refined"  # no drop allowed: the gap above the grid's pick is bisected (3 times by default)
+    code, err = run(["mask", "--model", setup["model"], "--nie", setup["nie"], "--select-k", "--k-grid", "1,4,16",
+                     "--select-dev", setup["dev"], "--k-rule", "max-drop:0", "--out", out], capsys)
+    assert code == 0, err
+    sel = json.loads((out / "k_selection.json").read_text())
+    grid_curve = [p for p in sel["curve"] if not p.get("refined")]
+    assert sel["refine"] == 3 and [p["k"] for p in grid_curve] == [0, 1, 4, 16]
+    from cat_fast.analysis import k_selection as K
+    pick = K.choose_k(grid_curve, K.Rule("max-drop", 0.0), "select-dev")
+    added = [p["k"] for p in sel["curve"] if p.get("refined")]
+    if pick < 16:
+        following = [0, 1, 4, 16][[0, 1, 4, 16].index(pick) + 1]
+        assert all(pick < k < following for k in added) and len(added) <= 3 and (added or following - pick < 2)
+    else:
+        assert added == []
+    assert sel["chosen_k"] == K.choose_k(sel["curve"], K.Rule("max-drop", 0.0), "select-dev") >= pick
+
     out = tmp_path / "best"
     code, err = run(["mask", "--model", setup["model"], "--nie", setup["nie"], "--select-k", "--k-grid", "2%,5,10",
                      "--k-rule", f"best-on:{setup['anti']}", "--out", out], capsys)
@@ -188,6 +205,7 @@ MASK_BAD = [
     (["--select-k", "--k-grid", "99999", "--select-dev", "DEV"], "--k-grid: k grid item '99999': 99999 is larger"),
     (["--select-k"], "--k-rule max-drop:3.0: needs --select-dev FILE"),
     (["--k-grid", "1,2"], "--k-grid needs --select-k"),
+    (["--k-refine", "2"], "--k-refine needs --select-k"),
     (["--select-k", "--top-k", 3, "--select-dev", "DEV"], "--top-k and --select-k: expected one"),
     (["--select-k", "--k-rule", "top:3", "--select-dev", "DEV"], "--k-rule: k rule 'top:3'"),
 ]
