@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from .arguments import float_in, positive_float
-from .common import CliError, get_device, int_at_least, positive_int
+from .common import CliError, get_device, positive_int
 
 __all__ = ["BiasKind", "KindOption", "BIAS_KINDS", "KINDS", "kind_options", "kind_help", "add_kind_options",
            "resolve_kind_options"]
@@ -34,7 +34,14 @@ def column_names(s: str):
     return names
 
 
-at_least_two = int_at_least(2, ">= 2")  # "expected a >= 2 integer"
+def at_least_two(s: str) -> int:
+    try:
+        value = int(s)
+    except ValueError:
+        value = 0
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2, got {s!r}")
+    return value
 
 
 gce_q = float_in(0.0, 1.0, low_open=True)  # q of generalized cross-entropy
