@@ -193,7 +193,5 @@ def refine_max_drop(model, ranked: Sequence, curve: Sequence[Dict], rule: Rule, 
         added.append(point)
         return 100 * (base - point["accuracy"][on]) <= rule.value + 1e-9
 
-    if hi > len(ranked):
-        raise ValueError(f"k {hi} is larger than the {len(ranked)} neurons ranked")
-    bisect_largest(lo, hi, passes, steps)
+    bisect_largest(lo, hi, passes, steps)  # every k below hi, a k of the curve that `k_curve` ranked
     return sorted(list(curve) + added, key=lambda point: point["k"])
