@@ -148,6 +148,8 @@ class CapturedStep(cuda_graphs.CachedGraphs):
             if plan is None:
                 loss, info = self.objective(batch, *args)
             else:
+                if ddp is not None:  # counts the backward's gradient accumulations from here (overlap)
+                    ddp.average.begin(plan.key)
                 with ddp.outside_forward() if ddp is not None else contextlib.nullcontext():
                     loss, info = self._planner.planned_step(plan, batch, *args)
         loss.backward()

@@ -3,11 +3,11 @@ gradients itself, so that on a GPU the whole step, collectives included, is one 
 
 ``CapturedStep(objective, optimizer)`` with an objective under DDP (built on the DDP module, or wrapped in
 `cat_fast.distributed.DistributedObjective`) runs each planned step as on one process: the objective's passes on the
-unwrapped model, outside DDP's forward, so that DDP's reducer stays idle; then `GradientAverager` averages the
-gradients over the ranks (each dtype's gradients copied into one flat buffer made once, scaled by 1/world as DDP
-scales them, one all-reduce per buffer, each ``.grad`` set to its view of the result); then clipping and the
-optimizer's step. On a GPU the all-reduces are NCCL's, issued on the capture stream inside the captured region
-(the eager warm-up steps before a capture run them on a side stream, as every eager step of `CapturedStep` does).
+unwrapped model, outside DDP's forward, so that DDP's reducer stays idle; `cat_fast.gradient_averaging.
+GradientAverager` averages the gradients over the ranks (flat buffers made once, cut into buckets, each scaled by
+1/world as DDP scales them and all-reduced as soon as the backward has finished its gradients, overlapped with the
+rest of the backward; each ``.grad`` set to its view of the result); then clipping and the optimizer's step. On a GPU
+the all-reduces are NCCL's, issued on the averager's stream, which joins the capture inside the captured region.
 
 Lockstep (`Lockstep`): a graph holding an NCCL collective must be captured and replayed by every rank together
 (NCCL's rule: a captured collective is a collective property of the ranks). The ranks' batches may have different
@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed import DistributedObjective, ddp_module
+from .gradient_averaging import BUCKET_MB, GradientAverager
 from .step import NotCapturable
 
 __all__ = ["DDPStep", "GradientAverager", "Lockstep", "ddp_of"]
@@ -47,46 +48,6 @@ def ddp_of(objective):
     if ddp is not None and getattr(objective, "distributed", False):
         return objective, ddp_module(ddp)
     return None
-
-
-class GradientAverager:
-    """``averager()``: the gradients of `params` averaged over the ranks of `group` in place of DDP's reducer
-    (module docstring); the flat buffers, one per dtype and device, are made on construction."""
-
-    def __init__(self, params, group=None):
-        self.group = group
-        self.world = dist.get_world_size(group)
-        kinds = {}
-        for p in params:
-            kinds.setdefault((p.dtype, p.device), []).append(p)
-        self.buckets = []  # (flat buffer, parameters, their views of it); none on one process (nothing to average)
-        for (dtype, device), members in kinds.items() if self.world > 1 else ():
-            flat = torch.zeros(sum(p.numel() for p in members), dtype=dtype, device=device)
-            views, offset = [], 0
-            for p in members:
-                views.append(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
-            self.buckets.append((flat, members, views))
-
-    def __call__(self):
-        for flat, members, views in self.buckets:
-            grads = [(v, p.grad) for p, v in zip(members, views) if p.grad is not None and p.grad is not v]
-            if grads:
-                torch._foreach_copy_([v for v, _ in grads], [g for _, g in grads])
-            unused = [v for p, v in zip(members, views) if p.grad is None]
-            if unused:  # zeros from this rank, so that every rank reduces the same buffer
-                torch._foreach_zero_(unused)
-            flat.mul_(1.0 / self.world)  # as DDP: each rank's share scaled before the sum
-            dist.all_reduce(flat, group=self.group)
-            for p, v in zip(members, views):
-                p.grad = v
-
-    def any(self, flag):
-        """`flag` (a 0-d tensor, nonzero = true) made true on every rank where it is on one (an all-reduce of its max)."""
-        flag = flag.to(torch.float32).reshape(1)
-        if self.world > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return flag[0]
 
 
 class Lockstep:
@@ -163,9 +124,13 @@ class DDPStep:
         if cuda_graph and self.reason is None and getattr(self.ddp, "_cat_fast_accumulation_stream", None) is None:
             self.capture_reason = accumulators_off_the_default_stream(self.ddp)
         own = {id(p) for p in self.planner.parameters()}  # averaged by their own gradient hooks
-        self.average = GradientAverager([p for p in params if id(p) not in own])
-        # the ranks' agreement on each step's graph (a collective call: every rank builds its CapturedStep together)
-        self.lockstep = Lockstep() if cuda_graph and self.reason is None and self.capture_reason is None else None
+        # the ranks' host-side agreement: on each step's graph, and on redoing an overlapped average (a collective
+        # call: every rank builds its CapturedStep together)
+        host = Lockstep() if self.reason is None and self.capture_reason is None else None
+        self.lockstep = host if cuda_graph else None
+        agree = (lambda flag: not host.all(not flag)) if host is not None else None
+        bucket_mb = getattr(self.ddp, "bucket_bytes_cap", BUCKET_MB * 2**20) / 2**20  # DDP's bucket_cap_mb
+        self.average = GradientAverager([p for p in params if id(p) not in own], agree=agree, bucket_mb=bucket_mb)
 
     def check(self):
         if self.capture_reason is not None:

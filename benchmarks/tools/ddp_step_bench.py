@@ -98,7 +98,7 @@ def _ddp(model, device, use_ddp, comm_hook, bucket_mb):
     return wrapped
 
 
-def _training_step(call, objective, model, device, batch_size, tokens, captured):
+def _training_step(call, objective, model, device, batch_size, tokens, captured, overlap=True):
     """(step, whole): one training step on this rank's batch as a call without arguments, and the CapturedStep
     (None unless `captured`)."""
     gpu = device.type == "cuda"
@@ -112,6 +112,8 @@ def _training_step(call, objective, model, device, batch_size, tokens, captured)
         from cat_fast.step import CapturedStep
 
         whole = CapturedStep(call, optimizer, autocast=dtype, strict=True)
+        if whole._ddp is not None:  # the all-reduce after the backward instead of overlapped with it
+            whole._ddp.average.overlap = overlap
 
     def step():
         if captured:
@@ -175,13 +177,13 @@ def _write_profile(step, device, directory, tag):
 
 
 def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None, comm_hook=None, bucket_mb=None,
-          captured=False):
+          captured=False, overlap=True):
     batch_size, tokens = (int(x) for x in size.lower().split("x"))
     model = make_model(device, tiny)
     wrapped = _ddp(model, device, use_ddp, comm_hook, bucket_mb)
     objective = make_objective(method, model, tiny)
     call = D.DistributedObjective(objective, wrapped) if wrapped is not None else objective
-    step, whole = _training_step(call, objective, model, device, batch_size, tokens, captured)
+    step, whole = _training_step(call, objective, model, device, batch_size, tokens, captured, overlap)
     seconds = _seconds_per_step(step, device, warmup, steps)
     host = _host_seconds(step, device)
     if profile:
@@ -192,6 +194,9 @@ def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None,
     extra = {} if graphs is None else {"cat_graphs": graphs.num_graphs, "replays_in_forward": graphs.replays_in_forward}
     if captured:
         extra.update(captured_graphs=whole.num_graphs, replayed_steps=whole.num_replays)
+        if whole._ddp is not None:  # buckets of the last captured (or eager) step reduced during its backward
+            average = whole._ddp.average
+            extra.update(overlap=average.overlap, buckets=len(average.buckets), overlapped=average.overlapped)
     return {"method": method, "world": world, "ddp": wrapped is not None, "size": size, **extra,
             "comm_hook": comm_hook if wrapped is not None else None, "bucket_mb": bucket_mb,
             "nccl_max_ctas": os.environ.get("NCCL_MAX_CTAS"),
@@ -218,6 +223,8 @@ def main(argv=None):
     parser.add_argument("--profile", default=None, metavar="DIR", help="write per-rank torch.profiler tables to DIR")
     parser.add_argument("--captured", action="store_true", help="each step one cat_fast CapturedStep (a CUDA graph "
                         "with the gradient all-reduce inside; eager on the CPU)")
+    parser.add_argument("--no-overlap", action="store_true", help="with --captured: the gradient all-reduce after "
+                        "the backward (the default overlaps it, bucket by bucket)")
     args = parser.parse_args(argv)
     size = args.size or ("4x32" if args.tiny else "64x256")
     warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 5)
@@ -233,7 +240,8 @@ def main(argv=None):
                 print(json.dumps(row), flush=True)
         for method in args.methods:
             row = bench(method, device, size, args.tiny, warmup, steps, use_ddp=not args.no_ddp, profile=args.profile,
-                        comm_hook=args.comm_hook, bucket_mb=args.bucket_mb, captured=args.captured)
+                        comm_hook=args.comm_hook, bucket_mb=args.bucket_mb, captured=args.captured,
+                        overlap=not args.no_overlap)
             if rank == 0:
                 print(json.dumps(row), flush=True)
     finally:

@@ -1,0 +1,211 @@
+"""The gradient average of a step that runs outside DDP's forward (`cat_fast.step_ddp`), overlapped with the backward.
+
+`GradientAverager` keeps each dtype's gradients in one flat buffer made once, cut into buckets of about
+``bucket_mb`` MiB in the reverse order of the parameters (the order a backward finishes them). Each bucket is scaled
+by 1/world, as DDP scales its share, and all-reduced; each ``.grad`` is then its view of the result.
+
+Overlap. A step is bracketed by ``begin(key)`` before its backward and ``averager()`` after it. Parameters carry
+post-accumulate-grad hooks; while a step is open they count, per parameter, the accumulations into ``.grad``. How
+many a step of a given ``key`` makes (one for most steps; more where an objective runs a backward inside the
+backward, as low-memory first-order GS does; none for an unused parameter) is learned from the first step of that
+key, which averages after its backward as without overlap. In later steps of the key, a bucket whose parameters
+have all reached their counts is reduced at once, while the backward goes on: on a GPU on a stream of its own that
+waits for the accumulations (inside a CUDA-graph capture that stream joins the capture, so the replayed graph
+overlaps the same way), on the CPU as an asynchronous collective. Buckets are reduced strictly in index order, so
+that every rank issues the same collectives in the same order whatever its backward's timing; ``averager()``
+reduces the buckets left and joins the stream.
+
+A parameter that accumulates again after its bucket was reduced (a step whose path differs from its key's first
+step) would leave that bucket's average stale. Each rank notes it; the ranks agree on a host-side group (`agree`,
+no GPU synchronisation) whether any rank saw it, and if one did, every rank reduces every bucket again after the
+backward, so the result is always the average of the complete gradients.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["GradientAverager", "BUCKET_MB"]
+
+BUCKET_MB = 25.0  # DDP's default bucket_cap_mb
+
+
+class _Bucket:
+    __slots__ = ("flat", "members", "views", "index")
+
+    def __init__(self, flat, members, views, index):
+        self.flat, self.members, self.views, self.index = flat, members, views, index
+
+
+class GradientAverager:
+    """``begin(key)``, the backward, then ``averager()``: the gradients of `params` averaged over the ranks of
+    `group` in place of DDP's reducer (module docstring). ``overlap=False`` reduces every bucket after the backward.
+    `agree` (``callable(bool) -> bool``, true where true on any rank; host-side) is needed for the overlap."""
+
+    def __init__(self, params, group=None, *, overlap: bool = True, bucket_mb: float = BUCKET_MB, agree=None):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.overlap = bool(overlap) and agree is not None
+        self.agree = agree
+        kinds = {}
+        for p in params:
+            kinds.setdefault((p.dtype, p.device), []).append(p)
+        self.buckets = []  # none on one process (nothing to average)
+        self._bucket_of = {}  # id(param) -> (bucket, its position there)
+        for (dtype, device), members in kinds.items() if self.world > 1 else ():
+            members = members[::-1]  # the backward's order
+            flat = torch.zeros(sum(p.numel() for p in members), dtype=dtype, device=device)
+            cap = max(1, int(bucket_mb * 2**20) // flat.element_size())
+            offset, start, group_members = 0, 0, []
+            for i, p in enumerate(members):
+                group_members.append(p)
+                offset += p.numel()
+                if offset - start >= cap or i == len(members) - 1:
+                    self._add_bucket(flat, start, offset, group_members)
+                    start, group_members = offset, []
+        self.overlapped = 0  # buckets of the last step reduced while its backward ran
+        self._counts = {}  # key -> accumulations per parameter in a step of that key
+        self._open = None  # the open step's state (`begin`)
+        self._streams = {}
+        self._handles = []
+        if self.overlap and self.buckets:
+            ref = weakref.ref(self)
+
+            def hook(p, ref=ref):
+                averager = ref()
+                if averager is not None and averager._open is not None:
+                    averager._accumulated(p)
+
+            self._handles = [p.register_post_accumulate_grad_hook(hook) for b in self.buckets for p in b.members]
+            weakref.finalize(self, _remove, self._handles)  # the parameters outlive the averager: no idle hooks
+
+    def _add_bucket(self, flat, start, end, members):
+        views, offset = [], start
+        for p in members:
+            views.append(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        bucket = _Bucket(flat[start:end], list(members), views, len(self.buckets))
+        for position, p in enumerate(members):
+            self._bucket_of[id(p)] = (bucket, position)
+        self.buckets.append(bucket)
+
+    def close(self):
+        """Removes the parameters' hooks."""
+        _remove(self._handles)
+
+    # ------------------------------------------------------------------ one step
+    def begin(self, key=None):
+        """Opens a step of `key` (what decides its backward's path: the objective's plan key)."""
+        if not self.buckets:
+            return
+        expected = self._counts.get(key) if self.overlap else None
+        self._open = {"key": key, "seen": {}, "expected": expected, "left": None, "next": 0, "launched": set(),
+                      "stale": False, "works": [], "stream": None}
+        if expected is not None:
+            self._open["left"] = [sum(expected.get(id(p), 0) for p in b.members) for b in self.buckets]
+
+    def _accumulated(self, p):
+        step = self._open
+        seen = step["seen"]
+        seen[id(p)] = seen.get(id(p), 0) + 1
+        located = self._bucket_of.get(id(p))
+        if step["expected"] is None or located is None:
+            return
+        bucket = located[0]
+        if bucket.index in step["launched"] or seen[id(p)] > step["expected"].get(id(p), 0):
+            step["stale"] = True  # an accumulation its key's first step did not make
+            return
+        step["left"][bucket.index] -= 1
+        while step["next"] < len(self.buckets) and step["left"][step["next"]] == 0:
+            self._launch(self.buckets[step["next"]])
+            step["next"] += 1
+
+    def _launch(self, bucket):
+        """Copies `bucket`'s gradients into its buffer (zeros for a parameter without one), scales and all-reduces
+        it: on a GPU on the averager's stream, after the work queued so far on the current stream."""
+        step = self._open
+        step["launched"].add(bucket.index)
+        cuda = bucket.flat.is_cuda
+        if cuda:
+            device = bucket.flat.device
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            step["stream"] = stream
+            with torch.cuda.stream(stream):
+                self._fill(bucket, None if _capturing(bucket.flat) else stream)
+                dist.all_reduce(bucket.flat, group=self.group)
+        else:
+            self._fill(bucket, None)
+            step["works"].append(dist.all_reduce(bucket.flat, group=self.group, async_op=True))
+
+    def _fill(self, bucket, stream):
+        grads = [(v, p.grad) for p, v in zip(bucket.members, bucket.views) if p.grad is not None and p.grad is not v]
+        if grads:
+            if stream is not None:  # read on another stream than the one that made them
+                for _, g in grads:
+                    g.record_stream(stream)
+            torch._foreach_copy_([v for v, _ in grads], [g for _, g in grads])
+        unused = [v for p, v in zip(bucket.members, bucket.views) if p.grad is None]
+        if unused:  # zeros from this rank, so that every rank reduces the same buffer
+            torch._foreach_zero_(unused)
+        bucket.flat.mul_(1.0 / self.world)  # as DDP: each rank's share scaled before the sum
+
+    def __call__(self):
+        """Closes the step (the backward is done): reduces the buckets left, joins, sets each ``.grad``."""
+        if not self.buckets:
+            return
+        if self._open is None:
+            self.begin(None)
+        step = self._open
+        try:
+            stale = step["stale"]
+            if self.overlap and _capturing(self.buckets[0].flat):
+                if stale:  # fails the capture on this rank: the ranks then run this step eagerly, and agree there
+                    raise RuntimeError("a parameter accumulated a gradient after its bucket was averaged (this step's "
+                                       "backward differs from the first of its kind)")
+            elif self.overlap:
+                stale = self.agree(stale)  # every rank redoes where one must (the same collectives on every rank)
+            self.overlapped = 0 if stale else len(step["launched"])
+            if stale:
+                self._join()  # the first reduces are done before their buffers are filled again
+            for bucket in self.buckets:
+                if bucket.index not in step["launched"] or stale:
+                    self._launch(bucket)
+            self._join()
+            if self.overlap and step["seen"] != step["expected"]:
+                self._counts[step["key"]] = dict(step["seen"])
+        finally:
+            self._open = None
+        for bucket in self.buckets:
+            for p, v in zip(bucket.members, bucket.views):
+                p.grad = v
+
+    def _join(self):
+        """The current stream waits for the averager's (GPU); the asynchronous collectives are waited for (CPU)."""
+        step = self._open
+        for work in step["works"]:
+            work.wait()
+        step["works"] = []
+        if step["stream"] is not None:
+            torch.cuda.current_stream(step["stream"].device).wait_stream(step["stream"])
+
+    def any(self, flag):
+        """`flag` (a 0-d tensor, nonzero = true) made true on every rank where it is on one (an all-reduce of its max)."""
+        flag = flag.to(torch.float32).reshape(1)
+        if self.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return flag[0]
+
+
+def _capturing(tensor) -> bool:
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _remove(handles):
+    for handle in handles:
+        handle.remove()
+    handles.clear()

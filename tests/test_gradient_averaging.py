@@ -1,0 +1,111 @@
+"""`cat_fast.gradient_averaging.GradientAverager` on 2 processes (gloo): the average of the complete gradients in
+every step, its buckets reduced during the backward once a step's key has been seen, and the ranks' agreement when a
+step's backward accumulates where its key's first step did not."""
+import gc
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cat_fast.gradient_averaging import GradientAverager
+from cat_fast.step_ddp import Lockstep
+from tests.ranks import spawn
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 40), torch.nn.Tanh(), torch.nn.Linear(40, 30), torch.nn.Tanh(),
+                               torch.nn.Linear(30, 3))
+
+
+def _reference(model, x, passes, skip_last=False):
+    """The gradients of `passes` backwards (summed) averaged over the ranks by all_gather."""
+    model.zero_grad(set_to_none=True)
+    for _ in range(passes):
+        model(x).square().sum().backward()
+    if skip_last:
+        model[4].weight.grad = model[4].bias.grad = None
+    out = []
+    for p in model.parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        every = [torch.empty_like(g) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, g.contiguous())
+        out.append(torch.stack(every).mean(0))
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _worker(rank, out):
+    model = _model(0)
+    host = Lockstep()
+    # 256-byte buckets: the six parameters make three
+    averager = GradientAverager(list(model.parameters()), agree=lambda flag: not host.all(not flag), bucket_mb=2**-12)
+    plain = GradientAverager(list(model.parameters()), overlap=False)
+    # (key, backward passes on this rank, the last layer unused on this rank)
+    steps = [("a", 1, False), ("a", 1, False), ("b", 2, False), ("b", 2, False), ("a", 2 if rank == 1 else 1, False),
+             ("a", 1, rank == 0)]
+    rows = []
+    for i, (key, passes, skip_last) in enumerate(steps):
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(10 * i + rank))
+        want = _reference(model, x, passes, skip_last)
+        for name, avg in (("overlap", averager), ("plain", plain)):
+            model.zero_grad(set_to_none=True)
+            avg.begin(key)
+            for _ in range(passes):
+                y = model[:4](x)
+                head = y @ model[4].weight.detach().t() + model[4].bias.detach() if skip_last else model[4](y)
+                head.square().sum().backward()
+            avg()
+            got = [p.grad.clone() for p in model.parameters()]
+            error = max(float((g - w).abs().max()) for g, w in zip(got, want))
+            rows.append((i, name, avg.overlapped, error, len(avg.buckets)))
+    weight = model[0].weight
+    before = len(weight._post_accumulate_grad_hooks or {})
+    del averager
+    gc.collect()
+    rows.append(("hooks", before, len(weight._post_accumulate_grad_hooks or {})))
+    torch.save(rows, f"{out}.{rank}")
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("averager")
+    spawn(_worker, str(tmp / "out"), tmp_path=tmp, world=2)
+    return [torch.load(f"{tmp / 'out'}.{r}", weights_only=False) for r in range(2)]
+
+
+def test_every_step_averages_the_complete_gradients(spawned):
+    for rank, rows in enumerate(spawned):
+        for step, name, _, error, buckets in rows[:-1]:
+            assert buckets == (3 if name == "overlap" else 1)
+            assert error < 1e-6, (rank, step, name, error)
+
+
+def test_buckets_are_reduced_during_the_backward_once_the_key_is_known(spawned):
+    """Step 0 and step 2 are the first of their keys (after the backward); steps 1 and 3 reduce every bucket while
+    the backward runs; without overlap none."""
+    for rows in spawned:
+        overlapped = {step: n for step, name, n, _, _ in rows[:-1] if name == "overlap"}
+        buckets = rows[0][4]
+        assert overlapped[0] == 0 and overlapped[2] == 0
+        assert overlapped[1] == buckets and overlapped[3] == buckets
+        assert all(n == 0 for _, name, n, _, _ in rows[:-1] if name == "plain")
+
+
+def test_a_backward_that_differs_from_its_keys_first_is_redone_on_every_rank(spawned):
+    """Step 4: rank 1 runs two backwards where key "a"'s first step ran one; both ranks redo the average (nothing
+    counted as overlapped), and both get the average of the complete gradients. Step 5: a layer unused on rank 0
+    (zeros from it) gives its accumulations fewer than expected, so its buckets wait for the end of the backward."""
+    for rows in spawned:
+        overlapped = {step: n for step, name, n, _, _ in rows[:-1] if name == "overlap"}
+        assert overlapped[4] == 0
+        assert overlapped[5] < rows[0][4]
+
+
+def test_the_hooks_go_with_the_averager(spawned):
+    """The parameters outlive the averager; its hooks do not (the plain averager, overlap off, has none)."""
+    for rows in spawned:
+        name, before, after = rows[-1]
+        assert name == "hooks" and before == 1 and after == 0
