@@ -31,6 +31,11 @@ What it refuses or runs eagerly, with the reason:
   support): that signature runs eagerly, with one warning naming the error; the results are the same.
 Signatures beyond ``max_graphs`` run eagerly (pad batches to a few lengths: `cat_fast.data.length_buckets`).
 
+With the training layers' packed path on (`cat_fast.layers.training.PACKED`, off by default), a batch with a 2-D
+``attention_mask`` adds its real-token count, rounded up to eighths of its rows (`layers.packing.bucket`), to the
+signature: each graph runs the layers' row-wise work on that many rows (`layers.packing.static_rows`). Reading the
+count is one host synchronisation per step.
+
 ``strict=True``: an objective whose step cannot be planned raises `NotCapturable` on every device (by default it
 runs eagerly where nothing is captured: on the CPU and with ``cuda_graph=False``).
 
@@ -55,6 +60,8 @@ from typing import Callable, Hashable, Optional
 import torch
 
 from . import graphs as cuda_graphs
+from .layers import packing
+from .layers import training as training_layers
 
 __all__ = ["CapturedStep", "NotCapturable", "StepPlan"]
 
@@ -84,6 +91,18 @@ def _hyper_parameters(optimizer):
     """The optimizer's plain-number settings per group (those a capture bakes into the graph)."""
     return [tuple(sorted((k, v) for k, v in group.items() if isinstance(v, (int, float, bool))))
             for group in optimizer.param_groups]
+
+
+def _static_rows(batch):
+    """With the training layers' packed path on (`layers.training.PACKED`): the real rows of the batch's 2-D
+    ``attention_mask`` rounded up to a bucket (`layers.packing.bucket`), the row count its graph packs; else None.
+    Reading the count is one host synchronisation per step, paid only with the packed path on."""
+    if not training_layers.PACKED or not isinstance(batch, dict):
+        return None
+    mask = batch.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return None
+    return packing.bucket(int(mask.count_nonzero()), mask.numel(), training_layers.PACKED_MIN_PADDING)
 
 
 def _detached(loss, info):
@@ -195,13 +214,14 @@ class CapturedStep(cuda_graphs.CachedGraphs):
             return loss, info
         plan = self._plan(batch, args)
         inputs = (batch, args, plan.tensors)
-        sig = self.cache.signature(inputs, plan.key)
+        rows = _static_rows(batch)
+        sig = self.cache.signature(inputs, plan.key if rows is None else (plan.key, ("rows", rows)))
         lockstep = self._ddp.lockstep if self._ddp is not None else None
         if lockstep is not None:  # every rank's signature in the key: the ranks capture and replay together
             sig = lockstep.key(sig)
         entry = self.cache.get(sig)
         if entry is None and self.cache.admit(sig, warmup=self.warmup_steps):
-            entry = self._capture(sig, plan, inputs)
+            entry = self._capture(sig, plan, inputs, rows)
             if lockstep is not None and not lockstep.all(entry is not None):
                 entry = self.cache.discard(sig)  # failed on another rank: eager on every rank
         if entry is None:  # a warm-up step, a failed capture or a signature beyond max_graphs
@@ -222,15 +242,21 @@ class CapturedStep(cuda_graphs.CachedGraphs):
             self.optimizer.zero_grad(set_to_none=True)
         return loss, info
 
-    def _capture(self, sig, plan, inputs):
+    def _capture(self, sig, plan, inputs, rows=None):
         """The step's graphs for this signature (the capture runs nothing on the GPU: the caller replays it for this
-        batch), or None when the capture fails (this signature then runs eagerly)."""
+        batch), or None when the capture fails (this signature then runs eagerly). `rows`: the training layers'
+        static real-row count in this graph (`_static_rows`), or None."""
 
         def build(static):
             batch, args, tensors = static
             static_plan = StepPlan(key=plan.key, state=plan.state, tensors=tensors, generators=plan.generators,
                                    before_replay=plan.before_replay)
-            return {"step": lambda: self._eager(static_plan, batch, args)}
+
+            def step():
+                with packing.static_rows(rows):
+                    return self._eager(static_plan, batch, args)
+
+            return {"step": step}
 
         def failed(reason):
             return (f"cat_fast CapturedStep: the CUDA-graph capture of a {type(self._planner).__name__} step failed "

@@ -9,18 +9,56 @@ fewer than `min_padding` of the rows are padding. One host synchronisation per m
 the last mask tensor while it is alive and unchanged (its version counter), so the layers of one forward share it.
 ``attend`` and ``attention_backward`` run the attention of N packed projection rows in the padded layout and
 differentiate it; ``scatter`` writes N rows into a copy of the full rows.
+
+Static row counts, for CUDA graphs (`cat_fast.step.CapturedStep`), whose shapes cannot depend on the data: inside
+``static_rows(n)``, `real_rows` returns n indices computed on the device without a host synchronisation: the real
+rows ascending, then padding rows up to n (computed as the padded path computes them: the same values there), with a
+device-side assertion that no real row is left out (`torch._assert_async`: a loud failure, never a dropped row).
+The mask's values are not checked there (that needs the host): the step's eager warm-up steps, which read the same
+masks with the check, run first. ``bucket(n_real, total, min_padding)`` rounds a real-row count up to eighths of the
+rows, so that a run sees a handful of graphs.
 """
 from __future__ import annotations
 
+import contextlib
+import math
 import threading
 import weakref
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["real_rows", "attend", "attention_backward", "scatter"]
+__all__ = ["real_rows", "attend", "attention_backward", "scatter", "static_rows", "static_count", "bucket", "BUCKETS"]
 
 _last = threading.local()  # .entry: (weak reference to the mask, its version, (B, T, min_padding), the result)
+_static = threading.local()  # .rows: `static_rows`'s n, or None
+BUCKETS = 8  # a step's real-row count is rounded up to a multiple of 1/BUCKETS of its rows
+
+
+@contextlib.contextmanager
+def static_rows(n: int | None):
+    """Within: `real_rows` returns `n` rows computed on the device (module docstring); None: as outside."""
+    saved = getattr(_static, "rows", None)
+    _static.rows = n
+    try:
+        yield
+    finally:
+        _static.rows = saved
+
+
+def static_count() -> int | None:
+    """`static_rows`'s n where one is set, else None."""
+    return getattr(_static, "rows", None)
+
+
+def bucket(n_real: int, total: int, min_padding: float) -> int | None:
+    """`n_real` rounded up to a multiple of ``ceil(total / BUCKETS)`` (at most `total`), or None where the rounded
+    count leaves fewer than `min_padding` of the `total` rows padding, or there is no real row (the padded path)."""
+    if n_real <= 0 or total <= 0:
+        return None
+    step = math.ceil(total / BUCKETS)
+    n = min(total, math.ceil(n_real / step) * step)
+    return n if n <= (1.0 - min_padding) * total else None
 
 
 def _real_keys(mask: torch.Tensor, B: int, T: int):
@@ -48,13 +86,17 @@ def real_rows(mask: torch.Tensor | None, B: int, T: int, min_padding: float) -> 
     mask, a mask of another form, no real row, or padding on fewer than `min_padding` of the B·T rows."""
     if mask is None:
         return None
+    n = getattr(_static, "rows", None)
     entry = getattr(_last, "entry", None)
-    key = (B, T, min_padding)
+    key = (B, T, min_padding, n)
     if entry is not None and entry[0]() is mask and entry[1] == mask._version and entry[2] == key:
         return entry[3]
     found = _real_keys(mask, B, T)
     idx = None
-    if found is not None:
+    if n is not None:
+        if found is not None and n < B * T:
+            idx = _static_real_rows(found[0], n)
+    elif found is not None:
         real, ok = found
         if ok is None or bool(ok):
             idx = real.reshape(-1).nonzero().squeeze(1)
@@ -62,6 +104,14 @@ def real_rows(mask: torch.Tensor | None, B: int, T: int, min_padding: float) -> 
                 idx = None
     _last.entry = (weakref.ref(mask), mask._version, key, idx)
     return idx
+
+
+def _static_real_rows(real: torch.Tensor, n: int) -> torch.Tensor:
+    """`n` row indices, the real rows of the [B, T] mask `real` first (ascending), then padding rows (ascending); on
+    the device, asserting there that the real rows number at most `n`."""
+    flat = real.reshape(-1)
+    torch._assert_async(flat.sum() <= n)
+    return torch.sort((~flat).to(torch.uint8), stable=True).indices[:n]
 
 
 def attend(qkv_leaf, shape, attn_mask, p, scale, idx):

@@ -284,3 +284,78 @@ def test_packed_on_cuda_agrees_and_a_capture_runs_padded(autocast, monkeypatch, 
     packed_runs.clear()
     _run(layer, x, mask, g, True, monkeypatch)
     assert packed_runs == [False]
+
+
+# ----------------------------------------------------------------------------- static row counts (captured steps)
+
+@pytest.mark.parametrize("extra", [0, 5], ids=["exact", "with_padding_rows"])
+def test_static_rows_equal_the_padded_path(extra, monkeypatch, packed_runs):
+    """`packing.static_rows(n)` (what a captured step runs under): the real rows and n − N padding rows, computed on
+    the device. Real rows and every gradient are the padded path's; the padding rows it computes are the padded
+    path's too (computed alike), the others the input's."""
+    lengths, T = [9, 4, 6, 3], 9
+    layer = _layer()
+    real = _real(lengths, T)
+    mask = models.inputs._padding_mask_4d(real.long())
+    x = torch.randn(4, T, D, dtype=torch.float64)
+    g = torch.randn(4, T, D, dtype=torch.float64) * real[..., None]
+    y_pad, grads_pad = _run(layer, x, mask, g, False, monkeypatch)
+    n = int(real.sum()) + extra
+    with packing.static_rows(n):
+        y, grads = _run(layer, x, mask, g, True, monkeypatch)
+    assert packed_runs == [False, True]
+    torch.testing.assert_close(y[real], y_pad[real], rtol=1e-12, atol=1e-12)
+    padding = (~real).reshape(-1).nonzero().squeeze(1)
+    computed, copied = padding[:extra], padding[extra:]
+    torch.testing.assert_close(y.reshape(-1, D)[computed], y_pad.reshape(-1, D)[computed], rtol=1e-12, atol=1e-12)
+    assert torch.equal(y.reshape(-1, D)[copied], x.reshape(-1, D)[copied])
+    for a, b in zip(grads, grads_pad):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_static_rows_fewer_than_the_real_rows_fail_loudly(monkeypatch):
+    """A static count below the real rows would drop real rows: the device-side assertion fails instead."""
+    real = _real([9, 4, 6, 3], 9)
+    mask = models.inputs._padding_mask_4d(real.long())
+    with packing.static_rows(int(real.sum()) - 1), pytest.raises(RuntimeError):
+        packing.real_rows(mask, 4, 9, training_layer.PACKED_MIN_PADDING)
+    with packing.static_rows(int(real.sum())):
+        idx = packing.real_rows(mask, 4, 9, training_layer.PACKED_MIN_PADDING)
+    assert torch.equal(idx, real.reshape(-1).nonzero().squeeze(1))
+    assert packing.static_count() is None  # the context restores it
+
+
+@pytest.mark.parametrize("n_real, total, want", [(22, 36, 25), (1, 36, 5), (30, 36, 30), (31, 36, None), (0, 36, None),
+                                                 (32, 32, None), (17, 32, 20), (8, 8, None)])
+def test_bucket_rounds_up_to_eighths_of_the_rows(n_real, total, want):
+    """Rounded up to a multiple of ceil(total / 8); None where that leaves less than 1/8 padding or no real row."""
+    assert packing.bucket(n_real, total, training_layer.PACKED_MIN_PADDING) == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_erm_step_with_packed_layers_equals_padded(monkeypatch):
+    """`CapturedStep(ERM(fast=True))` with the packed path on: each graph packs its batch's real rows rounded up
+    to a bucket (the graph count grows with the buckets, and replays happen); eval mode, the same losses and weights
+    as the padded captured step, to fp32 rounding."""
+    from cat_fast.step import CapturedStep
+
+    lengths = [[40, 17, 25, 9], [33, 12, 20, 21], [40, 17, 25, 9], [33, 12, 20, 21], [40, 38, 39, 40]]
+    results = {}
+    for packed in (False, True):
+        monkeypatch.setattr(training_layer, "PACKED", packed)
+        model = tiny_model("bert", attn="sdpa", num_layers=2, hidden_size=64, num_attention_heads=4,
+                           intermediate_size=256, seed=0).cuda().eval()
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"), capturable=True)
+        step = CapturedStep(ERM(model, fast=True), opt, warmup_steps=1)
+        losses = []
+        for i, ls in enumerate(lengths * 2):
+            batch = tiny_batch("bert", batch=4, length=40, seed=i % len(lengths))
+            batch["attention_mask"] = _padding_mask(ls, 40)
+            batch = {k: v.cuda() for k, v in batch.items()}
+            losses.append(float(step(batch)[0]))
+        results[packed] = losses, [p.detach().clone() for p in model.parameters()], step.num_graphs, step.num_replays
+    (losses, weights, graphs, replays), (want_losses, want_weights, _, _) = results[True], results[False]
+    assert graphs >= 2 and replays >= 4
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-4, atol=1e-5)
+    for a, b in zip(weights, want_weights):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
