@@ -78,7 +78,8 @@ class GradientAverager:
                 if averager is not None and averager._open is not None:
                     averager._accumulated(p)
 
-            self._handles = [p.register_post_accumulate_grad_hook(hook) for b in self.buckets for p in b.members]
+            self._handles = [p.register_post_accumulate_grad_hook(hook) for b in self.buckets for p in b.members
+                             if p.requires_grad]
             weakref.finalize(self, _remove, self._handles)  # the parameters outlive the averager: no idle hooks
 
     def _add_bucket(self, flat, start, end, members):
@@ -105,6 +106,14 @@ class GradientAverager:
                       "stale": False, "works": [], "stream": None}
         if expected is not None:
             self._open["left"] = [sum(expected.get(id(p), 0) for p in b.members) for b in self.buckets]
+
+    def abandon(self):
+        """Closes a step whose backward did not complete (an exception): nothing more is counted or reduced."""
+        if self._open is not None:
+            try:
+                self._join()
+            finally:
+                self._open = None
 
     def _accumulated(self, p):
         step = self._open

@@ -163,15 +163,20 @@ class CapturedStep(cuda_graphs.CachedGraphs):
         reducer averages)."""
         device_type = next(iter(self.params)).device.type if self.params else "cpu"
         ddp = self._ddp if plan is not None else None
-        with torch.autocast(device_type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
-            if plan is None:
-                loss, info = self.objective(batch, *args)
-            else:
-                if ddp is not None:  # counts the backward's gradient accumulations from here (overlap)
-                    ddp.average.begin(plan.key)
-                with ddp.outside_forward() if ddp is not None else contextlib.nullcontext():
-                    loss, info = self._planner.planned_step(plan, batch, *args)
-        loss.backward()
+        if ddp is not None:  # counts the backward's gradient accumulations from here (overlap)
+            ddp.average.begin(plan.key)
+        try:
+            with torch.autocast(device_type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+                if plan is None:
+                    loss, info = self.objective(batch, *args)
+                else:
+                    with ddp.outside_forward() if ddp is not None else contextlib.nullcontext():
+                        loss, info = self._planner.planned_step(plan, batch, *args)
+            loss.backward()
+        except BaseException:
+            if ddp is not None:
+                ddp.average.abandon()
+            raise
         if ddp is not None:
             ddp.average()
         norm = bad = None

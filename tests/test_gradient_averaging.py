@@ -61,6 +61,25 @@ def _worker(rank, out):
             got = [p.grad.clone() for p in model.parameters()]
             error = max(float((g - w).abs().max()) for g, w in zip(got, want))
             rows.append((i, name, avg.overlapped, error, len(avg.buckets)))
+    # a step abandoned after part of its backward (an exception there): its launched bucket is waited for, nothing is
+    # counted, and the next step of its key is whole
+    partial = []
+    for key_step in range(3):
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(500 + key_step + rank))
+        want = _reference(model, x, 1)
+        model.zero_grad(set_to_none=True)
+        averager.begin("c")
+        if key_step == 1:
+            model[4](torch.randn(5, 30)).square().sum().backward()  # the head only: bucket 0
+            partial.append(len(averager._open["launched"]))
+            averager.abandon()
+            partial.append(averager._open is None)  # a backward from here on is not counted
+            model.zero_grad(set_to_none=True)
+            averager.begin("c")
+        model(x).square().sum().backward()
+        averager()
+        partial.append(max(float((p.grad - w).abs().max()) for p, w in zip(model.parameters(), want)))
+    rows.append(("abandoned", partial))
     weight = model[0].weight
     before = len(weight._post_accumulate_grad_hooks or {})
     del averager
@@ -78,7 +97,7 @@ def spawned(tmp_path_factory):
 
 def test_every_step_averages_the_complete_gradients(spawned):
     for rank, rows in enumerate(spawned):
-        for step, name, _, error, buckets in rows[:-1]:
+        for step, name, _, error, buckets in rows[:-2]:
             assert buckets == (3 if name == "overlap" else 1)
             assert error < 1e-6, (rank, step, name, error)
 
@@ -87,11 +106,11 @@ def test_buckets_are_reduced_during_the_backward_once_the_key_is_known(spawned):
     """Step 0 and step 2 are the first of their keys (after the backward); steps 1 and 3 reduce every bucket while
     the backward runs; without overlap none."""
     for rows in spawned:
-        overlapped = {step: n for step, name, n, _, _ in rows[:-1] if name == "overlap"}
+        overlapped = {step: n for step, name, n, _, _ in rows[:-2] if name == "overlap"}
         buckets = rows[0][4]
         assert overlapped[0] == 0 and overlapped[2] == 0
         assert overlapped[1] == buckets and overlapped[3] == buckets
-        assert all(n == 0 for _, name, n, _, _ in rows[:-1] if name == "plain")
+        assert all(n == 0 for _, name, n, _, _ in rows[:-2] if name == "plain")
 
 
 def test_a_backward_that_differs_from_its_keys_first_is_redone_on_every_rank(spawned):
@@ -99,7 +118,7 @@ def test_a_backward_that_differs_from_its_keys_first_is_redone_on_every_rank(spa
     counted as overlapped), and both get the average of the complete gradients. Step 5: a layer unused on rank 0
     (zeros from it) gives its accumulations fewer than expected, so its buckets wait for the end of the backward."""
     for rows in spawned:
-        overlapped = {step: n for step, name, n, _, _ in rows[:-1] if name == "overlap"}
+        overlapped = {step: n for step, name, n, _, _ in rows[:-2] if name == "overlap"}
         assert overlapped[4] == 0
         assert overlapped[5] < rows[0][4]
 
@@ -109,3 +128,12 @@ def test_the_hooks_go_with_the_averager(spawned):
     for rows in spawned:
         name, before, after = rows[-1]
         assert name == "hooks" and before == 1 and after == 0
+
+
+def test_an_abandoned_step_leaves_the_next_whole(spawned):
+    """Key "c": a whole step (counted), then a backward of the head only, abandoned after its bucket was launched,
+    then whole steps: each the average of its complete gradients."""
+    for rows in spawned:
+        name, (first, launched, closed, second, third) = rows[-2]
+        assert name == "abandoned" and launched == 1 and closed
+        assert max(first, second, third) < 1e-6
