@@ -27,9 +27,10 @@ import weakref
 import torch
 import torch.distributed as dist
 
-__all__ = ["GradientAverager", "BUCKET_MB"]
+__all__ = ["GradientAverager", "BUCKET_MB", "OVERLAP"]
 
 BUCKET_MB = 25.0  # DDP's default bucket_cap_mb
+OVERLAP = True  # the averagers made from here on overlap (False: every bucket after the backward, for comparisons)
 
 
 class _Bucket:
@@ -41,19 +42,20 @@ class _Bucket:
 
 class GradientAverager:
     """``begin(key)``, the backward, then ``averager()``: the gradients of `params` averaged over the ranks of
-    `group` in place of DDP's reducer (module docstring). ``overlap=False`` reduces every bucket after the backward.
-    `agree` (``callable(bool) -> bool``, true where true on any rank; host-side) is needed for the overlap."""
+    `group` in place of DDP's reducer (module docstring). ``overlap=False`` reduces every bucket after the backward
+    (None: `OVERLAP`). `agree` (``callable(bool) -> bool``, true where true on any rank; host-side) is needed for
+    the overlap. ``overlapped``: the buckets of the last step reduced while its backward ran."""
 
-    def __init__(self, params, group=None, *, overlap: bool = True, bucket_mb: float = BUCKET_MB, agree=None):
+    def __init__(self, params, group=None, *, overlap: bool | None = None, bucket_mb: float = BUCKET_MB, agree=None):
         self.group = group
         self.world = dist.get_world_size(group)
-        self.overlap = bool(overlap) and agree is not None
+        self.overlap = bool(OVERLAP if overlap is None else overlap) and agree is not None
         self.agree = agree
         kinds = {}
         for p in params:
             kinds.setdefault((p.dtype, p.device), []).append(p)
         self.buckets = []  # none on one process (nothing to average)
-        self._bucket_of = {}  # id(param) -> (bucket, its position there)
+        self._bucket_of = {}  # id(param) -> its bucket
         for (dtype, device), members in kinds.items() if self.world > 1 else ():
             members = members[::-1]  # the backward's order
             flat = torch.zeros(sum(p.numel() for p in members), dtype=dtype, device=device)
@@ -88,13 +90,9 @@ class GradientAverager:
             views.append(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
         bucket = _Bucket(flat[start:end], list(members), views, len(self.buckets))
-        for position, p in enumerate(members):
-            self._bucket_of[id(p)] = (bucket, position)
+        for p in members:
+            self._bucket_of[id(p)] = bucket
         self.buckets.append(bucket)
-
-    def close(self):
-        """Removes the parameters' hooks."""
-        _remove(self._handles)
 
     # ------------------------------------------------------------------ one step
     def begin(self, key=None):
@@ -119,10 +117,9 @@ class GradientAverager:
         step = self._open
         seen = step["seen"]
         seen[id(p)] = seen.get(id(p), 0) + 1
-        located = self._bucket_of.get(id(p))
-        if step["expected"] is None or located is None:
+        bucket = self._bucket_of.get(id(p))
+        if step["expected"] is None or bucket is None:
             return
-        bucket = located[0]
         if bucket.index in step["launched"] or seen[id(p)] > step["expected"].get(id(p), 0):
             step["stale"] = True  # an accumulation its key's first step did not make
             return
@@ -203,7 +200,8 @@ class GradientAverager:
             torch.cuda.current_stream(step["stream"].device).wait_stream(step["stream"])
 
     def any(self, flag):
-        """`flag` (a 0-d tensor, nonzero = true) made true on every rank where it is on one (an all-reduce of its max)."""
+        """`flag` (a 0-d tensor, nonzero = true) made true on every rank where it is on one (an all-reduce of its
+        max)."""
         flag = flag.to(torch.float32).reshape(1)
         if self.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)

@@ -151,6 +151,12 @@ class CapturedStep(cuda_graphs.CachedGraphs):
         self._planner = self._ddp.planner if self._ddp is not None else objective  # plan_step, planned_step
 
     @property
+    def gradient_averager(self):
+        """Under DDP, the `cat_fast.gradient_averaging.GradientAverager` of the planned steps (its ``buckets``, and
+        ``overlapped``: those of the last captured or eager step reduced during its backward); else None."""
+        return self._ddp.average if self._ddp is not None else None
+
+    @property
     def num_replays(self) -> int:
         """Steps that replayed a graph."""
         return sum(entry.replays["step"] for entry in self.cache.entries.values() if entry is not None)

@@ -109,11 +109,11 @@ def _training_step(call, objective, model, device, batch_size, tokens, captured,
     dtype = torch.bfloat16
     whole = None
     if captured:
+        from cat_fast import gradient_averaging
         from cat_fast.step import CapturedStep
 
+        gradient_averaging.OVERLAP = overlap  # False: the all-reduce after the backward instead of overlapped with it
         whole = CapturedStep(call, optimizer, autocast=dtype, strict=True)
-        if whole._ddp is not None:  # the all-reduce after the backward instead of overlapped with it
-            whole._ddp.average.overlap = overlap
 
     def step():
         if captured:
@@ -194,8 +194,8 @@ def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None,
     extra = {} if graphs is None else {"cat_graphs": graphs.num_graphs, "replays_in_forward": graphs.replays_in_forward}
     if captured:
         extra.update(captured_graphs=whole.num_graphs, replayed_steps=whole.num_replays)
-        if whole._ddp is not None:  # buckets of the last captured (or eager) step reduced during its backward
-            average = whole._ddp.average
+        average = whole.gradient_averager
+        if average is not None:  # buckets of the last captured (or eager) step reduced during its backward
             extra.update(overlap=average.overlap, buckets=len(average.buckets), overlapped=average.overlapped)
     return {"method": method, "world": world, "ddp": wrapped is not None, "size": size, **extra,
             "comm_hook": comm_hook if wrapped is not None else None, "bucket_mb": bucket_mb,

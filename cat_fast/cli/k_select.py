@@ -4,9 +4,9 @@ The grid (``--k-grid``: percentages of the neurons swept, ``0.5%``, or numbers; 
 always includes k = 0, the unmasked model. Rules: ``--k-rule max-drop:D`` (default D = 3): the largest k whose
 accuracy on ``--select-dev FILE`` (a dev set that carries the bias) stays within D points of the unmasked model's
 for it and every smaller k of the grid, then the gap to the next k of the grid bisected ``--k-refine N`` times
-(default 3; `cat_fast.analysis.k_selection.refine_max_drop`); ``--k-rule best-on:FILE``: the k of the best accuracy on FILE (a small
-cue-balanced or anti-correlated set), the smallest on ties. ``k_selection.json``: the curve (k -> the accuracy on
-each scored set), the files, the rule and the chosen k.
+(default 3; `cat_fast.analysis.k_selection.refine_max_drop`); ``--k-rule best-on:FILE``: the k of the best accuracy
+on FILE (a small cue-balanced or anti-correlated set), the smallest on ties. ``k_selection.json``: the curve (k ->
+the accuracy on each scored set), the files, the rule and the chosen k.
 """
 from __future__ import annotations
 

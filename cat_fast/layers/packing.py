@@ -13,10 +13,10 @@ differentiate it; ``scatter`` writes N rows into a copy of the full rows.
 Static row counts, for CUDA graphs (`cat_fast.step.CapturedStep`), whose shapes cannot depend on the data: inside
 ``static_rows(n)``, `real_rows` returns n indices computed on the device without a host synchronisation: the real
 rows ascending, then padding rows up to n (computed as the padded path computes them: the same values there), with a
-device-side assertion that no real row is left out (`torch._assert_async`: a loud failure, never a dropped row).
-The mask's values are not checked there (that needs the host): the step's eager warm-up steps, which read the same
-masks with the check, run first. ``bucket(n_real, total, min_padding)`` rounds a real-row count up to eighths of the
-rows, so that a run sees a handful of graphs.
+device-side assertion that no real row is left out (`torch._assert_async`: a loud failure, never a dropped row); the
+mask's values (every query row the first, additive entries 0 or masking) are asserted on the device the same way.
+``bucket(n_real, total, min_padding)`` rounds a real-row count up to eighths of the rows, so that a run sees a
+handful of graphs.
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def real_rows(mask: torch.Tensor | None, B: int, T: int, min_padding: float) -> 
     mask, a mask of another form, no real row, or padding on fewer than `min_padding` of the B·T rows."""
     if mask is None:
         return None
-    n = getattr(_static, "rows", None)
+    n = static_count()
     entry = getattr(_last, "entry", None)
     key = (B, T, min_padding, n)
     if entry is not None and entry[0]() is mask and entry[1] == mask._version and entry[2] == key:
@@ -95,7 +95,7 @@ def real_rows(mask: torch.Tensor | None, B: int, T: int, min_padding: float) -> 
     idx = None
     if n is not None:
         if found is not None and n < B * T:
-            idx = _static_real_rows(found[0], n)
+            idx = _static_real_rows(*found, n)
     elif found is not None:
         real, ok = found
         if ok is None or bool(ok):
@@ -106,10 +106,13 @@ def real_rows(mask: torch.Tensor | None, B: int, T: int, min_padding: float) -> 
     return idx
 
 
-def _static_real_rows(real: torch.Tensor, n: int) -> torch.Tensor:
+def _static_real_rows(real: torch.Tensor, ok: torch.Tensor | None, n: int) -> torch.Tensor:
     """`n` row indices, the real rows of the [B, T] mask `real` first (ascending), then padding rows (ascending); on
-    the device, asserting there that the real rows number at most `n`."""
+    the device, asserting there that the real rows number at most `n` and that the mask is a key-padding mask (`ok`,
+    `_real_keys`'s check)."""
     flat = real.reshape(-1)
+    if ok is not None:
+        torch._assert_async(ok)
     torch._assert_async(flat.sum() <= n)
     return torch.sort((~flat).to(torch.uint8), stable=True).indices[:n]
 

@@ -20,11 +20,10 @@ backward (``once_differentiable``).
 ``PACKED = True`` (off by default) runs the row-wise work on the real (non-padding) rows only (`layers.packing`):
 the projections, dropouts, residual adds, LayerNorms and the feed-forward block on the N real rows of the B·T, the
 attention in the padded layout with zero projections on the padding rows (masked keys; padding queries whose
-context nobody reads). It applies in eager mode to a
-key-padding mask from which the real tokens can be read, with at least `PACKED_MIN_PADDING` of the rows padding;
-in a captured step (`CapturedStep`) with a static row count per graph, the step's real rows rounded up to eighths of
-its rows (`packing.static_rows`, `packing.bucket`; the extra rows are padding rows, computed as the padded path
-computes them).
+context nobody reads). It applies in eager mode to a key-padding mask from which the real tokens can be read, with
+at least `PACKED_MIN_PADDING` of the rows padding; in a captured step (`CapturedStep`) with a static row count per
+graph, the step's real rows rounded up to eighths of its rows (`packing.static_rows`, `packing.bucket`; the extra
+rows are padding rows, computed as the padded path computes them).
 The output's padding rows are then the layer's input rows there (finite values for a consumer that reads them;
 the padded path computes attention outputs there, which a key-padding mask keeps from every real row), and the
 input gradient there is the output gradient there (the derivative of that copy: zero in a model, where nothing

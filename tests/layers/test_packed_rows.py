@@ -325,6 +325,21 @@ def test_static_rows_fewer_than_the_real_rows_fail_loudly(monkeypatch):
     assert packing.static_count() is None  # the context restores it
 
 
+def test_static_rows_assert_a_key_padding_mask():
+    """Under a static count the mask's form is asserted on the device: a causal or biased mask fails loudly instead of
+    being read as padding."""
+    T = 9
+    forms = _mask_forms([9, 4, 6, 3], T)
+    causal = forms["bool"] & torch.ones(T, T, dtype=torch.bool).tril()
+    biased = forms["min"].clone()
+    biased[0, 0, :, 1] = -1.0
+    for mask in (causal, biased):
+        with packing.static_rows(30), pytest.raises(RuntimeError):
+            packing.real_rows(mask, 4, T, 0.0)
+    with packing.static_rows(30):
+        assert packing.real_rows(forms["min"], 4, T, 0.0).shape == (30,)
+
+
 @pytest.mark.parametrize("n_real, total, want", [(22, 36, 25), (1, 36, 5), (30, 36, 30), (31, 36, None), (0, 36, None),
                                                  (32, 32, None), (17, 32, 20), (8, 8, None)])
 def test_bucket_rounds_up_to_eighths_of_the_rows(n_real, total, want):
