@@ -31,10 +31,13 @@ What it refuses or runs eagerly, with the reason:
   support): that signature runs eagerly, with one warning naming the error; the results are the same.
 Signatures beyond ``max_graphs`` run eagerly (pad batches to a few lengths: `cat_fast.data.length_buckets`).
 
-With the training layers' packed path on (`cat_fast.layers.training.PACKED`, off by default), a batch with a 2-D
-``attention_mask`` adds its real-token count, rounded up to eighths of its rows (`layers.packing.bucket`), to the
-signature: each graph runs the layers' row-wise work on that many rows (`layers.packing.static_rows`). Reading the
-count is one host synchronisation per step.
+Padding-free graphs (`cat_fast.layers.training.PACKED`; by default "auto": on CUDA, for an objective that declares
+`packs_rows` — ERM(fast=True), the bias-model losses — and batches of at least ``PACKED_MIN_ROWS`` rows): a batch with a
+2-D ``attention_mask`` adds its real-token count, rounded up to a 32nd of its rows (`layers.packing.bucket`), to the
+signature, and its graph runs the encoder on that many packed rows (`layers.packing.static_rows`: the rows packed
+once, handed from layer to layer packed, attended by variable-length flash attention, unpacked before the last
+layer). Reading the count is one host synchronisation per step. A batch whose first position is padding (left
+padding) runs padded.
 
 ``strict=True``: an objective whose step cannot be planned raises `NotCapturable` on every device (by default it
 runs eagerly where nothing is captured: on the CPU and with ``cuda_graph=False``).
@@ -93,16 +96,24 @@ def _hyper_parameters(optimizer):
             for group in optimizer.param_groups]
 
 
-def _static_rows(batch):
-    """With the training layers' packed path on (`layers.training.PACKED`): the real rows of the batch's 2-D
+def _static_rows(batch, objective):
+    """With the training layers' packed path on (`layers.training.PACKED`; "auto": for an objective that declares
+    `packs_rows`, a CUDA batch of at least `PACKED_MIN_ROWS` rows): the real rows of the batch's 2-D
     ``attention_mask`` rounded up to a bucket (`layers.packing.bucket`), the row count its graph packs; else None.
-    Reading the count is one host synchronisation per step, paid only with the packed path on."""
-    if not training_layers.PACKED or not isinstance(batch, dict):
+    Reading the count is one host synchronisation per step, paid only where the rows are packed."""
+    mode = training_layers.PACKED
+    if not mode or not isinstance(batch, dict):
         return None
     mask = batch.get("attention_mask")
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.numel() == 0:
         return None
-    return packing.bucket(int(mask.count_nonzero()), mask.numel(), training_layers.PACKED_MIN_PADDING)
+    if mode == "auto" and not (getattr(objective, "packs_rows", False) and mask.is_cuda
+                               and mask.numel() >= training_layers.PACKED_MIN_ROWS):
+        return None
+    n_real, first_real = torch.stack([mask.count_nonzero(), mask[:, 0].bool().all()]).tolist()
+    if not first_real:  # a sequence whose first position is padding (left padding) runs padded
+        return None
+    return packing.bucket(n_real, mask.numel(), training_layers.PACKED_MIN_PADDING)
 
 
 def _detached(loss, info):
@@ -225,7 +236,7 @@ class CapturedStep(cuda_graphs.CachedGraphs):
             return loss, info
         plan = self._plan(batch, args)
         inputs = (batch, args, plan.tensors)
-        rows = _static_rows(batch)
+        rows = _static_rows(batch, self.objective)
         sig = self.cache.signature(inputs, plan.key if rows is None else (plan.key, ("rows", rows)))
         lockstep = self._ddp.lockstep if self._ddp is not None else None
         if lockstep is not None:  # every rank's signature in the key: the ranks capture and replay together

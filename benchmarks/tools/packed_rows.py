@@ -1,15 +1,20 @@
-"""The training layer's packed path (`cat_fast.layers.training.PACKED`) in a step of the suite, off and on
-alternated, at each size (the step suite's model and batches, bf16). GPU only. The default step is the eager plain
-step with the training layers; ``--method plain_fast_captured`` times `CapturedStep(ERM(fast=True))`, whose graph
-packs the batch's real rows rounded up to eighths of its rows (`layers.packing.bucket`).
+"""The training layer's packed path (`cat_fast.layers.training.PACKED`) in steps of the suite, off and on
+alternated, at each size (the step suite's model and batches, bf16), with the ``reduce-overhead``-compiled plain step
+of the same process as the peer. GPU only. ``plain_training_layers`` is the eager plain step with the training
+layers; the captured methods (``plain_fast_captured``, ``poe_captured``, ``learned_mixin_captured``,
+``cat_captured``) pack, per graph, the batch's real rows rounded up to a 32nd of its rows (`layers.packing.bucket`). Off and on are two steps built
+apart (each its own model and graphs), timed in turn with the packed switch set for each.
 
-    python benchmarks/tools/packed_rows.py 32x128 64x256 [--method plain_fast_captured] [--rounds 2] [--steps 20]
+    python benchmarks/tools/packed_rows.py 8x128 32x128 64x256 --method plain_fast_captured poe_captured \
+        [--rounds 2] [--steps 20] [--no-peer]
 
-Prints one JSON line per size: the median step in ms of each round, PACKED off and on.
+Prints one JSON line per size and method: the median step in ms of each round, PACKED off and on, the peer's, and
+the ratios of the medians over the rounds to the peer's.
 """
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -19,27 +24,56 @@ from benchmarks.steps import harness as S  # noqa: E402
 from benchmarks.steps.timing import time_steps  # noqa: E402
 from cat_fast.layers import training as training_layer  # noqa: E402
 
+CHOICES = ("plain_training_layers", "plain_fast_captured", "poe_captured", "learned_mixin_captured", "cat_captured")
+
+
+def _time(step, steps, packed):
+    training_layer.PACKED = packed
+    try:
+        with torch.autocast("cuda", torch.bfloat16):
+            return round(time_steps(step, 5, steps)[0], 3)
+    finally:
+        training_layer.PACKED = False
+
+
+def _build(method, size, packed):
+    training_layer.PACKED = packed  # a captured step primed at build time captures with the switch as set
+    try:
+        return S.build_step(method, size)[2]
+    finally:
+        training_layer.PACKED = False
+
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("sizes", nargs="+", metavar="BxT")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--method", default="plain_training_layers", choices=("plain_training_layers", "plain_fast_captured"))
+    p.add_argument("--method", nargs="+", default=["plain_training_layers"], choices=CHOICES)
+    p.add_argument("--no-peer", action="store_true", help="skip the compiled plain step")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("packed_rows.py: needs a CUDA GPU")
     for size in args.sizes:
-        _, _, step = S.build_step(args.method, size)
-        medians = {"off": [], "on": []}
+        peer = None if args.no_peer else S.build_step("plain_compiled_ro", size)[2]
+        steps = {m: {False: _build(m, size, False), True: _build(m, size, True)} for m in args.method}
+        medians = {m: {"off": [], "on": []} for m in args.method}
+        peer_ms = []
         for _ in range(args.rounds):
-            for packed in (False, True):
-                training_layer.PACKED = packed
-                with torch.autocast("cuda", torch.bfloat16):
-                    median, _, _, _ = time_steps(step, 5, args.steps)
-                medians["on" if packed else "off"].append(round(median, 3))
-        training_layer.PACKED = False
-        print(json.dumps({"size": size, "method": args.method, "median_ms": medians}), flush=True)
+            if peer is not None:
+                peer_ms.append(_time(peer, args.steps, False))
+            for m in args.method:
+                for packed in (False, True):
+                    medians[m]["on" if packed else "off"].append(_time(steps[m][packed], args.steps, packed))
+        for m in args.method:
+            row = {"size": size, "method": m, "median_ms": medians[m]}
+            if peer_ms:
+                ref = statistics.median(peer_ms)
+                row["peer_ms"] = peer_ms
+                row["x_peer"] = {k: round(statistics.median(v) / ref, 3) for k, v in medians[m].items()}
+            print(json.dumps(row), flush=True)
+        del steps, peer
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

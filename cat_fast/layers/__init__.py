@@ -5,10 +5,12 @@
 - `resumed`: a layer differentiated for its input only (CAT's counterfactual passes);
 - `first_token`: the last layer computed for the first token only (heads that read row 0);
 - `attention`: attention of one query per sequence (the first-token layer's), a fused kernel on CUDA;
-- `interventions`: edits of a layer's activations that the model's modules and these layers all apply.
+- `interventions`: edits of a layer's activations that the model's modules and these layers all apply;
+- `packing`: the real rows of a padded batch, packed for the training layers (``training.PACKED``), and their
+  variable-length attention.
 
 Each layer's `forward(layer, args, kwargs)` returns None where it does not apply; then the model's layer runs.
 """
-from . import attention, first_token, interventions, layout, resumed, training
+from . import attention, first_token, interventions, layout, packing, resumed, training
 
-__all__ = ["attention", "first_token", "interventions", "layout", "resumed", "training"]
+__all__ = ["attention", "first_token", "interventions", "layout", "packing", "resumed", "training"]

@@ -292,9 +292,9 @@ def bert_projections(layer: nn.Module) -> tuple:
     return (wq, wk, wv, bq, bk, bv, *projection(so.dense), *projection(inter.dense), *projection(out.dense))
 
 
-def call_arguments(args, kwargs):
+def call_arguments(args, kwargs, tokens: int | None = None):
     """(hidden_states [B, T, D], attention_mask: None or 4-D over T keys) of a layer call, or None when the call
-    passes anything else."""
+    passes anything else; `tokens`: T when the hidden states are packed rows [1, N, D] (`packing.carried`)."""
     names = ("hidden_states", "attention_mask", "encoder_hidden_states")
     if len(args) > len(names):
         return None
@@ -306,7 +306,7 @@ def call_arguments(args, kwargs):
     x, mask = values.get("hidden_states"), values.get("attention_mask")
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         return None
-    if mask is not None and (mask.dim() != 4 or mask.shape[-1] != x.shape[1]):
+    if mask is not None and (mask.dim() != 4 or mask.shape[-1] != (x.shape[1] if tokens is None else tokens)):
         return None
     return x, mask
 

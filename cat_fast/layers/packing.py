@@ -1,21 +1,24 @@
 """The non-padding rows of a batch, for the training layer's packed path (`layers.training`, ``PACKED``): the
 row-wise work (projections, dropout, residual adds, LayerNorms, the feed-forward block) runs on the N real rows of
-``hidden.reshape(-1, D)`` only; the attention runs in the padded [B, T] layout, its padding rows zero.
+``hidden.reshape(-1, D)`` only; the attention by PyTorch's variable-length flash attention over the packed rows
+(`varlen_applies`: CUDA, 16-bit), else in the padded [B, T] layout, its padding rows zero.
 
-``real_rows(mask, B, T, min_padding)`` reads the real tokens from a key-padding attention mask (boolean, True attends, or
+``plan(mask, B, T, min_padding)`` (`Plan`: the row indices, the varlen offsets) and ``real_rows`` read the real tokens from a key-padding attention mask (boolean, True attends, or
 additive, 0 attends and -inf or the dtype's minimum masks, [B or 1, 1, T or 1, T], the same key pattern on every
-query row) and returns their row indices, or None where it cannot (another mask form: the padded path runs) or where
-fewer than `min_padding` of the rows are padding. One host synchronisation per mask: the result is remembered for
+query row) and return the packed layout, or None where they cannot (another mask form, a sequence whose first
+position is padding: the padded path runs) or where fewer than `min_padding` of the rows are padding. One host synchronisation per mask: the result is remembered for
 the last mask tensor while it is alive and unchanged (its version counter), so the layers of one forward share it.
-``attend`` and ``attention_backward`` run the attention of N packed projection rows in the padded layout and
-differentiate it; ``scatter`` writes N rows into a copy of the full rows.
+``attend`` and ``attention_backward`` run the attention of N packed projection rows and differentiate it;
+``pack`` and ``unpack`` (differentiable) gather the rows and write them back into a full tensor; ``carry`` /
+``carried`` mark a layer's packed output for the next layer within ``carrying``.
 
 Static row counts, for CUDA graphs (`cat_fast.step.CapturedStep`), whose shapes cannot depend on the data: inside
 ``static_rows(n)``, `real_rows` returns n indices computed on the device without a host synchronisation: the real
-rows ascending, then padding rows up to n (computed as the padded path computes them: the same values there), with a
+rows ascending, then padding rows up to n (in the padded layout computed as the padded path computes them; by
+variable-length attention as sequences of their own, which attend among themselves), with a
 device-side assertion that no real row is left out (`torch._assert_async`: a loud failure, never a dropped row); the
 mask's values (every query row the first, additive entries 0 or masking) are asserted on the device the same way.
-``bucket(n_real, total, min_padding)`` rounds a real-row count up to eighths of the rows, so that a run sees a
+``bucket(n_real, total, min_padding)`` rounds a real-row count up to a 32nd of the rows, so that a run sees a
 handful of graphs.
 """
 from __future__ import annotations
@@ -28,11 +31,19 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-__all__ = ["real_rows", "attend", "attention_backward", "scatter", "static_rows", "static_count", "bucket", "BUCKETS"]
+__all__ = ["real_rows", "attend", "attention_backward", "scatter", "static_rows", "static_count", "bucket", "BUCKETS",
+           "Plan", "plan", "pack", "unpack", "carry", "carried", "carrying", "may_carry", "VARLEN"]
 
 _last = threading.local()  # .entry: (weak reference to the mask, its version, (B, T, min_padding), the result)
 _static = threading.local()  # .rows: `static_rows`'s n, or None
-BUCKETS = 8  # a step's real-row count is rounded up to a multiple of 1/BUCKETS of its rows
+# A step's real-row count is rounded up to a multiple of 1/BUCKETS of its rows: 32, so that the rows packed exceed
+# the real ones by at most ~3 % of the batch (eighths had packed 7/8 of the rows for the step suite's 76 % real
+# tokens) while a run's batches, whose real fraction varies little, see a few graphs.
+BUCKETS = 32
+# Whether packed rows attend by PyTorch's variable-length flash attention where it applies (`varlen_applies`); False
+# attends in the padded layout (scatter, SDPA, gather), as the CPU does, for comparisons.
+VARLEN = True
+_carry = threading.local()  # .layers: the layers whose output may stay packed (`carrying`), or None
 
 
 @contextlib.contextmanager
@@ -81,9 +92,42 @@ def _real_keys(mask: torch.Tensor, B: int, T: int):
     return real[:, 0, 0, :].expand(B, T), (torch.stack(checks).all() if checks else None)
 
 
+class Plan:
+    """The packed layout of a [B, T] batch: `idx`, the N rows of ``hidden.reshape(B * T, D)`` packed (the real rows
+    ascending, then, with a static row count, padding rows), `real`, the [B, T] real-token mask, and `static`,
+    `static_rows`'s n or None. Made once per mask (`real_rows`'s memo), shared by the layers of a forward."""
+
+    __slots__ = ("idx", "B", "T", "real", "static", "_offsets")
+
+    def __init__(self, idx, B, T, real, static):
+        self.idx, self.B, self.T, self.real, self.static, self._offsets = idx, B, T, real, static, None
+
+    def offsets(self):
+        """``(cu, max_len)`` for variable-length attention over the packed rows: int32 offsets of each sequence's
+        rows (the real rows of each of the B sequences; a static count's extra padding rows then as sequences of
+        at most T rows of their own, which attend among themselves and nobody reads) and the longest, T. On the
+        device, without a host synchronisation."""
+        if self._offsets is None:
+            counts = self.real.sum(1, dtype=torch.int32)
+            cu = [counts.new_zeros(1), counts.cumsum(0, dtype=torch.int32)]
+            if self.static is not None:
+                total = cu[1][-1:]
+                extra = self.static - total
+                k = torch.arange(1, -(-self.static // self.T) + 1, device=counts.device, dtype=torch.int32)
+                cu.append(total + torch.minimum(k * self.T, extra))
+            self._offsets = (torch.cat(cu), self.T)
+        return self._offsets
+
+
 def real_rows(mask: torch.Tensor | None, B: int, T: int, min_padding: float) -> torch.Tensor | None:
     """Indices (int64, ascending) of the real rows of ``hidden.reshape(B * T, D)`` that `mask` marks, or None: no
     mask, a mask of another form, no real row, or padding on fewer than `min_padding` of the B·T rows."""
+    found = plan(mask, B, T, min_padding)
+    return None if found is None else found.idx
+
+
+def plan(mask: torch.Tensor | None, B: int, T: int, min_padding: float) -> Plan | None:
+    """The packed layout (`Plan`) of the real rows `real_rows` finds, or None where it finds none."""
     if mask is None:
         return None
     n = static_count()
@@ -98,12 +142,13 @@ def real_rows(mask: torch.Tensor | None, B: int, T: int, min_padding: float) -> 
             idx = _static_real_rows(*found, n)
     elif found is not None:
         real, ok = found
-        if ok is None or bool(ok):
+        if (ok is None or bool(ok)) and bool(real[:, 0].all()):
             idx = real.reshape(-1).nonzero().squeeze(1)
             if idx.numel() == 0 or idx.numel() > (1.0 - min_padding) * B * T:
                 idx = None
-    _last.entry = (weakref.ref(mask), mask._version, key, idx)
-    return idx
+    result = None if idx is None else Plan(idx, B, T, found[0], n)
+    _last.entry = (weakref.ref(mask), mask._version, key, result)
+    return result
 
 
 def _static_real_rows(real: torch.Tensor, ok: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -114,25 +159,67 @@ def _static_real_rows(real: torch.Tensor, ok: torch.Tensor | None, n: int) -> to
     if ok is not None:
         torch._assert_async(ok)
     torch._assert_async(flat.sum() <= n)
+    torch._assert_async(real[:, 0].all())
     return torch.sort((~flat).to(torch.uint8), stable=True).indices[:n]
 
 
-def attend(qkv_leaf, shape, attn_mask, p, scale, idx):
+def attend(qkv_leaf, shape, attn_mask, p, scale, packed):
     """``(graph output, its rows)`` of the attention over the projections `qkv_leaf` (rows of ``[q | k | v]``, a
     leaf that requires grad): the padded layout's ``[B, heads, T, width]`` context and its detached
-    ``[B·T, heads·width]`` rows when `idx` is None; else `qkv_leaf` holds the `idx` rows only, the others are zero
-    (masked keys; padding queries nobody reads), and both are the context's `idx` rows ``[N, heads·width]``."""
+    ``[B·T, heads·width]`` rows when `packed` (a `Plan`) is None; else `qkv_leaf` holds the plan's N rows only and
+    both are the context's N rows ``[N, heads·width]``: by variable-length flash attention where it applies
+    (`varlen_applies`), else in the padded layout with zero projections on the other rows (masked keys; padding
+    queries nobody reads)."""
     B, T, heads, width = shape
     with torch.enable_grad():
+        if packed is not None and varlen_applies(qkv_leaf, width):
+            cu, max_len = packed.offsets()
+            rows = _VarlenAttention.apply(qkv_leaf, cu, max_len, heads, width, p, scale)
+            return rows, rows.detach()
         full = qkv_leaf
-        if idx is not None:
-            full = qkv_leaf.new_zeros(B * T, qkv_leaf.shape[1]).index_copy(0, idx, qkv_leaf)
+        if packed is not None:
+            full = qkv_leaf.new_zeros(B * T, qkv_leaf.shape[1]).index_copy(0, packed.idx, qkv_leaf)
         q, k, v = (t.view(B, T, heads, width).transpose(1, 2) for t in full.split(heads * width, dim=1))
         context = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p, scale=scale)
-        if idx is None:
+        if packed is None:
             return context, context.detach().transpose(1, 2).reshape(-1, heads * width)
-        rows = context.transpose(1, 2).reshape(B * T, heads * width).index_select(0, idx)
+        rows = context.transpose(1, 2).reshape(B * T, heads * width).index_select(0, packed.idx)
     return rows, rows.detach()
+
+
+def varlen_applies(qkv: torch.Tensor, width: int) -> bool:
+    """Whether packed rows attend by PyTorch's variable-length flash attention: `VARLEN`, CUDA, 16-bit
+    projections, a head width flash attention takes, flash attention enabled (`torch.backends.cuda`)."""
+    return (VARLEN and qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16) and width % 8 == 0
+            and width <= 256 and torch.backends.cuda.flash_sdp_enabled()
+            and hasattr(torch.ops.aten, "_flash_attention_forward")
+            and torch.cuda.get_device_capability(qkv.device) >= (8, 0))
+
+
+class _VarlenAttention(torch.autograd.Function):
+    """Attention over packed rows of ``[q | k | v]`` [N, 3·heads·width], each sequence its `cu` span, by
+    PyTorch's variable-length flash attention (forward and backward; its own dropout draws)."""
+
+    @staticmethod
+    def forward(ctx, qkv, cu, max_len, heads, width, p, scale):
+        D = heads * width
+        q, k, v = (qkv[:, i * D:(i + 1) * D].view(-1, heads, width) for i in range(3))
+        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, max_len, max_len, p, False, False, scale=scale)
+        ctx.save_for_backward(qkv, cu, out, lse, rng, unused)
+        ctx.args = (max_len, heads, width, p, scale)
+        return out.view(-1, D)
+
+    @staticmethod
+    def backward(ctx, grad):
+        qkv, cu, out, lse, rng, unused = ctx.saved_tensors
+        max_len, heads, width, p, scale = ctx.args
+        D = heads * width
+        q, k, v = (qkv[:, i * D:(i + 1) * D].view(-1, heads, width) for i in range(3))
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad.contiguous().view(-1, heads, width), q, k, v, out, lse, cu, cu, max_len, max_len, p, False, rng,
+            unused, scale=scale)
+        return torch.cat([t.reshape(-1, D) for t in (dq, dk, dv)], 1), None, None, None, None, None, None
 
 
 def attention_backward(out, qkv_leaf, grad_rows, shape, packed: bool):
@@ -147,3 +234,81 @@ def attention_backward(out, qkv_leaf, grad_rows, shape, packed: bool):
 def scatter(full: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """A copy of `full` [B·T, D] in `rows`' dtype with its `idx` rows replaced by `rows` [N, D]."""
     return full.to(rows.dtype).index_copy(0, idx, rows)
+
+
+class _Pack(torch.autograd.Function):
+    """The `idx` rows of ``hidden.reshape(-1, D)``; its gradient is zero on the other rows."""
+
+    @staticmethod
+    def forward(ctx, hidden, idx):
+        ctx.save_for_backward(idx)
+        ctx.shape = hidden.shape
+        return hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (idx,) = ctx.saved_tensors
+        full = grad.new_zeros(ctx.shape[:-1].numel(), grad.shape[-1]).index_copy(0, idx, grad)
+        return full.view(ctx.shape), None
+
+
+class _Unpack(torch.autograd.Function):
+    """`full` [B, T, D] with its `idx` rows replaced by `rows` [N, D] (in rows' dtype)."""
+
+    @staticmethod
+    def forward(ctx, rows, full, idx):
+        ctx.save_for_backward(idx)
+        ctx.dtype = full.dtype
+        return scatter(full.reshape(-1, full.shape[-1]), idx, rows).view(full.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (idx,) = ctx.saved_tensors
+        flat = grad.reshape(-1, grad.shape[-1])
+        grad_full = flat.index_fill(0, idx, 0).view(grad.shape).to(ctx.dtype) if ctx.needs_input_grad[1] else None
+        return flat.index_select(0, idx), grad_full, None
+
+
+def pack(hidden: torch.Tensor, packed: Plan) -> torch.Tensor:
+    """The plan's rows of `hidden` [B, T, D] as [1, N, D] (differentiable: zero gradient on the other rows)."""
+    return _Pack.apply(hidden, packed.idx).unsqueeze(0)
+
+
+def unpack(rows: torch.Tensor, packed: Plan, full: torch.Tensor) -> torch.Tensor:
+    """[B, T, D]: `full`'s rows with the plan's rows replaced by `rows` ([1, N, D] or [N, D]); differentiable in
+    both (`full`'s gradient is the output's on the other rows)."""
+    return _Unpack.apply(rows.reshape(-1, rows.shape[-1]), full, packed.idx)
+
+
+@contextlib.contextmanager
+def carrying(layers):
+    """Within: the outputs of the layer modules in `layers` (a collection) may stay packed for the next layer
+    (`carry`), which reads them packed (`carried`); `fast_layers.training_layers` sets it for a forward whose
+    consecutive encoder layers are all training layers and nothing else reads their outputs."""
+    saved = getattr(_carry, "layers", None)
+    _carry.layers = layers
+    try:
+        yield
+    finally:
+        _carry.layers = saved
+
+
+def may_carry(layer) -> bool:
+    """Whether `layer`'s output may stay packed (`carrying`)."""
+    layers = getattr(_carry, "layers", None)
+    return layers is not None and layer in layers
+
+
+def carry(rows: torch.Tensor, packed: Plan, full: torch.Tensor) -> torch.Tensor:
+    """`rows` [1, N, D], marked as the packed form of a [B, T, D] tensor whose other rows are `full`'s (`carried`,
+    `unpack`). Returns `rows`."""
+    rows._cat_fast_packed = (packed, full, rows._version)
+    return rows
+
+
+def carried(x) -> tuple[Plan, torch.Tensor] | None:
+    """``(plan, full)`` when `x` is a layer output `carry` marked (and unchanged since), else None."""
+    found = getattr(x, "_cat_fast_packed", None)
+    if found is None or found[2] != x._version:
+        return None
+    return found[0], found[1]

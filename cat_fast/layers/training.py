@@ -17,14 +17,19 @@ layers `resumed.supported` accepts, parameters in one dtype on the input's devic
 or none; a layer with cat_fast interventions runs a composed version differentiated by autograd. No double
 backward (``once_differentiable``).
 
-``PACKED = True`` (off by default) runs the row-wise work on the real (non-padding) rows only (`layers.packing`):
-the projections, dropouts, residual adds, LayerNorms and the feed-forward block on the N real rows of the B·T, the
-attention in the padded layout with zero projections on the padding rows (masked keys; padding queries whose
-context nobody reads). It applies in eager mode to a key-padding mask from which the real tokens can be read, with
-at least `PACKED_MIN_PADDING` of the rows padding; in a captured step (`CapturedStep`) with a static row count per
-graph, the step's real rows rounded up to eighths of its rows (`packing.static_rows`, `packing.bucket`; the extra
-rows are padding rows, computed as the padded path computes them).
-The output's padding rows are then the layer's input rows there (finite values for a consumer that reads them;
+The packed path (`PACKED`: True everywhere; "auto", the default, in the graphs of a captured step on CUDA of an
+objective that declares `packs_rows`, from `PACKED_MIN_ROWS` rows; False never) runs the row-wise work on the real
+(non-padding) rows only (`layers.packing`): the projections, dropouts, residual adds, LayerNorms and the feed-forward
+block on the N real rows of the B·T; the attention by variable-length flash attention over the packed rows (CUDA,
+16-bit), else in the padded layout with zero projections on the padding rows (masked keys; padding queries whose
+context nobody reads). It applies to a key-padding mask from which the real tokens can be read, whose first
+position is real in every sequence (the row a first-token head reads), with at least `PACKED_MIN_PADDING` of the
+rows padding; eagerly (a host synchronisation) or, in a captured step (`CapturedStep`), with a static row count per
+graph, the step's real rows rounded up to a 32nd of its rows (`packing.static_rows`, `packing.bucket`; the extra rows
+are padding rows, which attend among themselves). Within a forward that allows it (`packing.carrying`:
+`models.first_token_forward`, and `models.capture` without layer hooks) a layer hands its packed rows to the next
+(`packing.carry`), so the rows are packed once and unpacked once, before the last layer.
+The unpacked output's padding rows are then the first packed layer's input rows there (finite values for a consumer that reads them;
 the padded path computes attention outputs there, which a key-padding mask keeps from every real row), and the
 input gradient there is the output gradient there (the derivative of that copy: zero in a model, where nothing
 the loss reads depends on padding rows). Real rows and every gradient equal the padded path's without dropout;
@@ -44,7 +49,7 @@ from ..ops.fused import fused_kernels
 from . import casts, interventions, layout, packing, resumed
 from .layout import attach_copy16, bert_parts, copy16, dropout, dropout_p, fp32_mm_supported, plain, sdpa_mask
 
-__all__ = ["supported", "forward", "FUSED", "FUSED_MIN_ROWS", "PACKED", "PACKED_MIN_PADDING"]
+__all__ = ["supported", "forward", "FUSED", "FUSED_MIN_ROWS", "PACKED", "PACKED_MIN_PADDING", "PACKED_MIN_ROWS"]
 
 # Whether the fused Triton kernels run where they apply (module docstring); False runs the same arithmetic in
 # PyTorch ops (16-bit roundings may differ), as the benchmarks compare.
@@ -53,9 +58,14 @@ FUSED = True
 # where the fused layer is faster than the unfused one (benchmarks/RESULTS.md); fewer rows keep the
 # unfused path (not measured).
 FUSED_MIN_ROWS = 1024
-# Whether the row-wise work runs on the real rows only (module docstring); off by default: the padded path is the
-# one the step suite times (benchmarks/RESULTS.md).
-PACKED = False
+# Whether the row-wise work runs on the real rows only (module docstring): True wherever it applies (an eager pass
+# reads the real rows on the host), False never, "auto" (the default) in the graphs of a captured step
+# (`cat_fast.step.CapturedStep`) on CUDA of an objective that declares `packs_rows`, from `PACKED_MIN_ROWS` rows,
+# where it was measured faster (benchmarks/RESULTS.md).
+PACKED: "bool | str" = "auto"
+# The fewest rows (batch × length) "auto" packs: 4,096 (32x128). At 8x128 the packed step was measured slower
+# (its fixed work: the row sort, offsets, gathers and scatters, against 1,024 rows).
+PACKED_MIN_ROWS = 4096
 # The least fraction of padding rows the packed path runs for: 1/8. Packing adds row gathers and scatters (the
 # input, the projections, the context, the output) and a host synchronisation per mask, which less padding would
 # not pay for.
@@ -138,7 +148,9 @@ def forward(layer: nn.Module, args, kwargs) -> torch.Tensor | None:
     weighted = _checked(layer) if torch.is_grad_enabled() else None
     if weighted is None:
         return None
-    found = layout.call_arguments(args, kwargs)
+    hidden_in = args[0] if args else kwargs.get("hidden_states")
+    carried = packing.carried(hidden_in)  # the previous layer's packed rows (`packing.carry`)
+    found = layout.call_arguments(args, kwargs, None if carried is None else carried[0].T)
     if found is None:
         return None
     hidden, mask = found
@@ -152,19 +164,33 @@ def forward(layer: nn.Module, args, kwargs) -> torch.Tensor | None:
         return None
     edits = interventions.active(layer)
     if edits:
+        if carried is not None:
+            hidden = packing.unpack(hidden, *carried)
         return _composed(layer, hidden, mask, dtype, edits)
-    return _TrainingLayer.apply(hidden, mask, _packed_rows(hidden, mask), layer, dtype, *params)
+    if carried is not None:
+        packed, full = carried
+        rows = hidden
+    else:
+        packed, full = _packed_plan(hidden, mask), hidden
+        if packed is None:
+            return _TrainingLayer.apply(hidden, mask, None, layer, dtype, *params)
+        rows = packing.pack(hidden, packed)
+    y = _TrainingLayer.apply(rows, mask, packed, layer, dtype, *params)
+    if packing.may_carry(layer):
+        return packing.carry(y, packed, full)
+    return packing.unpack(y, packed, full)
 
 
-def _packed_rows(hidden, mask):
-    """The real rows the packed path runs on (`packing.real_rows`), or None: the padded path. While a CUDA graph is
+def _packed_plan(hidden, mask):
+    """The packed layout the packed path runs on (`packing.plan`), or None: the padded path. While a CUDA graph is
     captured only with a static row count (`packing.static_rows`, which `CapturedStep` sets)."""
     if not PACKED or mask is None:
         return None
-    if hidden.is_cuda and torch.cuda.is_current_stream_capturing() and packing.static_count() is None:
+    if packing.static_count() is None and (PACKED == "auto" or (hidden.is_cuda
+                                                                 and torch.cuda.is_current_stream_capturing())):
         return None
     B, T, _ = hidden.shape
-    return packing.real_rows(mask, B, T, PACKED_MIN_PADDING)
+    return packing.plan(mask, B, T, PACKED_MIN_PADDING)
 
 
 def _composed(layer, hidden, mask, dtype, edits):
@@ -245,26 +271,25 @@ def _fused_norm_backward(rln, grad_y, branch, residual, weight, mean, rstd, keep
 
 class _TrainingLayer(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, mask, idx, layer, dtype, *params):
+    def forward(ctx, hidden, mask, packed, layer, dtype, *params):
         wq, bq, wk, bk, wv, bv, wo, bo, g1, be1, wi, bi, wo2, bo2, g2, be2 = params
         sa, so, inter, out = bert_parts(layer)
-        B, T, D = hidden.shape
+        D = hidden.shape[-1]
+        B, T = (hidden.shape[0], hidden.shape[1]) if packed is None else (packed.B, packed.T)
         heads, width = sa.num_attention_heads, sa.attention_head_size
         p_attn = sa.dropout.p if sa.training else 0.0
         p1, p2 = dropout_p(so.dropout), dropout_p(out.dropout)
         approximate = _gelu_approximate(inter)
         with torch.autocast(hidden.device.type, enabled=False):
-            x_all = x = hidden.reshape(-1, D)
-            x16_all = x16 = copy16(hidden, dtype).reshape(-1, D)  # the previous fast layer's 16-bit copy, or a cast
-            if idx is not None:  # the packed path: the real rows only
-                x, x16 = x.index_select(0, idx), x16.index_select(0, idx)
+            x = hidden.reshape(-1, D)  # packed: the plan's rows only
+            x16 = copy16(hidden, dtype).reshape(-1, D)  # the previous fast layer's 16-bit copy, or a cast
             fused = _fusion(x, dtype, g1.dtype)
             w16 = casts.weights(layer, (wq, wk, wv, bq, bk, bv, wo, bo, wi, bi, wo2, bo2), dtype)
             w_qkv = w16.qkv
             qkv = torch.addmm(w16.qkv_bias, x16, w_qkv.t())
             qkv_leaf = qkv.detach().requires_grad_(True)
             context, rows = packing.attend(qkv_leaf, (B, T, heads, width), sdpa_mask(mask, dtype), p_attn,
-                                           sa.scaling, idx)
+                                           sa.scaling, packed)
             wo16 = w16.attention_output
             a, keep1 = dropout(torch.addmm(w16.attention_output_bias, rows, wo16.t()), p1)
             if fused:  # s1 = a + x is recomputed by the backward from a and x
@@ -295,17 +320,16 @@ class _TrainingLayer(torch.autograd.Function):
         saved = dict(x16=x16, w_qkv=w_qkv, qkv_leaf=qkv_leaf, context=context, rows=rows, wo16=wo16, keep1=keep1,
                      **first_sum, mean1=mean1, rstd1=rstd1, h1_16=h1_16, wi16=wi16, inner=inner,
                      activated=activated, wo2_16=wo2_16, keep2=keep2, **second_sum, mean2=mean2, rstd2=rstd2, g1=g1,
-                     be1=be1, g2=g2, be2=be2, idx=idx)
+                     be1=be1, g2=g2, be2=be2)
         # saved tensors (not ctx attributes) are freed when the backward has run, as the layer's own are
         ctx.save_for_backward(*saved.values())
         ctx.names = tuple(saved)
-        ctx.fused = fused
+        ctx.fused, ctx.packed, ctx.shape = fused, packed is not None, hidden.shape
         ctx.params = params  # leaves that outlive the step: only to ask whether this backward wants their gradients
         ctx.shapes = (B, T, D, heads, width, p1, p2, approximate, hidden.dtype, g1.dtype,
                       (wq.shape[0], wk.shape[0], wv.shape[0]))
-        if idx is not None:  # the padding rows: the input's
-            y, y16 = packing.scatter(x_all, idx, y), (packing.scatter(x16_all, idx, y16) if fused else None)
-        return attach_copy16(y.view(B, T, D), y16.view(B, T, D)) if fused else y.view(B, T, D)
+        shape = hidden.shape
+        return attach_copy16(y.view(shape), y16.view(shape)) if fused else y.view(shape)
 
     @staticmethod
     @once_differentiable
@@ -315,8 +339,8 @@ class _TrainingLayer(torch.autograd.Function):
         g1, be1, g2, be2 = t["g1"], t["be1"], t["g2"], t["be2"]
         need = _wanted(ctx.needs_input_grad[5:], ctx.params)
         dtype = t["x16"].dtype
-        fused, idx = ctx.fused, t["idx"]
-        grad_rows = grad_y.reshape(-1, D) if idx is None else grad_y.reshape(-1, D).index_select(0, idx)
+        fused = ctx.fused
+        grad_rows = grad_y.reshape(-1, D)
         with torch.autocast(grad_y.device.type, enabled=False):
             if fused:
                 grad_s2, grad_o, grad_g2, grad_be2, grad_bo2 = _fused_norm_backward(
@@ -351,7 +375,7 @@ class _TrainingLayer(torch.autograd.Function):
                 grad_bo = grad_a.sum(0, dtype=p_dtype) if need[7] else None
             grad_wo = _weight_grad(grad_a, t["rows"], p_dtype) if need[6] else None
             grad_qkv = packing.attention_backward(t["context"], t["qkv_leaf"], torch.mm(grad_a, t["wo16"]),
-                                                  (B, T, heads, width), idx is not None)
+                                                  (B, T, heads, width), ctx.packed)
             grad_x = _mm_into(grad_s1.to(torch.promote_types(x_dtype, grad_s1.dtype)), grad_qkv, t["w_qkv"])
             grad_w_qkv = _weight_grad(grad_qkv, t["x16"], p_dtype) if any(need[0:6:2]) else None
             grad_b_qkv = None
@@ -363,8 +387,7 @@ class _TrainingLayer(torch.autograd.Function):
         qkv_grads = [g if need[i] else None for i, g in enumerate(
             (wq_wk_wv[0], bq_bk_bv[0], wq_wk_wv[1], bq_bk_bv[1], wq_wk_wv[2], bq_bk_bv[2]))]
         grad_hidden = None
-        if ctx.needs_input_grad[0]:  # packed: the padding rows pass the output's gradient (the output copies them)
-            grad_x = grad_x.to(x_dtype)
-            grad_hidden = (grad_x if idx is None else packing.scatter(grad_y.reshape(-1, D), idx, grad_x)).view(B, T, D)
+        if ctx.needs_input_grad[0]:
+            grad_hidden = grad_x.to(x_dtype).view(ctx.shape)
         return (grad_hidden, None, None, None, None, *qkv_grads, grad_wo, grad_bo, grad_g1, grad_be1, grad_wi, grad_bi,
                 grad_wo2, grad_bo2, grad_g2, grad_be2)

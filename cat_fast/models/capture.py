@@ -119,7 +119,7 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
     try:
         handles += _capture_hooks(st, layer is not None, pooled, pre, post, emb_post, head_pre)
         prune = first_token and (layer is None or layer < L)
-        with fast_layers.training_layers(model, st, inputs, training_layers), \
+        with fast_layers.training_layers(model, st, inputs, training_layers, carry=layer is None), \
                 fast_layers.last_layer_first_token(model, st, inputs, prune), uncompiled(model) as module:
             cap.outputs = module(**inputs)
     finally:

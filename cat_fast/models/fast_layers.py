@@ -30,11 +30,16 @@ _LAYER_FORMAT: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyD
 
 
 @contextmanager
-def training_layers(model, st, inputs, enabled):
+def training_layers(model, st, inputs, enabled, carry: bool = False):
     """While active, the encoder layers run `layers.training` (one autograd node per layer: the same values, dropout
     draws and gradients with less host work) where it supports the layer and the call; the rest run themselves
     (a first-token last layer, patched inside this, falls back to this). Off when the call asks for hidden states
-    or attentions."""
+    or attentions.
+
+    `carry`: with the packed path on (`layers.training.PACKED`), the layers before the last two hand their outputs
+    on packed (`layers.packing.carry`: the real rows only, packed once per forward and unpacked once, before the
+    last layer) where nothing else can read them: no forward hooks on the layers, no gradient checkpointing. A
+    layer that cannot run packed gets its input unpacked."""
     if not enabled or wants_all_outputs(model, inputs) or _LAYER_FORMAT.get(model) is False:
         yield
         return
@@ -52,16 +57,48 @@ def training_layers(model, st, inputs, enabled):
                 _LAYER_FORMAT[model] = output_format(out)
                 return out
             y = layers.training.forward(mod, args, kwargs)
-            return orig(*args, **kwargs) if y is None else formatted(fmt, y)
+            if y is None:
+                return orig(*_unpacked(args), **_unpacked(kwargs))
+            return formatted(fmt, y)
 
         return forward
 
+    carried = frozenset(modules[:-2]) if carry and _may_carry(model, st, modules) else None
     patched = [patch_forward(mod, layer_forward(mod, mod.forward)) for mod in modules]
     try:
-        yield
+        with layers.packing.carrying(carried):
+            yield
     finally:
         for saved in reversed(patched):
             unpatch_forward(saved)
+
+
+def _may_carry(model, st, modules) -> bool:
+    """Whether the layers' outputs can stay packed between them (`training_layers`): the packed path on, no hooks
+    on the layers (or global ones) that would read them, no gradient checkpointing."""
+    mm = nn.modules.module
+    return (layers.training.PACKED and len(modules) > 2 and fmt_known(model)
+            and not (mm._global_forward_hooks or mm._global_forward_pre_hooks)
+            and not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+            and not any(getattr(m, "gradient_checkpointing", False) is True for m in st.checkpoint_flags))
+
+
+def fmt_known(model) -> bool:
+    """Whether the layers' output format is recorded (the first training forward records it, unpacked)."""
+    return _LAYER_FORMAT.get(model, "unknown") not in ("unknown", False)
+
+
+def _unpacked(values):
+    """`values` (args tuple or kwargs dict) with a packed layer output (`layers.packing.carried`) unpacked."""
+    items = values.items() if isinstance(values, dict) else enumerate(values)
+    found = [(k, layers.packing.carried(v)) for k, v in items]
+    if not any(c for _, c in found):
+        return values
+    out = dict(values) if isinstance(values, dict) else list(values)
+    for k, c in found:
+        if c is not None:
+            out[k] = layers.packing.unpack(out[k], *c)
+    return out if isinstance(values, dict) else tuple(out)
 
 
 @contextmanager

@@ -59,6 +59,6 @@ def first_token_forward(model, batch, *, training_layers: bool = False):
     st = structure(model)
     inputs = sync_free_inputs(model, model_inputs(batch))
     ready = first_token_ready(model, batch)
-    with fast_layers.training_layers(model, st, inputs, training_layers), \
+    with fast_layers.training_layers(model, st, inputs, training_layers, carry=True), \
             fast_layers.last_layer_first_token(model, st, inputs, ready), uncompiled(model) as module:
         return module(**inputs)

@@ -136,6 +136,10 @@ class Objective(Declarations, metaclass=_ObjectiveType):
     """Base class of the training objectives (module docstring)."""
 
     find_unused_parameters = False  # DDP's setting for it: every step's loss reaches every parameter of the model
+    # Whether its forward runs the encoder as training layers that hand packed rows on (`models.first_token_forward`,
+    # `models.capture` without layer hooks): a captured step then packs the batch's real rows by default
+    # (`layers.training.PACKED` = "auto", `cat_fast.step`).
+    packs_rows = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

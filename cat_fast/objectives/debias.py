@@ -50,6 +50,11 @@ class BiasObjective(Objective):
         self.prune_last_layer = bool(prune_last_layer)
         self.training_layers = bool(training_layers)
 
+    @property
+    def packs_rows(self) -> bool:
+        """With the training layers (`Objective.packs_rows`)."""
+        return self.training_layers
+
     def capture_key(self, batch, *args):
         """``()``: the loss is the model's forward and the bias model's log-probabilities in the batch, replayable as
         a CUDA graph (`cat_fast.step`)."""

@@ -92,6 +92,12 @@ class ERM(Objective):
             return self._fast_loss(inputs), {}
         return self.plain_forward(inputs).loss, {}
 
+    @property
+    def packs_rows(self) -> bool:
+        """``fast=True`` without an extra optimizer: its forward is `models.first_token_forward` with the training
+        layers (`Objective.packs_rows`)."""
+        return bool(self.fast) and self.extra_optimizer is None
+
     def _fast_loss(self, inputs):
         """``fast=True``: the cross-entropy of `models.first_token_forward` with the training layers (the model's
         logits and gradients with the last layer for row 0 only and each other layer one autograd node), for
