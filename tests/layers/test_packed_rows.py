@@ -514,3 +514,44 @@ def test_varlen_attention_equals_the_padded_attention(dtype):
         torch.testing.assert_close(grad_real[:n_real].float(), ref_grad[:n_real], rtol=tol, atol=tol)
         assert torch.equal(grad_real[n_real:], torch.zeros_like(grad_real[n_real:]))  # extra rows: their own spans
         assert torch.isfinite(rows).all() and torch.isfinite(grad).all()
+
+
+def test_which_steps_pack_by_default(monkeypatch):
+    """`PACKED = "auto"` (the default): a captured step packs only for an objective that declares `packs_rows` (ERM
+    fast, the bias-model losses with the training layers; not plain ERM or CAT), on CUDA, from `PACKED_MIN_ROWS`
+    rows, and never a batch whose first position is padding; True packs any 2-D-masked batch; False none."""
+    from cat_fast import step as step_module
+    from cat_fast.objectives import CAT, PoE
+
+    assert training_layer.PACKED == "auto"
+    model = tiny_model("bert", attn="sdpa", num_layers=2)
+    assert ERM(model, fast=True).packs_rows and not ERM(model).packs_rows
+    assert PoE(model).packs_rows and not PoE(model, training_layers=False).packs_rows
+    assert not CAT(model).packs_rows
+    batch = {"attention_mask": _padding_mask([128, 70, 90, 64] * 8, 128)}  # 32 x 128 = 4,096 rows
+    erm = ERM(model, fast=True)
+    assert step_module._static_rows(batch, erm) is None  # "auto": CUDA batches only
+    monkeypatch.setattr(training_layer, "PACKED", True)
+    n_real = int(batch["attention_mask"].sum())
+    want = packing.bucket(n_real, 4096, training_layer.PACKED_MIN_PADDING)
+    assert want is not None and step_module._static_rows(batch, erm) == want
+    assert step_module._static_rows(batch, ERM(model)) == want
+    left = {"attention_mask": batch["attention_mask"].flip(1)}
+    assert step_module._static_rows(left, erm) is None
+    monkeypatch.setattr(training_layer, "PACKED", False)
+    assert step_module._static_rows(batch, erm) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_packs_cuda_batches_from_the_least_row_count():
+    """"auto" on CUDA: a packing objective's batch packs from `PACKED_MIN_ROWS` rows, not below; other objectives
+    never."""
+    from cat_fast import step as step_module
+
+    model = tiny_model("bert", attn="sdpa", num_layers=2)
+    erm = ERM(model, fast=True)
+    big = {"attention_mask": _padding_mask([128, 70, 90, 64] * 8, 128).cuda()}
+    small = {"attention_mask": _padding_mask([128, 70, 90, 64], 128).cuda()}
+    assert step_module._static_rows(big, erm) is not None
+    assert step_module._static_rows(small, erm) is None
+    assert step_module._static_rows(big, ERM(model)) is None
