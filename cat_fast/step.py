@@ -37,7 +37,7 @@ Padding-free graphs (`cat_fast.layers.training.PACKED`; by default "auto": on CU
 signature, and its graph runs the encoder on that many packed rows (`layers.packing.static_rows`: the rows packed
 once, handed from layer to layer packed, attended by variable-length flash attention, unpacked before the last
 layer). Reading the count is one host synchronisation per step. A batch whose first position is padding (left
-padding) runs padded.
+padding) runs padded, and so does a new row count once packed graphs hold half of ``max_graphs``.
 
 ``strict=True``: an objective whose step cannot be planned raises `NotCapturable` on every device (by default it
 runs eagerly where nothing is captured: on the CPU and with ``cuda_graph=False``).
@@ -155,6 +155,7 @@ class CapturedStep(cuda_graphs.CachedGraphs):
         if graphs:
             self._check_optimizer()
         self._ddp = None  # under DDP: `step_ddp.DDPStep` (plans outside DDP's forward, averaging, lockstep)
+        self._packed_graphs = set()  # the signatures captured with packed rows (`_static_rows`)
         from . import step_ddp
 
         if step_ddp.ddp_of(objective) is not None:
@@ -237,13 +238,17 @@ class CapturedStep(cuda_graphs.CachedGraphs):
         plan = self._plan(batch, args)
         inputs = (batch, args, plan.tensors)
         rows = _static_rows(batch, self.objective)
-        sig = self.cache.signature(inputs, plan.key if rows is None else (plan.key, ("rows", rows)))
+        sig = self._signature(inputs, plan, rows)
+        if (rows is not None and sig not in self.cache.entries
+                and len(self._packed_graphs) >= self.cache.max_graphs // 2):
+            rows = None  # packed graphs hold half of max_graphs at most: the padded graph of this shape
+            sig = self._signature(inputs, plan, None)
         lockstep = self._ddp.lockstep if self._ddp is not None else None
-        if lockstep is not None:  # every rank's signature in the key: the ranks capture and replay together
-            sig = lockstep.key(sig)
         entry = self.cache.get(sig)
         if entry is None and self.cache.admit(sig, warmup=self.warmup_steps):
             entry = self._capture(sig, plan, inputs, rows)
+            if rows is not None:
+                self._packed_graphs.add(sig)
             if lockstep is not None and not lockstep.all(entry is not None):
                 entry = self.cache.discard(sig)  # failed on another rank: eager on every rank
         if entry is None:  # a warm-up step, a failed capture or a signature beyond max_graphs
@@ -255,6 +260,12 @@ class CapturedStep(cuda_graphs.CachedGraphs):
         entry.replay("step")
         loss, info, self.last_grad_norm, self.last_skipped = cuda_graphs.clone(entry.outputs["step"])
         return loss, info
+
+    def _signature(self, inputs, plan, rows):
+        """The graph signature of a step: the inputs' shapes and the plan's key, with the packed row count (`rows`)
+        where the rows are packed; under DDP every rank's (the ranks capture and replay together)."""
+        sig = self.cache.signature(inputs, plan.key if rows is None else (plan.key, ("rows", rows)))
+        return self._ddp.lockstep.key(sig) if self._ddp is not None and self._ddp.lockstep is not None else sig
 
     def _side_stream_step(self, plan, batch, args):
         """An eager step (on a side stream, as PyTorch asks of the steps before a capture)."""

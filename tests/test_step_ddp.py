@@ -249,3 +249,49 @@ def test_gpu_ddp_steps_equal_the_ddp_loop_eager_and_captured(tmp_path):
             assert graphs >= 1 and replays >= 2, (case, graphs, replays)
     for route in ("eager", "captured"):
         _compare(results, GPU_CASES, dict(rtol=1e-6, atol=1e-6), route)
+
+
+def _packed_worker(rank, out):
+    """ERM(fast=True) under DDP as CUDA graphs, padded and with packed rows (each rank its own real-token count)."""
+    from cat_fast.layers import training as training_layers
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    results = {}
+    for packed in (False, True):
+        training_layers.PACKED = packed
+        model = tiny_model("bert", attn="sdpa", num_layers=4, seed=rank, hidden_dropout_prob=0.0,
+                           attention_probs_dropout_prob=0.0).train().to(device)
+        ddp = DDP(model, device_ids=[rank])
+        objective = ERM(ddp, fast=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device=device), capturable=True, fused=True)
+        step = CapturedStep(objective, opt, warmup_steps=1, max_grad_norm=1.0)
+        losses = []
+        for i in range(GPU_STEPS):
+            batch = _batch(rank, i % 3, device, length=24)
+            cut = [24, 6 + 4 * rank, 9, 3 + (i % 3)]  # rank 1's rows and every step's last row differ
+            batch["attention_mask"] = (torch.arange(24, device=device) < torch.tensor(cut, device=device)[:, None]).long()
+            losses.append(float(step(batch)[0]))
+        results[packed] = ({k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, losses,
+                           step.num_graphs, step.num_replays, len(step._packed_graphs))
+    training_layers.PACKED = "auto"
+    torch.save(results, f"{out}.{rank}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
+                    reason="needs 2 CUDA devices and NCCL")
+def test_gpu_ddp_captured_steps_with_packed_rows_equal_padded(tmp_path):
+    """Under DDP on 2 GPUs, captured ERM(fast=True) steps with packed rows (each rank packing its own real-token
+    count, the ranks' graphs keyed on both) equal the padded captured steps (fp32, no dropout) and keep the ranks
+    bit-identical."""
+    spawn(_packed_worker, str(tmp_path / "out"), tmp_path=tmp_path, world=WORLD, backend="nccl")
+    results = [torch.load(f"{tmp_path / 'out'}.{r}", weights_only=False) for r in range(WORLD)]
+    for result in results:
+        assert result[True][4] >= 2 and result[False][4] == 0 and result[True][3] >= 4
+        want_state, want_losses = result[False][:2]
+        state, losses = result[True][:2]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-4, atol=1e-5)
+        for key, value in want_state.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
+    for key, value in results[0][True][0].items():
+        torch.testing.assert_close(results[1][True][0][key], value, rtol=0, atol=0)
