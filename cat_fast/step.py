@@ -101,7 +101,7 @@ def _static_rows(batch, objective):
     `packs_rows`, a CUDA batch of at least `PACKED_MIN_ROWS` rows): the real rows of the batch's 2-D
     ``attention_mask`` rounded up to a bucket (`layers.packing.bucket`), the row count its graph packs; else None.
     Reading the count is one host synchronisation per step, paid only where the rows are packed."""
-    mode = training_layers.PACKED
+    mode = training_layers.packed_mode()
     if not mode or not isinstance(batch, dict):
         return None
     mask = batch.get("attention_mask")

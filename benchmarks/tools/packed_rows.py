@@ -12,6 +12,7 @@ Prints one JSON line per size and method: the median step in ms of each round, P
 the ratios of the medians over the rounds to the peer's.
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -27,21 +28,23 @@ from cat_fast.layers import training as training_layer  # noqa: E402
 CHOICES = ("plain_training_layers", "plain_fast_captured", "poe_captured", "learned_mixin_captured", "cat_captured")
 
 
-def _time(step, steps, packed):
-    training_layer.PACKED = packed
+@contextlib.contextmanager
+def _packed(value):
+    saved, training_layer.PACKED = training_layer.PACKED, value
     try:
-        with torch.autocast("cuda", torch.bfloat16):
-            return round(time_steps(step, 5, steps)[0], 3)
+        yield
     finally:
-        training_layer.PACKED = False
+        training_layer.PACKED = saved
+
+
+def _time(step, steps, packed):
+    with _packed(packed), torch.autocast("cuda", torch.bfloat16):
+        return round(time_steps(step, 5, steps)[0], 3)
 
 
 def _build(method, size, packed):
-    training_layer.PACKED = packed  # a captured step primed at build time captures with the switch as set
-    try:
+    with _packed(packed):  # a captured step primed at build time captures with the switch as set
         return S.build_step(method, size)[2]
-    finally:
-        training_layer.PACKED = False
 
 
 def main():

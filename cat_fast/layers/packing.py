@@ -3,11 +3,12 @@ row-wise work (projections, dropout, residual adds, LayerNorms, the feed-forward
 ``hidden.reshape(-1, D)`` only; the attention by PyTorch's variable-length flash attention over the packed rows
 (`varlen_applies`: CUDA, 16-bit), else in the padded [B, T] layout, its padding rows zero.
 
-``plan(mask, B, T, min_padding)`` (`Plan`: the row indices, the varlen offsets) and ``real_rows`` read the real tokens from a key-padding attention mask (boolean, True attends, or
-additive, 0 attends and -inf or the dtype's minimum masks, [B or 1, 1, T or 1, T], the same key pattern on every
-query row) and return the packed layout, or None where they cannot (another mask form, a sequence whose first
-position is padding: the padded path runs) or where fewer than `min_padding` of the rows are padding. One host synchronisation per mask: the result is remembered for
-the last mask tensor while it is alive and unchanged (its version counter), so the layers of one forward share it.
+``plan(mask, B, T, min_padding)`` (`Plan`: the row indices, the varlen offsets) and ``real_rows`` (the indices)
+read the real tokens from a key-padding attention mask (boolean, True attends, or additive, 0 attends and -inf or the
+dtype's minimum masks, [B or 1, 1, T or 1, T], the same key pattern on every query row), or return None where they
+cannot (another mask form, a sequence whose first position is padding: the padded path runs) or where fewer than
+`min_padding` of the rows are padding. One host synchronisation per mask: the result is remembered for the last mask
+tensor while it is alive and unchanged (its version counter), so the layers of one forward share it.
 ``attend`` and ``attention_backward`` run the attention of N packed projection rows and differentiate it;
 ``pack`` and ``unpack`` (differentiable) gather the rows and write them back into a full tensor; ``carry`` /
 ``carried`` mark a layer's packed output for the next layer within ``carrying``.
@@ -15,9 +16,10 @@ the last mask tensor while it is alive and unchanged (its version counter), so t
 Static row counts, for CUDA graphs (`cat_fast.step.CapturedStep`), whose shapes cannot depend on the data: inside
 ``static_rows(n)``, `real_rows` returns n indices computed on the device without a host synchronisation: the real
 rows ascending, then padding rows up to n (in the padded layout computed as the padded path computes them; by
-variable-length attention as sequences of their own, which attend among themselves), with a
-device-side assertion that no real row is left out (`torch._assert_async`: a loud failure, never a dropped row); the
-mask's values (every query row the first, additive entries 0 or masking) are asserted on the device the same way.
+variable-length attention as sequences of their own, which attend among themselves), with a device-side assertion
+that no real row is left out (`torch._assert_async`: a loud failure, never a dropped row); the mask's values (every
+query row the first, additive entries 0 or masking) and a real first position are asserted on the device the same
+way.
 ``bucket(n_real, total, min_padding)`` rounds a real-row count up to a 32nd of the rows, so that a run sees a
 handful of graphs.
 """
@@ -47,14 +49,19 @@ _carry = threading.local()  # .layers: the layers whose output may stay packed (
 
 
 @contextlib.contextmanager
-def static_rows(n: int | None):
-    """Within: `real_rows` returns `n` rows computed on the device (module docstring); None: as outside."""
-    saved = getattr(_static, "rows", None)
-    _static.rows = n
+def _scoped(store: threading.local, name: str, value):
+    """Within: ``store.name`` is `value`; after, what it was (None where unset)."""
+    saved = getattr(store, name, None)
+    setattr(store, name, value)
     try:
         yield
     finally:
-        _static.rows = saved
+        setattr(store, name, saved)
+
+
+def static_rows(n: int | None):
+    """Within: `real_rows` returns `n` rows computed on the device (module docstring); None: as outside."""
+    return _scoped(_static, "rows", n)
 
 
 def static_count() -> int | None:
@@ -280,17 +287,11 @@ def unpack(rows: torch.Tensor, packed: Plan, full: torch.Tensor) -> torch.Tensor
     return _Unpack.apply(rows.reshape(-1, rows.shape[-1]), full, packed.idx)
 
 
-@contextlib.contextmanager
 def carrying(layers):
-    """Within: the outputs of the layer modules in `layers` (a collection) may stay packed for the next layer
-    (`carry`), which reads them packed (`carried`); `fast_layers.training_layers` sets it for a forward whose
-    consecutive encoder layers are all training layers and nothing else reads their outputs."""
-    saved = getattr(_carry, "layers", None)
-    _carry.layers = layers
-    try:
-        yield
-    finally:
-        _carry.layers = saved
+    """Within: the outputs of the layer modules in `layers` (a collection, or None: none) may stay packed for the
+    next layer (`carry`), which reads them packed (`carried`); `fast_layers.training_layers` sets it for a forward
+    whose consecutive encoder layers are all training layers and nothing else reads their outputs."""
+    return _scoped(_carry, "layers", layers)
 
 
 def may_carry(layer) -> bool:

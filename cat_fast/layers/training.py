@@ -49,7 +49,8 @@ from ..ops.fused import fused_kernels
 from . import casts, interventions, layout, packing, resumed
 from .layout import attach_copy16, bert_parts, copy16, dropout, dropout_p, fp32_mm_supported, plain, sdpa_mask
 
-__all__ = ["supported", "forward", "FUSED", "FUSED_MIN_ROWS", "PACKED", "PACKED_MIN_PADDING", "PACKED_MIN_ROWS"]
+__all__ = ["supported", "forward", "packed_mode", "FUSED", "FUSED_MIN_ROWS", "PACKED", "PACKED_MIN_PADDING",
+           "PACKED_MIN_ROWS"]
 
 # Whether the fused Triton kernels run where they apply (module docstring); False runs the same arithmetic in
 # PyTorch ops (16-bit roundings may differ), as the benchmarks compare.
@@ -132,6 +133,13 @@ def supported(layer: nn.Module) -> bool:
     return _checked(layer) is not None
 
 
+def packed_mode() -> "bool | str":
+    """`PACKED` checked: True, False or "auto" (module docstring); any other value raises naming it."""
+    if PACKED is True or PACKED is False or PACKED == "auto":
+        return PACKED
+    raise ValueError(f"cat_fast.layers.training.PACKED: expected True, False or 'auto', got {PACKED!r}")
+
+
 def _fusion(hidden, dtype, layer_norm_dtype):
     """``(residual_layer_norm, gelu_bias_backward, column_sums)`` kernel modules when the fused path applies (CUDA,
     an fp32 layer under autocast, Triton importable, `FUSED`, `FUSED_MIN_ROWS` rows or more), else None."""
@@ -184,9 +192,10 @@ def forward(layer: nn.Module, args, kwargs) -> torch.Tensor | None:
 def _packed_plan(hidden, mask):
     """The packed layout the packed path runs on (`packing.plan`), or None: the padded path. While a CUDA graph is
     captured only with a static row count (`packing.static_rows`, which `CapturedStep` sets)."""
-    if not PACKED or mask is None:
+    mode = packed_mode()
+    if not mode or mask is None:
         return None
-    if packing.static_count() is None and (PACKED == "auto" or (hidden.is_cuda
+    if packing.static_count() is None and (mode == "auto" or (hidden.is_cuda
                                                                  and torch.cuda.is_current_stream_capturing())):
         return None
     B, T, _ = hidden.shape

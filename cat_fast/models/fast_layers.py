@@ -77,13 +77,13 @@ def _may_carry(model, st, modules) -> bool:
     """Whether the layers' outputs can stay packed between them (`training_layers`): the packed path on, no hooks
     on the layers (or global ones) that would read them, no gradient checkpointing."""
     mm = nn.modules.module
-    return (layers.training.PACKED and len(modules) > 2 and fmt_known(model)
+    return (layers.training.packed_mode() and len(modules) > 2 and _format_known(model)
             and not (mm._global_forward_hooks or mm._global_forward_pre_hooks)
             and not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
             and not any(getattr(m, "gradient_checkpointing", False) is True for m in st.checkpoint_flags))
 
 
-def fmt_known(model) -> bool:
+def _format_known(model) -> bool:
     """Whether the layers' output format is recorded (the first training forward records it, unpacked)."""
     return _LAYER_FORMAT.get(model, "unknown") not in ("unknown", False)
 

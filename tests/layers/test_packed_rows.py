@@ -202,30 +202,6 @@ def _first_token_step(model, batch, seed=5):
     return logits, grads[0], grads[1:]
 
 
-def test_first_token_forward_with_packed_layers_equals_padded(monkeypatch, packed_runs):
-    """Eval mode: the same logits and parameter gradients; in both, the gradient w.r.t. every padding row of the
-    embeddings' output is exactly zero (nothing the loss reads depends on padding rows)."""
-    model = tiny_model("bert", attn="sdpa", dtype=torch.float64, num_layers=3).eval()
-    batch = _model_batch()
-    real = batch["attention_mask"].bool()
-    _first_token_step(model, batch)  # the layers' output format recorded
-    results = {}
-    for packed in (False, True):
-        monkeypatch.setattr(training_layer, "PACKED", packed)
-        packed_runs.clear()
-        results[packed] = _first_token_step(model, batch)
-        assert packed_runs == [packed] * 2  # layers 0 and 1; the last runs for the first token
-    (logits, grad_emb, grads), (want_logits, want_emb, want) = results[True], results[False]
-    torch.testing.assert_close(logits, want_logits, rtol=1e-12, atol=1e-12)
-    for emb in (grad_emb, want_emb):
-        assert torch.equal(emb[~real], torch.zeros_like(emb[~real]))
-    torch.testing.assert_close(grad_emb, want_emb, rtol=1e-10, atol=1e-12)
-    for a, b in zip(grads, want):
-        assert (a is None) == (b is None)
-        if a is not None:
-            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-
-
 @pytest.fixture
 def pack_calls(monkeypatch):
     """Each `packing.pack` / `packing.unpack` call: "pack" or "unpack"."""
@@ -236,18 +212,22 @@ def pack_calls(monkeypatch):
     return calls
 
 
-def _compare_first_token(model, batch, monkeypatch, packed_runs, pack_calls, want_calls):
+def _compare_first_token(model, batch, monkeypatch, packed_runs, pack_calls, want_calls, want_runs=None):
     """A first-token forward with the packed path against the padded one: logits, the embeddings' output gradient
-    (zero on padding rows in both) and every parameter gradient in float64; `want_calls`: the pack / unpack calls
-    of the packed forward."""
+    (zero on padding rows in both where the head reads real rows only) and every parameter gradient in float64;
+    `want_calls`: the pack / unpack calls of the packed forward; `want_runs`: how many layers attend (packed in the
+    packed forward)."""
     real = batch["attention_mask"].bool()
     _first_token_step(model, batch)  # the layers' output format recorded
     results = {}
     for packed in (False, True):
         monkeypatch.setattr(training_layer, "PACKED", packed)
         pack_calls.clear()
+        packed_runs.clear()
         results[packed] = _first_token_step(model, batch)
         assert pack_calls == (want_calls if packed else [])
+        if want_runs is not None:
+            assert packed_runs == [packed] * want_runs
     (logits, grad_emb, grads), (want_logits, want_emb, want) = results[True], results[False]
     torch.testing.assert_close(logits, want_logits, rtol=1e-12, atol=1e-12)
     if real[:, 0].all():  # the head reads real rows only
@@ -258,6 +238,15 @@ def _compare_first_token(model, batch, monkeypatch, packed_runs, pack_calls, wan
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_first_token_forward_with_packed_layers_equals_padded(monkeypatch, packed_runs, pack_calls):
+    """Eval mode: the same logits and parameter gradients; in both, the gradient w.r.t. every padding row of the
+    embeddings' output is exactly zero (nothing the loss reads depends on padding rows). Layers 0 and 1 attend
+    packed; the last runs for the first token."""
+    model = tiny_model("bert", attn="sdpa", dtype=torch.float64, num_layers=3).eval()
+    _compare_first_token(model, _model_batch(), monkeypatch, packed_runs, pack_calls, ["pack", "unpack"],
+                         want_runs=2)
 
 
 @pytest.mark.parametrize("padding", ["right", "left", "all_padding_but_one"])
@@ -581,3 +570,17 @@ def test_packed_graphs_hold_half_of_max_graphs_then_the_padded_graph_runs(monkey
     (losses, graphs, replays, packed_graphs), (want, want_graphs, _, _) = results[True], results[False]
     assert want_graphs == 1 and packed_graphs == 2 and graphs == 3 and replays == 5
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-4, atol=1e-5)
+
+
+def test_a_packed_switch_of_another_value_is_refused(monkeypatch):
+    """`PACKED` other than True, False or "auto" (a typo such as "on") raises naming the switch and the value, in the
+    layer and in a captured step's signature, instead of being read as on."""
+    from cat_fast import step as step_module
+
+    monkeypatch.setattr(training_layer, "PACKED", "on")
+    with pytest.raises(ValueError, match=r"PACKED: expected True, False or 'auto', got 'on'"):
+        _run(_layer(), torch.randn(4, 9, D, dtype=torch.float64),
+             models.inputs._padding_mask_4d(_padding_mask([9, 4, 6, 3], 9)), torch.zeros(4, 9, D, dtype=torch.float64),
+             "on", monkeypatch)
+    with pytest.raises(ValueError, match="PACKED"):
+        step_module._static_rows({"attention_mask": _padding_mask([9, 4], 9)}, None)
