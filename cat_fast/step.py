@@ -97,8 +97,8 @@ def _hyper_parameters(optimizer):
 
 
 def _static_rows(batch, objective):
-    """With the training layers' packed path on (`layers.training.PACKED`; "auto": for an objective that declares
-    `packs_rows`, a CUDA batch of at least `PACKED_MIN_ROWS` rows): the real rows of the batch's 2-D
+    """For an objective that declares `packs_rows`, with the training layers' packed path on
+    (`layers.training.PACKED`; "auto": a CUDA batch of at least `PACKED_MIN_ROWS` rows): the real rows of the batch's 2-D
     ``attention_mask`` rounded up to a bucket (`layers.packing.bucket`), the row count its graph packs; else None.
     Reading the count is one host synchronisation per step, paid only where the rows are packed."""
     mode = training_layers.packed_mode()
@@ -107,8 +107,9 @@ def _static_rows(batch, objective):
     mask = batch.get("attention_mask")
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.numel() == 0:
         return None
-    if mode == "auto" and not (getattr(objective, "packs_rows", False) and mask.is_cuda
-                               and mask.numel() >= training_layers.PACKED_MIN_ROWS):
+    if not getattr(objective, "packs_rows", False):  # its step runs padded (`Objective.packs_rows`)
+        return None
+    if mode == "auto" and not (mask.is_cuda and mask.numel() >= training_layers.PACKED_MIN_ROWS):
         return None
     n_real, first_real = torch.stack([mask.count_nonzero(), mask[:, 0].bool().all()]).tolist()
     if not first_real:  # a sequence whose first position is padding (left padding) runs padded

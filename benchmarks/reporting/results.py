@@ -34,6 +34,7 @@ METHOD_LABEL = {
     "plain_captured": "(10) plain (ERM), CapturedStep",
     "plain_fast_captured": "(10f) plain, ERM(fast=True), CapturedStep",
     "cat_captured": "(11) cat_fast.CAT, CapturedStep",
+    "gs_first_order_captured": "(12) GS first-order central (h_0), CapturedStep",
     "gs_first_order_fwd_captured": "(12f) GS first-order forward (h_0), CapturedStep",
     "gs_pooled_captured": "(12p) GS exact, pooled, CapturedStep",
     "gs_exact_captured": "(13g) GS exact, token level (h_0), CapturedStep",

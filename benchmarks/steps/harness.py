@@ -14,8 +14,8 @@ Every row of `METHODS` is a `Method`: a registered objective (``cat_fast.objecti
    (``cuda_graph=False``), 3f. `cat_full_last` (``prune_last_layer=False``), 3h. `cat_hf_layers`
    (``fast_resume=False``), 3c. `cat_hf_clean` (``training_layers=False``): each option's effect side by side.
 4. `gs_exact`: ``gs`` at the embedding output (``representation=0``), exact (eager attention, double backward),
-   pairs = a random permutation. 5. `gs_first_order` (``mode="first_order"``, SDPA, central difference);
-   5f. `gs_first_order_fwd` (``difference="forward"``). 6. `gs_pooled` (``representation="pooled"``, exact, SDPA:
+   pairs = a random permutation. 5. `gs_first_order` (``mode="first_order"``, SDPA,
+   ``difference="central"``); 5f. `gs_first_order_fwd` (``difference="forward"``, the default). 6. `gs_pooled` (``representation="pooled"``, exact, SDPA:
    the double backward only crosses the head; eager if SDPA refuses); 6h. `gs_pooled_hf_layers`
    (``training_layers=False``).
 7. `poe`, `reweight`, `learned_mixin`, `conf_reg`: the bias-model objectives with a fixed bias [B, C]
@@ -28,7 +28,8 @@ Every row of `METHODS` is a `Method`: a registered objective (``cat_fast.objecti
 10. `plain_captured`, `plain_fast_captured`: ``erm`` (``fast=True``: the first-token cut and the training layers)
    through `CapturedStep` with a fused, capturable AdamW (tensor lr): one CUDA graph per batch shape.
 11. `cat_captured`: `cat` through `CapturedStep`, one graph per mixing layer, captured before the warm-up (`prime`).
-12./13. `gs_first_order_fwd_captured` (``low_memory=False``, which a captured step needs), `gs_pooled_captured`,
+12./13. `gs_first_order_captured`, `gs_first_order_fwd_captured` (``low_memory=False``, which a captured step
+   needs), `gs_pooled_captured`,
    `gs_exact_captured`, `poe_captured`, `reweight_captured`, `learned_mixin_captured`, `conf_reg_captured`,
    `clp_captured`: the same objectives through `CapturedStep` (CLP's virtual step at its tensor learning rate).
 """
@@ -78,7 +79,7 @@ SPECS = {
     "cat_hf_layers": Method("cat", dict(_CAT, fast_resume=False), per_layer=True, first_token=True),
     "cat_hf_clean": Method("cat", dict(_CAT, training_layers=False), per_layer=True, first_token=True),
     "gs_exact": Method("gs", dict(_GS_TOKEN, mode="exact"), attn="eager", flops=False),
-    "gs_first_order": Method("gs", dict(_GS_TOKEN, mode="first_order"), first_token=True),
+    "gs_first_order": Method("gs", dict(_GS_TOKEN, mode="first_order", difference="central"), first_token=True),
     "gs_first_order_fwd": Method("gs", dict(_GS_TOKEN, mode="first_order", difference="forward"), first_token=True),
     "gs_pooled": Method("gs", _GS_POOLED, first_token=True),
     "gs_pooled_hf_layers": Method("gs", dict(_GS_POOLED, training_layers=False), first_token=True),
@@ -101,6 +102,7 @@ def _captured(name, warmup_steps=2, **kwargs):
 
 
 SPECS["cat_captured"] = _captured("cat", warmup_steps=1)
+SPECS["gs_first_order_captured"] = _captured("gs_first_order", low_memory=False)
 SPECS["gs_first_order_fwd_captured"] = _captured("gs_first_order_fwd", low_memory=False)
 for _name in ("gs_pooled", "gs_exact", "poe", "reweight", "learned_mixin", "conf_reg", "clp"):
     SPECS[_name + "_captured"] = _captured(_name)

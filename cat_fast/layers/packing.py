@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["real_rows", "attend", "attention_backward", "scatter", "static_rows", "static_count", "bucket", "BUCKETS",
-           "Plan", "plan", "pack", "unpack", "carry", "carried", "carrying", "may_carry", "VARLEN"]
+           "Plan", "plan", "pack", "unpack", "carry", "carried", "carrying", "may_carry", "padded", "refused", "VARLEN"]
 
 _last = threading.local()  # .entry: (weak reference to the mask, its version, (B, T, min_padding), the result)
 _static = threading.local()  # .rows: `static_rows`'s n, or None
@@ -46,6 +46,7 @@ BUCKETS = 32
 # attends in the padded layout (scatter, SDPA, gather), as the CPU does, for comparisons.
 VARLEN = True
 _carry = threading.local()  # .layers: the layers whose output may stay packed (`carrying`), or None
+_refused = threading.local()  # .on: whether `padded` is in force
 
 
 @contextlib.contextmanager
@@ -67,6 +68,17 @@ def static_rows(n: int | None):
 def static_count() -> int | None:
     """`static_rows`'s n where one is set, else None."""
     return getattr(_static, "rows", None)
+
+
+def padded(on: bool = True):
+    """Within (`on`): nothing is packed, whatever `layers.training.PACKED` says: the step of an objective whose
+    passes could not pack alike (`Objective.packs_rows`)."""
+    return _scoped(_refused, "on", bool(on))
+
+
+def refused() -> bool:
+    """Whether `padded` is in force."""
+    return bool(getattr(_refused, "on", False))
 
 
 def bucket(n_real: int, total: int, min_padding: float) -> int | None:

@@ -17,8 +17,9 @@ layers `resumed.supported` accepts, parameters in one dtype on the input's devic
 or none; a layer with cat_fast interventions runs a composed version differentiated by autograd. No double
 backward (``once_differentiable``).
 
-The packed path (`PACKED`: True everywhere; "auto", the default, in the graphs of a captured step on CUDA of an
-objective that declares `packs_rows`, from `PACKED_MIN_ROWS` rows; False never) runs the row-wise work on the real
+The packed path (`PACKED`: True wherever it applies, outside the step of an objective that does not declare
+`packs_rows`, which runs padded (`packing.padded`); "auto", the default, in the graphs of a captured step on CUDA of
+an objective that declares `packs_rows`, from `PACKED_MIN_ROWS` rows; False never) runs the row-wise work on the real
 (non-padding) rows only (`layers.packing`): the projections, dropouts, residual adds, LayerNorms and the feed-forward
 block on the N real rows of the B·T; the attention by variable-length flash attention over the packed rows (CUDA,
 16-bit), else in the padded layout with zero projections on the padding rows (masked keys; padding queries whose
@@ -60,7 +61,7 @@ FUSED = True
 # unfused path (not measured).
 FUSED_MIN_ROWS = 1024
 # Whether the row-wise work runs on the real rows only (module docstring): True wherever it applies (an eager pass
-# reads the real rows on the host), False never, "auto" (the default) in the graphs of a captured step
+# reads the real rows on the host) but in the steps of objectives without `packs_rows`, False never, "auto" (the default) in the graphs of a captured step
 # (`cat_fast.step.CapturedStep`) on CUDA of an objective that declares `packs_rows`, from `PACKED_MIN_ROWS` rows,
 # where it was measured faster (benchmarks/RESULTS.md).
 PACKED: "bool | str" = "auto"
@@ -150,10 +151,13 @@ def _fusion(hidden, dtype, layer_norm_dtype):
     return kernels if None not in kernels else None
 
 
-def forward(layer: nn.Module, args, kwargs) -> torch.Tensor | None:
+def forward(layer: nn.Module, args, kwargs, packed_only: bool = False) -> torch.Tensor | None:
     """The output tensor of `layer(*args, **kwargs)`, differentiable w.r.t. the input and the layer's parameters,
-    or None when the layer or this call is not handled here (then run the layer itself)."""
-    weighted = _checked(layer) if torch.is_grad_enabled() else None
+    or None when the layer or this call is not handled here (then run the layer itself). `packed_only`: only where
+    the rows are packed (None elsewhere), with or without autograd: a pass that must draw its dropout over the rows
+    its clean forward packed (`models.resume(..., input_grad_only=True)`)."""
+    grad = torch.is_grad_enabled()
+    weighted = _checked(layer) if grad or packed_only else None
     if weighted is None:
         return None
     hidden_in = args[0] if args else kwargs.get("hidden_states")
@@ -168,7 +172,10 @@ def forward(layer: nn.Module, args, kwargs) -> torch.Tensor | None:
             or any(p.dtype != first.dtype or p.device != first.device for p in params)):
         return None
     dtype = layout.compute_dtype(hidden, first.dtype)
-    if dtype is None or not (hidden.requires_grad or any(p.requires_grad for p in params)):
+    if dtype is None or (grad and not (hidden.requires_grad or any(p.requires_grad for p in params))):
+        return None
+    packed = carried[0] if carried is not None else _packed_plan(hidden, mask)
+    if packed_only and packed is None:
         return None
     edits = interventions.active(layer)
     if edits:
@@ -176,13 +183,11 @@ def forward(layer: nn.Module, args, kwargs) -> torch.Tensor | None:
             hidden = packing.unpack(hidden, *carried)
         return _composed(layer, hidden, mask, dtype, edits)
     if carried is not None:
-        packed, full = carried
-        rows = hidden
+        full, rows = carried[1], hidden
     else:
-        packed, full = _packed_plan(hidden, mask), hidden
         if packed is None:
             return _TrainingLayer.apply(hidden, mask, None, layer, dtype, *params)
-        rows = packing.pack(hidden, packed)
+        full, rows = hidden, packing.pack(hidden, packed)
     y = _TrainingLayer.apply(rows, mask, packed, layer, dtype, *params)
     if packing.may_carry(layer):
         return packing.carry(y, packed, full)
@@ -193,7 +198,7 @@ def _packed_plan(hidden, mask):
     """The packed layout the packed path runs on (`packing.plan`), or None: the padded path. While a CUDA graph is
     captured only with a static row count (`packing.static_rows`, which `CapturedStep` sets)."""
     mode = packed_mode()
-    if not mode or mask is None:
+    if not mode or mask is None or packing.refused():
         return None
     if packing.static_count() is None and (mode == "auto" or (hidden.is_cuda
                                                                  and torch.cuda.is_current_stream_capturing())):

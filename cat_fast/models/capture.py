@@ -63,7 +63,9 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
     ``layer_outputs``, ``inputs``), so work that needs only ``h_layer`` can be queued on the GPU before the rest of
     the forward. It must leave the RNG state as it found it. ``training_layers=True``: the encoder layers run
     `layers.training` where it supports them (see there: the same values, dropout draws and gradients, one autograd
-    node per layer; no double backward through them).
+    node per layer; no double backward through them); where they pack the rows (`layers.training.PACKED`) the rows
+    stay packed from layer to layer (`layers.packing.carry`) around this function's own hooks, ``h_layer`` is their
+    unpacked form, and the recorded outputs of the layers below may be packed rows (what `resume` returns unread).
     """
     model = orig_module(model)
     st = structure(model)
@@ -85,10 +87,17 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
         calls["started"] += 1
         if k == layer:
             cap.hidden, cap.hidden_loc = hidden_argument(args, kwargs)
+            found = layers.packing.carried(cap.hidden)
+            if found is not None:  # the previous layer's packed rows: h_m is their unpacked form, which layer m+1 gets
+                cap.hidden = layers.packing.unpack(cap.hidden, *found)
+                args, kwargs = _with_hidden(args, kwargs, cap.hidden_loc, cap.hidden)
             if keep_rng:
                 cap.rng_state = get_rng_state(cap.hidden.device)
             if on_hidden is not None:
                 on_hidden(cap)
+            if found is not None:
+                return args, kwargs
+        return None
 
     def post(mod, args, kwargs, output):
         k = calls["done"]
@@ -119,7 +128,10 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
     try:
         handles += _capture_hooks(st, layer is not None, pooled, pre, post, emb_post, head_pre)
         prune = first_token and (layer is None or layer < L)
-        with fast_layers.training_layers(model, st, inputs, training_layers, carry=layer is None), \
+        # the layers may hand packed rows on (`layers.packing.carry`): the hooks here record what `resume` returns
+        # unread and unpack h_m
+        with fast_layers.training_layers(model, st, inputs, training_layers, carry=True,
+                                         own_hooks=[h.id for h in handles]), \
                 fast_layers.last_layer_first_token(model, st, inputs, prune), uncompiled(model) as module:
             cap.outputs = module(**inputs)
     finally:
@@ -172,9 +184,12 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
     only the head reads: CAT's counterfactual passes, GS's perturbed passes).
     ``input_grad_only=True`` promises that no parameter gradient is taken through this pass (CAT's CAL steps and
     its detached final pass): layers ``m+1..L`` with the Bert layout then run `layers.resumed` (same values and
-    dropout draws; the input gradient summed in fp32 under autocast). ``training_layers=True`` (without
+    dropout draws; the input gradient summed in fp32 under autocast), or `layers.training` where it packs the rows
+    (`layers.training.PACKED`), as the clean forward's training layers did. ``training_layers=True`` (without
     ``input_grad_only``): layers ``m+1..L`` run `layers.training` where it supports them (the same values, dropout
-    draws and gradients, parameters included; no double backward through them). ``repeat=K``: `h_tilde` stacks K
+    draws and gradients, parameters included; no double backward through them). Packed rows stay packed from layer
+    to layer up to the last two (`layers.packing.carrying`), as in `capture`, where h_m is their unpacked form.
+    ``repeat=K``: `h_tilde` stacks K
     variants of ``h_m`` along the batch (``[K·B, ...]``, variant k in rows ``k·B .. k·B+B−1``); the batch's inputs
     are tiled to match, so one pass runs K edited copies of the batch (`cat_fast.analysis.mediation`). Eval mode only.
     """
@@ -214,21 +229,32 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
                 out = layers.first_token.forward(mod, args, kwargs, first_token_fill, first_token_row_only,
                                                  input_only=input_grad_only)
             elif cap.last_output is not None and (input_grad_only or training_layers):
-                out = (layers.resumed if input_grad_only else layers.training).forward(mod, args, kwargs)
+                # input_grad_only: the training layer where the rows are packed (the clean forward's training
+                # layers packed them, and drew their dropout over them), else `layers.resumed`
+                out = layers.training.forward(mod, args, kwargs, packed_only=input_grad_only)
+                if out is None and input_grad_only:
+                    args, kwargs = fast_layers.unpacked(args), fast_layers.unpacked(kwargs)
+                    out = layers.resumed.forward(mod, args, kwargs)
             else:
                 out = None
-            return orig(*args, **kwargs) if out is None else replace_first(cap.last_output, out)
+            if out is None:
+                return orig(*fast_layers.unpacked(args), **fast_layers.unpacked(kwargs))
+            return replace_first(cap.last_output, out)
 
         return forward
 
     inputs = _resume_inputs(model, cap, attention_mask, repeat)
+    # the training layers m+1..L-2 may hand packed rows on (`layers.packing.carry`), as the clean forward's did
+    carried = None
+    if (training_layers or input_grad_only) and len(st.layer_modules) == L:
+        carried = fast_layers.carry_set(model, st, st.layer_modules[m:])
     try:
         for mod in st.layer_modules:
             patched.append(patch_forward(mod, layer_forward(mod)))
         if st.embeddings is not None and cap.embedding_output is not None:
             cached = _tile(cap.embedding_output, repeat) if repeat > 1 else cap.embedding_output
             patched.append(patch_forward(st.embeddings, lambda *a, **k: cached))
-        with uncompiled(model) as module:
+        with layers.packing.carrying(carried), uncompiled(model) as module:
             out = module(**inputs)
     finally:
         for saved in reversed(patched):

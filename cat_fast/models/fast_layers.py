@@ -12,7 +12,7 @@ from torch import nn
 from .. import layers
 from .patching import formatted, output_format, patch_forward, unpatch_forward, wants_all_outputs
 
-__all__ = ["training_layers", "last_layer_first_token", "first_token_known", "record_first_token", "AdapterWarning",
+__all__ = ["training_layers", "carry_set", "unpacked", "last_layer_first_token", "first_token_known", "record_first_token", "AdapterWarning",
            "warn_adapters"]
 
 
@@ -30,7 +30,7 @@ _LAYER_FORMAT: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyD
 
 
 @contextmanager
-def training_layers(model, st, inputs, enabled, carry: bool = False):
+def training_layers(model, st, inputs, enabled, carry: bool = False, own_hooks=()):
     """While active, the encoder layers run `layers.training` (one autograd node per layer: the same values, dropout
     draws and gradients with less host work) where it supports the layer and the call; the rest run themselves
     (a first-token last layer, patched inside this, falls back to this). Off when the call asks for hidden states
@@ -38,8 +38,9 @@ def training_layers(model, st, inputs, enabled, carry: bool = False):
 
     `carry`: with the packed path on (`layers.training.PACKED`), the layers before the last two hand their outputs
     on packed (`layers.packing.carry`: the real rows only, packed once per forward and unpacked once, before the
-    last layer) where nothing else can read them: no forward hooks on the layers, no gradient checkpointing. A
-    layer that cannot run packed gets its input unpacked."""
+    last layer) where nothing else can read them: no forward hooks on the layers but the caller's `own_hooks` (their
+    handles' ids: hooks that take packed outputs, as `capture`'s), no gradient checkpointing. A layer that cannot run
+    packed gets its input unpacked."""
     if not enabled or wants_all_outputs(model, inputs) or _LAYER_FORMAT.get(model) is False:
         yield
         return
@@ -58,12 +59,12 @@ def training_layers(model, st, inputs, enabled, carry: bool = False):
                 return out
             y = layers.training.forward(mod, args, kwargs)
             if y is None:
-                return orig(*_unpacked(args), **_unpacked(kwargs))
+                return orig(*unpacked(args), **unpacked(kwargs))
             return formatted(fmt, y)
 
         return forward
 
-    carried = frozenset(modules[:-2]) if carry and _may_carry(model, st, modules) else None
+    carried = carry_set(model, st, modules, own_hooks) if carry else None
     patched = [patch_forward(mod, layer_forward(mod, mod.forward)) for mod in modules]
     try:
         with layers.packing.carrying(carried):
@@ -73,14 +74,18 @@ def training_layers(model, st, inputs, enabled, carry: bool = False):
             unpatch_forward(saved)
 
 
-def _may_carry(model, st, modules) -> bool:
-    """Whether the layers' outputs can stay packed between them (`training_layers`): the packed path on, no hooks
-    on the layers (or global ones) that would read them, no gradient checkpointing."""
+def carry_set(model, st, modules, own_hooks=()):
+    """The layers of `modules` (consecutive encoder layers, the model's last two at their end) whose outputs may stay
+    packed for the next (`layers.packing.carrying`): all but the last two, where the packed path is on, no hooks on
+    the layers (or global ones) would read them but those whose handle ids are in `own_hooks`, and no gradient
+    checkpointing; else None."""
     mm = nn.modules.module
-    return (layers.training.packed_mode() and len(modules) > 2 and _format_known(model)
-            and not (mm._global_forward_hooks or mm._global_forward_pre_hooks)
-            and not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
-            and not any(getattr(m, "gradient_checkpointing", False) is True for m in st.checkpoint_flags))
+    own = frozenset(own_hooks)
+    ok = (layers.training.packed_mode() and len(modules) > 2 and _format_known(model)
+          and not (mm._global_forward_hooks or mm._global_forward_pre_hooks)
+          and not any(set(m._forward_hooks).union(m._forward_pre_hooks) - own for m in modules)
+          and not any(getattr(m, "gradient_checkpointing", False) is True for m in st.checkpoint_flags))
+    return frozenset(modules[:-2]) if ok else None
 
 
 def _format_known(model) -> bool:
@@ -88,7 +93,7 @@ def _format_known(model) -> bool:
     return _LAYER_FORMAT.get(model, "unknown") not in ("unknown", False)
 
 
-def _unpacked(values):
+def unpacked(values):
     """`values` (args tuple or kwargs dict) with a packed layer output (`layers.packing.carried`) unpacked."""
     items = values.items() if isinstance(values, dict) else enumerate(values)
     found = [(k, layers.packing.carried(v)) for k, v in items]

@@ -57,6 +57,7 @@ from typing import Mapping
 import torch
 
 from ..distributed import ddp_module, prepare_objective, run_in_forward
+from ..layers import packing
 from ..models.inputs import declare_batch_keys
 from ..step import NotCapturable, StepPlan
 from .config import PAIRS, Declarations, missing_arguments
@@ -121,6 +122,17 @@ def _under_ddp(name, method):
     return routed
 
 
+def _padded_unless_packing(method):
+    """`method` (an objective's ``__call__`` or ``planned_step``) with nothing packed unless the objective declares
+    `Objective.packs_rows` (`layers.packing.padded`)."""
+    @functools.wraps(method)
+    def scoped(self, *args, **kwargs):
+        with packing.padded(not self.packs_rows):
+            return method(self, *args, **kwargs)
+
+    return scoped
+
+
 class _ObjectiveType(type):
     """The objectives' type: an objective built on a DDP module is prepared for it once its whole constructor has
     run (its own parameters, generators and options exist then)."""
@@ -136,9 +148,10 @@ class Objective(Declarations, metaclass=_ObjectiveType):
     """Base class of the training objectives (module docstring)."""
 
     find_unused_parameters = False  # DDP's setting for it: every step's loss reaches every parameter of the model
-    # Whether its forward runs the encoder as training layers that hand packed rows on (`models.first_token_forward`,
-    # `models.capture` without layer hooks): a captured step then packs the batch's real rows by default
-    # (`layers.training.PACKED` = "auto", `cat_fast.step`).
+    # Whether its passes may run on the batch's real rows only (`layers.training.PACKED`): its forwards run the
+    # encoder as training layers, and every pass that redraws the clean forward's dropout packs as the clean forward
+    # did. A captured step then packs by default ("auto", `cat_fast.step`); an objective without it runs padded
+    # whatever PACKED says (`layers.packing.padded`).
     packs_rows = False
 
     def __init_subclass__(cls, **kwargs):
@@ -146,6 +159,9 @@ class Objective(Declarations, metaclass=_ObjectiveType):
         for name in ("__call__", "plan_step"):  # every entry point of a step checks its batch first
             if name in cls.__dict__:
                 setattr(cls, name, _checks_batch(_under_ddp(name, cls.__dict__[name])))
+        for name in ("__call__", "planned_step"):
+            if name in cls.__dict__:
+                setattr(cls, name, _padded_unless_packing(cls.__dict__[name]))
         declare_batch_keys(*cls.batch_columns())  # never passed to the model's forward
 
     def pairs_required(self) -> bool:

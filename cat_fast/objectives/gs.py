@@ -63,8 +63,9 @@ class GSConfig(ObjectiveConfig):
                                     "states after layer K (0 = the embedding output; pairs aligned by position)")
     gs_mode: str = option("exact", choices=("exact", "first_order"), help="GS: exact (double backward; eager "
                           "attention) or first_order (finite differences, any attention)")
-    gs_difference: str = option("central", choices=("central", "forward"), help="GS first_order: central (two "
-                                "perturbed passes) or forward (one) differences")
+    gs_difference: str = option("forward", choices=("forward", "central"), help="GS first_order: forward (one "
+                                "perturbed pass) or central (two: more accurate at 16-bit precision, about 1.4x "
+                                "the step time) differences")
 
 
 class GradientSupervision(FirstOrder, Objective):
@@ -81,7 +82,8 @@ class GradientSupervision(FirstOrder, Objective):
     ``mode="exact"``: g with ``create_graph=True`` (double backward; an attention kernel without it is a one-line
     error, `DOUBLE_BACKWARD_HINT`); for the pooled vector of a linear head g = W[y_j] in closed form, and on CUDA
     the whole loss is one Triton kernel from the second call. ``mode="first_order"``: the parameter term by finite
-    differences, ``difference="central"`` (two passes) or ``"forward"`` (one), step ``eps · ‖x_i‖ / ‖u_i‖`` (``eps``
+    differences, ``difference="forward"`` (one pass, the default) or ``"central"`` (two; closer to the exact term
+    where the matmuls round to 16 bits, docs/METHODS.md §2.3), step ``eps · ‖x_i‖ / ‖u_i‖`` (``eps``
     None: 1e-3, or 0.1 where the matmuls round to 16-bit precision, which a smaller step drowns in), on the
     clean forward's dropout masks; any attention kernel (§2.3). ``low_memory=True`` runs those passes inside the
     caller's ``backward()`` and accumulates their parameter gradients into ``.grad`` (use ``False`` with
@@ -90,7 +92,7 @@ class GradientSupervision(FirstOrder, Objective):
     """
 
     def __init__(self, model, weight=1.0, representation="pooled", target="counterfactual", mode="exact",
-                 random_pairs=False, eps=None, generator=None, difference="central", low_memory=True,
+                 random_pairs=False, eps=None, generator=None, difference="forward", low_memory=True,
                  prune_last_layer=True, training_layers=True):
         given, model = model, models.unwrap(model)  # `Objective` finds a torch.compile wrapper in `given`
         st = models.structure(model)
@@ -103,8 +105,8 @@ class GradientSupervision(FirstOrder, Objective):
         if eps is not None:
             eps = float(check_number("eps", eps, low=0, low_open=True))
         weight = check_number("weight", weight, low=0)
-        if difference not in ("central", "forward"):
-            raise ValueError(f"difference must be 'central' or 'forward', got {difference!r}")
+        if difference not in ("forward", "central"):
+            raise ValueError(f"difference must be 'forward' or 'central', got {difference!r}")
         layer = _parse_representation(representation)
         if layer is not None and not 0 <= layer <= st.num_layers:
             raise ValueError(f"representation layer must be in [0, {st.num_layers}], got {layer}")
@@ -130,6 +132,17 @@ class GradientSupervision(FirstOrder, Objective):
     requires = (PAIRS,)
     curves = (Curve("ce_loss", "CE part"), Curve("gs_loss", "GS part", after_warmup=True))
     distributed_preset = {"low_memory": False}  # its low-memory passes write .grad outside DDP's reducer
+
+    @property
+    def packs_rows(self) -> bool:
+        """With the training layers (`Objective.packs_rows`): the pooled exact loss (its clean forward is the only
+        encoder pass), and first-order GS at the embedding output (``representation=0``: its perturbed passes resume
+        at the first layer, and pack as the clean forward did). First-order GS elsewhere stays padded: inside a
+        captured step its passes redraw the clean forward's dropout from an offset measured on the eager warm-up
+        steps (`models.PassGenerators`), which draw over the padded rows above the layer."""
+        if not self.training_layers:
+            return False
+        return self.layer is None and self.mode == "exact" or self.layer == 0 and self.mode == "first_order"
 
     def check_distributed(self):
         if self.mode == "first_order" and self.low_memory:

@@ -11,6 +11,7 @@ import dataclasses
 import torch
 
 from .. import models
+from ..layers import packing
 from ..ops import gs_cosine_loss
 from .gs_pairs import masked_mean
 
@@ -128,13 +129,15 @@ def _deferred_passes(target, x0, step, signs, score_at, pooled, model):
     autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
     box = {}
     params = [p for p in model.parameters() if p.requires_grad]
+    refused = packing.refused()  # the passes pack as the clean forward did, outside its step's scope
 
     def hook(grad):
         scale = box.pop("scale", None)
         if scale is None:  # a backward that does not differentiate the GS term
             return None
         extra = torch.zeros_like(x0)
-        with torch.enable_grad(), torch.autocast(device_type, dtype=autocast[1], enabled=autocast[0]):
+        with packing.padded(refused), torch.enable_grad(), torch.autocast(device_type, dtype=autocast[1],
+                                                                            enabled=autocast[0]):
             for sign in signs:
                 xp = (x0 + sign * step).requires_grad_(True)
                 objective = score_at(xp) * (sign * scale.to(torch.float32))
