@@ -32,11 +32,14 @@ What it refuses or runs eagerly, with the reason:
 Signatures beyond ``max_graphs`` run eagerly (pad batches to a few lengths: `cat_fast.data.length_buckets`).
 
 Padding-free graphs (`cat_fast.layers.training.PACKED`; by default "auto": on CUDA, for an objective that declares
-`packs_rows` — ERM(fast=True), the bias-model losses — and batches of at least ``PACKED_MIN_ROWS`` rows): a batch with a
+`packs_rows` — ERM(fast=True), the bias-model losses, GS on the pooled vector or first order at the embeddings —
+and batches of at least ``PACKED_MIN_ROWS`` rows): a batch with a
 2-D ``attention_mask`` adds its real-token count, rounded up to a 32nd of its rows (`layers.packing.bucket`), to the
 signature, and its graph runs the encoder on that many packed rows (`layers.packing.static_rows`: the rows packed
 once, handed from layer to layer packed, attended by variable-length flash attention, unpacked before the last
-layer). Reading the count is one host synchronisation per step. A batch whose first position is padding (left
+layer). Reading the count is one host synchronisation per step. The signature's eager warm-up steps pack the same
+rows, so the offsets at which its passes redraw the clean forward's dropout (`models.PassGenerators`) are measured
+on packed steps. A batch whose first position is padding (left
 padding) runs padded, and so does a new row count once packed graphs hold half of ``max_graphs``.
 
 ``strict=True``: an objective whose step cannot be planned raises `NotCapturable` on every device (by default it
@@ -253,11 +256,15 @@ class CapturedStep(cuda_graphs.CachedGraphs):
             if lockstep is not None and not lockstep.all(entry is not None):
                 entry = self.cache.discard(sig)  # failed on another rank: eager on every rank
         if entry is None:  # a warm-up step, a failed capture or a signature beyond max_graphs
-            return self._side_stream_step(plan, batch, args)
+            # a packed signature's eager steps pack as its graph does: the same rows, so its passes' dropout draws
+            # (`models.PassGenerators` measures their offsets on these steps) are the graph's
+            with packing.static_rows(rows):
+                return self._side_stream_step(plan, batch, args)
         self._check_hyper_parameters()
         entry.load(inputs)
         if plan.before_replay is not None:
-            plan.before_replay()
+            with packing.static_rows(rows):
+                plan.before_replay()
         entry.replay("step")
         loss, info, self.last_grad_norm, self.last_skipped = cuda_graphs.clone(entry.outputs["step"])
         return loss, info

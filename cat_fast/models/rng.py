@@ -4,6 +4,8 @@ import contextlib
 
 import torch
 
+from ..layers import packing
+
 __all__ = ["get_state", "set_state", "PassGenerators"]
 
 
@@ -29,7 +31,8 @@ class PassGenerators:
     forward's state); draws before the marker (discarded by the eager pass as well) go to ``scratch``. Before each
     replay (`before_replay`) every pass generator is set to the device generator's seed and to its offset at the
     replay's start plus ``lead``: the offset the clean forward had reached at the marker, measured on eager steps
-    of the same step (`start` / `mark`). The generators are registered with the graph before its capture
+    of the same step (`start` / `mark`), one lead per packed row count (`layers.packing.static_count`, under which a
+    captured step runs a packed signature's eager steps and its replays: packed layers draw over their rows). The generators are registered with the graph before its capture
     (`cat_fast.step.StepPlan.generators`). `for_batch` gives an objective's instance for a batch's shapes."""
 
     def __init__(self, device, passes: int):
@@ -37,7 +40,7 @@ class PassGenerators:
         self.default = torch.cuda.default_generators[index]
         self.scratch = torch.Generator(torch.device("cuda", index))
         self.passes = [torch.Generator(torch.device("cuda", index)) for _ in range(passes)]
-        self.lead = None  # offset increment from the step's start to the marker (eager steps)
+        self.leads = {}  # packed row count (or None) -> offset increment from the step's start to the marker
         self._start = None
 
     @staticmethod
@@ -69,10 +72,12 @@ class PassGenerators:
         """Where an eager pass has just restored the clean forward's state at the marker."""
         if self._start is not None:
             lead = self.default.get_offset() - self._start
-            if self.lead is not None and lead != self.lead:
+            rows = packing.static_count()
+            known = self.leads.get(rows)
+            if known is not None and lead != known:
                 raise RuntimeError(f"PassGenerators: the clean forward drew {lead} numbers before the marker, "
-                                   f"{self.lead} on an earlier step of the same signature")
-            self.lead = lead
+                                   f"{known} on an earlier step of the same signature")
+            self.leads[rows] = lead
             self._start = None
 
     # ------------------------------------------------------------------ captured steps
@@ -90,9 +95,11 @@ class PassGenerators:
             self.default.graphsafe_set_state(original)
 
     def before_replay(self):
-        if self.lead is None:
+        """Before a replay of the graph of the packed row count in force (`layers.packing.static_rows`)."""
+        lead = self.leads.get(packing.static_count())
+        if lead is None:
             raise RuntimeError("PassGenerators: no eager step measured the clean forward's draws before the marker")
-        seed, offset = self.default.initial_seed(), self.default.get_offset() + self.lead
+        seed, offset = self.default.initial_seed(), self.default.get_offset() + lead
         for g in self.passes:
             if g.initial_seed() != seed:  # the first replay, or the device generator reseeded since
                 g.manual_seed(seed)

@@ -111,6 +111,10 @@ class CAT(Draws, Objective):
         if self.update == "alternate" and self.crm_optimizer is None:
             self.crm_optimizer = optimizer
 
+    # Not `packs_rows`: CMIX mixes h_m row by row with the partner's, so a partner shorter than its sample lends the
+    # padding rows of its h_m, which the packed path does not compute (it leaves the embeddings' rows there).
+    packs_rows = False
+
     # ----------------------------------------------------------------- public API
     def capture_key(self, batch, *args):
         """Not defined for CAT: its key depends on the step's draws, which `plan_step` makes."""

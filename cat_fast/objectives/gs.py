@@ -135,14 +135,14 @@ class GradientSupervision(FirstOrder, Objective):
 
     @property
     def packs_rows(self) -> bool:
-        """With the training layers (`Objective.packs_rows`): the pooled exact loss (its clean forward is the only
-        encoder pass), and first-order GS at the embedding output (``representation=0``: its perturbed passes resume
-        at the first layer, and pack as the clean forward did). First-order GS elsewhere stays padded: inside a
-        captured step its passes redraw the clean forward's dropout from an offset measured on the eager warm-up
-        steps (`models.PassGenerators`), which draw over the padded rows above the layer."""
+        """With the training layers (`Objective.packs_rows`): GS on the pooled vector (exact: its clean forward is the
+        only encoder pass; first order: its perturbed passes re-run the head) and first-order GS at the embedding
+        output (its perturbed passes resume on the training layers, which pack as the clean forward did). Not GS at
+        a layer K > 0: its loss reads h_K on the padding rows too (ĝ = h_j − h_i over every position), which the
+        packed path leaves as the embeddings' rows; not exact GS at a layer (the model's own layers)."""
         if not self.training_layers:
             return False
-        return self.layer is None and self.mode == "exact" or self.layer == 0 and self.mode == "first_order"
+        return self.layer is None or (self.layer == 0 and self.mode == "first_order")
 
     def check_distributed(self):
         if self.mode == "first_order" and self.low_memory:
