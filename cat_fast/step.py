@@ -101,8 +101,8 @@ def _hyper_parameters(optimizer):
 
 def _static_rows(batch, objective):
     """For an objective that declares `packs_rows`, with the training layers' packed path on
-    (`layers.training.PACKED`; "auto": a CUDA batch of at least `PACKED_MIN_ROWS` rows): the real rows of the batch's 2-D
-    ``attention_mask`` rounded up to a bucket (`layers.packing.bucket`), the row count its graph packs; else None.
+    (`layers.training.PACKED`; "auto": a CUDA batch of at least `PACKED_MIN_ROWS` rows): the real rows of the
+    batch's 2-D ``attention_mask`` rounded up to a bucket (`layers.packing.bucket`), the row count its graph packs; else None.
     Reading the count is one host synchronisation per step, paid only where the rows are packed."""
     mode = training_layers.packed_mode()
     if not mode or not isinstance(batch, dict):

@@ -61,9 +61,9 @@ FUSED = True
 # unfused path (not measured).
 FUSED_MIN_ROWS = 1024
 # Whether the row-wise work runs on the real rows only (module docstring): True wherever it applies (an eager pass
-# reads the real rows on the host) but in the steps of objectives without `packs_rows`, False never, "auto" (the default) in the graphs of a captured step
-# (`cat_fast.step.CapturedStep`) on CUDA of an objective that declares `packs_rows`, from `PACKED_MIN_ROWS` rows,
-# where it was measured faster (benchmarks/RESULTS.md).
+# reads the real rows on the host) but in the steps of objectives without `packs_rows`, False never, "auto" (the
+# default) in the graphs of a captured step (`cat_fast.step.CapturedStep`) on CUDA of an objective that declares
+# `packs_rows`, from `PACKED_MIN_ROWS` rows, where it was measured faster (benchmarks/RESULTS.md).
 PACKED: "bool | str" = "auto"
 # The fewest rows (batch × length) "auto" packs: 4,096 (32x128). At 8x128 the packed step was measured slower
 # (its fixed work: the row sort, offsets, gathers and scatters, against 1,024 rows).

@@ -189,9 +189,9 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
     ``input_grad_only``): layers ``m+1..L`` run `layers.training` where it supports them (the same values, dropout
     draws and gradients, parameters included; no double backward through them). Packed rows stay packed from layer
     to layer up to the last two (`layers.packing.carrying`), as in `capture`, where h_m is their unpacked form.
-    ``repeat=K``: `h_tilde` stacks K
-    variants of ``h_m`` along the batch (``[K·B, ...]``, variant k in rows ``k·B .. k·B+B−1``); the batch's inputs
-    are tiled to match, so one pass runs K edited copies of the batch (`cat_fast.analysis.mediation`). Eval mode only.
+    ``repeat=K``: `h_tilde` stacks K variants of ``h_m`` along the batch (``[K·B, ...]``, variant k in rows
+    ``k·B .. k·B+B−1``); the batch's inputs are tiled to match, so one pass runs K edited copies of the batch
+    (`cat_fast.analysis.mediation`). Eval mode only.
     """
     model = orig_module(model)
     st = structure(model)

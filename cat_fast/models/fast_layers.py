@@ -12,8 +12,8 @@ from torch import nn
 from .. import layers
 from .patching import formatted, output_format, patch_forward, unpatch_forward, wants_all_outputs
 
-__all__ = ["training_layers", "carry_set", "unpacked", "last_layer_first_token", "first_token_known", "record_first_token", "AdapterWarning",
-           "warn_adapters"]
+__all__ = ["training_layers", "carry_set", "unpacked", "last_layer_first_token", "first_token_known",
+           "record_first_token", "AdapterWarning", "warn_adapters"]
 
 
 _FIRST_TOKEN: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()

@@ -32,8 +32,9 @@ class PassGenerators:
     replay (`before_replay`) every pass generator is set to the device generator's seed and to its offset at the
     replay's start plus ``lead``: the offset the clean forward had reached at the marker, measured on eager steps
     of the same step (`start` / `mark`), one lead per packed row count (`layers.packing.static_count`, under which a
-    captured step runs a packed signature's eager steps and its replays: packed layers draw over their rows). The generators are registered with the graph before its capture
-    (`cat_fast.step.StepPlan.generators`). `for_batch` gives an objective's instance for a batch's shapes."""
+    captured step runs a packed signature's eager steps and its replays: packed layers draw over their rows). The
+    generators are registered with the graph before its capture (`cat_fast.step.StepPlan.generators`). `for_batch`
+    gives an objective's instance for a batch's shapes."""
 
     def __init__(self, device, passes: int):
         index = device.index if device.index is not None else torch.cuda.current_device()
