@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 from cat_fast import models
-from cat_fast.layers import packing
 from cat_fast.layers import training as training_layer
 from cat_fast.objectives import CAT, ERM, GradientSupervision
 from tests.conftest import tiny_batch, tiny_model
@@ -29,16 +28,6 @@ def _model(train=False, dropout=0.0, layers=5):
     model = tiny_model("bert", attn="sdpa", dtype=torch.float64, num_layers=layers, hidden_dropout_prob=dropout,
                        attention_probs_dropout_prob=dropout)
     return model.train(train)
-
-
-@pytest.fixture
-def pack_calls(monkeypatch):
-    """Each `packing.pack` / `packing.unpack` call: "pack" or "unpack"."""
-    calls = []
-    for name in ("pack", "unpack"):
-        original = getattr(packing, name)
-        monkeypatch.setattr(packing, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
-    return calls
 
 
 def _params(model):

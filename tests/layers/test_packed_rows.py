@@ -202,16 +202,6 @@ def _first_token_step(model, batch, seed=5):
     return logits, grads[0], grads[1:]
 
 
-@pytest.fixture
-def pack_calls(monkeypatch):
-    """Each `packing.pack` / `packing.unpack` call: "pack" or "unpack"."""
-    calls = []
-    for name in ("pack", "unpack"):
-        original = getattr(packing, name)
-        monkeypatch.setattr(packing, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
-    return calls
-
-
 def _compare_first_token(model, batch, monkeypatch, packed_runs, pack_calls, want_calls, want_runs=None):
     """A first-token forward with the packed path against the padded one: logits, the embeddings' output gradient
     (zero on padding rows in both where the head reads real rows only) and every parameter gradient in float64;
