@@ -33,14 +33,13 @@ Signatures beyond ``max_graphs`` run eagerly (pad batches to a few lengths: `cat
 
 Padding-free graphs (`cat_fast.layers.training.PACKED`; by default "auto": on CUDA, for an objective that declares
 `packs_rows` — ERM(fast=True), the bias-model losses, GS on the pooled vector or first order at the embeddings —
-and batches of at least ``PACKED_MIN_ROWS`` rows): a batch with a
-2-D ``attention_mask`` adds its real-token count, rounded up to a 32nd of its rows (`layers.packing.bucket`), to the
-signature, and its graph runs the encoder on that many packed rows (`layers.packing.static_rows`: the rows packed
-once, handed from layer to layer packed, attended by variable-length flash attention, unpacked before the last
-layer). Reading the count is one host synchronisation per step. The signature's eager warm-up steps pack the same
-rows, so the offsets at which its passes redraw the clean forward's dropout (`models.PassGenerators`) are measured
-on packed steps. A batch whose first position is padding (left
-padding) runs padded, and so does a new row count once packed graphs hold half of ``max_graphs``.
+and batches of at least ``PACKED_MIN_ROWS`` rows): a batch with a 2-D ``attention_mask`` adds its real-token count,
+rounded up to a 32nd of its rows (`layers.packing.bucket`), to the signature, and its graph runs the encoder on that
+many packed rows (`layers.packing.static_rows`: the rows packed once, handed from layer to layer packed, attended by
+variable-length flash attention, unpacked before the last layers). Reading the count is one host synchronisation per
+step. The signature's eager warm-up steps pack the same rows, so the offsets at which its passes redraw the clean
+forward's dropout (`models.PassGenerators`) are measured on packed steps. A batch whose first position is padding
+(left padding) runs padded, and so does a new row count once packed graphs hold half of ``max_graphs``.
 
 ``strict=True``: an objective whose step cannot be planned raises `NotCapturable` on every device (by default it
 runs eagerly where nothing is captured: on the CPU and with ``cuda_graph=False``).
@@ -102,8 +101,8 @@ def _hyper_parameters(optimizer):
 def _static_rows(batch, objective):
     """For an objective that declares `packs_rows`, with the training layers' packed path on
     (`layers.training.PACKED`; "auto": a CUDA batch of at least `PACKED_MIN_ROWS` rows): the real rows of the
-    batch's 2-D ``attention_mask`` rounded up to a bucket (`layers.packing.bucket`), the row count its graph packs; else None.
-    Reading the count is one host synchronisation per step, paid only where the rows are packed."""
+    batch's 2-D ``attention_mask`` rounded up to a bucket (`layers.packing.bucket`), the row count its graph packs;
+    else None. Reading the count is one host synchronisation per step, paid only where the rows are packed."""
     mode = training_layers.packed_mode()
     if not mode or not isinstance(batch, dict):
         return None

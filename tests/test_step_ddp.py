@@ -270,7 +270,8 @@ def _packed_worker(rank, out):
         for i in range(GPU_STEPS):
             batch = _batch(rank, i % 3, device, length=24)
             cut = [24, 6 + 4 * rank, 9, 3 + (i % 3)]  # rank 1's rows and every step's last row differ
-            batch["attention_mask"] = (torch.arange(24, device=device) < torch.tensor(cut, device=device)[:, None]).long()
+            lengths = torch.tensor(cut, device=device)[:, None]
+            batch["attention_mask"] = (torch.arange(24, device=device) < lengths).long()
             losses.append(float(step(batch)[0]))
         results[packed] = ({k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, losses,
                            step.num_graphs, step.num_replays, len(step._packed_graphs))

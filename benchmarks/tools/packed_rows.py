@@ -2,8 +2,10 @@
 alternated, at each size (the step suite's model and batches, bf16), with the ``reduce-overhead``-compiled plain step
 of the same process as the peer. GPU only. ``plain_training_layers`` is the eager plain step with the training
 layers; the captured methods (``plain_fast_captured``, ``poe_captured``, ``learned_mixin_captured``,
-``cat_captured``, ``gs_first_order_captured`` (central), ``gs_first_order_fwd_captured``, ``gs_pooled_captured``) pack, per graph, the batch's real rows rounded up to a 32nd of its rows (`layers.packing.bucket`). Off and on are two steps built
-apart (each its own model and graphs), timed in turn with the packed switch set for each.
+``cat_captured``, ``gs_first_order_captured`` (central), ``gs_first_order_fwd_captured``, ``gs_pooled_captured``)
+pack, per graph, the batch's real rows rounded up to a 32nd of its rows (`layers.packing.bucket`), where the
+objective declares `packs_rows`. Off and on are two steps built apart (each its own model and graphs), timed in turn
+with the packed switch set for each.
 
     python benchmarks/tools/packed_rows.py 8x128 32x128 64x256 --method plain_fast_captured poe_captured \
         [--rounds 2] [--steps 20] [--no-peer]

@@ -28,12 +28,12 @@ position is real in every sequence (the row a first-token head reads), with at l
 rows padding; eagerly (a host synchronisation) or, in a captured step (`CapturedStep`), with a static row count per
 graph, the step's real rows rounded up to a 32nd of its rows (`packing.static_rows`, `packing.bucket`; the extra rows
 are padding rows, which attend among themselves). Within a forward that allows it (`packing.carrying`:
-`models.first_token_forward`, and `models.capture` without layer hooks) a layer hands its packed rows to the next
-(`packing.carry`), so the rows are packed once and unpacked once, before the last layer.
-The unpacked output's padding rows are then the first packed layer's input rows there (finite values for a consumer that reads them;
-the padded path computes attention outputs there, which a key-padding mask keeps from every real row), and the
-input gradient there is the output gradient there (the derivative of that copy: zero in a model, where nothing
-the loss reads depends on padding rows). Real rows and every gradient equal the padded path's without dropout;
+`models.first_token_forward`, `models.capture` and `models.resume`) a layer hands its packed rows to the next
+(`packing.carry`), so the rows are packed once and unpacked once, before the last two layers.
+The unpacked output's padding rows are then the first packed layer's input rows there (finite values for a consumer
+that reads them; the padded path computes attention outputs there, which a key-padding mask keeps from every real
+row), and the input gradient there is the output gradient there (the derivative of that copy: zero in a model, where
+nothing the loss reads depends on padding rows). Real rows and every gradient equal the padded path's without dropout;
 under dropout the hidden dropouts draw their masks over the N rows, so the draws differ from the padded path's
 (the same distribution, not the same numbers).
 """
@@ -174,14 +174,16 @@ def forward(layer: nn.Module, args, kwargs, packed_only: bool = False) -> torch.
     dtype = layout.compute_dtype(hidden, first.dtype)
     if dtype is None or (grad and not (hidden.requires_grad or any(p.requires_grad for p in params))):
         return None
-    packed = carried[0] if carried is not None else _packed_plan(hidden, mask)
-    if packed_only and packed is None:
-        return None
     edits = interventions.active(layer)
     if edits:
+        if packed_only:  # `layers.resumed` composes the edits, in the padded layout as here
+            return None
         if carried is not None:
             hidden = packing.unpack(hidden, *carried)
         return _composed(layer, hidden, mask, dtype, edits)
+    packed = carried[0] if carried is not None else _packed_plan(hidden, mask)
+    if packed_only and packed is None:
+        return None
     if carried is not None:
         full, rows = carried[1], hidden
     else:

@@ -259,8 +259,8 @@ def test_a_layer_with_a_hook_keeps_every_layer_unpacked(monkeypatch, packed_runs
     """A forward hook on a layer could read its output: no layer hands packed rows on (each packs and unpacks)."""
     model = tiny_model("bert", attn="sdpa", dtype=torch.float64, num_layers=5).eval()
     seen = []
-    models.structure(model).layer_modules[2].register_forward_hook(lambda m, i, o: seen.append(o[0].shape
-                                                                                                 if isinstance(o, tuple) else o.shape))
+    models.structure(model).layer_modules[2].register_forward_hook(
+        lambda m, i, o: seen.append((o[0] if isinstance(o, tuple) else o).shape))
     _compare_first_token(model, _model_batch(), monkeypatch, packed_runs, pack_calls, ["pack", "unpack"] * 4)
     assert set(seen) == {torch.Size([4, 12, D])}
 
