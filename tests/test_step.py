@@ -196,17 +196,19 @@ def test_clp_plans_the_epoch_end_and_refuses_ddp():
 
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
 @pytest.mark.parametrize("name", ["erm", "erm-fast", "poe", "gs-pooled", "gs-first-order", "gs-first-order-pooled", "gs-random",
-                                  "clp"])
+                                  "gs-exact-layer", "clp"])
 def test_gpu_replayed_steps_equal_the_eager_loop(name):
     """Eight steps with dropout (3 eager warm-up steps, the capture, replays): the same parameters and losses as
     the eager loop with the same seed, and the signature captured once (a failed capture fails the test). The
     first-order cases check that the perturbed passes inside the graph redraw each step's clean-forward masks
-    (`models.PassGenerators`), at layer 0 and at the pooled vector (the head's dropout)."""
+    (`models.PassGenerators`), at layer 0 and at the pooled vector (the head's dropout); exact GS at layer 0 runs
+    the twice-differentiable fused attention, whose dropout keep masks the graph redraws each replay."""
     make = {"erm": lambda m: ERM(m), "erm-fast": lambda m: ERM(m, fast=True), "poe": lambda m: PoE(m),
             "gs-pooled": lambda m: GradientSupervision(m, representation="pooled"),
             "gs-first-order": lambda m: GradientSupervision(m, mode="first_order", low_memory=False),
             "gs-first-order-pooled": lambda m: GradientSupervision(m, mode="first_order", low_memory=False,
                                                                    representation="pooled"),
+            "gs-exact-layer": lambda m: GradientSupervision(m, representation=0),
             "gs-random": lambda m: GradientSupervision(m, random_pairs=True,
                                                        generator=torch.Generator().manual_seed(2)),
             "clp": lambda m: CLP(m, [b for b, _ in _batches(2, "cuda", length=9)], virtual_lr=0.1, epoch_size=12),

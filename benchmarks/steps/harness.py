@@ -14,7 +14,8 @@ Every row of `METHODS` is a `Method`: a registered objective (``cat_fast.objecti
    (``cuda_graph=False``), 3f. `cat_full_last` (``prune_last_layer=False``), 3h. `cat_hf_layers`
    (``fast_resume=False``), 3c. `cat_hf_clean` (``training_layers=False``): each option's effect side by side.
 4. `gs_exact`: ``gs`` at the embedding output (``representation=0``), exact (eager attention, double backward),
-   pairs = a random permutation. 5. `gs_first_order` (``mode="first_order"``, SDPA,
+   pairs = a random permutation; 4d. `gs_exact_fused`: the same on `cat_fast.layers.double_attention` (the
+   model loaded with SDPA; GS's default on CUDA). 5. `gs_first_order` (``mode="first_order"``, SDPA,
    ``difference="central"``); 5f. `gs_first_order_fwd` (``difference="forward"``, the default). 6. `gs_pooled`
    (``representation="pooled"``, exact, SDPA: the double backward only crosses the head; eager if SDPA refuses);
    6h. `gs_pooled_hf_layers` (``training_layers=False``).
@@ -30,7 +31,7 @@ Every row of `METHODS` is a `Method`: a registered objective (``cat_fast.objecti
 11. `cat_captured`: `cat` through `CapturedStep`, one graph per mixing layer, captured before the warm-up (`prime`).
 12./13. `gs_first_order_captured`, `gs_first_order_fwd_captured` (``low_memory=False``, which a captured step
    needs), `gs_pooled_captured`,
-   `gs_exact_captured`, `poe_captured`, `reweight_captured`, `learned_mixin_captured`, `conf_reg_captured`,
+   `gs_exact_captured`, `gs_exact_fused_captured`, `poe_captured`, `reweight_captured`, `learned_mixin_captured`, `conf_reg_captured`,
    `clp_captured`: the same objectives through `CapturedStep` (CLP's virtual step at its tensor learning rate).
 """
 import functools
@@ -78,7 +79,8 @@ SPECS = {
     "cat_full_last": Method("cat", dict(_CAT, prune_last_layer=False), per_layer=True),
     "cat_hf_layers": Method("cat", dict(_CAT, fast_resume=False), per_layer=True, first_token=True),
     "cat_hf_clean": Method("cat", dict(_CAT, training_layers=False), per_layer=True, first_token=True),
-    "gs_exact": Method("gs", dict(_GS_TOKEN, mode="exact"), attn="eager", flops=False),
+    "gs_exact": Method("gs", dict(_GS_TOKEN, mode="exact", fused_attention=False), attn="eager", flops=False),
+    "gs_exact_fused": Method("gs", dict(_GS_TOKEN, mode="exact"), flops=False),
     "gs_first_order": Method("gs", dict(_GS_TOKEN, mode="first_order", difference="central"), first_token=True),
     "gs_first_order_fwd": Method("gs", dict(_GS_TOKEN, mode="first_order", difference="forward"), first_token=True),
     "gs_pooled": Method("gs", _GS_POOLED, first_token=True),
@@ -104,12 +106,12 @@ def _captured(name, warmup_steps=2, **kwargs):
 SPECS["cat_captured"] = _captured("cat", warmup_steps=1)
 SPECS["gs_first_order_captured"] = _captured("gs_first_order", low_memory=False)
 SPECS["gs_first_order_fwd_captured"] = _captured("gs_first_order_fwd", low_memory=False)
-for _name in ("gs_pooled", "gs_exact", "poe", "reweight", "learned_mixin", "conf_reg", "clp"):
+for _name in ("gs_pooled", "gs_exact", "gs_exact_fused", "poe", "reweight", "learned_mixin", "conf_reg", "clp"):
     SPECS[_name + "_captured"] = _captured(_name)
 
 METHODS = tuple(SPECS)
 COMPILED_METHODS = tuple(m for m, s in SPECS.items() if s.forward.startswith("compiled"))
-GS_LONG_METHODS = ("plain", "gs_exact", "gs_first_order", "gs_first_order_fwd")  # the T = 512 size
+GS_LONG_METHODS = ("plain", "gs_exact", "gs_exact_fused", "gs_first_order", "gs_first_order_fwd")  # the T = 512 size
 
 
 # ----------------------------------------------------------------------------- model, optimizer, batch

@@ -9,13 +9,14 @@ This module holds the objective and its exact pass; beside it: the first-order p
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from .. import models
-from ..layers import casts
+from ..layers import casts, double_attention
 from ..ops import gs_cosine_loss
 from ..ops.fused import fused_kernels, upcast
 from ..ops.fused import gs_partners as _partners
@@ -61,8 +62,9 @@ class GSConfig(ObjectiveConfig):
     gs_representation: str = option("pooled", metavar="pooled|K", help="GS (gs, gs-random): where the input "
                                     "gradient is taken: pooled (the classification layer's input) or K, the token "
                                     "states after layer K (0 = the embedding output; pairs aligned by position)")
-    gs_mode: str = option("exact", choices=("exact", "first_order"), help="GS: exact (double backward; eager "
-                          "attention) or first_order (finite differences, any attention)")
+    gs_mode: str = option("exact", choices=("exact", "first_order"), help="GS: exact (double backward; at a layer, "
+                          "cat_fast's twice-differentiable fused attention on CUDA, else eager attention) or "
+                          "first_order (finite differences, any attention)")
     gs_difference: str = option("forward", choices=("forward", "central"), help="GS first_order: forward (one "
                                 "perturbed pass) or central (two: more accurate at 16-bit precision, about 1.4x "
                                 "the step time) differences")
@@ -79,8 +81,10 @@ class GradientSupervision(FirstOrder, Objective):
     token states ``h_K``; pairs must be token-aligned) (§2.2). ``random_pairs=True``: the paper's ablation, a random
     other sample as partner.
 
-    ``mode="exact"``: g with ``create_graph=True`` (double backward; an attention kernel without it is a one-line
-    error, `DOUBLE_BACKWARD_HINT`); for the pooled vector of a linear head g = W[y_j] in closed form, and on CUDA
+    ``mode="exact"``: g with ``create_graph=True`` (double backward). At the token states, with
+    ``fused_attention=True`` on CUDA, the forward runs the model's attention modules on `layers.double_attention`
+    (fused kernels, twice differentiable, whatever implementation the model was loaded with); elsewhere the
+    model's own attention, whose lack of a double backward is a one-line error (`DOUBLE_BACKWARD_HINT`); for the pooled vector of a linear head g = W[y_j] in closed form, and on CUDA
     the whole loss is one Triton kernel from the second call. ``mode="first_order"``: the parameter term by finite
     differences, ``difference="forward"`` (one pass, the default) or ``"central"`` (two; closer to the exact term
     where the matmuls round to 16 bits, docs/METHODS.md §2.3), step ``eps · ‖x_i‖ / ‖u_i‖`` (``eps``
@@ -93,7 +97,7 @@ class GradientSupervision(FirstOrder, Objective):
 
     def __init__(self, model, weight=1.0, representation="pooled", target="counterfactual", mode="exact",
                  random_pairs=False, eps=None, generator=None, difference="forward", low_memory=True,
-                 prune_last_layer=True, training_layers=True):
+                 prune_last_layer=True, training_layers=True, fused_attention=True):
         given, model = model, models.unwrap(model)  # `Objective` finds a torch.compile wrapper in `given`
         st = models.structure(model)
         if st.task != "sequence_classification":
@@ -124,6 +128,7 @@ class GradientSupervision(FirstOrder, Objective):
         self.low_memory = bool(low_memory)
         self.prune_last_layer = bool(prune_last_layer)
         self.training_layers = bool(training_layers)
+        self.fused_attention = bool(fused_attention)
         self.model_structure = st
         self._closed_form = None  # pooled exact g: closed form for a linear head (None: not checked yet)
         self._pooled_dtype = None  # dtype of the pooled vector on the last call (that of the closed-form g)
@@ -246,9 +251,11 @@ class GradientSupervision(FirstOrder, Objective):
                 early = self._pooled_closed_form(partner_labels, valid) if pooled and exact else None
             prune = (self.prune_last_layer and (pooled or not exact)
                      and models.first_token_ready(self.model, batch))
-            cap = models.capture(self.model, batch, None if pooled else self.layer, pooled=pooled,
-                                 rng=not exact and not capturing, first_token=prune,
-                                 training_layers=self.training_layers and (pooled or not exact))
+            double = exact and not pooled and self._double_attention(labels.device)
+            with double_attention.installed(self.model) if double else contextlib.nullcontext():
+                cap = models.capture(self.model, batch, None if pooled else self.layer, pooled=pooled,
+                                     rng=not exact and not capturing, first_token=prune,
+                                     training_layers=self.training_layers and (pooled or not exact))
             if rng is not None and not capturing:
                 cap.rng_marker = rng.mark
             x = cap.pooled if pooled else cap.hidden
@@ -275,7 +282,7 @@ class GradientSupervision(FirstOrder, Objective):
                 score = self._score(logits, labels, partner).sum()
                 (g,) = torch.autograd.grad(score, x, create_graph=exact, retain_graph=True)
             if exact:
-                if not pooled:  # the pooled representation's g differentiates only the head: no attention
+                if not pooled and not double:  # pooled: g differentiates only the head, no attention
                     check_double_backward(g, self.model)
                 gs = masked_mean(gs_cosine_loss(g, g_hat, reduction="none"), valid)
                 loss = ce + self.weight * gs
@@ -284,6 +291,12 @@ class GradientSupervision(FirstOrder, Objective):
                                               prune, rng if capturing else None)
                 loss = ce + self.weight * (gs.detach() + term)
         return loss, _info(ce, gs, valid.sum())
+
+    def _double_attention(self, device):
+        """Whether the exact pass at the token states runs the model's attention on `layers.double_attention`: with
+        ``fused_attention=True`` where its kernels run (CUDA with Triton; not the Triton interpreter on the CPU,
+        which is a test vehicle)."""
+        return self.fused_attention and device.type == "cuda" and double_attention.available(device)
 
     # ----------------------------------------------------------------- the exact pass on the pooled vector
     def _pooled_kernel(self, labels):

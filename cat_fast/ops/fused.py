@@ -2,9 +2,9 @@
 
 `fused_kernels(name)`: the Triton module `cat_fast.kernels.triton.<name>` of one of `FUSED_KERNELS` —
 ``residual_layer_norm`` and ``gelu_bias_backward`` / ``column_sums`` (`layers.resumed`, `layers.training`),
-``first_row_attention`` (`layers.attention`), ``pooled_gs_loss`` (`objectives.gs`) — or None where Triton cannot be
-imported. `gs_partners` and `weighted_cosine_loss`: the pieces of the pooled GS loss in plain PyTorch. `upcast` and
-`acc_dtype`: the accumulation dtypes every backend shares.
+``first_row_attention`` (`layers.attention`), ``attention`` (`layers.double_attention`), ``pooled_gs_loss``
+(`objectives.gs`) — or None where Triton cannot be imported. `gs_partners` and `weighted_cosine_loss`: the pieces
+of the pooled GS loss in plain PyTorch. `upcast` and `acc_dtype`: the accumulation dtypes every backend shares.
 """
 from ..kernels.dtypes import acc_dtype, upcast
 from ..kernels.reference.pooled_gs_loss import partners as gs_partners
@@ -13,7 +13,8 @@ from ..kernels.triton import optional
 
 __all__ = ["FUSED_KERNELS", "fused_kernels", "gs_partners", "weighted_cosine_loss", "upcast", "acc_dtype"]
 
-FUSED_KERNELS = ("residual_layer_norm", "gelu_bias_backward", "column_sums", "first_row_attention", "pooled_gs_loss")
+FUSED_KERNELS = ("residual_layer_norm", "gelu_bias_backward", "column_sums", "first_row_attention", "attention",
+                 "pooled_gs_loss")
 
 
 def fused_kernels(name):
