@@ -31,8 +31,9 @@ Every row of `METHODS` is a `Method`: a registered objective (``cat_fast.objecti
 11. `cat_captured`: `cat` through `CapturedStep`, one graph per mixing layer, captured before the warm-up (`prime`).
 12./13. `gs_first_order_captured`, `gs_first_order_fwd_captured` (``low_memory=False``, which a captured step
    needs), `gs_pooled_captured`,
-   `gs_exact_captured`, `gs_exact_fused_captured`, `poe_captured`, `reweight_captured`, `learned_mixin_captured`, `conf_reg_captured`,
-   `clp_captured`: the same objectives through `CapturedStep` (CLP's virtual step at its tensor learning rate).
+   `gs_exact_captured`, `gs_exact_fused_captured`, `poe_captured`, `reweight_captured`, `learned_mixin_captured`,
+   `conf_reg_captured`, `clp_captured`: the same objectives through `CapturedStep` (CLP's virtual step at its
+   tensor learning rate).
 """
 import functools
 from dataclasses import dataclass, field, replace

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -38,8 +39,6 @@ def _kernels():
 
 def available(device) -> bool:
     """Whether `attention` runs the kernels for tensors on `device` (CUDA with Triton, or the Triton interpreter)."""
-    import os
-
     device = torch.device(device)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     return (device.type == "cuda" or interpreted) and _kernels() is not None

@@ -84,8 +84,9 @@ class GradientSupervision(FirstOrder, Objective):
     ``mode="exact"``: g with ``create_graph=True`` (double backward). At the token states, with
     ``fused_attention=True`` on CUDA, the forward runs the model's attention modules on `layers.double_attention`
     (fused kernels, twice differentiable, whatever implementation the model was loaded with); elsewhere the
-    model's own attention, whose lack of a double backward is a one-line error (`DOUBLE_BACKWARD_HINT`); for the pooled vector of a linear head g = W[y_j] in closed form, and on CUDA
-    the whole loss is one Triton kernel from the second call. ``mode="first_order"``: the parameter term by finite
+    model's own attention, whose lack of a double backward is a one-line error (`DOUBLE_BACKWARD_HINT`). For the
+    pooled vector of a linear head g = W[y_j] in closed form, and on CUDA the whole loss is one Triton kernel from
+    the second call. ``mode="first_order"``: the parameter term by finite
     differences, ``difference="forward"`` (one pass, the default) or ``"central"`` (two; closer to the exact term
     where the matmuls round to 16 bits, docs/METHODS.md §2.3), step ``eps · ‖x_i‖ / ‖u_i‖`` (``eps``
     None: 1e-3, or 0.1 where the matmuls round to 16-bit precision, which a smaller step drowns in), on the
