@@ -14,8 +14,8 @@ Every row of `METHODS` is a `Method`: a registered objective (``cat_fast.objecti
    (``cuda_graph=False``), 3f. `cat_full_last` (``prune_last_layer=False``), 3h. `cat_hf_layers`
    (``fast_resume=False``), 3c. `cat_hf_clean` (``training_layers=False``): each option's effect side by side.
 4. `gs_exact`: ``gs`` at the embedding output (``representation=0``), exact (eager attention, double backward),
-   pairs = a random permutation; 4d. `gs_exact_fused`: the same on `cat_fast.layers.double_attention` (the
-   model loaded with SDPA; GS's default on CUDA). 5. `gs_first_order` (``mode="first_order"``, SDPA,
+   pairs = a random permutation; 4d. `gs_exact_fused`: the same on `cat_fast.layers.double_layers` (attention,
+   LayerNorm and GELU; the model loaded with SDPA; GS's default on CUDA). 5. `gs_first_order` (``mode="first_order"``, SDPA,
    ``difference="central"``); 5f. `gs_first_order_fwd` (``difference="forward"``, the default). 6. `gs_pooled`
    (``representation="pooled"``, exact, SDPA: the double backward only crosses the head; eager if SDPA refuses);
    6h. `gs_pooled_hf_layers` (``training_layers=False``).
@@ -80,7 +80,7 @@ SPECS = {
     "cat_full_last": Method("cat", dict(_CAT, prune_last_layer=False), per_layer=True),
     "cat_hf_layers": Method("cat", dict(_CAT, fast_resume=False), per_layer=True, first_token=True),
     "cat_hf_clean": Method("cat", dict(_CAT, training_layers=False), per_layer=True, first_token=True),
-    "gs_exact": Method("gs", dict(_GS_TOKEN, mode="exact", fused_attention=False), attn="eager", flops=False),
+    "gs_exact": Method("gs", dict(_GS_TOKEN, mode="exact", fused_layers=False), attn="eager", flops=False),
     "gs_exact_fused": Method("gs", dict(_GS_TOKEN, mode="exact"), flops=False),
     "gs_first_order": Method("gs", dict(_GS_TOKEN, mode="first_order", difference="central"), first_token=True),
     "gs_first_order_fwd": Method("gs", dict(_GS_TOKEN, mode="first_order", difference="forward"), first_token=True),

@@ -1,21 +1,23 @@
 """Exact gradient supervision at the embedding output (the double backward through every layer) on the fused
-twice-differentiable attention (`cat_fast.layers.double_attention`, GS's default on CUDA) against eager attention,
-side by side in one process, with the ``reduce-overhead``-compiled plain step as the peer (the step suite's model
-and batches, bf16). GPU only.
+twice-differentiable layers (`cat_fast.layers.double_layers`: attention, LayerNorm and GELU; GS's default on CUDA)
+against the model's eager layers, side by side in one process, with the ``reduce-overhead``-compiled plain step as
+the peer (the step suite's model and batches, bf16). GPU only.
 
-    python benchmarks/tools/gs_exact.py 8x128 32x128 64x256 [--rounds 2] [--steps 10] [--block 64 32]
+    python benchmarks/tools/gs_exact.py 8x128 32x128 64x256 [--rounds 2] [--steps 10] [--block 64 32] [--warps 8]
 
-Prints one JSON line per size: the median captured step in ms per round of `gs_exact_captured` (eager attention),
+Each size runs in a process of its own. Prints one JSON line per size: the median captured step in ms per round of `gs_exact_captured` (eager attention),
 `gs_exact_fused_captured` and the peer, their ratios to the peer, and the peak memory (MiB) of one eager step of
 `plain`, `gs_exact` and `gs_exact_fused`, with the GS steps' peaks as multiples of the plain step's. ``--block``:
-the fused step once per tile size of its 16-bit kernels (`cat_fast.kernels.triton.attention.BLOCK`), as
-``gs_exact_fused_captured@B``.
+the fused step once per tile size of its 16-bit attention kernels (`cat_fast.kernels.triton.attention.BLOCK`), as
+``gs_exact_fused_captured@B``; ``--warps``: once per number of warps of those kernels (`NUM_WARPS`), as
+``gs_exact_fused_captured@wN``.
 """
 import argparse
 import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 
 import torch
@@ -57,18 +59,29 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--block", type=int, nargs="*", help="also time the fused step with these tile sizes")
+    p.add_argument("--warps", type=int, nargs="*", help="also time the fused step with these warps per program")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gs_exact.py: needs a CUDA GPU")
+    if len(args.sizes) > 1:  # one process per size: no size's graphs, pools or peaks carry into the next
+        rest = sys.argv[1:]
+        for size in args.sizes:
+            command = [sys.executable, os.path.abspath(__file__), size, *[a for a in rest if a not in args.sizes]]
+            if subprocess.run(command).returncode:
+                sys.exit(f"gs_exact.py: the run at {size} failed")
+        return
     for size in args.sizes:
         peaks = {m: _peak_mib(m, size) for m in MEMORY}
         peer = S.build_step("plain_compiled_ro", size)[2]
         steps = {m: S.build_step(m, size)[2] for m in TIMED}
-        default = kernels.BLOCK
-        for block in args.block or ():
-            kernels.BLOCK = block  # the graph captures the launches of its own tile size
-            steps[f"gs_exact_fused_captured@{block}"] = S.build_step("gs_exact_fused_captured", size)[2]
-        kernels.BLOCK = default
+        for name, setting, values in (("", "BLOCK", args.block), ("w", "NUM_WARPS", args.warps)):
+            default = getattr(kernels, setting)
+            for value in values or ():
+                setattr(kernels, setting, value)
+                step = S.build_step("gs_exact_fused_captured", size)[2]
+                _time(step, 3)  # the warm-up and the capture: the graph keeps the launches of this setting
+                steps[f"gs_exact_fused_captured@{name}{value}"] = step
+            setattr(kernels, setting, default)
         ms = {m: [] for m in (*steps, "peer")}
         for _ in range(args.rounds):
             ms["peer"].append(_time(peer, args.steps))

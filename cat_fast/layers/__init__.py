@@ -10,6 +10,9 @@
   variable-length attention.
 
 Each layer's `forward(layer, args, kwargs)` returns None where it does not apply; then the model's layer runs.
+
+Beside them, imported on their own: `double_attention` and `double_layers`, attention, LayerNorm and GELU whose
+backward is differentiable by fused kernels (exact GS's double backward).
 """
 from . import attention, first_token, interventions, layout, packing, resumed, training
 

@@ -22,7 +22,6 @@ import functools
 import os
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..ops.fused import fused_kernels
 
@@ -42,6 +41,22 @@ def available(device) -> bool:
     device = torch.device(device)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     return (device.type == "cuda" or interpreted) and _kernels() is not None
+
+
+def second_order_only(backward):
+    """A double backward that runs without a graph and refuses one: under ``create_graph=True`` (a third
+    derivative) it raises. PyTorch's ``once_differentiable`` raises only where the engine visits its error node,
+    which ``torch.autograd.grad(..., inputs)`` prunes: a third derivative would silently miss these terms."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(f"{type(ctx).__name__.removesuffix('Backward')}: the fused double backward cannot be "
+                               "differentiated again (create_graph=True); run without the fused layers for a "
+                               "third derivative")
+        return backward(ctx, *grads)
+
+    return wrapper
 
 
 class _Attention(torch.autograd.Function):
@@ -77,7 +92,7 @@ class _AttentionGrad(torch.autograd.Function):
         return dq, dk, dv
 
     @staticmethod
-    @once_differentiable
+    @second_order_only
     def backward(ctx, ga, gb, gc):
         q, k, v, do = ctx.saved_tensors
         kernels = _kernels()

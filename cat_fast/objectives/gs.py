@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import models
-from ..layers import casts, double_attention
+from ..layers import casts, double_layers
 from ..ops import gs_cosine_loss
 from ..ops.fused import fused_kernels, upcast
 from ..ops.fused import gs_partners as _partners
@@ -82,11 +82,11 @@ class GradientSupervision(FirstOrder, Objective):
     other sample as partner.
 
     ``mode="exact"``: g with ``create_graph=True`` (double backward). At the token states, with
-    ``fused_attention=True`` on CUDA, the forward runs the model's attention modules on `layers.double_attention`
-    (fused kernels, twice differentiable, whatever implementation the model was loaded with); elsewhere the
-    model's own attention, whose lack of a double backward is a one-line error (`DOUBLE_BACKWARD_HINT`). For the
-    pooled vector of a linear head g = W[y_j] in closed form, and on CUDA the whole loss is one Triton kernel from
-    the second call. ``mode="first_order"``: the parameter term by finite
+    ``fused_layers=True`` on CUDA, the forward runs the model's attention, LayerNorms and GELUs on
+    `layers.double_layers` (fused kernels, twice differentiable, whatever attention the model was loaded with);
+    elsewhere the model's own layers, where an attention without a double backward is a one-line error
+    (`DOUBLE_BACKWARD_HINT`). For the pooled vector of a linear head g = W[y_j] in closed form, and on CUDA the
+    whole loss is one Triton kernel from the second call. ``mode="first_order"``: the parameter term by finite
     differences, ``difference="forward"`` (one pass, the default) or ``"central"`` (two; closer to the exact term
     where the matmuls round to 16 bits, docs/METHODS.md §2.3), step ``eps · ‖x_i‖ / ‖u_i‖`` (``eps``
     None: 1e-3, or 0.1 where the matmuls round to 16-bit precision, which a smaller step drowns in), on the
@@ -98,7 +98,7 @@ class GradientSupervision(FirstOrder, Objective):
 
     def __init__(self, model, weight=1.0, representation="pooled", target="counterfactual", mode="exact",
                  random_pairs=False, eps=None, generator=None, difference="forward", low_memory=True,
-                 prune_last_layer=True, training_layers=True, fused_attention=True):
+                 prune_last_layer=True, training_layers=True, fused_layers=True):
         given, model = model, models.unwrap(model)  # `Objective` finds a torch.compile wrapper in `given`
         st = models.structure(model)
         if st.task != "sequence_classification":
@@ -129,7 +129,7 @@ class GradientSupervision(FirstOrder, Objective):
         self.low_memory = bool(low_memory)
         self.prune_last_layer = bool(prune_last_layer)
         self.training_layers = bool(training_layers)
-        self.fused_attention = bool(fused_attention)
+        self.fused_layers = bool(fused_layers)
         self.model_structure = st
         self._closed_form = None  # pooled exact g: closed form for a linear head (None: not checked yet)
         self._pooled_dtype = None  # dtype of the pooled vector on the last call (that of the closed-form g)
@@ -252,8 +252,8 @@ class GradientSupervision(FirstOrder, Objective):
                 early = self._pooled_closed_form(partner_labels, valid) if pooled and exact else None
             prune = (self.prune_last_layer and (pooled or not exact)
                      and models.first_token_ready(self.model, batch))
-            double = exact and not pooled and self._double_attention(labels.device)
-            with double_attention.installed(self.model) if double else contextlib.nullcontext():
+            double = exact and not pooled and self._double_layers(labels.device)
+            with double_layers.installed(self.model) if double else contextlib.nullcontext():
                 cap = models.capture(self.model, batch, None if pooled else self.layer, pooled=pooled,
                                      rng=not exact and not capturing, first_token=prune,
                                      training_layers=self.training_layers and (pooled or not exact))
@@ -293,11 +293,12 @@ class GradientSupervision(FirstOrder, Objective):
                 loss = ce + self.weight * (gs.detach() + term)
         return loss, _info(ce, gs, valid.sum())
 
-    def _double_attention(self, device):
-        """Whether the exact pass at the token states runs the model's attention on `layers.double_attention`: with
-        ``fused_attention=True`` where its kernels run (CUDA with Triton; not the Triton interpreter on the CPU,
+    def _double_layers(self, device):
+        """Whether the exact pass at the token states runs the model's layers on `layers.double_layers`: with
+        ``fused_layers=True`` where their kernels run (CUDA with Triton; not the Triton interpreter on the CPU,
         which is a test vehicle)."""
-        return self.fused_attention and device.type == "cuda" and double_attention.available(device)
+        return (self.fused_layers and device.type == "cuda" and double_layers.available(device)
+                and double_layers.double_attention.available(device))
 
     # ----------------------------------------------------------------- the exact pass on the pooled vector
     def _pooled_kernel(self, labels):

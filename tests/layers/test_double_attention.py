@@ -2,8 +2,8 @@
 Triton interpreter) against the plain composition of the formula in float64: the output, the backward and the double
 backward with respect to q, k, v and the output gradient, with padding and all-padding rows, HF's additive masks,
 dropout keep masks, TQ ≠ TK, odd head sizes, B = 1, inputs in any layout; gradcheck and gradgradcheck; the errors;
-the Hugging Face implementation and exact GS at a layer on it against eager attention; on CUDA, fp32 / bf16 against
-the composition and exact GS against eager attention."""
+the Hugging Face implementation; on CUDA, fp32 / bf16 against the composition. Exact GS on it:
+tests/layers/test_double_layers.py."""
 import os
 
 import pytest
@@ -195,36 +195,6 @@ def test_hf_causal_modules_get_the_causal_mask():
     want = da.reference(q, k, v, da._bias(tril, q, (1, 2, 5, 5)), None, 0.5).transpose(1, 2)
     assert none is None and out.shape == (1, 5, 2, 8)
     torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
-
-
-def _gs_loss_and_grads(model, batch, pairs, fused, monkeypatch):
-    from cat_fast.objectives import GradientSupervision
-
-    if fused:  # on the CPU the interpreter runs the kernels only where asked (GS takes them on CUDA by default)
-        monkeypatch.setattr(GradientSupervision, "_double_attention", lambda self, device: True)
-    else:
-        monkeypatch.setattr(GradientSupervision, "_double_attention", lambda self, device: False)
-    model.zero_grad()
-    loss, info = GradientSupervision(model, representation=0, mode="exact")(batch, pairs)
-    loss.backward()
-    return loss.detach(), info["gs_loss"], [p.grad.clone() for p in model.parameters() if p.grad is not None]
-
-
-@needs_kernel
-@pytest.mark.parametrize("arch", ["bert", "roberta"])
-def test_exact_gs_at_a_layer_on_the_fused_attention_equals_eager(arch, monkeypatch):
-    from tests.conftest import tiny_batch, tiny_model
-
-    batch = {k: v.to(DEVICE) for k, v in tiny_batch(arch).items()}
-    pairs = torch.tensor([1, 0, 3, 2], device=DEVICE)
-    sdpa = tiny_model(arch, attn="sdpa", dtype=torch.float64).to(DEVICE).eval()
-    eager = tiny_model(arch, attn="eager", dtype=torch.float64).to(DEVICE).eval()
-    got = _gs_loss_and_grads(sdpa, batch, pairs, True, monkeypatch)
-    want = _gs_loss_and_grads(eager, batch, pairs, False, monkeypatch)
-    assert sdpa.config._attn_implementation == "sdpa"
-    assert float(got[1]) > 0 and len(got[2]) == len(want[2])
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)
 
 
 @needs_cuda

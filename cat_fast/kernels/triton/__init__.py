@@ -14,7 +14,9 @@ and kernels that are not op backends: ``residual_layer_norm`` (residual add + La
 latter optionally with the LayerNorm and branch-bias gradients, for `cat_fast.layers.resumed` and
 `cat_fast.layers.training`), ``gelu_bias_backward`` (GELU backward + the bias gradient, for `layers.training`),
 ``column_sums`` (the partial sums of those two; a bias gradient's sums), ``first_row_attention`` (attention of one
-query per sequence, forward and backward, for `cat_fast.layers.attention`, the first-token layer's) and
+query per sequence, forward and backward, for `cat_fast.layers.attention`, the first-token layer's),
+``attention`` (attention with a differentiable backward, for `cat_fast.layers.double_attention`),
+``double_backward`` (the backward of LayerNorm's and GELU's backward, for `cat_fast.layers.double_layers`) and
 ``pooled_gs_loss`` (gradient supervision on the pooled representation of a linear head, loss and weight gradient in
 one launch, for `cat_fast.objectives.gs`).
 
