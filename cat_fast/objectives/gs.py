@@ -63,8 +63,8 @@ class GSConfig(ObjectiveConfig):
                                     "gradient is taken: pooled (the classification layer's input) or K, the token "
                                     "states after layer K (0 = the embedding output; pairs aligned by position)")
     gs_mode: str = option("exact", choices=("exact", "first_order"), help="GS: exact (double backward; at a layer, "
-                          "cat_fast's twice-differentiable fused attention on CUDA, else eager attention) or "
-                          "first_order (finite differences, any attention)")
+                          "cat_fast's twice-differentiable fused attention, LayerNorm and GELU on CUDA, else the "
+                          "model's layers with eager attention) or first_order (finite differences, any attention)")
     gs_difference: str = option("forward", choices=("forward", "central"), help="GS first_order: forward (one "
                                 "perturbed pass) or central (two: more accurate at 16-bit precision, about 1.4x "
                                 "the step time) differences")
