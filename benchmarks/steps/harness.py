@@ -15,10 +15,10 @@ Every row of `METHODS` is a `Method`: a registered objective (``cat_fast.objecti
    (``fast_resume=False``), 3c. `cat_hf_clean` (``training_layers=False``): each option's effect side by side.
 4. `gs_exact`: ``gs`` at the embedding output (``representation=0``), exact (eager attention, double backward),
    pairs = a random permutation; 4d. `gs_exact_fused`: the same on `cat_fast.layers.double_layers` (attention,
-   LayerNorm and GELU; the model loaded with SDPA; GS's default on CUDA). 5. `gs_first_order` (``mode="first_order"``, SDPA,
-   ``difference="central"``); 5f. `gs_first_order_fwd` (``difference="forward"``, the default). 6. `gs_pooled`
-   (``representation="pooled"``, exact, SDPA: the double backward only crosses the head; eager if SDPA refuses);
-   6h. `gs_pooled_hf_layers` (``training_layers=False``).
+   LayerNorm and GELU; the model loaded with SDPA; GS's default on CUDA). 5. `gs_first_order`
+   (``mode="first_order"``, SDPA, ``difference="central"``); 5f. `gs_first_order_fwd` (``difference="forward"``,
+   the default). 6. `gs_pooled` (``representation="pooled"``, exact, SDPA: the double backward only crosses the
+   head; eager if SDPA refuses); 6h. `gs_pooled_hf_layers` (``training_layers=False``).
 7. `poe`, `reweight`, `learned_mixin`, `conf_reg`: the bias-model objectives with a fixed bias [B, C]
    (log-probabilities) and teacher probabilities in the batch, as the CLI's batches carry them (learned-mixin's gate
    in the optimizer); their forward is `plain_first_token`'s, so that is their ERM step.

@@ -5,12 +5,12 @@ the peer (the step suite's model and batches, bf16). GPU only.
 
     python benchmarks/tools/gs_exact.py 8x128 32x128 64x256 [--rounds 2] [--steps 10] [--block 64 32] [--warps 8]
 
-Each size runs in a process of its own. Prints one JSON line per size: the median captured step in ms per round of `gs_exact_captured` (eager attention),
-`gs_exact_fused_captured` and the peer, their ratios to the peer, and the peak memory (MiB) of one eager step of
-`plain`, `gs_exact` and `gs_exact_fused`, with the GS steps' peaks as multiples of the plain step's. ``--block``:
-the fused step once per tile size of its 16-bit attention kernels (`cat_fast.kernels.triton.attention.BLOCK`), as
-``gs_exact_fused_captured@B``; ``--warps``: once per number of warps of those kernels (`NUM_WARPS`), as
-``gs_exact_fused_captured@wN``.
+Each size runs in a process of its own. Prints one JSON line per size: the median captured step in ms per round of
+`gs_exact_captured` (the model's eager layers), `gs_exact_fused_captured` and the peer, their ratios to the peer, and
+the peak memory (MiB) of one eager step of `plain`, `gs_exact` and `gs_exact_fused`, with the GS steps' peaks as
+multiples of the plain step's. ``--block``: the fused step once per tile size of its 16-bit attention kernels
+(`cat_fast.kernels.triton.attention.BLOCK`), as ``gs_exact_fused_captured@B``; ``--warps``: once per number of warps
+of those kernels (`NUM_WARPS`), as ``gs_exact_fused_captured@wN``.
 """
 import argparse
 import gc

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -34,11 +33,9 @@ def _kernels():
 
 
 def available(device) -> bool:
-    """Whether the double backward runs the fused kernels for tensors on `device` (CUDA with Triton, or the Triton
-    interpreter)."""
-    device = torch.device(device)
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    return (device.type == "cuda" or interpreted) and _kernels() is not None
+    """Whether the fused layers, attention included, run their kernels for tensors on `device` (CUDA with Triton,
+    or the Triton interpreter)."""
+    return double_attention.available(device) and _kernels() is not None
 
 
 class _LayerNorm(torch.autograd.Function):

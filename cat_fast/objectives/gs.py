@@ -297,8 +297,7 @@ class GradientSupervision(FirstOrder, Objective):
         """Whether the exact pass at the token states runs the model's layers on `layers.double_layers`: with
         ``fused_layers=True`` where their kernels run (CUDA with Triton; not the Triton interpreter on the CPU,
         which is a test vehicle)."""
-        return (self.fused_layers and device.type == "cuda" and double_layers.available(device)
-                and double_layers.double_attention.available(device))
+        return self.fused_layers and device.type == "cuda" and double_layers.available(device)
 
     # ----------------------------------------------------------------- the exact pass on the pooled vector
     def _pooled_kernel(self, labels):

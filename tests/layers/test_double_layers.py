@@ -119,7 +119,7 @@ def test_the_composition_elsewhere_equals_autograd(fused, monkeypatch):
     _assert_same(got, _all_orders(F.gelu, _leaves(x)))
 
 
-def test_reference_formulas_equal_the_kernels_output_dtypes():
+def test_the_composition_keeps_the_kernels_output_dtypes():
     x, w, b = _layer_norm_inputs((4, 10), 10, device="cpu")
     y, mean, rstd = torch.ops.aten.native_layer_norm(x, [10], w, b, 1e-5)
     a, dy = torch.randn_like(x), torch.randn_like(x)

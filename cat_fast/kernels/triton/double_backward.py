@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import partial_programs, pow2_at_least, scalar_acc, split_scalar
+from ..dtypes import acc_dtype
+from ._common import acc_tl_dtype, partial_programs, pow2_at_least, scalar_acc, split_scalar
 from .column_sums import column_sums
 
 __all__ = ["layer_norm", "gelu"]
@@ -103,10 +104,6 @@ _ROOT_HALF = split_scalar(math.sqrt(0.5))  # erf's argument scale and the normal
 _PDF = split_scalar(1.0 / math.sqrt(2.0 * math.pi))
 
 
-def _acc(t):
-    return tl.float64 if t.dtype == torch.float64 else tl.float32
-
-
 def layer_norm(x, weight, dy, a, c, e, mean, rstd):
     """``(g_x, g_w, g_dy)`` of LayerNorm's backward at ``(x, weight, dy)`` for the cotangents `a` (of dx, shaped
     like x), `c` and `e` (of the weight's and bias's gradients, shaped like weight); `mean`, `rstd`: the forward's
@@ -117,7 +114,7 @@ def layer_norm(x, weight, dy, a, c, e, mean, rstd):
     n = rows[0].shape[0]
     g_x = torch.empty_like(rows[0])
     g_dy = torch.empty_like(rows[1])
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(x.dtype)
     if n == 0:
         return g_x.view(x.shape), torch.zeros(D, device=x.device, dtype=acc), g_dy.view(dy.shape)
     block = pow2_at_least(D)
@@ -127,7 +124,7 @@ def layer_norm(x, weight, dy, a, c, e, mean, rstd):
     part = torch.empty(1, programs, block, device=x.device, dtype=acc)
     vectors = [t.contiguous().view(-1) for t in (weight, c, e)]
     _layer_norm_kernel[(programs,)](*rows, *vectors, mean.contiguous().view(-1), rstd.contiguous().view(-1), g_x,
-                                    g_dy, part, n, D, per_program, ACC=_acc(x), BLOCK=block,
+                                    g_dy, part, n, D, per_program, ACC=acc_tl_dtype(x), BLOCK=block,
                                     num_warps=4 if block <= 2048 else 8)
     return g_x.view(x.shape), column_sums(part, D)[0], g_dy.view(dy.shape)
 
@@ -140,6 +137,6 @@ def gelu(x, dy, a):
     n = flat[0].numel()
     if n:
         block = LAUNCH["gelu_block"]
-        _gelu_kernel[(triton.cdiv(n, block),)](*flat, g_x, g_dy, n, *_ROOT_HALF, *_PDF, ACC=_acc(x), BLOCK=block,
-                                               num_warps=4)
+        _gelu_kernel[(triton.cdiv(n, block),)](*flat, g_x, g_dy, n, *_ROOT_HALF, *_PDF, ACC=acc_tl_dtype(x),
+                                               BLOCK=block, num_warps=4)
     return g_x.view(x.shape), g_dy.view(dy.shape)
