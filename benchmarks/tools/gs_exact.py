@@ -3,14 +3,14 @@ twice-differentiable layers (`cat_fast.layers.double_layers`: attention, LayerNo
 against the model's eager layers, side by side in one process, with the ``reduce-overhead``-compiled plain step as
 the peer (the step suite's model and batches, bf16). GPU only.
 
-    python benchmarks/tools/gs_exact.py 8x128 32x128 64x256 [--rounds 2] [--steps 10] [--block 64 32] [--warps 8]
+    python benchmarks/tools/gs_exact.py 8x128 32x128 64x256 [--rounds 2] [--steps 10] [--untiled]
 
 Each size runs in a process of its own. Prints one JSON line per size: the median captured step in ms per round of
 `gs_exact_captured` (the model's eager layers), `gs_exact_fused_captured` and the peer, their ratios to the peer, and
 the peak memory (MiB) of one eager step of `plain`, `gs_exact` and `gs_exact_fused`, with the GS steps' peaks as
-multiples of the plain step's. ``--block``: the fused step once per tile size of its 16-bit attention kernels
-(`cat_fast.kernels.triton.attention.BLOCK`), as ``gs_exact_fused_captured@B``; ``--warps``: once per number of warps
-of those kernels (`NUM_WARPS`), as ``gs_exact_fused_captured@wN``.
+multiples of the plain step's. ``--untiled``: the fused step also with its attention's backward kernels at the
+64 × 64 tiles every kernel takes without `cat_fast.kernels.triton.attention.TILES`, as
+``gs_exact_fused_captured@untiled``.
 """
 import argparse
 import gc
@@ -58,8 +58,7 @@ def main():
     p.add_argument("sizes", nargs="+", metavar="BxT")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--block", type=int, nargs="*", help="also time the fused step with these tile sizes")
-    p.add_argument("--warps", type=int, nargs="*", help="also time the fused step with these warps per program")
+    p.add_argument("--untiled", action="store_true", help="also time the fused step without the attention's TILES")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gs_exact.py: needs a CUDA GPU")
@@ -74,14 +73,13 @@ def main():
         peaks = {m: _peak_mib(m, size) for m in MEMORY}
         peer = S.build_step("plain_compiled_ro", size)[2]
         steps = {m: S.build_step(m, size)[2] for m in TIMED}
-        for name, setting, values in (("", "BLOCK", args.block), ("w", "NUM_WARPS", args.warps)):
-            default = getattr(kernels, setting)
-            for value in values or ():
-                setattr(kernels, setting, value)
-                step = S.build_step("gs_exact_fused_captured", size)[2]
-                _time(step, 3)  # the warm-up and the capture: the graph keeps the launches of this setting
-                steps[f"gs_exact_fused_captured@{name}{value}"] = step
-            setattr(kernels, setting, default)
+        if args.untiled:
+            tiles = dict(kernels.TILES)
+            kernels.TILES.clear()
+            step = S.build_step("gs_exact_fused_captured", size)[2]
+            _time(step, 3)  # the warm-up and the capture: the graph keeps the launches of this setting
+            steps["gs_exact_fused_captured@untiled"] = step
+            kernels.TILES.update(tiles)
         ms = {m: [] for m in (*steps, "peer")}
         for _ in range(args.rounds):
             ms["peer"].append(_time(peer, args.steps))

@@ -60,21 +60,22 @@ def second_order_only(backward):
 
 
 class _Attention(torch.autograd.Function):
-    """``(q, k, v, bias, keep, scale, inv_keep) -> out``; its backward is `_AttentionGrad`, differentiable again."""
+    """``(q, k, v, bias, keep, span, scale, inv_keep) -> out``; its backward is `_AttentionGrad`, differentiable
+    again. `span`: the kernels' ``key_span(bias)``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, keep, scale, inv_keep):
-        out, stats = _kernels().forward(q, k, v, bias, keep, scale, inv_keep)
+    def forward(ctx, q, k, v, bias, keep, span, scale, inv_keep):
+        out, stats = _kernels().forward(q, k, v, bias, keep, span, scale, inv_keep)
         ctx.save_for_backward(q, k, v, out)
-        ctx.stats, ctx.bias, ctx.keep, ctx.scale, ctx.inv_keep = stats, bias, keep, scale, inv_keep
+        ctx.stats, ctx.bias, ctx.keep, ctx.span, ctx.scale, ctx.inv_keep = stats, bias, keep, span, scale, inv_keep
         return out
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, out = ctx.saved_tensors
         dq, dk, dv = _AttentionGrad.apply(q, k, v, out, _kernels().token_major(do), ctx.stats, ctx.bias, ctx.keep,
-                                          ctx.scale, ctx.inv_keep)
-        return dq, dk, dv, None, None, None, None
+                                          ctx.span, ctx.scale, ctx.inv_keep)
+        return dq, dk, dv, None, None, None, None, None
 
 
 class _AttentionGrad(torch.autograd.Function):
@@ -83,12 +84,13 @@ class _AttentionGrad(torch.autograd.Function):
     as rowsum(P∘dP) (the same number): out gets no gradient of its own."""
 
     @staticmethod
-    def forward(ctx, q, k, v, out, do, stats, bias, keep, scale, inv_keep):
+    def forward(ctx, q, k, v, out, do, stats, bias, keep, span, scale, inv_keep):
         kernels = _kernels()
         dl = kernels.delta(do, out)
-        dq, dk, dv = kernels.backward(do, q, k, v, stats, dl, bias, keep, scale, inv_keep)
+        dq, dk, dv = kernels.backward(do, q, k, v, stats, dl, bias, keep, span, scale, inv_keep)
         ctx.save_for_backward(q, k, v, do)
-        ctx.stats, ctx.dl, ctx.bias, ctx.keep, ctx.scale, ctx.inv_keep = stats, dl, bias, keep, scale, inv_keep
+        ctx.stats, ctx.dl, ctx.bias, ctx.keep, ctx.span = stats, dl, bias, keep, span
+        ctx.scale, ctx.inv_keep = scale, inv_keep
         return dq, dk, dv
 
     @staticmethod
@@ -98,8 +100,8 @@ class _AttentionGrad(torch.autograd.Function):
         kernels = _kernels()
         ga, gb, gc = (None if g is None else kernels.token_major(g.to(q.dtype)) for g in (ga, gb, gc))
         gq, gk, gv, gdo = kernels.double_backward(ga, gb, gc, q, k, v, do, ctx.stats, ctx.dl, ctx.bias, ctx.keep,
-                                                  ctx.scale, ctx.inv_keep)
-        return gq, gk, gv, None, gdo, None, None, None, None, None
+                                                  ctx.span, ctx.scale, ctx.inv_keep)
+        return gq, gk, gv, None, gdo, None, None, None, None, None, None
 
 
 def reference(q, k, v, bias=None, keep=None, scale=None, inv_keep=1.0):
@@ -162,13 +164,14 @@ def attention(q, k, v, mask=None, dropout_p: float = 0.0, scale=None, keep=None)
         if tuple(keep.shape) != shape:
             raise ValueError(f"keep: expected shape {list(shape)}, got {tuple(keep.shape)}")
         keep = keep.to(device=q.device, dtype=torch.uint8).contiguous()
-    bias = _bias(mask, q, shape)
     if not available(q.device) or q.numel() == 0 or k.shape[2] == 0:
-        out = reference(q, k, v, bias, keep, scale, inv_keep)
+        out = reference(q, k, v, _bias(mask, q, shape), keep, scale, inv_keep)
         return out.transpose(1, 2).contiguous().transpose(1, 2)
+    bias = _bias(mask, q, shape)
     kernels = _kernels()
+    span = kernels.key_span(bias)
     q, k, v = (kernels.token_major(t) for t in (q, k, v))
-    return _Attention.apply(q, k, v, bias, keep, scale, inv_keep)
+    return _Attention.apply(q, k, v, bias, keep, span, scale, inv_keep)
 
 
 def hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):

@@ -115,6 +115,61 @@ def test_all_padding_rows_and_hf_additive_masks():
     _check_all_orders(got, want, (q, k, v), atol=1e-10, rtol=1e-10)
 
 
+def _spans_mask(B, TQ, TK):
+    """A bool mask [B, 1, TQ, TK] whose sequences attend: keys 20.. (left padding), all keys, keys 5..11 and key 30
+    from one query row only (a span with a hole across tiles), and no key."""
+    mask = torch.zeros(B, 1, TQ, TK, dtype=torch.bool)
+    mask[0, ..., 20:] = True
+    mask[1] = True
+    mask[2, ..., 5:12] = True
+    mask[2, :, TQ - 1, 30] = True
+    return mask
+
+
+def test_key_span_is_the_attended_keys_of_each_sequence():
+    from cat_fast.kernels.triton import attention as kernels
+
+    q = torch.zeros(4, 2, 3, 8, dtype=torch.float64)
+    bias = da._bias(_spans_mask(4, 3, 37), q, (4, 2, 3, 37))
+    assert kernels.key_span(bias).tolist() == [[20, 37], [0, 37], [5, 31], [37, 0]]
+    shared = da._bias(torch.arange(37) < 9, q, (4, 2, 3, 37))  # one mask for every sequence: one span
+    assert kernels.key_span(shared).tolist() == [[0, 9]]
+    assert kernels.key_span(None) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_keys_outside_each_sequences_span_are_skipped_exactly(p):
+    """The key tiles the kernels skip (left and right of each sequence's attended keys, 16-key tiles) change
+    nothing: every order equals the composition, and a sequence that attends no key gets zeros."""
+    B, H, TQ, TK = 4, 2, 7, 37
+    q, k, v = _inputs(B, H, TQ, TK, 12, seed=11)
+    keep = None
+    if p:
+        keep = torch.rand(B, H, TQ, TK, generator=torch.Generator().manual_seed(6)).ge(p).to(DEVICE)
+    got, want = _both(q, k, v, _spans_mask(B, TQ, TK).to(DEVICE), p, keep)
+    assert got[3].abs().max() == 0
+    _check_all_orders(got, want, (q, k, v), atol=1e-10, rtol=1e-10)
+
+
+@needs_kernel
+def test_each_kernel_takes_its_own_tiles(monkeypatch):
+    """`TILES` (16-bit inputs; here the same code path for float64, or float32 on CUDA) gives the row passes and the
+    column passes tiles of other shapes than each other's and the forward's: every order still equals the
+    composition, over several tiles of rows and of keys and across each sequence's span."""
+    from cat_fast.kernels.triton import attention as kernels
+
+    dtype = torch.float32 if CUDA else torch.float64
+    monkeypatch.setattr(kernels, "_SIXTEEN", (dtype,))
+    monkeypatch.setattr(kernels, "TILES", {"dq": (32, 16, 4, None), "dkdv": (16, 32, 4, 2),
+                                           "dd_rows": (32, 16, 2, None), "dd_cols": (16, 32, 4, None)})
+    B, H, TQ, TK = 4, 2, 45, 37
+    q, k, v = (t.detach().to(dtype).requires_grad_(True) for t in _inputs(B, H, TQ, TK, 12, seed=12))
+    got, want = _both(q, k, v, _spans_mask(B, TQ, TK).to(DEVICE), 0.0, None)
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    _check_all_orders(got.double(), want.double(), (q, k, v), atol=tol, rtol=tol)
+
+
 @needs_kernel
 def test_gradcheck_and_gradgradcheck():
     q, k, v = _inputs(1, 1, 2, 3, 3)  # few entries: the interpreter runs the kernels once per perturbation
