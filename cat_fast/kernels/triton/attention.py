@@ -183,12 +183,11 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, keep_ptr, span_ptr, o_ptr, st
 
 
 @triton.jit
-def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, bias_ptr, keep_ptr, span_ptr, stats_ptr, delta_ptr, dq_ptr, TQ, TK,
-               H,
+def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, bias_ptr, keep_ptr, span_ptr, stats_ptr, delta_ptr, dq_ptr, TQ, TK, H,
                scale_hi, scale_lo, keep_hi, keep_lo, sb_b, sb_h, sb_i, sb_j, ss_b,
                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SPAN: tl.constexpr, IEEE: tl.constexpr,
-                    ACC: tl.constexpr):
+               ACC: tl.constexpr):
     b, h, bh, i, im = _program(H, BLOCK_M, TQ)
     n_lo, n_hi = _key_tiles_of(span_ptr, b, ss_b, TK, BLOCK_N, HAS_SPAN)
     DT = q_ptr.dtype.element_ty
@@ -212,11 +211,10 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, bias_ptr, keep_ptr, span_ptr, stats_
 
 @triton.jit
 def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, bias_ptr, keep_ptr, span_ptr, stats_ptr, delta_ptr, dk_ptr, dv_ptr,
-                 TQ, TK, H,
-                 scale_hi, scale_lo, keep_hi, keep_lo, sb_b, sb_h, sb_i, sb_j, ss_b,
+                 TQ, TK, H, scale_hi, scale_lo, keep_hi, keep_lo, sb_b, sb_h, sb_i, sb_j, ss_b,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SPAN: tl.constexpr, IEEE: tl.constexpr,
-                    ACC: tl.constexpr):
+                 ACC: tl.constexpr):
     b, h, bh, j, jm = _program(H, BLOCK_N, TK)
     DT = q_ptr.dtype.element_ty
     scale = scalar_acc(scale_hi, scale_lo, ACC)
