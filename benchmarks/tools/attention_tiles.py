@@ -22,7 +22,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
 from cat_fast.kernels.triton import attention as kernels  # noqa: E402
-from cat_fast.layers import double_attention  # noqa: E402
 
 ROW_TILES = [(64, 64), (128, 64), (128, 32), (64, 32)]  # a row pass: the program's rows, the keys per loop step
 COLUMN_TILES = [(64, 64), (64, 128), (32, 128), (32, 64)]  # a column pass: the rows per loop step, the program's keys
@@ -37,8 +36,9 @@ def _passes(B, H, T, D):
 
     q, k, v, do, ga, gb, gc = (token_major() for _ in range(7))
     lengths = torch.randint(T // 2, T + 1, (B,), device="cuda", generator=g)
-    mask = (torch.arange(T, device="cuda")[None] < lengths[:, None])[:, None, None, :]
-    bias = double_attention._bias(mask, q, (B, H, T, T))
+    padding = torch.arange(T, device="cuda")[None] >= lengths[:, None]
+    bias = torch.zeros(B, 1, 1, T, device="cuda").masked_fill_(padding[:, None, None, :], float("-inf"))
+    bias = bias.expand(B, H, T, T)  # the additive bias the layer hands the kernels
     span = kernels.key_span(bias)
     keep = torch.empty(B, H, T, T, device="cuda", dtype=torch.uint8).bernoulli_(0.9, generator=g)
     scale, inv_keep = D ** -0.5, 1 / 0.9
@@ -61,11 +61,14 @@ def main():
                    choices=["dd_rows", "dkdv", "dd_cols", "dq"])
     p.add_argument("--seconds", type=float, default=330.0)
     args = p.parse_args()
+    shape = args.shape.split(",")
+    if len(shape) != 4 or not all(x.isdigit() and int(x) > 0 for x in shape):
+        p.error(f"--shape: expected four positive integers B,H,T,D, got {args.shape!r}")
     if not torch.cuda.is_available():
         sys.exit("attention_tiles.py: needs a CUDA GPU")
     from triton.testing import do_bench
 
-    passes = _passes(*(int(x) for x in args.shape.split(",")))
+    passes = _passes(*(int(x) for x in shape))
     deadline = time.time() + args.seconds
     for name in args.kernels:
         call = passes[name]

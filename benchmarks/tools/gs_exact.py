@@ -76,10 +76,12 @@ def main():
         if args.untiled:
             tiles = dict(kernels.TILES)
             kernels.TILES.clear()
-            step = S.build_step("gs_exact_fused_captured", size)[2]
-            _time(step, 3)  # the warm-up and the capture: the graph keeps the launches of this setting
+            try:
+                step = S.build_step("gs_exact_fused_captured", size)[2]
+                _time(step, 3)  # the warm-up and the capture: the graph keeps the launches of this setting
+            finally:
+                kernels.TILES.update(tiles)
             steps["gs_exact_fused_captured@untiled"] = step
-            kernels.TILES.update(tiles)
         ms = {m: [] for m in (*steps, "peer")}
         for _ in range(args.rounds):
             ms["peer"].append(_time(peer, args.steps))

@@ -13,8 +13,8 @@ def reference_layer_norm(x, weight, dy, a, c, e, mean, rstd):
     acc = torch.promote_types(x.dtype, torch.float32)
     x2, dy2, a2 = (t.to(acc).reshape(-1, D) for t in (x, dy, a))
     w, c, e = (t.to(acc).reshape(-1) for t in (weight, c, e))
-    x_hat = (x2 - mean.to(acc).reshape(-1, 1)) * rstd.to(acc).reshape(-1, 1)
     rstd = rstd.to(acc).reshape(-1, 1)
+    x_hat = (x2 - mean.to(acc).reshape(-1, 1)) * rstd
     g = dy2 * w
     a_mean, ax_mean = a2.mean(1, keepdim=True), (a2 * x_hat).mean(1, keepdim=True)
     g_mean, gx_mean = g.mean(1, keepdim=True), (g * x_hat).mean(1, keepdim=True)
