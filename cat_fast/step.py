@@ -98,11 +98,12 @@ def _hyper_parameters(optimizer):
             for group in optimizer.param_groups]
 
 
-def _static_rows(batch, objective):
+def _static_rows(batch, objective, tensors=None):
     """For an objective that declares `packs_rows`, with the training layers' packed path on
     (`layers.training.PACKED`; "auto": a CUDA batch of at least `PACKED_MIN_ROWS` rows): the real rows of the
-    batch's 2-D ``attention_mask`` rounded up to a bucket (`layers.packing.bucket`), the row count its graph packs;
-    else None. Reading the count is one host synchronisation per step, paid only where the rows are packed."""
+    batch's 2-D ``attention_mask`` (or the rows the objective's ``packed_rows(batch, tensors)`` names, for the plan's
+    `tensors`: CAT's) rounded up to a bucket (`layers.packing.bucket`), the row count its graph packs; else None.
+    Reading the count is one host synchronisation per step, paid only where the rows are packed."""
     mode = training_layers.packed_mode()
     if not mode or not isinstance(batch, dict):
         return None
@@ -111,9 +112,13 @@ def _static_rows(batch, objective):
         return None
     if not getattr(objective, "packs_rows", False):  # its step runs padded (`Objective.packs_rows`)
         return None
-    if mode == "auto" and not (mask.is_cuda and mask.numel() >= training_layers.PACKED_MIN_ROWS):
+    if mode == "auto" and not (mask.is_cuda and mask.numel() >= training_layers.PACKED_MIN_ROWS
+                               and getattr(objective, "packs_by_default", True)):
         return None
-    n_real, first_real = torch.stack([mask.count_nonzero(), mask[:, 0].bool().all()]).tolist()
+    rows_of = getattr(objective, "packed_rows", None)
+    rows = rows_of(batch, tensors or {}) if rows_of is not None else None
+    count = mask.count_nonzero() if rows is None else rows.count_nonzero()
+    n_real, first_real = torch.stack([count, mask[:, 0].bool().all()]).tolist()
     if not first_real:  # a sequence whose first position is padding (left padding) runs padded
         return None
     return packing.bucket(n_real, mask.numel(), training_layers.PACKED_MIN_PADDING)
@@ -240,7 +245,7 @@ class CapturedStep(cuda_graphs.CachedGraphs):
             return loss, info
         plan = self._plan(batch, args)
         inputs = (batch, args, plan.tensors)
-        rows = _static_rows(batch, self.objective)
+        rows = _static_rows(batch, self.objective, plan.tensors)
         sig = self._signature(inputs, plan, rows)
         if (rows is not None and sig not in self.cache.entries
                 and len(self._packed_graphs) >= self.cache.max_graphs // 2):
@@ -255,9 +260,9 @@ class CapturedStep(cuda_graphs.CachedGraphs):
             if lockstep is not None and not lockstep.all(entry is not None):
                 entry = self.cache.discard(sig)  # failed on another rank: eager on every rank
         if entry is None:  # a warm-up step, a failed capture or a signature beyond max_graphs
-            # a packed signature's eager steps pack as its graph does: the same rows, so its passes' dropout draws
-            # (`models.PassGenerators` measures their offsets on these steps) are the graph's
-            with packing.static_rows(rows):
+            # a signature's eager steps pack as its graph does (a padded graph's, nothing): the same rows, so its
+            # passes' dropout draws (`models.PassGenerators` measures their offsets on these steps) are the graph's
+            with packing.static_rows(rows), packing.padded(rows is None):
                 return self._side_stream_step(plan, batch, args)
         self._check_hyper_parameters()
         entry.load(inputs)

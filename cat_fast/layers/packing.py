@@ -22,6 +22,14 @@ query row the first, additive entries 0 or masking) and a real first position ar
 way.
 ``bucket(n_real, total, min_padding)`` rounds a real-row count up to a 32nd of the rows, so that a run sees a
 handful of graphs.
+
+Rows beyond the real ones (``extended(rows)``, CAT's CMIX): within, a plan packs the [B, T] boolean `rows` instead of
+the mask's real tokens, which they must hold (else the padded path runs; on the device, an assertion); the keys are
+still the mask's real tokens. A padding row so packed is computed as the padded path computes it (its query attends
+to its sequence's real keys), which CMIX needs where a sample's partner is shorter than it. Every forward of the
+step packs the same rows (the same dropout draws over them), whatever its mask: the counterfactual passes' masks
+(`mask_mode`) only change the keys. Variable-length attention then takes the keys apart from the queries: the key
+and value rows are gathered per call (`Plan.offsets`).
 """
 from __future__ import annotations
 
@@ -34,9 +42,11 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["real_rows", "attend", "attention_backward", "scatter", "static_rows", "static_count", "bucket", "BUCKETS",
-           "Plan", "plan", "pack", "unpack", "carry", "carried", "carrying", "may_carry", "padded", "refused", "VARLEN"]
+           "Plan", "plan", "pack", "unpack", "carry", "carried", "carrying", "may_carry", "padded", "refused", "VARLEN",
+           "extended"]
 
-_last = threading.local()  # .entry: (weak reference to the mask, its version, (B, T, min_padding), the result)
+_last = threading.local()  # .entry: (weak reference to the mask, its version, (B, T, min_padding, ...), the result,
+# a weak reference to `extended`'s rows or None)
 _static = threading.local()  # .rows: `static_rows`'s n, or None
 # A step's real-row count is rounded up to a multiple of 1/BUCKETS of its rows: 32, so that the rows packed exceed
 # the real ones by at most ~3 % of the batch (eighths had packed 7/8 of the rows for the step suite's 76 % real
@@ -47,6 +57,7 @@ BUCKETS = 32
 VARLEN = True
 _carry = threading.local()  # .layers: the layers whose output may stay packed (`carrying`), or None
 _refused = threading.local()  # .on: whether `padded` is in force
+_extend = threading.local()  # .rows: the [B, T] rows a plan packs (`extended`), or None
 
 
 @contextlib.contextmanager
@@ -72,13 +83,23 @@ def static_count() -> int | None:
 
 def padded(on: bool = True):
     """Within (`on`): nothing is packed, whatever `layers.training.PACKED` says: the step of an objective whose
-    passes could not pack alike (`Objective.packs_rows`)."""
-    return _scoped(_refused, "on", bool(on))
+    passes could not pack alike (`Objective.packs_rows`), the eager steps of a padded graph's signature. A `padded`
+    inside another keeps it in force."""
+    return _scoped(_refused, "on", bool(on) or refused())
 
 
 def refused() -> bool:
     """Whether `padded` is in force."""
     return bool(getattr(_refused, "on", False))
+
+
+def extended(rows: torch.Tensor | None):
+    """Within: a plan of a [B, T] batch packs the rows `rows` marks ([B, T] boolean, holding every real token of
+    the masks the layers get), not only the real ones (module docstring); None: as outside."""
+    if rows is not None and (not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.dtype != torch.bool):
+        raise ValueError(f"packing.extended: rows must be a [B, T] boolean tensor, got "
+                         f"{getattr(rows, 'dtype', type(rows).__name__)} of shape {tuple(getattr(rows, 'shape', ()))}")
+    return _scoped(_extend, "rows", rows)
 
 
 def bucket(n_real: int, total: int, min_padding: float) -> int | None:
@@ -112,30 +133,53 @@ def _real_keys(mask: torch.Tensor, B: int, T: int):
 
 
 class Plan:
-    """The packed layout of a [B, T] batch: `idx`, the N rows of ``hidden.reshape(B * T, D)`` packed (the real rows
-    ascending, then, with a static row count, padding rows), `real`, the [B, T] real-token mask, and `static`,
-    `static_rows`'s n or None. Made once per mask (`real_rows`'s memo), shared by the layers of a forward."""
+    """The packed layout of a [B, T] batch: `idx`, the N rows of ``hidden.reshape(B * T, D)`` packed (the rows
+    `rows` marks ascending, then, with a static row count, padding rows), `real`, the [B, T] real-token mask (the
+    keys), `rows`, the [B, T] rows packed (`real` itself, or `extended`'s rows), and `static`, `static_rows`'s n or
+    None. Made once per mask (`real_rows`'s memo), shared by the layers of a forward."""
 
-    __slots__ = ("idx", "B", "T", "real", "static", "_offsets")
+    __slots__ = ("idx", "B", "T", "real", "rows", "static", "_offsets")
 
-    def __init__(self, idx, B, T, real, static):
+    def __init__(self, idx, B, T, real, static, rows=None):
         self.idx, self.B, self.T, self.real, self.static, self._offsets = idx, B, T, real, static, None
+        self.rows = real if rows is None else rows
 
     def offsets(self):
         """``(cu, max_len)`` for variable-length attention over the packed rows: int32 offsets of each sequence's
-        rows (the real rows of each of the B sequences; a static count's extra padding rows then as sequences of
+        rows (the packed rows of each of the B sequences; a static count's extra padding rows then as sequences of
         at most T rows of their own, which attend among themselves and nobody reads) and the longest, T. On the
         device, without a host synchronisation."""
+        return self.attention_layout()[:2]
+
+    def attention_layout(self):
+        """``(cu_q, max_len, cu_k, key_rows)``: `offsets`, the offsets of the keys and the packed rows the keys
+        are, in order (int64, a permutation of the N rows, the keys first; rows past ``cu_k[-1]`` are no key), or
+        ``cu_k = cu_q`` and None where every packed row is a key (no `extended` rows)."""
         if self._offsets is None:
-            counts = self.real.sum(1, dtype=torch.int32)
-            cu = [counts.new_zeros(1), counts.cumsum(0, dtype=torch.int32)]
-            if self.static is not None:
-                total = cu[1][-1:]
-                extra = self.static - total
-                k = torch.arange(1, -(-self.static // self.T) + 1, device=counts.device, dtype=torch.int32)
-                cu.append(total + torch.minimum(k * self.T, extra))
-            self._offsets = (torch.cat(cu), self.T)
+            counts = self.rows.sum(1, dtype=torch.int32)
+            cu_q = self._cumulative(counts)
+            if self.rows is self.real:
+                self._offsets = (cu_q, self.T, cu_q, None)
+            else:
+                extra = None if self.static is None else self.static - cu_q[self.B:self.B + 1]
+                cu_k = self._cumulative(self.real.sum(1, dtype=torch.int32), extra)
+                key = self.real.reshape(-1).index_select(0, self.idx)
+                packed = self.rows.reshape(-1).index_select(0, self.idx)
+                # 0: a key; 1: a static count's extra row (a key of its own sequence); 2: a packed padding row
+                order = torch.where(key, 0, torch.where(packed, 2, 1)).to(torch.uint8)
+                self._offsets = (cu_q, self.T, cu_k, torch.sort(order, stable=True).indices)
         return self._offsets
+
+    def _cumulative(self, counts, extra=None):
+        """int32 offsets of `counts` ([B]), then, with a static count, its extra rows (`extra`, a [1] tensor; by
+        default what the counts leave of it) in sequences of at most T."""
+        cu = [counts.new_zeros(1), counts.cumsum(0, dtype=torch.int32)]
+        if self.static is not None:
+            total = cu[1][-1:]
+            extra = self.static - total if extra is None else extra
+            k = torch.arange(1, -(-self.static // self.T) + 1, device=counts.device, dtype=torch.int32)
+            cu.append(total + torch.minimum(k * self.T, extra))
+        return torch.cat(cu)
 
 
 def real_rows(mask: torch.Tensor | None, B: int, T: int, min_padding: float) -> torch.Tensor | None:
@@ -146,39 +190,48 @@ def real_rows(mask: torch.Tensor | None, B: int, T: int, min_padding: float) -> 
 
 
 def plan(mask: torch.Tensor | None, B: int, T: int, min_padding: float) -> Plan | None:
-    """The packed layout (`Plan`) of the real rows `real_rows` finds, or None where it finds none."""
+    """The packed layout (`Plan`) of the real rows `real_rows` finds (within `extended`, of its rows, which must
+    hold them), or None where it finds none."""
     if mask is None:
         return None
     n = static_count()
+    rows = getattr(_extend, "rows", None)
+    if rows is not None and tuple(rows.shape) != (B, T):
+        rows = None
     entry = getattr(_last, "entry", None)
-    key = (B, T, min_padding, n)
-    if entry is not None and entry[0]() is mask and entry[1] == mask._version and entry[2] == key:
+    key = (B, T, min_padding, n, None if rows is None else rows._version)
+    if (entry is not None and entry[0]() is mask and entry[1] == mask._version and entry[2] == key
+            and (entry[4] is None if rows is None else entry[4] is not None and entry[4]() is rows)):
         return entry[3]
     found = _real_keys(mask, B, T)
     idx = None
-    if n is not None:
-        if found is not None and n < B * T:
-            idx = _static_real_rows(*found, n)
-    elif found is not None:
+    if found is not None:
         real, ok = found
-        if (ok is None or bool(ok)) and bool(real[:, 0].all()):
-            idx = real.reshape(-1).nonzero().squeeze(1)
+        checks = [] if ok is None else [ok]
+        pick = real if rows is None else rows.to(real.device)
+        if rows is not None:
+            checks.append((real <= pick).all())  # the rows packed hold every key
+        checks.append(real[:, 0].all())
+        ok = torch.stack(checks).all()
+        if n is not None:
+            if n < B * T:
+                idx = _static_real_rows(pick, ok, n)
+        elif bool(ok):
+            idx = pick.reshape(-1).nonzero().squeeze(1)
             if idx.numel() == 0 or idx.numel() > (1.0 - min_padding) * B * T:
                 idx = None
-    result = None if idx is None else Plan(idx, B, T, found[0], n)
-    _last.entry = (weakref.ref(mask), mask._version, key, result)
+    result = None if idx is None else Plan(idx, B, T, found[0], n, None if rows is None else pick)
+    _last.entry = (weakref.ref(mask), mask._version, key, result, None if rows is None else weakref.ref(rows))
     return result
 
 
-def _static_real_rows(real: torch.Tensor, ok: torch.Tensor | None, n: int) -> torch.Tensor:
-    """`n` row indices, the real rows of the [B, T] mask `real` first (ascending), then padding rows (ascending); on
-    the device, asserting there that the real rows number at most `n` and that the mask is a key-padding mask (`ok`,
-    `_real_keys`'s check)."""
-    flat = real.reshape(-1)
-    if ok is not None:
-        torch._assert_async(ok)
+def _static_real_rows(rows: torch.Tensor, ok: torch.Tensor, n: int) -> torch.Tensor:
+    """`n` row indices, the rows of the [B, T] mask `rows` first (ascending), then the others (ascending); on the
+    device, asserting there that `rows` number at most `n` and `ok` (`plan`'s checks: a key-padding mask, a real
+    first position, the rows holding every key)."""
+    flat = rows.reshape(-1)
+    torch._assert_async(ok)
     torch._assert_async(flat.sum() <= n)
-    torch._assert_async(real[:, 0].all())
     return torch.sort((~flat).to(torch.uint8), stable=True).indices[:n]
 
 
@@ -192,8 +245,8 @@ def attend(qkv_leaf, shape, attn_mask, p, scale, packed):
     B, T, heads, width = shape
     with torch.enable_grad():
         if packed is not None and varlen_applies(qkv_leaf, width):
-            cu, max_len = packed.offsets()
-            rows = _VarlenAttention.apply(qkv_leaf, cu, max_len, heads, width, p, scale)
+            cu, max_len, cu_k, keys = packed.attention_layout()
+            rows = _VarlenAttention.apply(qkv_leaf, cu, max_len, heads, width, p, scale, cu_k, keys)
             return rows, rows.detach()
         full = qkv_leaf
         if packed is not None:
@@ -217,28 +270,40 @@ def varlen_applies(qkv: torch.Tensor, width: int) -> bool:
 
 class _VarlenAttention(torch.autograd.Function):
     """Attention over packed rows of ``[q | k | v]`` [N, 3·heads·width], each sequence its `cu` span, by
-    PyTorch's variable-length flash attention (forward and backward; its own dropout draws)."""
+    PyTorch's variable-length flash attention (forward and backward; its own dropout draws). `keys` (a permutation
+    of the rows, `Plan.attention_layout`): the key and value rows are gathered in that order, each sequence its
+    `cu_k` span of them."""
 
     @staticmethod
-    def forward(ctx, qkv, cu, max_len, heads, width, p, scale):
+    def forward(ctx, qkv, cu, max_len, heads, width, p, scale, cu_k=None, keys=None):
         D = heads * width
         q, k, v = (qkv[:, i * D:(i + 1) * D].view(-1, heads, width) for i in range(3))
+        if keys is not None:
+            k, v = k.index_select(0, keys), v.index_select(0, keys)
+        else:
+            cu_k = cu
         out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu, cu, max_len, max_len, p, False, False, scale=scale)
-        ctx.save_for_backward(qkv, cu, out, lse, rng, unused)
+            q, k, v, cu, cu_k, max_len, max_len, p, False, False, scale=scale)
+        ctx.save_for_backward(qkv, cu, cu_k, keys, k, v, out, lse, rng, unused)
         ctx.args = (max_len, heads, width, p, scale)
         return out.view(-1, D)
 
     @staticmethod
     def backward(ctx, grad):
-        qkv, cu, out, lse, rng, unused = ctx.saved_tensors
+        qkv, cu, cu_k, keys, k, v, out, lse, rng, unused = ctx.saved_tensors
         max_len, heads, width, p, scale = ctx.args
         D = heads * width
-        q, k, v = (qkv[:, i * D:(i + 1) * D].view(-1, heads, width) for i in range(3))
+        q = qkv[:, :D].view(-1, heads, width)
+        if keys is None:
+            k, v = (qkv[:, i * D:(i + 1) * D].view(-1, heads, width) for i in (1, 2))
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad.contiguous().view(-1, heads, width), q, k, v, out, lse, cu, cu, max_len, max_len, p, False, rng,
+            grad.contiguous().view(-1, heads, width), q, k, v, out, lse, cu, cu_k, max_len, max_len, p, False, rng,
             unused, scale=scale)
-        return torch.cat([t.reshape(-1, D) for t in (dq, dk, dv)], 1), None, None, None, None, None, None
+        if keys is not None:  # back to the rows' order; the gathered rows past the last key are no key: zero
+            used = (torch.arange(dk.shape[0], device=dk.device) < cu_k[-1]).view(-1, 1, 1)
+            dk, dv = (torch.empty_like(t).index_copy_(0, keys, torch.where(used, t, 0)) for t in (dk, dv))
+        return (torch.cat([t.reshape(-1, D) for t in (dq, dk, dv)], 1), None, None, None, None, None, None, None,
+                None)
 
 
 def attention_backward(out, qkv_leaf, grad_rows, shape, packed: bool):

@@ -7,6 +7,7 @@ import warnings
 import weakref
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 
 from .. import layers
@@ -49,14 +50,23 @@ def training_layers(model, st, inputs, enabled, carry: bool = False, own_hooks=(
         warn_adapters(model, modules)
         yield
         return
-    fmt = _LAYER_FORMAT.get(model, "unknown")
-
     def layer_forward(mod, orig):
         def forward(*args, **kwargs):
+            fmt = _LAYER_FORMAT.get(model, "unknown")
             if fmt == "unknown":
-                out = orig(*args, **kwargs)
-                _LAYER_FORMAT[model] = output_format(out)
-                return out
+                hidden = args[0] if args else kwargs.get("hidden_states")
+                cuda = isinstance(hidden, torch.Tensor) and hidden.is_cuda
+                if cuda and torch.cuda.is_current_stream_capturing():  # no generator state to restore inside a capture: the model's own layer's output
+                    out = orig(*args, **kwargs)
+                    _LAYER_FORMAT[model] = output_format(out)
+                    return out
+                # the model's own layer runs once for its output format, its random draws undone, so that this
+                # forward draws what every later one draws (`models.PassGenerators` measures a step's draws)
+                with torch.random.fork_rng(devices=[hidden.get_device()] if cuda else []), torch.no_grad():
+                    out = orig(*args, **kwargs)
+                fmt = _LAYER_FORMAT[model] = output_format(out)
+                if fmt is False:
+                    return orig(*args, **kwargs)
             y = layers.training.forward(mod, args, kwargs)
             if y is None:
                 return orig(*unpacked(args), **unpacked(kwargs))

@@ -153,6 +153,9 @@ class Objective(Declarations, metaclass=_ObjectiveType):
     # did. A captured step then packs by default ("auto", `cat_fast.step`); an objective without it runs padded
     # whatever PACKED says (`layers.packing.padded`).
     packs_rows = False
+    # Whether a captured step packs its rows by default ("auto"), given `packs_rows`: where packing was measured
+    # faster (benchmarks/RESULTS.md); PACKED = True packs wherever `packs_rows` holds.
+    packs_by_default = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -14,8 +14,10 @@ import contextlib
 import torch
 
 from .. import models
-from ..layers import casts
+from ..layers import casts, packing
+from ..layers import training as training_layers
 from ..ops import cal_step_, cmix, gs_cosine_loss
+from ..ops.cmix import mix_mask
 from ..step import NotCapturable, StepPlan
 from .base import Objective
 from .cat_draws import Draws
@@ -111,9 +113,30 @@ class CAT(Draws, Objective):
         if self.update == "alternate" and self.crm_optimizer is None:
             self.crm_optimizer = optimizer
 
-    # Not `packs_rows`: CMIX mixes h_m row by row with the partner's, so a partner shorter than its sample lends the
-    # padding rows of its h_m, which the packed path does not compute (it leaves the embeddings' rows there).
-    packs_rows = False
+    @property
+    def packs_rows(self) -> bool:
+        """With the training layers and without GS (`Objective.packs_rows`): CMIX mixes h_m row by row with the
+        partner's, so a partner shorter than its sample lends the padding rows of its h_m; the step packs those rows
+        too (`packed_rows`), computed as the padded path computes them."""
+        return self.training_layers and self.gs_weight == 0
+
+    # Packed, a captured CAT step was slower than padded (benchmarks/RESULTS.md): the rows a shorter partner lends
+    # leave little padding, and every attention gathers its keys apart. PACKED = True packs it.
+    packs_by_default = False
+
+    def packed_rows(self, batch, tensors):
+        """The [B, T] rows a packed step computes (`layers.packing.extended`), for the planned partners
+        (``tensors["partner"]``): each sample's real tokens, the positions its mixed sequence keeps (`mask_mode`)
+        and those of every mixed sequence it is the partner of. None without a 2-D attention mask."""
+        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+        partner = tensors.get("partner") if isinstance(tensors, dict) else None
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or partner is None:
+            return None
+        real = mask != 0
+        mixed = mix_mask(real, partner.to(real.device), self.mask_mode)
+        lent = torch.zeros(real.shape, device=real.device, dtype=torch.int32)
+        lent.index_add_(0, partner.to(real.device), mixed.to(torch.int32))
+        return real | mixed | (lent > 0)
 
     # ----------------------------------------------------------------- public API
     def capture_key(self, batch, *args):
@@ -205,10 +228,17 @@ class CAT(Draws, Objective):
             rng = None
         else:
             partner, lam0 = plan.tensors["partner"], plan.tensors["lam0"]
+        rows = self.packed_rows(batch, {"partner": partner}) if self.packs_rows else None
+        with packing.extended(rows):
+            return self._extended_step_losses(batch, plan, m, rng, partner, lam0, prune, B, device, rows is not None)
+
+    def _extended_step_losses(self, batch, plan, m, rng, partner, lam0, prune, B, device, extended):
         capturing = plan is not None and rng is not None and torch.cuda.is_current_stream_capturing()
         if rng is not None and not capturing:
             rng.start()
-        use_graphs = self.cuda_graph and self.detach_weight and plan is None
+        # the CAL graphs are captured padded: not where the clean forward packs its rows wherever it can
+        use_graphs = (self.cuda_graph and self.detach_weight and plan is None
+                      and not (extended and training_layers.packed_mode() is True))
         early = {}
 
         def replay_early(cap):  # replays only a signature captured before (shapes and dtypes included)

@@ -135,3 +135,13 @@ def cmix(h, lam, partner, mask=None, mask_mode="self"):
     lam_acc = lam.to(registry.acc_dtype(h.dtype)).contiguous()
     h_mix = registry.kernels(backend).cmix_forward(h.contiguous(), lam_acc, partner.contiguous())
     return h_mix, reference.mix_mask(mask, partner, mask_mode)
+
+
+def mix_mask(mask, partner, mask_mode="self"):
+    """The attention mask of the mixed sequences (`cmix`'s second output) without the mixing: mask [B, T] bool/int,
+    partner int [B] (indices into the batch), mask_mode as in `cmix`."""
+    validate.tensor("mask", mask, ndims=(2,), dtypes=None)
+    validate.tensor("partner", partner, ndims=(1,), dtypes=(torch.int64, torch.int32))
+    validate.shape("partner", partner, (mask.shape[0],), "one partner index per sample")
+    validate.choice("mask_mode", mask_mode, MASK_MODES)
+    return reference.mix_mask(mask, partner.long(), mask_mode)

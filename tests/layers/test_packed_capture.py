@@ -94,6 +94,22 @@ def test_a_packed_resume_redraws_the_clean_forwards_dropout(m, monkeypatch):
     assert not torch.equal(logits[True], logits[False])
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_models_first_training_forward_draws_what_later_ones_draw(packed, monkeypatch):
+    """The first training forward of a model runs its own layer once for the output format with its random draws
+    undone, then the training layers: from one seed, the first forward's logits and dropout masks are every later
+    forward's (`models.PassGenerators` measures a step's draws on eager steps, the first one included)."""
+    monkeypatch.setattr(training_layer, "PACKED", packed)
+    model = _model(train=True, dropout=0.3)
+    batch = _batch()
+    logits = []
+    for _ in range(2):
+        torch.manual_seed(11)
+        logits.append(models.logits_of(models.capture(model, batch, 2, training_layers=True).outputs))
+        logits.append(torch.rand(()))  # where the generator stands after the forward
+    assert torch.equal(logits[0], logits[2]) and torch.equal(logits[1], logits[3])
+
+
 @pytest.mark.parametrize("grad", [True, False], ids=["cal_step", "no_grad"])
 def test_an_input_gradient_only_resume_of_a_packed_capture_redraws_its_dropout(grad, monkeypatch, pack_calls):
     """``resume(..., input_grad_only=True)`` (CAT's counterfactual passes) of a packed clean forward runs the training
@@ -175,8 +191,8 @@ def test_first_order_gs_packed_equals_padded(difference, low_memory, representat
 def test_which_gs_and_cat_steps_pack_by_default():
     """`packs_rows` (a captured step packs by default): with the training layers, GS on the pooled vector and
     first-order GS at the embedding output; not GS at a layer above it (its loss reads the padding rows of h_K), not
-    exact GS at a layer (the model's own layers, double backward), not CAT (CMIX reads a shorter partner's padding
-    rows of h_m)."""
+    exact GS at a layer (the model's own layers, double backward); CAT without GS (it packs the padding rows CMIX
+    reads too, `CAT.packed_rows`)."""
     model = _model()
     gs = GradientSupervision
     assert gs(model).packs_rows
@@ -185,7 +201,8 @@ def test_which_gs_and_cat_steps_pack_by_default():
     assert not gs(model, representation=2, mode="first_order", low_memory=False).packs_rows
     assert not gs(model, training_layers=False).packs_rows
     assert not gs(model, representation=0).packs_rows
-    assert ERM(model, fast=True).packs_rows and not CAT(model).packs_rows
+    assert ERM(model, fast=True).packs_rows and CAT(model).packs_rows
+    assert not CAT(model, gs_weight=1.0).packs_rows
 
 
 def _cat_grads(model, batch, **kw):
@@ -196,21 +213,109 @@ def _cat_grads(model, batch, **kw):
     return loss.detach(), info["crm_loss"], info["lambda_after"], grads
 
 
+def _assert_same_cat(got, want, exact=False):
+    check = torch.equal if exact else (lambda a, b: torch.allclose(a, b, rtol=1e-10, atol=1e-12))
+    (loss, crm, lam, grads), (want_loss, want_crm, want_lam, want_grads) = got, want
+    assert check(loss, want_loss) and check(crm, want_crm) and check(lam, want_lam), (loss, want_loss, lam, want_lam)
+    for a, b in zip(grads, want_grads):
+        assert (a is None and b is None) or check(a, b)
+
+
+def test_cat_packed_rows_hold_every_row_cmix_reads():
+    """`CAT.packed_rows`: a sample's real tokens, the positions its mixed sequence keeps and those of each mixed
+    sequence it is the partner of, per `mask_mode`."""
+    model = _model()
+    mask = _batch()["attention_mask"]  # lengths 12, 5, 8, 3
+    partner = torch.tensor([3, 2, 0, 1])
+    lengths = {"self": [12, 5, 8, 12], "partner": [12, 8, 12, 5], "union": [12, 8, 12, 12],
+               "intersection": [12, 5, 8, 3]}
+    for mode, want in lengths.items():
+        rows = CAT(model, mask_mode=mode).packed_rows({"attention_mask": mask}, {"partner": partner})
+        assert torch.equal(rows, torch.arange(12) < torch.tensor(want)[:, None]), mode
+    assert CAT(model).packed_rows({"input_ids": mask}, {"partner": partner}) is None
+
+
+@pytest.mark.parametrize("mask_mode", ["self", "partner", "union", "intersection"])
+@pytest.mark.parametrize("partner", ["permutation", "replacement"])
+def test_cat_packed_equals_padded(mask_mode, partner, monkeypatch, pack_calls):
+    """With ``PACKED = True`` CAT packs its rows, the padding rows CMIX reads included (a partner shorter than its
+    sample), in the clean forward and every counterfactual pass: its loss, CRM term, optimised λ and every
+    parameter's gradient equal the padded step's in float64, under every mask mode and both partner draws."""
+    model = _model(train=True)
+    batch = _batch()
+    kw = dict(mask_mode=mask_mode, partner=partner, cuda_graph=False)
+    monkeypatch.setattr(training_layer, "PACKED", False)
+    want = _cat_grads(model, batch, **kw)
+    assert pack_calls == []
+    monkeypatch.setattr(training_layer, "PACKED", True)
+    got = _cat_grads(model, batch, **kw)
+    # the clean forward packs twice (its first layer, and layer 3 after the capture's unpacked h_m); each of the 3
+    # passes once (layer 3, carried to layer 4)
+    assert pack_calls.count("pack") == 2 + 3
+    _assert_same_cat(got, want)
+
+
+def test_cat_packed_without_the_partners_rows_differs(monkeypatch):
+    """The check above can fail: packing only the real rows (a shorter partner's padding rows of h_m then left as
+    the embeddings') moves CAT's loss away from the padded step's."""
+    model = _model(train=True)
+    batch = _batch()
+    want = _cat_grads(model, batch, cuda_graph=False)
+    monkeypatch.setattr(training_layer, "PACKED", True)
+    monkeypatch.setattr(CAT, "packed_rows", lambda self, batch, tensors: batch["attention_mask"] != 0)
+    got = _cat_grads(model, batch, cuda_graph=False)
+    with pytest.raises(AssertionError):
+        _assert_same_cat(got, want)
+
+
+def test_cat_packed_with_dropout_draws_alike_in_its_passes(monkeypatch, pack_calls):
+    """In train mode with dropout, a packed CAT step's counterfactual passes draw the clean forward's masks: at
+    λ = 0 (α tiny, no CAL step) the counterfactual logits are the clean ones, so every CRM weight is 1."""
+    model = _model(train=True, dropout=0.2)
+    models.capture(model, _batch(), 2, training_layers=True)  # the layers' output format recorded
+    monkeypatch.setattr(training_layer, "PACKED", True)
+    cat = CAT(model, layers=[2], adv_steps=0, alpha=1e-6, beta=1e6, generator=torch.Generator().manual_seed(0),
+              cuda_graph=False)
+    loss, info = cat(_batch())
+    assert pack_calls.count("pack") == 2 + 1  # the clean forward (twice, around h_m), then the pass
+    torch.testing.assert_close(info["crm_weight_mean"], torch.ones((), dtype=torch.float64))
+
+
 def test_objectives_that_do_not_pack_run_padded_whatever_packed_says(monkeypatch, pack_calls):
-    """With ``PACKED = True``, an objective without `packs_rows` packs nothing in its step: CAT, whose CMIX reads
-    the padding rows of a shorter partner's h_m (which the packed path leaves as the embeddings' rows); its loss and
-    gradients are those of ``PACKED = False``."""
+    """With ``PACKED = True``, an objective without `packs_rows` packs nothing in its step: CAT with GS (its double
+    backward runs the model's own layers); its loss and gradients are those of ``PACKED = False``."""
     model = _model(train=True, dropout=0.2)
     batch = _batch()
-    _cat_grads(model, batch)
+    _cat_grads(model, batch, gs_weight=0.5)
     monkeypatch.setattr(training_layer, "PACKED", True)
     pack_calls.clear()
-    loss, crm, lam, grads = _cat_grads(model, batch)
+    got = _cat_grads(model, batch, gs_weight=0.5)
     assert pack_calls == []
     monkeypatch.setattr(training_layer, "PACKED", False)
-    want_loss, want_crm, want_lam, want = _cat_grads(model, batch)
-    assert torch.equal(loss, want_loss) and torch.equal(crm, want_crm) and torch.equal(lam, want_lam)
-    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(grads, want))
+    _assert_same_cat(got, _cat_grads(model, batch, gs_weight=0.5), exact=True)
+
+
+def _gpu_model(packed, train, monkeypatch):
+    """``(model, its starting weights, SGD)``: a tiny BERT on CUDA (dropout 0.1 in train mode), with `PACKED` as
+    given ("auto" packs from any row count here). SGD: AdamW would turn gradients ~0 plus noise into lr-sized steps."""
+    monkeypatch.setattr(training_layer, "PACKED", packed)
+    monkeypatch.setattr(training_layer, "PACKED_MIN_ROWS", 0)
+    dropout = 0.1 if train else 0.0
+    model = tiny_model("bert", attn="sdpa", num_layers=4, hidden_size=64, num_attention_heads=4,
+                       intermediate_size=256, seed=0, hidden_dropout_prob=dropout,
+                       attention_probs_dropout_prob=dropout).cuda().train(train)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return model, start, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _gpu_batches():
+    """8 CUDA batches, two shapes' real-token counts alternating."""
+    lengths = [[40, 17, 25, 9], [33, 12, 20, 21]]
+    for i in range(8):
+        batch = tiny_batch("bert", batch=4, length=40, seed=i % 2)
+        batch["attention_mask"] = (torch.arange(40) < torch.tensor(lengths[i % 2])[:, None]).long()
+        batch["labels"] = torch.tensor([0, 1, 2, 0])
+        yield {k: v.cuda() for k, v in batch.items()}
 
 
 def _gpu_gs_step(packed, train, autocast, monkeypatch, difference="central", representation=0):
@@ -219,24 +324,12 @@ def _gpu_gs_step(packed, train, autocast, monkeypatch, difference="central", rep
     two real-token counts, so one shape has two packed graphs."""
     from cat_fast.step import CapturedStep
 
-    monkeypatch.setattr(training_layer, "PACKED", packed)
-    monkeypatch.setattr(training_layer, "PACKED_MIN_ROWS", 0)
-    dropout = 0.1 if train else 0.0
-    model = tiny_model("bert", attn="sdpa", num_layers=4, hidden_size=64, num_attention_heads=4,
-                       intermediate_size=256, seed=0, hidden_dropout_prob=dropout,
-                       attention_probs_dropout_prob=dropout).cuda().train(train)
-    start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # AdamW would turn gradients ~0 plus noise into lr-sized steps
+    model, start, opt = _gpu_model(packed, train, monkeypatch)
     gs = GradientSupervision(model, weight=1.0, representation=representation, mode="first_order", low_memory=False,
                              difference=difference, eps=1e-2)
     step = CapturedStep(gs, opt, warmup_steps=1, autocast=autocast, max_grad_norm=1e6)
-    lengths = [[40, 17, 25, 9], [33, 12, 20, 21]]
     losses, norms = [], []
-    for i in range(8):
-        batch = tiny_batch("bert", batch=4, length=40, seed=i % 2)
-        batch["attention_mask"] = (torch.arange(40) < torch.tensor(lengths[i % 2])[:, None]).long()
-        batch["labels"] = torch.tensor([0, 1, 2, 0])
-        batch = {k: v.cuda() for k, v in batch.items()}
+    for batch in _gpu_batches():
         losses.append(float(step(batch, PAIRS.cuda())[0]))
         norms.append(float(step.last_grad_norm))
     updates = {n: p.detach() - start[n] for n, p in model.named_parameters()}
@@ -280,3 +373,61 @@ def test_gpu_captured_packed_gs_passes_redraw_the_clean_dropout(difference, repr
     assert all(map(math.isfinite, losses + norms))
     ratio = torch.tensor(norms[2:]) / torch.tensor(want_norms[2:])
     assert ((ratio > 0.5) & (ratio < 2.0)).all(), (norms, want_norms)
+
+
+def _gpu_cat_step(packed, train, autocast, monkeypatch, mask_mode="self", **cat_kw):
+    """Losses, CRM weights, the weights' updates and packed graphs of captured CAT steps on a tiny BERT (CUDA), with
+    `PACKED` as given; partners and λ from a seeded CPU generator, so both runs draw alike. Two batch shapes of
+    different real-token counts alternate."""
+    from cat_fast.step import CapturedStep
+
+    model, start, opt = _gpu_model(packed, train, monkeypatch)
+    model.train(True)
+    cat_kw = {"adv_steps": 3, **cat_kw}
+    cat = CAT(model, layers=[2], mask_mode=mask_mode, generator=torch.Generator().manual_seed(0), **cat_kw)
+    step = CapturedStep(cat, opt, warmup_steps=1, autocast=autocast, max_grad_norm=1e6)
+    losses, weights, norms = [], [], []
+    for batch in _gpu_batches():
+        loss, info = step(batch)
+        losses.append(float(loss))
+        weights.append(float(info["crm_weight_mean"]))
+        norms.append(float(step.last_grad_norm))
+    updates = {n: p.detach() - start[n] for n, p in model.named_parameters()}
+    return losses, weights, updates, norms, len(step._packed_graphs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mask_mode", ["self", "union"])
+def test_gpu_captured_cat_packed_equals_padded(autocast, mask_mode, monkeypatch):
+    """`CapturedStep(CAT)` with ``PACKED = True`` (not by default: `CAT.packs_by_default`) packs the clean forward on
+    the rows CMIX reads (a shorter partner's padding rows too), the CAL and final passes on the same rows. Without dropout, against the
+    padded captured step through 8 SGD steps: in fp32 the losses, CRM weights and the weights' updates to fp32
+    rounding; in bf16 (variable-length attention, the keys gathered) the losses and weights to bf16 rounding and the
+    whole update within 5 % of the padded one's norm."""
+    (losses, weights, updates, _, graphs), (want_losses, want_weights, want_updates, _, want_graphs) = (
+        _gpu_cat_step(packed, False, autocast, monkeypatch, mask_mode) for packed in (True, False))
+    assert graphs >= 1 and want_graphs == 0  # union: a batch whose rows leave too little padding runs padded
+    tol = dict(rtol=1e-4, atol=1e-5) if autocast is None else dict(rtol=3e-2, atol=3e-3)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), **tol)
+    torch.testing.assert_close(torch.tensor(weights), torch.tensor(want_weights), **tol)
+    if autocast is None:
+        for name, a in updates.items():
+            torch.testing.assert_close(a, want_updates[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        return
+    a, b = (torch.cat([u.flatten() for u in d.values()]) for d in (updates, want_updates))
+    assert (a - b).norm() <= 0.05 * b.norm(), float((a - b).norm() / b.norm())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_captured_packed_cat_passes_redraw_the_clean_dropout(monkeypatch):
+    """Train mode with dropout: inside the packed graphs CAT's counterfactual pass redraws the clean forward's masks
+    over the packed rows. At λ ≈ 0 (Beta(1e-6, 1e6), no CAL step) its logits are then the clean ones and every CRM
+    weight is 1, in the padded graphs as in the packed ones (masks drawn anew move them by ~1e-2)."""
+    near_zero = dict(adv_steps=0, alpha=1e-6, beta=1e6)
+    losses, weights, _, norms, graphs = _gpu_cat_step(True, True, None, monkeypatch, **near_zero)
+    _, want_weights, _, _, _ = _gpu_cat_step(False, True, None, monkeypatch, **near_zero)
+    assert graphs == 2
+    assert all(map(math.isfinite, losses + norms))
+    torch.testing.assert_close(torch.tensor(want_weights, dtype=torch.float64), torch.ones(8, dtype=torch.float64), rtol=0, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(weights, dtype=torch.float64), torch.ones(8, dtype=torch.float64), rtol=0, atol=1e-6)
