@@ -30,11 +30,11 @@ def test_cat_step_matches_reference_backend(arch, adv_steps, gs_weight):
     assert expected_grads.abs().sum() > 0
     for backend in _gpu_backends():
         loss, info, grads = _cat_step(backend, arch, adv_steps, gs_weight)
-        torch.testing.assert_close(loss, expected_loss, rtol=1e-4, atol=1e-5, msg=backend)
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-4, atol=1e-5, msg=lambda m, b=backend: f"{b}: {m}")
         assert info.keys() == expected_info.keys()
         for key in expected_info:
             assert info[key] == pytest.approx(expected_info[key], rel=1e-3, abs=1e-5), (backend, key)
-        torch.testing.assert_close(grads, expected_grads, rtol=1e-3, atol=1e-5, msg=backend)
+        torch.testing.assert_close(grads, expected_grads, rtol=1e-3, atol=1e-5, msg=lambda m, b=backend: f"{b}: {m}")
 
 
 @pytest.mark.parametrize("mode", ["exact", "first_order"])
@@ -53,5 +53,5 @@ def test_gradient_supervision_step_matches_reference_backend(mode):
     expected_loss, expected_grads = step("reference")
     for backend in _gpu_backends():
         loss, grads = step(backend)
-        torch.testing.assert_close(loss, expected_loss, rtol=1e-4, atol=1e-5, msg=backend)
-        torch.testing.assert_close(grads, expected_grads, rtol=1e-3, atol=1e-5, msg=backend)
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-4, atol=1e-5, msg=lambda m, b=backend: f"{b}: {m}")
+        torch.testing.assert_close(grads, expected_grads, rtol=1e-3, atol=1e-5, msg=lambda m, b=backend: f"{b}: {m}")
