@@ -115,10 +115,11 @@ class CAT(Draws, Objective):
 
     @property
     def packs_rows(self) -> bool:
-        """With the training layers and without GS (`Objective.packs_rows`): CMIX mixes h_m row by row with the
-        partner's, so a partner shorter than its sample lends the padding rows of its h_m; the step packs those rows
-        too (`packed_rows`), computed as the padded path computes them."""
-        return self.training_layers and self.gs_weight == 0
+        """With the training layers, without GS and for a head that reads the first token (`Objective.packs_rows`):
+        CMIX mixes h_m row by row with the partner's, so a partner shorter than its sample lends the padding rows of
+        its h_m; the step packs those rows too (`packed_rows`), computed as the padded path computes them. Not QA:
+        its loss reads the logits of every position, padding included, which the packed path does not compute."""
+        return self.training_layers and self.gs_weight == 0 and self.task.first_token_head
 
     # Packed, a captured CAT step was slower than padded (benchmarks/RESULTS.md): the rows a shorter partner lends
     # leave little padding, and every attention gathers its keys apart. PACKED = True packs it.

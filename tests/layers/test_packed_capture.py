@@ -255,6 +255,34 @@ def test_cat_packed_equals_padded(mask_mode, partner, monkeypatch, pack_calls):
     _assert_same_cat(got, want)
 
 
+def test_cat_packed_equals_padded_with_a_differentiable_weight(monkeypatch):
+    """``detach_weight=False``: the final counterfactual pass is differentiated into h_m, the partners' padding rows
+    included, and through them into the clean forward; packed, every gradient is the padded step's."""
+    model = _model(train=True)
+    batch = _batch()
+    want = _cat_grads(model, batch, detach_weight=False, mask_mode="union", cuda_graph=False)
+    monkeypatch.setattr(training_layer, "PACKED", True)
+    _assert_same_cat(_cat_grads(model, batch, detach_weight=False, mask_mode="union", cuda_graph=False), want)
+
+
+def test_cat_for_qa_runs_padded(monkeypatch, pack_calls):
+    """CAT on a QA head does not pack (`packs_rows`): the span loss reads the logits of every position, padding
+    included; with ``PACKED = True`` its step is the padded one."""
+    model = tiny_model("bert", task="qa", attn="sdpa", dtype=torch.float64, num_layers=5, hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0).train()
+    mask = (torch.arange(12) < torch.tensor([12, 8, 10, 7])[:, None]).long()
+    ids = torch.randint(3, 100, (4, 12), generator=torch.Generator().manual_seed(9)).masked_fill(mask == 0, 0)
+    batch = {"input_ids": ids, "attention_mask": mask, "token_type_ids": (torch.arange(12) >= 4).long().expand(4, 12),
+             "start_positions": torch.tensor([4, 5, 6, 0]), "end_positions": torch.tensor([5, 5, 7, 0])}
+    assert not CAT(model).packs_rows
+    want = _cat_grads(model, batch, cuda_graph=False)
+    monkeypatch.setattr(training_layer, "PACKED", True)
+    pack_calls.clear()
+    got = _cat_grads(model, batch, cuda_graph=False)
+    assert pack_calls == []
+    _assert_same_cat(got, want, exact=True)
+
+
 def test_cat_packed_without_the_partners_rows_differs(monkeypatch):
     """The check above can fail: packing only the real rows (a shorter partner's padding rows of h_m then left as
     the embeddings') moves CAT's loss away from the padded step's."""
