@@ -251,21 +251,21 @@ def test_gpu_ddp_steps_equal_the_ddp_loop_eager_and_captured(tmp_path):
         _compare(results, GPU_CASES, dict(rtol=1e-6, atol=1e-6), route)
 
 
-def _packed_worker(rank, out):
-    """ERM(fast=True) under DDP as CUDA graphs, padded and with packed rows (each rank its own real-token count)."""
+def _packed_runs(rank, out, make_objective, packed_values=(False, True)):
+    """Captured steps of `make_objective(ddp)` under DDP as CUDA graphs, padded and with packed rows (each rank its
+    own row count): every rank's final state, losses, graph and replay counts, packed graphs."""
     from cat_fast.layers import training as training_layers
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     results = {}
-    for packed in (False, True):
+    for packed in packed_values:
         training_layers.PACKED = packed
         model = tiny_model("bert", attn="sdpa", num_layers=4, seed=rank, hidden_dropout_prob=0.0,
                            attention_probs_dropout_prob=0.0).train().to(device)
         ddp = DDP(model, device_ids=[rank])
-        objective = ERM(ddp, fast=True)
         opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device=device), capturable=True, fused=True)
-        step = CapturedStep(objective, opt, warmup_steps=1, max_grad_norm=1.0)
+        step = CapturedStep(make_objective(ddp), opt, warmup_steps=1, max_grad_norm=1.0)
         losses = []
         for i in range(GPU_STEPS):
             batch = _batch(rank, i % 3, device, length=24)
@@ -279,14 +279,18 @@ def _packed_worker(rank, out):
     torch.save(results, f"{out}.{rank}")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
-                    reason="needs 2 CUDA devices and NCCL")
-def test_gpu_ddp_captured_steps_with_packed_rows_equal_padded(tmp_path):
-    """Under DDP on 2 GPUs, captured ERM(fast=True) steps with packed rows (each rank packing its own real-token
-    count, the ranks' graphs keyed on both) equal the padded captured steps (fp32, no dropout) and keep the ranks
-    bit-identical."""
-    spawn(_packed_worker, str(tmp_path / "out"), tmp_path=tmp_path, world=WORLD, backend="nccl")
-    results = [torch.load(f"{tmp_path / 'out'}.{r}", weights_only=False) for r in range(WORLD)]
+def _packed_worker(rank, out):
+    """ERM(fast=True) under DDP as CUDA graphs, padded and with packed rows."""
+    _packed_runs(rank, out, lambda ddp: ERM(ddp, fast=True))
+
+
+def _packed_cat_worker(rank, out):
+    """CAT under DDP as CUDA graphs, padded and with packed rows (``PACKED = True``: the rows a shorter partner lends
+    too); the partners and λ from one seeded CPU generator on both ranks."""
+    _packed_runs(rank, out, lambda ddp: CAT(ddp, layers=[2], adv_steps=2, generator=torch.Generator().manual_seed(0)))
+
+
+def _check_packed_equals_padded(results):
     for result in results:
         assert result[True][4] >= 2 and result[False][4] == 0 and result[True][3] >= 4
         want_state, want_losses = result[False][:2]
@@ -296,3 +300,23 @@ def test_gpu_ddp_captured_steps_with_packed_rows_equal_padded(tmp_path):
             torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
     for key, value in results[0][True][0].items():
         torch.testing.assert_close(results[1][True][0][key], value, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
+                    reason="needs 2 CUDA devices and NCCL")
+def test_gpu_ddp_captured_steps_with_packed_rows_equal_padded(tmp_path):
+    """Under DDP on 2 GPUs, captured ERM(fast=True) steps with packed rows (each rank packing its own real-token
+    count, the ranks' graphs keyed on both) equal the padded captured steps (fp32, no dropout) and keep the ranks
+    bit-identical."""
+    spawn(_packed_worker, str(tmp_path / "out"), tmp_path=tmp_path, world=WORLD, backend="nccl")
+    _check_packed_equals_padded([torch.load(f"{tmp_path / 'out'}.{r}", weights_only=False) for r in range(WORLD)])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
+                    reason="needs 2 CUDA devices and NCCL")
+def test_gpu_ddp_captured_cat_with_packed_rows_equals_padded(tmp_path):
+    """Under DDP on 2 GPUs, captured CAT steps with ``PACKED = True`` (each rank packing its own rows, a shorter
+    partner's padding rows included) equal the padded captured steps (fp32, no dropout) and keep the ranks
+    bit-identical."""
+    spawn(_packed_cat_worker, str(tmp_path / "out"), tmp_path=tmp_path, world=WORLD, backend="nccl")
+    _check_packed_equals_padded([torch.load(f"{tmp_path / 'out'}.{r}", weights_only=False) for r in range(WORLD)])
