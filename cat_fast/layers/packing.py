@@ -29,7 +29,7 @@ still the mask's real tokens. A padding row so packed is computed as the padded 
 to its sequence's real keys), which CMIX needs where a sample's partner is shorter than it. Every forward of the
 step packs the same rows (the same dropout draws over them), whatever its mask: the counterfactual passes' masks
 (`mask_mode`) only change the keys. Variable-length attention then takes the keys apart from the queries: the key
-and value rows are gathered per call (`Plan.offsets`).
+and value rows are gathered per call (`Plan.attention_layout`).
 """
 from __future__ import annotations
 
