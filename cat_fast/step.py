@@ -115,8 +115,7 @@ def _static_rows(batch, objective, tensors=None):
     if mode == "auto" and not (mask.is_cuda and mask.numel() >= training_layers.PACKED_MIN_ROWS
                                and getattr(objective, "packs_by_default", True)):
         return None
-    rows_of = getattr(objective, "packed_rows", None)
-    rows = rows_of(batch, tensors or {}) if rows_of is not None else None
+    rows = objective.packed_rows(batch, tensors or {})
     count = mask.count_nonzero() if rows is None else rows.count_nonzero()
     n_real, first_real = torch.stack([count, mask[:, 0].bool().all()]).tolist()
     if not first_real:  # a sequence whose first position is padding (left padding) runs padded

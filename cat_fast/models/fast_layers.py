@@ -56,7 +56,7 @@ def training_layers(model, st, inputs, enabled, carry: bool = False, own_hooks=(
             if fmt == "unknown":
                 hidden = args[0] if args else kwargs.get("hidden_states")
                 cuda = isinstance(hidden, torch.Tensor) and hidden.is_cuda
-                if cuda and torch.cuda.is_current_stream_capturing():  # no generator state to restore inside a capture: the model's own layer's output
+                if cuda and torch.cuda.is_current_stream_capturing():  # no generator state to restore in a capture
                     out = orig(*args, **kwargs)
                     _LAYER_FORMAT[model] = output_format(out)
                     return out

@@ -157,6 +157,11 @@ class Objective(Declarations, metaclass=_ObjectiveType):
     # faster (benchmarks/RESULTS.md); PACKED = True packs wherever `packs_rows` holds.
     packs_by_default = True
 
+    def packed_rows(self, batch, tensors):
+        """The [B, T] boolean rows a packed step computes (`layers.packing.extended`) for the batch and the step
+        plan's `tensors`, where they are more than the real tokens (CAT's); None: the real tokens."""
+        return None
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         for name in ("__call__", "plan_step"):  # every entry point of a step checks its batch first

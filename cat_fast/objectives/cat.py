@@ -134,9 +134,10 @@ class CAT(Draws, Objective):
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or partner is None:
             return None
         real = mask != 0
-        mixed = mix_mask(real, partner.to(real.device), self.mask_mode)
+        partner = partner.to(real.device)
+        mixed = mix_mask(real, partner, self.mask_mode)
         lent = torch.zeros(real.shape, device=real.device, dtype=torch.int32)
-        lent.index_add_(0, partner.to(real.device), mixed.to(torch.int32))
+        lent.index_add_(0, partner, mixed.to(torch.int32))
         return real | mixed | (lent > 0)
 
     # ----------------------------------------------------------------- public API
@@ -229,7 +230,9 @@ class CAT(Draws, Objective):
             rng = None
         else:
             partner, lam0 = plan.tensors["partner"], plan.tensors["lam0"]
-        rows = self.packed_rows(batch, {"partner": partner}) if self.packs_rows else None
+        # the rows CMIX reads, only where the step packs (not in the padded graphs and eager steps of "auto")
+        packs = self.packs_rows and (training_layers.packed_mode() is True or packing.static_count() is not None)
+        rows = self.packed_rows(batch, {"partner": partner}) if packs else None
         with packing.extended(rows):
             return self._extended_step_losses(batch, plan, m, rng, partner, lam0, prune, B, device, rows is not None)
 
@@ -237,9 +240,8 @@ class CAT(Draws, Objective):
         capturing = plan is not None and rng is not None and torch.cuda.is_current_stream_capturing()
         if rng is not None and not capturing:
             rng.start()
-        # the CAL graphs are captured padded: not where the clean forward packs its rows wherever it can
-        use_graphs = (self.cuda_graph and self.detach_weight and plan is None
-                      and not (extended and training_layers.packed_mode() is True))
+        # the CAL graphs are captured padded: not where the clean forward packs its rows
+        use_graphs = self.cuda_graph and self.detach_weight and plan is None and not extended
         early = {}
 
         def replay_early(cap):  # replays only a signature captured before (shapes and dtypes included)
