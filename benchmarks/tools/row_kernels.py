@@ -81,13 +81,15 @@ def sweep_layer_norm(n, peak, quick):
     compiled = torch.compile(rln.reference_backward_with_params)
     compiled(*args)
     report("torch.compile(reference_backward_with_params)", graph_time_us(lambda: compiled(*args)), nbytes, peak)
-    rows_options = (1, 4) if quick else (1, 2, 4, 8)
-    for rows, (min_rows, per_sm) in itertools.product(rows_options, ((16, 4), (8, 4), (8, 8), (16, 8), (32, 2))):
-        kw = dict(rows=rows, min_rows=min_rows, per_sm=per_sm)
+    rows_options = (1, 2, 4) if quick else (1, 2, 4, 8)
+    default = tuple(rln.LAUNCH[k] for k in ("params_rows", "params_min_rows", "params_per_sm", "params_prefetch",
+                                            "params_warps"))
+    for rows, (min_rows, per_sm), prefetch, warps in itertools.product(
+            rows_options, ((16, 4), (8, 4), (8, 8), (4, 8), (32, 2)), (False, True), (None, 8, 16)):
+        kw = dict(rows=rows, min_rows=min_rows, per_sm=per_sm, prefetch=prefetch, num_warps=warps)
         ok = close(rln.backward_with_params(*args, **kw), want, 2e-2)
-        mark = " *" if (rows, min_rows, per_sm) == tuple(rln.LAUNCH[k] for k in ("params_rows", "params_min_rows",
-                                                                                   "params_per_sm")) else ""
-        report(f"fused rows={rows} min_rows={min_rows} per_sm={per_sm}{mark}",
+        mark = " *" if (rows, min_rows, per_sm, prefetch, warps) == default else ""
+        report(f"fused rows={rows} min_rows={min_rows} per_sm={per_sm} prefetch={int(prefetch)} warps={warps}{mark}",
                graph_time_us(lambda: rln.backward_with_params(*args, **kw)), nbytes, peak,
                "" if ok else "  MISMATCH")
     print(f"LayerNorm backward, input only, {n} x {D}:")
@@ -109,13 +111,17 @@ def sweep_gelu(n, peak, quick, N=3072):
     compiled = torch.compile(gelu.reference_backward)
     compiled(grad, inner)
     report("torch.compile(reference_backward)", graph_time_us(lambda: compiled(grad, inner)), nbytes, peak)
-    options = list(itertools.product((16, 32), (128, 256), (0.34, 1, 2, 4), (4,))) + [(16, 256, 1, 8), (32, 256, 2, 8)]
+    options = list(itertools.product((8, 16, 32, 64), (64, 128, 256, 512), (1, 2, 4, 8), (4, 8)))
     if quick:
-        options = itertools.product((16,), (256,), (0.34, 1, 4), (4,))
+        options = list(itertools.product((8, 16, 32), (128, 256, 512), (2, 8), (4, 8)))
+    default = tuple(gelu.LAUNCH[k] for k in ("block_m", "block_n", "per_sm", "num_warps"))
+    if default not in options:
+        options.insert(0, default)
     for block_m, block_n, per_sm, warps in options:
         kw = dict(block_m=block_m, block_n=block_n, per_sm=per_sm, num_warps=warps)
         ok = close(gelu.backward(grad, inner, **kw), want, 2e-2)
-        report(f"fused block {block_m}x{block_n} per_sm={per_sm} warps={warps}",
+        mark = " *" if (block_m, block_n, per_sm, warps) == default else ""
+        report(f"fused block {block_m}x{block_n} per_sm={per_sm} warps={warps}{mark}",
                graph_time_us(lambda: gelu.backward(grad, inner, **kw)), nbytes, peak, "" if ok else "  MISMATCH")
 
 

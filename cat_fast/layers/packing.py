@@ -237,7 +237,8 @@ def _static_real_rows(rows: torch.Tensor, ok: torch.Tensor, n: int) -> torch.Ten
 
 def attend(qkv_leaf, shape, attn_mask, p, scale, packed):
     """``(graph output, its rows)`` of the attention over the projections `qkv_leaf` (rows of ``[q | k | v]``, a
-    leaf that requires grad): the padded layout's ``[B, heads, T, width]`` context and its detached
+    leaf that requires grad) under `attn_mask` (SDPA's mask, or a callable that makes it: the variable-length path
+    reads the plan's offsets instead and never makes it): the padded layout's ``[B, heads, T, width]`` context and its detached
     ``[B·T, heads·width]`` rows when `packed` (a `Plan`) is None; else `qkv_leaf` holds the plan's N rows only and
     both are the context's N rows ``[N, heads·width]``: by variable-length flash attention where it applies
     (`varlen_applies`), else in the padded layout with zero projections on the other rows (masked keys; padding
@@ -249,6 +250,8 @@ def attend(qkv_leaf, shape, attn_mask, p, scale, packed):
             rows = _VarlenAttention.apply(qkv_leaf, cu, max_len, heads, width, p, scale, cu_k, keys)
             return rows, rows.detach()
         full = qkv_leaf
+        if callable(attn_mask):
+            attn_mask = attn_mask()
         if packed is not None:
             full = qkv_leaf.new_zeros(B * T, qkv_leaf.shape[1]).index_copy(0, packed.idx, qkv_leaf)
         q, k, v = (t.view(B, T, heads, width).transpose(1, 2) for t in full.split(heads * width, dim=1))

@@ -304,7 +304,7 @@ class _TrainingLayer(torch.autograd.Function):
             w_qkv = w16.qkv
             qkv = torch.addmm(w16.qkv_bias, x16, w_qkv.t())
             qkv_leaf = qkv.detach().requires_grad_(True)
-            context, rows = packing.attend(qkv_leaf, (B, T, heads, width), sdpa_mask(mask, dtype), p_attn,
+            context, rows = packing.attend(qkv_leaf, (B, T, heads, width), lambda: sdpa_mask(mask, dtype), p_attn,
                                            sa.scaling, packed)
             wo16 = w16.attention_output
             a, keep1 = dropout(torch.addmm(w16.attention_output_bias, rows, wo16.t()), p1)

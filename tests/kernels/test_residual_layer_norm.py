@@ -119,14 +119,18 @@ def test_backward_with_params_matches_the_reference(lead, D, branch_dtype, with_
 
 @pytest.mark.skipif(not RUNS, reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("rows,min_rows", [(1, 1), (2, 3), (8, 1), (4, 16)])
-def test_launch_settings_give_the_same_results(rows, min_rows):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_launch_settings_give_the_same_results(rows, min_rows, prefetch):
     # 37 rows: runs of rows that are not whole iterations; each setting sums in its own order (on a GPU a tile of
     # several rows also reduces each row in another order): the row gradients agree with `backward`'s under the
     # same tile (bit for bit) and to fp32 rounding otherwise, and the sums agree with the reference
     branch, residual, weight, bias, keep, grad_y = _inputs((37,), 48, torch.bfloat16, seed=9)
     _, _, mean, rstd = rln.forward(branch, residual, weight, bias, 1e-12)
     args = (grad_y, branch, residual, weight, mean, rstd, keep, 1 / 0.7)
-    got = rln.backward_with_params(*args, rows=rows, min_rows=min_rows, per_sm=1)
+    got = rln.backward_with_params(*args, rows=rows, min_rows=min_rows, per_sm=1, prefetch=prefetch)
+    if prefetch:  # the same arithmetic in the same order, the loads issued an iteration early: the same bits
+        for g, w in zip(got, rln.backward_with_params(*args, rows=rows, min_rows=min_rows, per_sm=1, prefetch=False)):
+            assert torch.equal(g, w)
     same_tile = rln.backward(*args, rows=rows)
     for g, w in zip(got[:2], same_tile):
         assert torch.equal(g, w)

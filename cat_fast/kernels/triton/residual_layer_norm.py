@@ -51,32 +51,57 @@ def _forward_kernel(branch_ptr, residual_ptr, weight_ptr, bias_ptr, y_ptr, y16_p
 
 
 @triton.jit
+def _tile_loads(grad_y_ptr, branch_ptr, residual_ptr, keep_ptr, mean_ptr, rstd_ptr, rows, end, cols, D,
+                HAS_KEEP: tl.constexpr):
+    """The inputs of rows `rows` ([R] int64; those at or past `end` masked out), columns `cols`: (grad_y, s =
+    branch + residual, keep (0 where there is none), mean, rstd), fp32 but keep, zero where masked."""
+    inside = rows < end
+    m = inside[:, None] & (cols < D)[None, :]
+    offsets = rows[:, None] * D + cols[None, :]
+    mean = tl.load(mean_ptr + rows, mask=inside, other=0.0)
+    rstd = tl.load(rstd_ptr + rows, mask=inside, other=0.0)
+    s = tl.load(branch_ptr + offsets, mask=m, other=0.0).to(tl.float32)
+    s += tl.load(residual_ptr + offsets, mask=m, other=0.0).to(tl.float32)
+    grad_y = tl.load(grad_y_ptr + offsets, mask=m, other=0.0).to(tl.float32)
+    if HAS_KEEP:
+        keep = tl.load(keep_ptr + offsets, mask=m, other=0)
+    else:
+        keep = tl.zeros_like(offsets).to(tl.uint8)
+    return grad_y, s, keep, mean, rstd
+
+
+@triton.jit
+def _tile_compute(grad_y, s, keep, mean, rstd, grad_s_ptr, grad_branch_ptr, rows, end, cols, w, D, scale,
+                  HAS_KEEP: tl.constexpr):
+    """The backward of the loaded rows (`_tile_loads`): stores grad_s (fp32) and grad_branch (in its dtype);
+    returns (x_hat, grad_branch as rounded), [R, BLOCK] in fp32, zero where masked."""
+    m = (rows < end)[:, None] & (cols < D)[None, :]
+    offsets = rows[:, None] * D + cols[None, :]
+    x_hat = tl.where(m, (s - mean[:, None]) * rstd[:, None], 0.0)
+    g_hat = grad_y * w[None, :]
+    c_hat = tl.sum(x_hat * g_hat, axis=1)[:, None] / D
+    c_one = tl.sum(g_hat, axis=1)[:, None] / D
+    grad_s = (g_hat - x_hat * c_hat - c_one) * rstd[:, None]
+    tl.store(grad_s_ptr + offsets, grad_s, mask=m)
+    grad_branch = grad_s * scale
+    if HAS_KEEP:
+        grad_branch = tl.where(keep != 0, grad_branch, 0.0)
+    rounded = grad_branch.to(grad_branch_ptr.dtype.element_ty)
+    tl.store(grad_branch_ptr + offsets, rounded, mask=m)
+    return x_hat, tl.where(m, rounded.to(tl.float32), 0.0)
+
+
+@triton.jit
 def _tile_gradients(grad_y_ptr, branch_ptr, residual_ptr, keep_ptr, grad_s_ptr, grad_branch_ptr, mean_ptr, rstd_ptr,
                     rows, n_rows, cols, w, D, scale, HAS_KEEP: tl.constexpr):
     """The backward of the rows `rows` ([R] int64; those at or past `n_rows` masked out), columns `cols`: stores
     grad_s (fp32) and grad_branch (in its dtype); returns (grad_y, x_hat, grad_branch as rounded), [R, BLOCK] in
     fp32, zero where masked."""
-    inside = rows < n_rows
-    m = inside[:, None] & (cols < D)[None, :]
-    offsets = rows[:, None] * D + cols[None, :]
-    mean = tl.load(mean_ptr + rows, mask=inside, other=0.0)[:, None]
-    rstd = tl.load(rstd_ptr + rows, mask=inside, other=0.0)[:, None]
-    s = tl.load(branch_ptr + offsets, mask=m, other=0.0).to(tl.float32)
-    s += tl.load(residual_ptr + offsets, mask=m, other=0.0).to(tl.float32)
-    x_hat = tl.where(m, (s - mean) * rstd, 0.0)
-    grad_y = tl.load(grad_y_ptr + offsets, mask=m, other=0.0).to(tl.float32)
-    g_hat = grad_y * w[None, :]
-    c_hat = tl.sum(x_hat * g_hat, axis=1)[:, None] / D
-    c_one = tl.sum(g_hat, axis=1)[:, None] / D
-    grad_s = (g_hat - x_hat * c_hat - c_one) * rstd
-    tl.store(grad_s_ptr + offsets, grad_s, mask=m)
-    grad_branch = grad_s * scale
-    if HAS_KEEP:
-        keep = tl.load(keep_ptr + offsets, mask=m, other=0)
-        grad_branch = tl.where(keep != 0, grad_branch, 0.0)
-    rounded = grad_branch.to(grad_branch_ptr.dtype.element_ty)
-    tl.store(grad_branch_ptr + offsets, rounded, mask=m)
-    return grad_y, x_hat, tl.where(m, rounded.to(tl.float32), 0.0)
+    grad_y, s, keep, mean, rstd = _tile_loads(grad_y_ptr, branch_ptr, residual_ptr, keep_ptr, mean_ptr, rstd_ptr,
+                                              rows, n_rows, cols, D, HAS_KEEP)
+    x_hat, rounded = _tile_compute(grad_y, s, keep, mean, rstd, grad_s_ptr, grad_branch_ptr, rows, n_rows, cols, w,
+                                   D, scale, HAS_KEEP)
+    return grad_y, x_hat, rounded
 
 
 @triton.jit
@@ -93,7 +118,8 @@ def _backward_kernel(grad_y_ptr, branch_ptr, residual_ptr, weight_ptr, mean_ptr,
 @triton.jit
 def _backward_params_kernel(grad_y_ptr, branch_ptr, residual_ptr, weight_ptr, mean_ptr, rstd_ptr, keep_ptr,
                             grad_s_ptr, grad_branch_ptr, part_ptr, n_rows, D, rows_per_program, n_programs, scale,
-                            ROWS: tl.constexpr, BLOCK: tl.constexpr, HAS_KEEP: tl.constexpr):
+                            ROWS: tl.constexpr, BLOCK: tl.constexpr, HAS_KEEP: tl.constexpr,
+                            PREFETCH: tl.constexpr):
     program = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     inside = cols < D
@@ -102,25 +128,45 @@ def _backward_params_kernel(grad_y_ptr, branch_ptr, residual_ptr, weight_ptr, me
     sum_bias = tl.zeros([BLOCK], dtype=tl.float32)
     sum_branch = tl.zeros([BLOCK], dtype=tl.float32)
     first = program.to(tl.int64) * rows_per_program  # rows_per_program: a multiple of ROWS
-    for start in range(0, rows_per_program, ROWS):
-        rows = first + start + tl.arange(0, ROWS)
-        grad_y, x_hat, rounded = _tile_gradients(grad_y_ptr, branch_ptr, residual_ptr, keep_ptr, grad_s_ptr,
-                                                 grad_branch_ptr, mean_ptr, rstd_ptr, rows, n_rows, cols, w, D,
-                                                 scale, HAS_KEEP)
-        sum_weight += tl.sum(grad_y * x_hat, axis=0)
-        sum_bias += tl.sum(grad_y, axis=0)
-        sum_branch += tl.sum(rounded, axis=0)
+    if PREFETCH:  # the next rows' loads issued before this rows' arithmetic: their latency overlaps it
+        end = tl.minimum(first + rows_per_program, n_rows)
+        rows = first + tl.arange(0, ROWS)
+        grad_y, s, keep, mean, rstd = _tile_loads(grad_y_ptr, branch_ptr, residual_ptr, keep_ptr, mean_ptr,
+                                                  rstd_ptr, rows, end, cols, D, HAS_KEEP)
+        for start in range(0, rows_per_program, ROWS):
+            following = rows + ROWS
+            grad_y_n, s_n, keep_n, mean_n, rstd_n = _tile_loads(grad_y_ptr, branch_ptr, residual_ptr, keep_ptr,
+                                                                mean_ptr, rstd_ptr, following, end, cols, D,
+                                                                HAS_KEEP)
+            x_hat, rounded = _tile_compute(grad_y, s, keep, mean, rstd, grad_s_ptr, grad_branch_ptr, rows, end,
+                                           cols, w, D, scale, HAS_KEEP)
+            sum_weight += tl.sum(grad_y * x_hat, axis=0)
+            sum_bias += tl.sum(grad_y, axis=0)
+            sum_branch += tl.sum(rounded, axis=0)
+            rows, grad_y, s, keep, mean, rstd = following, grad_y_n, s_n, keep_n, mean_n, rstd_n
+    else:
+        for start in range(0, rows_per_program, ROWS):
+            rows = first + start + tl.arange(0, ROWS)
+            grad_y, x_hat, rounded = _tile_gradients(grad_y_ptr, branch_ptr, residual_ptr, keep_ptr, grad_s_ptr,
+                                                     grad_branch_ptr, mean_ptr, rstd_ptr, rows, n_rows, cols, w, D,
+                                                     scale, HAS_KEEP)
+            sum_weight += tl.sum(grad_y * x_hat, axis=0)
+            sum_bias += tl.sum(grad_y, axis=0)
+            sum_branch += tl.sum(rounded, axis=0)
     tl.store(part_ptr + program * BLOCK + cols, sum_weight, mask=inside)
     tl.store(part_ptr + (n_programs + program) * BLOCK + cols, sum_bias, mask=inside)
     tl.store(part_ptr + (2 * n_programs + program) * BLOCK + cols, sum_branch, mask=inside)
 
 
 # Launch settings of the backward kernels: rows per program (per iteration, for the row-sum kernel; a power of two),
-# the fewest rows a row-sum program covers and row-sum programs per multiprocessor. `benchmarks/tools/row_kernels.py`
-# sweeps them (H200, 2026-11-27, D = 768): one row at a time is fastest at 1,024 / 4,096 / 16,384 rows (tiles of 2-8
-# rows spill registers: 3-6x slower), and 8 rows per program at 4 programs per multiprocessor gave 13.0 / 34.2 /
-# 87.4 µs against torch.compile's 17.1 / 39.0 / 108.3 µs for the same work.
-LAUNCH = {"backward_rows": 1, "params_rows": 1, "params_min_rows": 8, "params_per_sm": 4}
+# the fewest rows a row-sum program covers, row-sum programs per multiprocessor, whether a row-sum iteration loads
+# the next rows before its arithmetic, and the row-sum kernel's warps (None: 4, or 8 for tiles over 2,048 elements).
+# `benchmarks/tools/row_kernels.py` sweeps them (H200, D = 768): one row at a time is fastest at 1,024 / 4,096 /
+# 16,384 rows (tiles of 2-8 rows spill registers: 3-6x slower; 2026-11-27), and loading the next row ahead took the
+# row-sum kernel from 19.1 to 15.7 µs at 3,136 rows and from 57.7 to 49.5 µs at 12,288 (the packed rows of the
+# 32x128 and 64x256 steps; 45 % and 58 % of the memory bandwidth before, 54 % and 68 % after; 2026-11-29).
+LAUNCH = {"backward_rows": 1, "params_rows": 1, "params_min_rows": 8, "params_per_sm": 4, "params_prefetch": True,
+          "params_warps": None}
 
 
 def _warps(block, rows):
@@ -170,13 +216,13 @@ def backward(grad_y, branch, residual, weight, mean, rstd, keep, scale, *, rows=
 
 
 def backward_with_params(grad_y, branch, residual, weight, mean, rstd, keep, scale, *, rows=None, min_rows=None,
-                         per_sm=None, num_warps=None):
+                         per_sm=None, num_warps=None, prefetch=None):
     """``(grad_s fp32, grad_branch in branch's dtype, grad_weight, grad_bias, grad_branch_bias)``: `backward`'s two
     gradients and the sums over the rows of ``grad_y * x_hat`` (the LayerNorm weight's gradient), ``grad_y`` (its
     bias's) and ``grad_branch`` as rounded to the branch's dtype (the gradient of a bias added to the branch
     before its dropout), all three in fp32 (views of one [3, D] buffer). `rows` (per iteration), `min_rows` (per
-    program), `per_sm` (programs per multiprocessor), `num_warps`: launch settings (`LAUNCH` by default), for the
-    benchmarks."""
+    program), `per_sm` (programs per multiprocessor), `num_warps`, `prefetch` (each iteration loads the next rows
+    before its arithmetic): launch settings (`LAUNCH` by default), for the benchmarks."""
     D = weight.numel()
     g, b, r = _rows(grad_y, D), _rows(branch, D), _rows(residual, D)
     n = g.shape[0]
@@ -196,7 +242,9 @@ def backward_with_params(grad_y, branch, residual, weight, mean, rstd, keep, sca
     part = torch.empty(3, programs, block, device=g.device, dtype=torch.float32)
     _backward_params_kernel[(programs,)](g, b, r, weight.contiguous(), mean, rstd, k, grad_s, grad_branch, part, n,
                                          D, per_program, programs, float(scale), ROWS=rows, BLOCK=block,
-                                         HAS_KEEP=keep is not None, num_warps=num_warps or _warps(block, rows))
+                                         HAS_KEEP=keep is not None,
+                                         PREFETCH=bool(LAUNCH["params_prefetch"] if prefetch is None else prefetch),
+                                         num_warps=num_warps or LAUNCH["params_warps"] or _warps(block, rows))
     sums = column_sums(part, D)
     shape = tuple(residual.shape)
     return grad_s.view(shape), grad_branch.view(shape), sums[0], sums[1], sums[2]

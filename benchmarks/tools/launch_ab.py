@@ -1,0 +1,101 @@
+"""Steps of the suite built under two or more values of one Triton kernel launch setting (an entry of a
+`cat_fast.kernels.triton` module's ``LAUNCH``), timed in turn in one process with the ``reduce-overhead``-compiled
+plain step as the peer. A captured step's graphs hold the kernels as launched when they were captured, so each
+value gets its own step, built and warmed up with the setting in force. GPU only.
+
+    python benchmarks/tools/launch_ab.py 32x128 64x256 --setting residual_layer_norm.params_prefetch \
+        --values 0 1 [--method plain_fast_captured cat_captured] [--rounds 3] [--steps 20]
+
+Prints one JSON line per size and method: the median step in ms per value and round, the peer's, and each value's
+median over the rounds as × the peer's median.
+"""
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
+from benchmarks.steps import harness as S  # noqa: E402
+from benchmarks.steps.timing import time_steps  # noqa: E402
+
+
+def _launch(setting):
+    """(the LAUNCH dict, the key) named by "module.key"; raises naming the setting when there is none."""
+    module_name, _, key = setting.partition(".")
+    try:
+        launch = importlib.import_module(f"cat_fast.kernels.triton.{module_name}").LAUNCH
+    except (ImportError, AttributeError):
+        raise SystemExit(f"--setting {setting!r}: no cat_fast.kernels.triton.{module_name}.LAUNCH") from None
+    if key not in launch:
+        raise SystemExit(f"--setting {setting!r}: LAUNCH has {sorted(launch)}, not {key!r}")
+    return launch, key
+
+
+def _value(text):
+    """A command-line value as the LAUNCH entry takes it: an int, a float, or None for "none"."""
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+@contextlib.contextmanager
+def _set(launch, key, value):
+    saved, launch[key] = launch[key], value
+    try:
+        yield
+    finally:
+        launch[key] = saved
+
+
+def _time(step, steps):
+    with torch.autocast("cuda", torch.bfloat16):
+        return round(time_steps(step, 5, steps)[0], 3)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("sizes", nargs="+", metavar="BxT")
+    p.add_argument("--setting", required=True, help="module.key of a cat_fast.kernels.triton LAUNCH entry")
+    p.add_argument("--values", nargs="+", required=True, help="the values to compare (ints, floats or none)")
+    p.add_argument("--method", nargs="+", default=["plain_fast_captured"], choices=S.METHODS)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("launch_ab.py: needs a CUDA GPU")
+    launch, key = _launch(args.setting)
+    values = [_value(v) for v in args.values]
+    for size in args.sizes:
+        peer = S.build_step("plain_compiled_ro", size)[2]
+        steps = {}
+        for m in args.method:
+            for v in values:
+                with _set(launch, key, v):
+                    steps[m, v] = S.build_step(m, size)[2]
+                    _time(steps[m, v], 3)  # captured with the setting in force
+        peer_ms, medians = [], {(m, v): [] for m in args.method for v in values}
+        for _ in range(args.rounds):
+            peer_ms.append(_time(peer, args.steps))
+            for (m, v), step in steps.items():
+                with _set(launch, key, v):
+                    medians[m, v].append(_time(step, args.steps))
+        ref = statistics.median(peer_ms)
+        for m in args.method:
+            print(json.dumps({"size": size, "method": m, "setting": args.setting, "peer_ms": peer_ms,
+                              "median_ms": {str(v): medians[m, v] for v in values},
+                              "x_peer": {str(v): round(statistics.median(medians[m, v]) / ref, 3) for v in values}}),
+                  flush=True)
+        del steps, peer
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

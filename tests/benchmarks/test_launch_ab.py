@@ -1,0 +1,30 @@
+"""`benchmarks/tools/launch_ab.py`'s handling of the setting it compares (the timing itself needs a GPU)."""
+import pytest
+
+from benchmarks.tools import launch_ab
+from cat_fast.kernels.triton import residual_layer_norm as rln
+
+
+def test_setting_is_found_and_restored():
+    launch, key = launch_ab._launch("residual_layer_norm.params_prefetch")
+    assert launch is rln.LAUNCH and key == "params_prefetch"
+    before = rln.LAUNCH["params_prefetch"]
+    with launch_ab._set(launch, key, 0):
+        assert rln.LAUNCH["params_prefetch"] == 0
+    assert rln.LAUNCH["params_prefetch"] == before
+    with pytest.raises(RuntimeError), launch_ab._set(launch, key, 0):
+        raise RuntimeError("a step failed")
+    assert rln.LAUNCH["params_prefetch"] == before
+
+
+@pytest.mark.parametrize("setting, names", [("no_such_module.rows", "no_such_module"),
+                                            ("residual_layer_norm.no_such_key", "no_such_key")])
+def test_unknown_setting_names_what_is_missing(setting, names):
+    with pytest.raises(SystemExit, match=names):
+        launch_ab._launch(setting)
+
+
+def test_values_parse_as_launch_entries():
+    assert [launch_ab._value(v) for v in ("1", "0", "0.5", "None", "none")] == [1, 0, 0.5, None, None]
+    with pytest.raises(ValueError):
+        launch_ab._value("fast")
