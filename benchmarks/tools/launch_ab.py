@@ -1,10 +1,12 @@
-"""Steps of the suite built under two or more values of one Triton kernel launch setting (an entry of a
-`cat_fast.kernels.triton` module's ``LAUNCH``), timed in turn in one process with the ``reduce-overhead``-compiled
-plain step as the peer. A captured step's graphs hold the kernels as launched when they were captured, so each
-value gets its own step, built and warmed up with the setting in force. GPU only.
+"""Steps of the suite built under two or more values of one setting, timed in turn in one process with the
+``reduce-overhead``-compiled plain step as the peer: an entry of a `cat_fast.kernels.triton` module's ``LAUNCH``
+("residual_layer_norm.params_prefetch"), or a module-level switch of cat_fast ("layers.training.WGRAD_STREAM"). A
+captured step's graphs hold the kernels as launched when they were captured, so each value gets its own step, built
+and warmed up with the setting in force (and timed with it in force too). GPU only.
 
     python benchmarks/tools/launch_ab.py 32x128 64x256 --setting residual_layer_norm.params_prefetch \
         --values 0 1 [--method plain_fast_captured cat_captured] [--rounds 3] [--steps 20]
+    python benchmarks/tools/launch_ab.py 32x128 64x256 --setting layers.training.WGRAD_STREAM --values false true
 
 Prints one JSON line per size and method: the median step in ms per value and round, the peer's, and each value's
 median over the rounds as × the peer's median.
@@ -25,21 +27,35 @@ from benchmarks.steps.timing import time_steps  # noqa: E402
 
 
 def _launch(setting):
-    """(the LAUNCH dict, the key) named by "module.key"; raises naming the setting when there is none."""
-    module_name, _, key = setting.partition(".")
+    """(the dict that holds the setting, its key) for "module.key" (a `cat_fast.kernels.triton` module's LAUNCH
+    entry) or "dotted.module.NAME" (a module-level setting of `cat_fast.dotted.module`); raises naming the setting
+    when there is none."""
+    module_name, _, key = setting.rpartition(".")
+    if not module_name or not key:
+        raise SystemExit(f"--setting {setting!r}: expected module.key")
     try:
         launch = importlib.import_module(f"cat_fast.kernels.triton.{module_name}").LAUNCH
     except (ImportError, AttributeError):
-        raise SystemExit(f"--setting {setting!r}: no cat_fast.kernels.triton.{module_name}.LAUNCH") from None
-    if key not in launch:
-        raise SystemExit(f"--setting {setting!r}: LAUNCH has {sorted(launch)}, not {key!r}")
-    return launch, key
+        launch = None
+    if launch is not None:
+        if key not in launch:
+            raise SystemExit(f"--setting {setting!r}: LAUNCH has {sorted(launch)}, not {key!r}")
+        return launch, key
+    try:
+        module = importlib.import_module(f"cat_fast.{module_name}")
+    except ImportError:
+        raise SystemExit(f"--setting {setting!r}: no cat_fast.kernels.triton.{module_name}.LAUNCH and no module "
+                         f"cat_fast.{module_name}") from None
+    if not key.isupper() or key not in vars(module):
+        raise SystemExit(f"--setting {setting!r}: cat_fast.{module_name} has no module-level setting {key!r}")
+    return vars(module), key
 
 
 def _value(text):
-    """A command-line value as the LAUNCH entry takes it: an int, a float, or None for "none"."""
-    if text.lower() == "none":
-        return None
+    """A command-line value as the setting takes it: true, false, none, an int or a float."""
+    named = {"true": True, "false": False, "none": None}
+    if text.lower() in named:
+        return named[text.lower()]
     try:
         return int(text)
     except ValueError:
@@ -63,8 +79,10 @@ def _time(step, steps):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("sizes", nargs="+", metavar="BxT")
-    p.add_argument("--setting", required=True, help="module.key of a cat_fast.kernels.triton LAUNCH entry")
-    p.add_argument("--values", nargs="+", required=True, help="the values to compare (ints, floats or none)")
+    p.add_argument("--setting", required=True,
+                   help="module.key of a cat_fast.kernels.triton LAUNCH entry, or dotted.module.NAME of cat_fast")
+    p.add_argument("--values", nargs="+", required=True,
+                   help="the values to compare (true, false, none, ints or floats)")
     p.add_argument("--method", nargs="+", default=["plain_fast_captured"], choices=S.METHODS)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)

@@ -17,14 +17,28 @@ def test_setting_is_found_and_restored():
     assert rln.LAUNCH["params_prefetch"] == before
 
 
+def test_a_module_level_switch_is_found_and_restored():
+    from cat_fast.layers import training
+    holder, key = launch_ab._launch("layers.training.WGRAD_STREAM")
+    assert key == "WGRAD_STREAM" and holder is vars(training)
+    before = training.WGRAD_STREAM
+    with launch_ab._set(holder, key, not before):
+        assert training.WGRAD_STREAM is (not before)
+    assert training.WGRAD_STREAM is before
+
+
 @pytest.mark.parametrize("setting, names", [("no_such_module.rows", "no_such_module"),
-                                            ("residual_layer_norm.no_such_key", "no_such_key")])
+                                            ("residual_layer_norm.no_such_key", "no_such_key"),
+                                            ("layers.training.forward", "forward"),
+                                            ("layers.training.NO_SUCH", "NO_SUCH"),
+                                            ("WGRAD_STREAM", "module.key")])
 def test_unknown_setting_names_what_is_missing(setting, names):
     with pytest.raises(SystemExit, match=names):
         launch_ab._launch(setting)
 
 
 def test_values_parse_as_launch_entries():
-    assert [launch_ab._value(v) for v in ("1", "0", "0.5", "None", "none")] == [1, 0, 0.5, None, None]
+    assert [launch_ab._value(v) for v in ("1", "0", "0.5", "None", "none", "true", "False")] == [
+        1, 0, 0.5, None, None, True, False]
     with pytest.raises(ValueError):
         launch_ab._value("fast")

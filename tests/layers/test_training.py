@@ -322,6 +322,77 @@ def test_fused_kernels_run_under_autocast_and_agree_with_the_unfused_path(train,
         assert (a - b).abs().max() / b.abs().max().clamp_min(1e-6) < 2e-2, name
 
 
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("fused", [False, True])
+def test_weight_gradients_on_a_side_stream_are_the_same_bits(fused, monkeypatch):
+    """`WGRAD_STREAM`: on the fused path the weight-gradient matmuls (and the query/key/value bias sums) run on a
+    side stream, beside the input-gradient chain: the same kernels on the same inputs, so the output and every
+    gradient are the same bits; the side stream is where they ran (else this comparison would hold trivially). The
+    unfused path (fp32 here, without dropout: its branch gradient is the residual's, written in place later) keeps
+    them inline."""
+    _, layer, mask = _layer_and_mask(batch=6, length=45, dtype=torch.float32, device="cuda", hidden_size=96,
+                                     num_attention_heads=4, intermediate_size=200)
+    layer.train(fused)
+    monkeypatch.setattr(training_layer, "FUSED_MIN_ROWS", 0)
+    streams = []
+    original = training_layer._weight_grad
+    monkeypatch.setattr(training_layer, "_weight_grad",
+                        lambda *a: streams.append(torch.cuda.current_stream()) or original(*a))
+    x = torch.randn(6, 45, 96, device="cuda", requires_grad=True)
+    g = torch.randn(6, 45, 96, device="cuda")
+    results = []
+    for side in (False, True):
+        monkeypatch.setattr(training_layer, "WGRAD_STREAM", side)
+        streams.clear()
+        torch.manual_seed(4)
+        t = x.detach().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=fused):
+            y = training_layer.forward(layer, (t, mask), {})
+        results.append((y, torch.autograd.grad(y, [t, *layer.parameters()], g)))
+        main = torch.cuda.current_stream()
+        assert len(streams) == 4 and all((s != main) == (side and fused) for s in streams)
+    (y_ref, g_ref), (y, grads) = results
+    assert torch.equal(y, y_ref)
+    for a, b in zip(grads, g_ref):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_captured_steps_with_weight_gradients_on_a_side_stream_are_the_same_bits(monkeypatch):
+    """`CapturedStep(ERM(fast=True))` under bf16 autocast, packed rows and dropout, with the fused kernels: with
+    `WGRAD_STREAM` each graph holds the side stream's work as branches; the losses and the weights after 10 AdamW
+    steps are the same bits as without it."""
+    from cat_fast.objectives import ERM
+    from cat_fast.step import CapturedStep
+
+    monkeypatch.setattr(training_layer, "FUSED_MIN_ROWS", 0)
+    monkeypatch.setattr(training_layer, "PACKED", True)
+    lengths = [[40, 17, 25, 9], [33, 12, 20, 21]]
+    results = {}
+    for side in (False, True):
+        monkeypatch.setattr(training_layer, "WGRAD_STREAM", side)
+        model = tiny_model("bert", attn="sdpa", num_layers=3, hidden_size=64, num_attention_heads=4,
+                           intermediate_size=256, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+                           seed=0).cuda().train()
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"), capturable=True)
+        step = CapturedStep(ERM(model, fast=True), opt, warmup_steps=1, autocast=torch.bfloat16)
+        torch.manual_seed(7)
+        losses = []
+        for i in range(10):
+            batch = tiny_batch("bert", batch=4, length=40, seed=i % 2)
+            real = torch.arange(40).unsqueeze(0) < torch.tensor(lengths[i % 2]).unsqueeze(1)
+            batch["attention_mask"] = real.long()
+            batch = {k: v.cuda() for k, v in batch.items()}
+            losses.append(step(batch)[0].detach().clone())
+        assert step.num_replays >= 4
+        results[side] = torch.stack(losses), [p.detach().clone() for p in model.parameters()]
+    (losses, weights), (want_losses, want_weights) = results[True], results[False]
+    assert torch.isfinite(want_losses).all()
+    assert torch.equal(losses, want_losses)
+    for a, b in zip(weights, want_weights):
+        assert torch.equal(a, b)
+
+
 def test_fusion_applies_only_to_an_fp32_cuda_layer_under_16_bit_autocast(monkeypatch):
     x = torch.randn(32, 32, 3)  # 1,024 rows: the threshold
     assert training_layer.FUSED_MIN_ROWS == 1024
