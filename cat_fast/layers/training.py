@@ -12,7 +12,8 @@ LayerNorm backward + dropout backward + the cast, with the LayerNorm weight and 
 gradient of the projection before the dropout summed in the same pass, and GELU backward + the intermediate bias
 gradient (`kernels.triton.gelu_bias_backward`); the dropout draws stay `torch.native_dropout`'s, so they are the
 layer's. The fused path runs from `FUSED_MIN_ROWS` rows (batch × length) up, where it was measured faster; `FUSED =
-False` turns it off, for comparisons. Supported: the
+False` turns it off, for comparisons. `WGRAD_STREAM = True` (off by default, not yet measured) runs the fused
+backward's weight-gradient matmuls on a side stream beside its input-gradient chain. Supported: the
 layers `resumed.supported` accepts, parameters in one dtype on the input's device, an fp32 layer under autocast
 or none; a layer with cat_fast interventions runs a composed version differentiated by autograd. No double
 backward (``once_differentiable``).
