@@ -1,12 +1,12 @@
 """Steps of the suite built under two or more values of one setting, timed in turn in one process with the
 ``reduce-overhead``-compiled plain step as the peer: an entry of a `cat_fast.kernels.triton` module's ``LAUNCH``
-("residual_layer_norm.params_prefetch"), or a module-level switch of cat_fast ("layers.training.WGRAD_STREAM"). A
+("residual_layer_norm.params_prefetch"), or a module-level switch of cat_fast ("layers.packing.VARLEN"). A
 captured step's graphs hold the kernels as launched when they were captured, so each value gets its own step, built
 and warmed up with the setting in force (and timed with it in force too). GPU only.
 
     python benchmarks/tools/launch_ab.py 32x128 64x256 --setting residual_layer_norm.params_prefetch \
         --values 0 1 [--method plain_fast_captured cat_captured] [--rounds 3] [--steps 20]
-    python benchmarks/tools/launch_ab.py 32x128 64x256 --setting layers.training.WGRAD_STREAM --values false true
+    python benchmarks/tools/launch_ab.py 32x128 64x256 --setting layers.packing.VARLEN --values false true
 
 Prints one JSON line per size and method: the median step in ms per value and round, the peer's, and each value's
 median over the rounds as × the peer's median.
@@ -59,7 +59,11 @@ def _value(text):
     try:
         return int(text)
     except ValueError:
+        pass
+    try:
         return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected true, false, none, an int or a float, got {text!r}") from None
 
 
 @contextlib.contextmanager
@@ -81,16 +85,16 @@ def main():
     p.add_argument("sizes", nargs="+", metavar="BxT")
     p.add_argument("--setting", required=True,
                    help="module.key of a cat_fast.kernels.triton LAUNCH entry, or dotted.module.NAME of cat_fast")
-    p.add_argument("--values", nargs="+", required=True,
+    p.add_argument("--values", nargs="+", required=True, type=_value,
                    help="the values to compare (true, false, none, ints or floats)")
     p.add_argument("--method", nargs="+", default=["plain_fast_captured"], choices=S.METHODS)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
     args = p.parse_args()
+    launch, key = _launch(args.setting)
     if not torch.cuda.is_available():
         sys.exit("launch_ab.py: needs a CUDA GPU")
-    launch, key = _launch(args.setting)
-    values = [_value(v) for v in args.values]
+    values = args.values
     for size in args.sizes:
         peer = S.build_step("plain_compiled_ro", size)[2]
         steps = {}

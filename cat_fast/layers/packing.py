@@ -238,11 +238,11 @@ def _static_real_rows(rows: torch.Tensor, ok: torch.Tensor, n: int) -> torch.Ten
 def attend(qkv_leaf, shape, attn_mask, p, scale, packed):
     """``(graph output, its rows)`` of the attention over the projections `qkv_leaf` (rows of ``[q | k | v]``, a
     leaf that requires grad) under `attn_mask` (SDPA's mask, or a callable that makes it: the variable-length path
-    reads the plan's offsets instead and never makes it): the padded layout's ``[B, heads, T, width]`` context and its detached
-    ``[B·T, heads·width]`` rows when `packed` (a `Plan`) is None; else `qkv_leaf` holds the plan's N rows only and
-    both are the context's N rows ``[N, heads·width]``: by variable-length flash attention where it applies
-    (`varlen_applies`), else in the padded layout with zero projections on the other rows (masked keys; padding
-    queries nobody reads)."""
+    reads the plan's offsets instead and never makes it): the padded layout's ``[B, heads, T, width]`` context and
+    its detached ``[B·T, heads·width]`` rows when `packed` (a `Plan`) is None; else `qkv_leaf` holds the plan's N
+    rows only and both are the context's N rows ``[N, heads·width]``: by variable-length flash attention where it
+    applies (`varlen_applies`), else in the padded layout with zero projections on the other rows (masked keys;
+    padding queries nobody reads)."""
     B, T, heads, width = shape
     with torch.enable_grad():
         if packed is not None and varlen_applies(qkv_leaf, width):

@@ -12,8 +12,7 @@ LayerNorm backward + dropout backward + the cast, with the LayerNorm weight and 
 gradient of the projection before the dropout summed in the same pass, and GELU backward + the intermediate bias
 gradient (`kernels.triton.gelu_bias_backward`); the dropout draws stay `torch.native_dropout`'s, so they are the
 layer's. The fused path runs from `FUSED_MIN_ROWS` rows (batch × length) up, where it was measured faster; `FUSED =
-False` turns it off, for comparisons. `WGRAD_STREAM = True` (off by default, not yet measured) runs the fused
-backward's weight-gradient matmuls on a side stream beside its input-gradient chain. Supported: the
+False` turns it off, for comparisons. Supported: the
 layers `resumed.supported` accepts, parameters in one dtype on the input's device, an fp32 layer under autocast
 or none; a layer with cat_fast interventions runs a composed version differentiated by autograd. No double
 backward (``once_differentiable``).
@@ -52,7 +51,7 @@ from . import casts, interventions, layout, packing, resumed
 from .layout import attach_copy16, bert_parts, copy16, dropout, dropout_p, fp32_mm_supported, plain, sdpa_mask
 
 __all__ = ["supported", "forward", "packed_mode", "FUSED", "FUSED_MIN_ROWS", "PACKED", "PACKED_MIN_PADDING",
-           "PACKED_MIN_ROWS", "WGRAD_STREAM"]
+           "PACKED_MIN_ROWS"]
 
 # Whether the fused Triton kernels run where they apply (module docstring); False runs the same arithmetic in
 # PyTorch ops (16-bit roundings may differ), as the benchmarks compare.
@@ -69,14 +68,6 @@ PACKED: "bool | str" = "auto"
 # The fewest rows (batch × length) "auto" packs: 4,096 (32x128). At 8x128 the packed step was measured slower
 # (its fixed work: the row sort, offsets, gathers and scatters, against 1,024 rows).
 PACKED_MIN_ROWS = 4096
-# Whether the fused path's backward (CUDA) runs its weight-gradient matmuls (and the query/key/value bias sums) on a
-# side stream, each as soon as its inputs exist, beside the input-gradient chain; the two streams join before the
-# backward returns, and a captured step captures both as branches of its graph. The same kernels on the same inputs:
-# the same gradients. Only the fused path: there no tensor the side stream reads is written in place later (the
-# unfused path's branch gradient can be the residual's, which the input-gradient matmul then accumulates into). Off
-# by default until measured (`benchmarks/tools/launch_ab.py --setting layers.training.WGRAD_STREAM --values false
-# true`).
-WGRAD_STREAM = False
 # The least fraction of padding rows the packed path runs for: 1/8. Packing adds row gathers and scatters (the
 # input, the projections, the context, the output) and a host synchronisation per mask, which less padding would
 # not pay for.
@@ -294,41 +285,6 @@ def _fused_norm_backward(rln, grad_y, branch, residual, weight, mean, rstd, keep
             grad_branch_bias if need[0] else None)
 
 
-_SIDE_STREAMS: dict = {}
-
-
-class _WeightGrads:
-    """Where a backward's weight-gradient work runs (`WGRAD_STREAM`, where `on`): inline, or on a side stream of the device
-    (one per device, made once), each call forked from the current stream when its inputs exist. The inputs and
-    outputs are held until `join`, which makes the current stream wait for the side stream: the current stream then
-    frees or reuses their memory only after the side stream's kernels, and the side stream's own allocations each
-    follow a wait on the current stream (every call forks anew), so no memory is reused while a stream still reads
-    it."""
-
-    def __init__(self, device, on):
-        self.side = None
-        if on and WGRAD_STREAM is True and device.type == "cuda":
-            self.side = _SIDE_STREAMS.get(device)
-            if self.side is None:
-                self.side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-            self.main = torch.cuda.current_stream(device)
-        self.held = []
-
-    def __call__(self, fn, *inputs):
-        if self.side is None:
-            return fn(*inputs)
-        self.side.wait_stream(self.main)
-        with torch.cuda.stream(self.side):
-            out = fn(*inputs)
-        self.held.append((inputs, out))
-        return out
-
-    def join(self):
-        if self.side is not None:
-            self.main.wait_stream(self.side)
-            self.held.clear()
-
-
 class _TrainingLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, mask, packed, layer, dtype, *params):
@@ -348,8 +304,8 @@ class _TrainingLayer(torch.autograd.Function):
             w_qkv = w16.qkv
             qkv = torch.addmm(w16.qkv_bias, x16, w_qkv.t())
             qkv_leaf = qkv.detach().requires_grad_(True)
-            context, rows = packing.attend(qkv_leaf, (B, T, heads, width), lambda: sdpa_mask(mask, dtype), p_attn,
-                                           sa.scaling, packed)
+            context, rows = packing.attend(qkv_leaf, (B, T, heads, width), lambda: sdpa_mask(mask, dtype),
+                                           p_attn, sa.scaling, packed)
             wo16 = w16.attention_output
             a, keep1 = dropout(torch.addmm(w16.attention_output_bias, rows, wo16.t()), p1)
             if fused:  # s1 = a + x is recomputed by the backward from a and x
@@ -401,7 +357,6 @@ class _TrainingLayer(torch.autograd.Function):
         dtype = t["x16"].dtype
         fused = ctx.fused
         grad_rows = grad_y.reshape(-1, D)
-        side = _WeightGrads(grad_y.device, bool(fused))  # no tensor it reads is written in place later
         with torch.autocast(grad_y.device.type, enabled=False):
             if fused:
                 grad_s2, grad_o, grad_g2, grad_be2, grad_bo2 = _fused_norm_backward(
@@ -413,7 +368,7 @@ class _TrainingLayer(torch.autograd.Function):
                     (True, need[14], need[15]))
                 grad_o = _dropout_backward(grad_s2.to(dtype), t["keep2"], p2)
                 grad_bo2 = grad_o.sum(0, dtype=p_dtype) if need[13] else None
-            grad_wo2 = side(_weight_grad, grad_o, t["activated"].detach(), p_dtype) if need[12] else None
+            grad_wo2 = _weight_grad(grad_o, t["activated"].detach(), p_dtype) if need[12] else None
             grad_activated = torch.mm(grad_o, t["wo2_16"])
             grad_bi = None
             if fused and approximate == "none":
@@ -422,7 +377,7 @@ class _TrainingLayer(torch.autograd.Function):
                 grad_inner = torch.ops.aten.gelu_backward(grad_activated, t["inner"], approximate=approximate)
             else:
                 (grad_inner,) = torch.autograd.grad(t["activated"], t["inner"], grad_activated, retain_graph=True)
-            grad_wi = side(_weight_grad, grad_inner, t["h1_16"], p_dtype) if need[10] else None
+            grad_wi = _weight_grad(grad_inner, t["h1_16"], p_dtype) if need[10] else None
             if grad_bi is None and need[11]:
                 grad_bi = grad_inner.sum(0, dtype=p_dtype)
             grad_h1 = _mm_into(grad_s2, grad_inner, t["wi16"])  # the residual's gradient + the projection's
@@ -434,16 +389,15 @@ class _TrainingLayer(torch.autograd.Function):
                     grad_h1, t["s1"], (D,), t["mean1"], t["rstd1"], g1, be1, (True, need[8], need[9]))
                 grad_a = _dropout_backward(grad_s1.to(dtype), t["keep1"], p1)
                 grad_bo = grad_a.sum(0, dtype=p_dtype) if need[7] else None
-            grad_wo = side(_weight_grad, grad_a, t["rows"], p_dtype) if need[6] else None
+            grad_wo = _weight_grad(grad_a, t["rows"], p_dtype) if need[6] else None
             grad_qkv = packing.attention_backward(t["context"], t["qkv_leaf"], torch.mm(grad_a, t["wo16"]),
                                                   (B, T, heads, width), ctx.packed)
-            grad_w_qkv = side(_weight_grad, grad_qkv, t["x16"], p_dtype) if any(need[0:6:2]) else None
+            grad_x = _mm_into(grad_s1.to(torch.promote_types(x_dtype, grad_s1.dtype)), grad_qkv, t["w_qkv"])
+            grad_w_qkv = _weight_grad(grad_qkv, t["x16"], p_dtype) if any(need[0:6:2]) else None
             grad_b_qkv = None
             if any(need[1:6:2]):  # fused (fp32 parameters): Triton's column sums, PyTorch's are latency-bound here
-                grad_b_qkv = (side(lambda g: fused[2].column_sums(g.unsqueeze(0), g.shape[1])[0], grad_qkv) if fused
-                              else side(lambda g: g.sum(0, dtype=p_dtype), grad_qkv))
-            grad_x = _mm_into(grad_s1.to(torch.promote_types(x_dtype, grad_s1.dtype)), grad_qkv, t["w_qkv"])
-        side.join()
+                grad_b_qkv = (fused[2].column_sums(grad_qkv.unsqueeze(0), grad_qkv.shape[1])[0] if fused
+                              else grad_qkv.sum(0, dtype=p_dtype))
         wq_wk_wv = grad_w_qkv.split(qkv_sizes) if grad_w_qkv is not None else (None,) * 3
         bq_bk_bv = grad_b_qkv.split(qkv_sizes) if grad_b_qkv is not None else (None,) * 3
         qkv_grads = [g if need[i] else None for i, g in enumerate(

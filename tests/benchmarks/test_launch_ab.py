@@ -1,4 +1,6 @@
 """`benchmarks/tools/launch_ab.py`'s handling of the setting it compares (the timing itself needs a GPU)."""
+import argparse
+
 import pytest
 
 from benchmarks.tools import launch_ab
@@ -18,20 +20,20 @@ def test_setting_is_found_and_restored():
 
 
 def test_a_module_level_switch_is_found_and_restored():
-    from cat_fast.layers import training
-    holder, key = launch_ab._launch("layers.training.WGRAD_STREAM")
-    assert key == "WGRAD_STREAM" and holder is vars(training)
-    before = training.WGRAD_STREAM
+    from cat_fast.layers import packing
+    holder, key = launch_ab._launch("layers.packing.VARLEN")
+    assert key == "VARLEN" and holder is vars(packing)
+    before = packing.VARLEN
     with launch_ab._set(holder, key, not before):
-        assert training.WGRAD_STREAM is (not before)
-    assert training.WGRAD_STREAM is before
+        assert packing.VARLEN is (not before)
+    assert packing.VARLEN is before
 
 
 @pytest.mark.parametrize("setting, names", [("no_such_module.rows", "no_such_module"),
                                             ("residual_layer_norm.no_such_key", "no_such_key"),
                                             ("layers.training.forward", "forward"),
                                             ("layers.training.NO_SUCH", "NO_SUCH"),
-                                            ("WGRAD_STREAM", "module.key")])
+                                            ("VARLEN", "module.key")])
 def test_unknown_setting_names_what_is_missing(setting, names):
     with pytest.raises(SystemExit, match=names):
         launch_ab._launch(setting)
@@ -40,5 +42,5 @@ def test_unknown_setting_names_what_is_missing(setting, names):
 def test_values_parse_as_launch_entries():
     assert [launch_ab._value(v) for v in ("1", "0", "0.5", "None", "none", "true", "False")] == [
         1, 0, 0.5, None, None, True, False]
-    with pytest.raises(ValueError):
+    with pytest.raises(argparse.ArgumentTypeError, match="'fast'"):
         launch_ab._value("fast")
