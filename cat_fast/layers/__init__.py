@@ -6,6 +6,7 @@
 - `first_token`: the last layer computed for the first token only (heads that read row 0);
 - `attention`: attention of one query per sequence (the first-token layer's), a fused kernel on CUDA;
 - `interventions`: edits of a layer's activations that the model's modules and these layers all apply;
+- `casts`: the 16-bit weight copies the layers multiply with, shared by the passes of a step and cast a layer ahead;
 - `packing`: the real rows of a padded batch, packed for the training layers (``training.PACKED``), and their
   variable-length attention.
 
@@ -14,6 +15,6 @@ Each layer's `forward(layer, args, kwargs)` returns None where it does not apply
 Beside them, imported on their own: `double_attention` and `double_layers`, attention, LayerNorm and GELU whose
 backward is differentiable by fused kernels (exact GS's double backward).
 """
-from . import attention, first_token, interventions, layout, packing, resumed, training
+from . import attention, casts, first_token, interventions, layout, packing, resumed, training
 
-__all__ = ["attention", "first_token", "interventions", "layout", "packing", "resumed", "training"]
+__all__ = ["attention", "casts", "first_token", "interventions", "layout", "packing", "resumed", "training"]

@@ -11,6 +11,13 @@ CUDA-graph capture state. `models.graph_capture` empties the shared copies befor
 autocast's cache: a graph must not read memory that eager code made (a replay would read whatever is there then),
 and eager code must not read memory that a graph owns.
 
+``ahead(layers, params_of, rows)``: while inside (the fast layers' forward, `models.fast_layers.training_layers`),
+for forwards of at most `AHEAD_MAX_ROWS` rows, making or reusing a layer's copies on CUDA starts the next layer's
+cast on a side stream, where it runs beside this layer's kernels, when that layer took its copies from `weights` in
+its last scope (a layer that runs the model's own modules, as a first-token last layer does in training, is not
+cast for nothing); the next layer's `weights` then waits for it (or casts anew if a parameter changed since). The
+same kernel on the same parameters: the same copies. `AHEAD = False` turns it off, for comparisons.
+
 ``additive_mask(mask, dtype)`` is the same for a boolean attention mask: SDPA's additive form of it (0 where a query
 attends a key, -inf elsewhere), which SDPA would otherwise build inside every call (a `where` over [B, 1, T, T],
 19 calls in a CAT step), made once per step inside ``shared()``.
@@ -19,11 +26,20 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["Weights16", "weights", "additive_mask", "shared", "clear"]
+__all__ = ["Weights16", "weights", "additive_mask", "shared", "clear", "ahead", "AHEAD", "AHEAD_MAX_ROWS"]
+
+# Whether `ahead` casts the next layer's weights on a side stream (module docstring); False casts each layer when it
+# runs, as the benchmarks compare.
+AHEAD = True
+# The most rows (batch x length) of a forward that `ahead` casts ahead for: 8,192. Measured on an H200
+# (benchmarks/RESULTS.md): the captured plain step 0.11 ms faster at 8x128 and 0.29 ms at 32x128; at 64x256
+# (16,384 rows, whose matmuls fill the GPU) the plain step is no faster and the CAT step 0.5-0.7 ms slower.
+AHEAD_MAX_ROWS = 8192
 
 
 class Weights16(NamedTuple):
@@ -69,17 +85,109 @@ def _cast(params, dtype) -> Weights16:
 
 def _reused(key, owner, stamp, make):
     """``make()``; inside `shared`, the result stored under `key` while `owner` and ``stamp()`` are what they were
-    when it was made (else made again and stored)."""
+    when it was made (else made again and stored); inside `ahead`, the side stream's copies started for `key` when
+    still valid (the current stream then waits for them)."""
     entries = getattr(_state, "entries", None)
+    started = _take_started(key, owner, stamp)
     if entries is None:
-        return make()
+        return make() if started is None else started
     now = stamp()
     hit = entries.get(key)
     if hit is not None and hit[0] == now and hit[1] is owner:
         return hit[2]
-    made = make()
+    made = make() if started is None else started
     entries[key] = (now, owner, made)
     return made
+
+
+def _valid(store, key, owner, now) -> bool:
+    hit = None if store is None else store.get(key)
+    return hit is not None and hit[0] == now and hit[1] is owner
+
+
+def _take_started(key, owner, stamp):
+    """The copies `ahead` started on its side stream for `key`, with the current stream made to wait for them, when
+    `owner` and ``stamp()`` are still what they were then; else None (and the started copies are dropped)."""
+    chain = getattr(_state, "chain", None)
+    if not chain or not chain.started:
+        return None
+    hit = chain.started.pop(key, None)
+    if hit is None or not _valid({key: hit}, key, owner, stamp()):
+        return None
+    torch.cuda.current_stream(hit[3].device).wait_stream(hit[3])
+    return hit[2]
+
+
+_SIDE_STREAMS: dict = {}
+# The layers that called `weights` in their last `ahead` scope (their successors' casts start theirs ahead).
+_TAKERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+class _Chain:
+    """The layers of an `ahead` scope: each one's successor, the side streams used and the copies started."""
+
+    def __init__(self, layers, params_of, on):
+        self.after = {id(a): b for a, b in zip(layers, layers[1:])} if on else {}
+        self.members = frozenset(id(a) for a in layers)
+        self.params_of = params_of
+        self.started: dict = {}
+        self.streams: dict = {}
+
+    def start_after(self, layer, dtype):
+        """Start the cast of `layer`'s successor to `dtype` on the device's side stream (module docstring) when it
+        has one, its parameters are CUDA `Parameter`s of another dtype, and no valid copies exist for it yet."""
+        nxt = self.after.get(id(layer))
+        if nxt is None or not AHEAD or nxt not in _TAKERS:
+            return
+        try:
+            params = tuple(self.params_of(nxt))
+        except (AttributeError, TypeError):
+            return
+        first = params[0]
+        if (not first.is_cuda or first.dtype == dtype
+                or not all(isinstance(p, torch.nn.Parameter) and p.dtype == first.dtype and p.device == first.device
+                           for p in params)):
+            return
+        key, now = (id(nxt), dtype), _stamp(params)
+        if _valid(self.started, key, nxt, now) or _valid(getattr(_state, "entries", None), key, nxt, now):
+            return
+        side = _SIDE_STREAMS.get(first.device)
+        if side is None:
+            side = _SIDE_STREAMS[first.device] = torch.cuda.Stream(first.device)
+        main = torch.cuda.current_stream(first.device)
+        # the side stream's allocations follow all the work enqueued so far on this stream, so no memory it gets
+        # from the caching allocator is still being read here; its copies are read here only after a wait
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            made = _cast(params, dtype)
+        self.started[key] = (now, nxt, made, side)
+        self.streams[first.device] = (main, side)
+
+    def join(self):
+        """Make each stream that started copies wait for its side stream (a capture must end joined), drop the
+        copies not taken (their layers are no longer cast ahead until they take copies again)."""
+        for hit in self.started.values():
+            _TAKERS.discard(hit[1])
+        for main, side in self.streams.values():
+            main.wait_stream(side)
+        self.started.clear()
+        self.streams.clear()
+
+
+@contextlib.contextmanager
+def ahead(layers, params_of, rows: int | None = None):
+    """While inside (in this thread), `weights` for one of `layers` (consecutive layers, run in that order) starts
+    the next one's cast on a side stream (module docstring) where the forward has at most `AHEAD_MAX_ROWS` `rows`
+    (None: not known, no bound); `params_of(layer)` gives a layer's twelve projection parameters in `weights`'s
+    order. The scope ends joined: the current stream waits for the side stream. Nested uses: the innermost one's
+    layers."""
+    outer = getattr(_state, "chain", None)
+    chain = _state.chain = _Chain(list(layers), params_of, rows is None or rows <= AHEAD_MAX_ROWS)
+    try:
+        yield
+    finally:
+        _state.chain = outer
+        chain.join()
 
 
 def _stamp(params):
@@ -93,8 +201,13 @@ def weights(layer, params, dtype) -> Weights16:
     earlier pass of the step when still valid (module docstring). Detached: no gradient flows through them."""
     # weights made for this pass (a LoRA projection's W + s·BA, `layout.projection`) stamp as a new object: not reused
     parameters = all(isinstance(p, torch.nn.Parameter) for p in params)
-    return _reused((id(layer), dtype), layer, (lambda: _stamp(params)) if parameters else object,
+    made = _reused((id(layer), dtype), layer, (lambda: _stamp(params)) if parameters else object,
                    lambda: _cast(params, dtype))
+    chain = getattr(_state, "chain", None)
+    if chain is not None and id(layer) in chain.members:
+        _TAKERS.add(layer)
+        chain.start_after(layer, dtype)
+    return made
 
 
 def _additive(mask, dtype):

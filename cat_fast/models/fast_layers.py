@@ -77,11 +77,22 @@ def training_layers(model, st, inputs, enabled, carry: bool = False, own_hooks=(
     carried = carry_set(model, st, modules, own_hooks) if carry else None
     patched = [patch_forward(mod, layer_forward(mod, mod.forward)) for mod in modules]
     try:
-        with layers.packing.carrying(carried):
+        # each layer's 16-bit weight copies are cast on a side stream while the layer before runs
+        with layers.packing.carrying(carried), layers.casts.ahead(modules, layers.layout.bert_projections,
+                                                                  _rows(inputs)):
             yield
     finally:
         for saved in reversed(patched):
             unpatch_forward(saved)
+
+
+def _rows(inputs) -> int | None:
+    """Batch x length of a model call's token inputs (ids, embeddings or mask), or None where it passes none."""
+    for name in ("input_ids", "inputs_embeds", "attention_mask"):
+        value = inputs.get(name)
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return value.shape[0] * value.shape[1]
+    return None
 
 
 def carry_set(model, st, modules, own_hooks=()):

@@ -125,6 +125,127 @@ def test_copies_made_outside_a_capture_are_not_read_inside():
         assert casts.weights(layer, p, torch.bfloat16) is not inside  # emptied after the capture too
 
 
+def _casting_ahead(layer_modules, dtype=torch.bfloat16, rows=None):
+    """Each layer's `weights` in order inside one `ahead` scope."""
+    with casts.ahead(layer_modules, layout.bert_projections, rows):
+        return [casts.weights(m, layout.bert_projections(m), dtype) for m in layer_modules]
+
+
+def test_ahead_starts_nothing_off_cuda():
+    mods = models.structure(tiny_model("bert", attn="sdpa", num_layers=3)).layer_modules
+    for _ in range(2):
+        with casts.ahead(mods, layout.bert_projections):
+            for m in mods:
+                w = casts.weights(m, layout.bert_projections(m), torch.bfloat16)
+                assert not casts._state.chain.started
+                assert torch.equal(w.intermediate, m.intermediate.dense.weight.to(torch.bfloat16))
+    assert getattr(casts._state, "chain", None) is None
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_ahead_casts_the_next_layer_on_a_side_stream(monkeypatch):
+    """Inside `ahead`, a layer's `weights` starts the next layer's cast on a side stream once that layer has taken
+    copies in a scope before; the next layer takes those copies (the same values), unless a parameter changed
+    since (cast again, inline); a started copy nobody took stops its layer being cast ahead."""
+    bf16 = torch.bfloat16
+    mods = models.structure(tiny_model("bert", attn="sdpa", num_layers=3).cuda()).layer_modules
+    params = [layout.bert_projections(m) for m in mods]
+    index = {id(p[0]): i for i, p in enumerate(params)}
+    made = []
+    real = casts._cast
+    main = torch.cuda.current_stream()
+    monkeypatch.setattr(casts, "_cast", lambda p, dtype: made.append(
+        (index[id(p[0])], torch.cuda.current_stream() == main)) or real(p, dtype))
+
+    def where(run):
+        made.clear()
+        out = run()
+        return out, list(made)
+
+    assert where(lambda: _casting_ahead(mods))[1] == [(0, True), (1, True), (2, True)]  # learns who takes copies
+    ws, found = where(lambda: _casting_ahead(mods))
+    assert found == [(0, True), (1, False), (2, False)]
+    for w, p in zip(ws, params):
+        assert torch.equal(w.qkv, torch.cat(p[0:3]).to(bf16)) and torch.equal(w.output, p[10].to(bf16))
+
+    def changed_between():
+        with casts.ahead(mods, layout.bert_projections):
+            casts.weights(mods[0], params[0], bf16)
+            with torch.no_grad():
+                params[1][8].mul_(2)
+            return casts.weights(mods[1], params[1], bf16)  # layer 2 is started and never taken
+    w1, found = where(changed_between)
+    assert found == [(0, True), (1, False), (1, True), (2, False)]
+    assert torch.equal(w1.intermediate, params[1][8].to(bf16))
+    assert where(lambda: _casting_ahead(mods))[1] == [(0, True), (1, False), (2, True)]
+    assert where(lambda: _casting_ahead(mods))[1] == [(0, True), (1, False), (2, False)]
+    monkeypatch.setattr(casts, "AHEAD", False)
+    assert where(lambda: _casting_ahead(mods))[1] == [(0, True), (1, True), (2, True)]
+    monkeypatch.setattr(casts, "AHEAD", True)
+    assert where(lambda: _casting_ahead(mods, rows=casts.AHEAD_MAX_ROWS + 1))[1] == [(0, True), (1, True), (2, True)]
+    assert where(lambda: _casting_ahead(mods, rows=casts.AHEAD_MAX_ROWS))[1] == [(0, True), (1, False), (2, False)]
+    assert getattr(casts._state, "chain", None) is None
+
+
+def test_a_forward_casts_ahead_up_to_a_row_count(monkeypatch):
+    """`models.fast_layers.training_layers` opens `ahead` with the call's batch x length."""
+    from cat_fast.models import fast_layers
+    assert fast_layers._rows({"input_ids": torch.zeros(3, 7)}) == 21
+    assert fast_layers._rows({"input_ids": None, "inputs_embeds": torch.zeros(2, 5, 4)}) == 10
+    assert fast_layers._rows({"attention_mask": torch.zeros(4, 6)}) == 24
+    assert fast_layers._rows({"labels": torch.zeros(4)}) is None
+    seen = []
+    real = casts.ahead
+    monkeypatch.setattr(casts, "ahead", lambda layers, params_of, rows=None: seen.append(rows) or real(
+        layers, params_of, rows))
+    model = tiny_model("bert", attn="sdpa", num_layers=2).train()
+    batch = tiny_batch("bert", batch=3, length=7)
+    models.first_token_forward(model, batch, training_layers=True)
+    assert seen == [21]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_captured_steps_casting_ahead_are_the_same_bits(monkeypatch):
+    """`CapturedStep(ERM(fast=True))` under bf16 autocast, packed rows and dropout, with the fused kernels, with and
+    without `AHEAD`: each graph holds the side stream's casts as branches (casts are seen to run there); the losses
+    and the weights after 10 AdamW steps are the same bits."""
+    from cat_fast.objectives import ERM
+    from cat_fast.step import CapturedStep
+
+    monkeypatch.setattr(training, "FUSED_MIN_ROWS", 0)
+    monkeypatch.setattr(training, "PACKED", True)
+    on_side = []
+    real = casts._cast
+    monkeypatch.setattr(casts, "_cast", lambda *a: on_side.append(
+        torch.cuda.current_stream() in casts._SIDE_STREAMS.values()) or real(*a))
+    lengths = [[40, 17, 25, 9], [33, 12, 20, 21]]
+    results = {}
+    for ahead in (False, True):
+        monkeypatch.setattr(casts, "AHEAD", ahead)
+        on_side.clear()
+        model = tiny_model("bert", attn="sdpa", num_layers=3, hidden_size=64, num_attention_heads=4,
+                           intermediate_size=256, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+                           seed=0).cuda().train()
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"), capturable=True)
+        step = CapturedStep(ERM(model, fast=True), opt, warmup_steps=1, autocast=torch.bfloat16)
+        torch.manual_seed(7)
+        losses = []
+        for i in range(10):
+            batch = tiny_batch("bert", batch=4, length=40, seed=i % 2)
+            real_rows = torch.arange(40).unsqueeze(0) < torch.tensor(lengths[i % 2]).unsqueeze(1)
+            batch["attention_mask"] = real_rows.long()
+            batch = {k: v.cuda() for k, v in batch.items()}
+            losses.append(step(batch)[0].detach().clone())
+        assert step.num_replays >= 4
+        assert any(on_side) is ahead, on_side
+        results[ahead] = torch.stack(losses), [p.detach().clone() for p in model.parameters()]
+    (losses, weights), (want_losses, want_weights) = results[True], results[False]
+    assert torch.isfinite(want_losses).all()
+    assert torch.equal(losses, want_losses)
+    for a, b in zip(weights, want_weights):
+        assert torch.equal(a, b)
+
+
 def test_a_layers_16_bit_output_copy_is_the_next_layers_input_cast():
     x = torch.randn(2, 5, 8)
     copy = x.to(torch.bfloat16)
