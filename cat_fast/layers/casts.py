@@ -92,15 +92,16 @@ def _reused(key, owner, stamp, make):
     if entries is None:
         return make() if started is None else started
     now = stamp()
-    hit = entries.get(key)
-    if hit is not None and hit[0] == now and hit[1] is owner:
-        return hit[2]
+    if _valid(entries, key, owner, now):
+        return entries[key][2]
     made = make() if started is None else started
     entries[key] = (now, owner, made)
     return made
 
 
 def _valid(store, key, owner, now) -> bool:
+    """Whether `store` (a dict, or None) holds under `key` an entry ``(stamp, owner, copies, ...)`` of `owner`
+    stamped `now`."""
     hit = None if store is None else store.get(key)
     return hit is not None and hit[0] == now and hit[1] is owner
 
@@ -181,6 +182,10 @@ def ahead(layers, params_of, rows: int | None = None):
     (None: not known, no bound); `params_of(layer)` gives a layer's twelve projection parameters in `weights`'s
     order. The scope ends joined: the current stream waits for the side stream. Nested uses: the innermost one's
     layers."""
+    if AHEAD is not True and AHEAD is not False:
+        raise ValueError(f"cat_fast.layers.casts.AHEAD: expected True or False, got {AHEAD!r}")
+    if isinstance(AHEAD_MAX_ROWS, bool) or not isinstance(AHEAD_MAX_ROWS, int) or AHEAD_MAX_ROWS < 0:
+        raise ValueError(f"cat_fast.layers.casts.AHEAD_MAX_ROWS: expected an integer >= 0, got {AHEAD_MAX_ROWS!r}")
     outer = getattr(_state, "chain", None)
     chain = _state.chain = _Chain(list(layers), params_of, rows is None or rows <= AHEAD_MAX_ROWS)
     try:

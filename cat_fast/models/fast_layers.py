@@ -87,11 +87,12 @@ def training_layers(model, st, inputs, enabled, carry: bool = False, own_hooks=(
 
 
 def _rows(inputs) -> int | None:
-    """Batch x length of a model call's token inputs (ids, embeddings or mask), or None where it passes none."""
-    for name in ("input_ids", "inputs_embeds", "attention_mask"):
+    """Batch x length of a model call: of its ``input_ids`` [B, T], ``inputs_embeds`` [B, T, D] or attention mask
+    ([B, T], or 4-D over T keys); None where it passes none of them."""
+    for name, length_dim in (("input_ids", -1), ("inputs_embeds", 1), ("attention_mask", -1)):
         value = inputs.get(name)
         if isinstance(value, torch.Tensor) and value.dim() >= 2:
-            return value.shape[0] * value.shape[1]
+            return value.shape[0] * value.shape[length_dim]
     return None
 
 

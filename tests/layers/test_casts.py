@@ -187,12 +187,23 @@ def test_ahead_casts_the_next_layer_on_a_side_stream(monkeypatch):
     assert getattr(casts._state, "chain", None) is None
 
 
+@pytest.mark.parametrize("name, value", [("AHEAD", 1), ("AHEAD", "yes"), ("AHEAD_MAX_ROWS", -1),
+                                         ("AHEAD_MAX_ROWS", "8k"), ("AHEAD_MAX_ROWS", True)])
+def test_a_bad_setting_is_named(name, value, monkeypatch):
+    monkeypatch.setattr(casts, name, value)
+    mods = models.structure(tiny_model("bert", attn="sdpa", num_layers=2)).layer_modules
+    with pytest.raises(ValueError, match=f"casts.{name}: expected"):
+        _casting_ahead(mods)
+    assert getattr(casts._state, "chain", None) is None
+
+
 def test_a_forward_casts_ahead_up_to_a_row_count(monkeypatch):
     """`models.fast_layers.training_layers` opens `ahead` with the call's batch x length."""
     from cat_fast.models import fast_layers
     assert fast_layers._rows({"input_ids": torch.zeros(3, 7)}) == 21
     assert fast_layers._rows({"input_ids": None, "inputs_embeds": torch.zeros(2, 5, 4)}) == 10
     assert fast_layers._rows({"attention_mask": torch.zeros(4, 6)}) == 24
+    assert fast_layers._rows({"attention_mask": torch.zeros(4, 1, 6, 6)}) == 24
     assert fast_layers._rows({"labels": torch.zeros(4)}) is None
     seen = []
     real = casts.ahead
