@@ -36,9 +36,9 @@ __all__ = ["Weights16", "weights", "additive_mask", "shared", "clear", "ahead", 
 # Whether `ahead` casts the next layer's weights on a side stream (module docstring); False casts each layer when it
 # runs, as the benchmarks compare.
 AHEAD = True
-# The most rows (batch x length) of a forward that `ahead` casts ahead for: 8,192. Measured on an H200
-# (benchmarks/RESULTS.md): the captured plain step 0.11 ms faster at 8x128 and 0.29 ms at 32x128; at 64x256
-# (16,384 rows, whose matmuls fill the GPU) the plain step is no faster and the CAT step 0.5-0.7 ms slower.
+# The most rows (batch x length) of a forward that `ahead` casts ahead for: 8,192. Up to 32x128 the captured steps
+# were measured faster with it; at 64x256 (16,384 rows, whose matmuls fill the GPU) no faster (benchmarks/RESULTS.md,
+# "Each layer's weights cast while the layer before runs").
 AHEAD_MAX_ROWS = 8192
 
 
