@@ -17,7 +17,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 
 import torch
@@ -25,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
 from benchmarks.steps import harness as S  # noqa: E402
 from benchmarks.steps.timing import time_steps  # noqa: E402
+from benchmarks.tools import each_size_apart  # noqa: E402
 from cat_fast.kernels.triton import attention as kernels  # noqa: E402
 
 TIMED = ("gs_exact_captured", "gs_exact_fused_captured")
@@ -62,12 +62,7 @@ def main():
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gs_exact.py: needs a CUDA GPU")
-    if len(args.sizes) > 1:  # one process per size: no size's graphs, pools or peaks carry into the next
-        rest = sys.argv[1:]
-        for size in args.sizes:
-            command = [sys.executable, os.path.abspath(__file__), size, *[a for a in rest if a not in args.sizes]]
-            if subprocess.run(command).returncode:
-                sys.exit(f"gs_exact.py: the run at {size} failed")
+    if each_size_apart(__file__, args.sizes, sys.argv[1:]):  # no size's graphs, pools or peaks carry into the next
         return
     for size in args.sizes:
         peaks = {m: _peak_mib(m, size) for m in MEMORY}

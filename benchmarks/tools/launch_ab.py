@@ -9,7 +9,7 @@ and warmed up with the setting in force (and timed with it in force too). GPU on
     python benchmarks/tools/launch_ab.py 32x128 64x256 --setting layers.packing.VARLEN --values false true
 
 Prints one JSON line per size and method: the median step in ms per value and round, the peer's, and each value's
-median over the rounds as × the peer's median.
+median over the rounds as × the peer's median. Each size runs in a process of its own.
 """
 import argparse
 import contextlib
@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
 from benchmarks.steps import harness as S  # noqa: E402
 from benchmarks.steps.timing import time_steps  # noqa: E402
+from benchmarks.tools import each_size_apart  # noqa: E402
 
 
 def _launch(setting):
@@ -94,6 +95,8 @@ def main():
     launch, key = _launch(args.setting)
     if not torch.cuda.is_available():
         sys.exit("launch_ab.py: needs a CUDA GPU")
+    if each_size_apart(__file__, args.sizes, sys.argv[1:]):
+        return
     values = args.values
     for size in args.sizes:
         peer = S.build_step("plain_compiled_ro", size)[2]
@@ -115,8 +118,6 @@ def main():
                               "median_ms": {str(v): medians[m, v] for v in values},
                               "x_peer": {str(v): round(statistics.median(medians[m, v]) / ref, 3) for v in values}}),
                   flush=True)
-        del steps, peer
-        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -85,16 +85,14 @@ def _cast(params, dtype) -> Weights16:
 
 def _reused(key, owner, stamp, make):
     """``make()``; inside `shared`, the result stored under `key` while `owner` and ``stamp()`` are what they were
-    when it was made (else made again and stored); inside `ahead`, the side stream's copies started for `key` when
-    still valid (the current stream then waits for them)."""
+    when it was made (else made again and stored)."""
     entries = getattr(_state, "entries", None)
-    started = _take_started(key, owner, stamp)
     if entries is None:
-        return make() if started is None else started
+        return make()
     now = stamp()
     if _valid(entries, key, owner, now):
         return entries[key][2]
-    made = make() if started is None else started
+    made = make()
     entries[key] = (now, owner, made)
     return made
 
@@ -206,8 +204,9 @@ def weights(layer, params, dtype) -> Weights16:
     earlier pass of the step when still valid (module docstring). Detached: no gradient flows through them."""
     # weights made for this pass (a LoRA projection's W + s·BA, `layout.projection`) stamp as a new object: not reused
     parameters = all(isinstance(p, torch.nn.Parameter) for p in params)
-    made = _reused((id(layer), dtype), layer, (lambda: _stamp(params)) if parameters else object,
-                   lambda: _cast(params, dtype))
+    key, stamp = (id(layer), dtype), (lambda: _stamp(params)) if parameters else object
+    started = _take_started(key, layer, stamp)  # inside `ahead`: the copies the side stream made, when still valid
+    made = _reused(key, layer, stamp, (lambda: started) if started is not None else (lambda: _cast(params, dtype)))
     chain = getattr(_state, "chain", None)
     if chain is not None and id(layer) in chain.members:
         _TAKERS.add(layer)

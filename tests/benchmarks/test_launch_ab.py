@@ -44,3 +44,21 @@ def test_values_parse_as_launch_entries():
         1, 0, 0.5, None, None, True, False]
     with pytest.raises(argparse.ArgumentTypeError, match="'fast'"):
         launch_ab._value("fast")
+
+
+def test_each_size_runs_in_a_process_of_its_own(tmp_path):
+    from benchmarks.tools import each_size_apart
+
+    log = tmp_path / "calls.txt"
+    script = tmp_path / "tool.py"
+    script.write_text("import sys\nopen(sys.argv[-1], 'a').write(' '.join(sys.argv[1:-1]) + '\\n')\n"
+                      "sys.exit(3 if sys.argv[1] == '9x9' else 0)\n")
+    assert not each_size_apart(str(script), ["8x128"], ["8x128", "--rounds", "2", str(log)])
+    assert not log.exists()  # one size: the caller runs it
+    argv = ["8x128", "32x128", "--setting", "layers.packing.VARLEN", "--values", "false", "true", str(log)]
+    assert each_size_apart(str(script), ["8x128", "32x128"], argv)
+    assert log.read_text().splitlines() == ["8x128 --setting layers.packing.VARLEN --values false true",
+                                            "32x128 --setting layers.packing.VARLEN --values false true"]
+    with pytest.raises(SystemExit, match="tool.py: the run at 9x9 failed"):
+        each_size_apart(str(script), ["8x128", "9x9", "64x256"], ["8x128", "9x9", "64x256", str(log)])
+    assert log.read_text().splitlines()[-2:] == ["8x128", "9x9"]  # stopped at the failing size
