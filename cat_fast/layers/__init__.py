@@ -8,13 +8,15 @@
 - `interventions`: edits of a layer's activations that the model's modules and these layers all apply;
 - `casts`: the 16-bit weight copies the layers multiply with, shared by the passes of a step and cast a layer ahead;
 - `packing`: the real rows of a padded batch, packed for the training layers (``training.PACKED``), and their
-  variable-length attention.
+  variable-length attention;
+- `embedding`: the embedding tables' weight gradients summed by a fused kernel during a fast training forward.
 
 Each layer's `forward(layer, args, kwargs)` returns None where it does not apply; then the model's layer runs.
 
 Beside them, imported on their own: `double_attention` and `double_layers`, attention, LayerNorm and GELU whose
 backward is differentiable by fused kernels (exact GS's double backward).
 """
-from . import attention, casts, first_token, interventions, layout, packing, resumed, training
+from . import attention, casts, embedding, first_token, interventions, layout, packing, resumed, training
 
-__all__ = ["attention", "casts", "first_token", "interventions", "layout", "packing", "resumed", "training"]
+__all__ = ["attention", "casts", "embedding", "first_token", "interventions", "layout", "packing", "resumed",
+           "training"]

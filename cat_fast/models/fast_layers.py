@@ -77,10 +77,11 @@ def training_layers(model, st, inputs, enabled, carry: bool = False, own_hooks=(
     carried = carry_set(model, st, modules, own_hooks) if carry else None
     patched = [patch_forward(mod, layer_forward(mod, mod.forward)) for mod in modules]
     try:
-        # each layer's 16-bit weight copies are cast on a side stream while the layer before runs
-        with layers.packing.carrying(carried), layers.casts.ahead(modules, layers.layout.bert_projections,
-                                                                  _rows(inputs)):
-            yield
+        # each layer's 16-bit weight copies are cast on a side stream while the layer before runs; the embedding
+        # tables' weight gradients are summed by cat_fast's kernel
+        with layers.packing.carrying(carried), layers.embedding.lookups(st.embeddings):
+            with layers.casts.ahead(modules, layers.layout.bert_projections, _rows(inputs)):
+                yield
     finally:
         for saved in reversed(patched):
             unpatch_forward(saved)
