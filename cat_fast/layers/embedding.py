@@ -64,12 +64,13 @@ def lookups(module: nn.Module | None):
     def forward_of(table):
         own = type(table).forward.__get__(table)
 
-        def forward(ids):
+        def forward(*args, **kwargs):
+            ids = args[0] if len(args) == 1 and not kwargs else kwargs.get("input") if not args else None
             w = table.weight
             if (torch.is_grad_enabled() and w.requires_grad and isinstance(ids, torch.Tensor)
                     and ids.device == w.device and ids.dtype in (torch.int32, torch.int64)):
                 return lookup(table, ids)
-            return own(ids)
+            return own(*args, **kwargs)
 
         return forward
 
