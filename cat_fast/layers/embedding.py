@@ -56,6 +56,8 @@ def lookups(module: nn.Module | None):
     """While active, the plain CUDA tables in `module` (module docstring) look up through `lookup` where a call
     wants the weight's gradient (grad mode on, the weight requires grad) with integer ids on the table's device; other
     calls run the table's own forward. Nothing changes with `FAST` off, no `module`, or no Triton."""
+    if FAST is not True and FAST is not False:
+        raise ValueError(f"cat_fast.layers.embedding.FAST: expected True or False, got {FAST!r}")
     tables = [m for m in module.modules() if _plain(m) and m.weight.is_cuda] if module is not None and FAST else []
     if not tables or fused_kernels("embedding_backward") is None:
         yield

@@ -62,6 +62,14 @@ def test_lookups_patch_nothing_off_cuda():
         pass
 
 
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_a_bad_setting_is_named(value, monkeypatch):
+    monkeypatch.setattr(embedding, "FAST", value)
+    with pytest.raises(ValueError, match=f"cat_fast.layers.embedding.FAST: expected True or False, got {value!r}"):
+        with embedding.lookups(None):
+            pass
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_lookups_patch_the_plain_tables_only_and_restore_them(monkeypatch):
     model = tiny_model("bert", attn="sdpa").cuda()
