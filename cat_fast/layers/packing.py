@@ -9,9 +9,11 @@ dtype's minimum masks, [B or 1, 1, T or 1, T], the same key pattern on every que
 cannot (another mask form, a sequence whose first position is padding: the padded path runs) or where fewer than
 `min_padding` of the rows are padding. One host synchronisation per mask: the result is remembered for the last mask
 tensor while it is alive and unchanged (its version counter), so the layers of one forward share it.
-``attend`` and ``attention_backward`` run the attention of N packed projection rows and differentiate it;
-``pack`` and ``unpack`` (differentiable) gather the rows and write them back into a full tensor; ``carry`` /
-``carried`` mark a layer's packed output for the next layer within ``carrying``.
+``attend`` and ``attention_backward`` run the attention of N packed projection rows and differentiate it (with
+variable-length attention, the projections' bias gradient summed as dq, dk and dv are joined);
+``pack`` and ``unpack`` (differentiable) gather the rows and write them back into a full tensor (an unpack given
+its pack's node, ``link``, hands the full tensor's gradient to that pack, which writes its rows into it: one copy of
+the full gradient); ``carry`` / ``carried`` mark a layer's packed output for the next layer within ``carrying``.
 
 Static row counts, for CUDA graphs (`cat_fast.step.CapturedStep`), whose shapes cannot depend on the data: inside
 ``static_rows(n)``, `real_rows` returns n indices computed on the device without a host synchronisation: the real
@@ -41,9 +43,11 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from ..ops.fused import fused_kernels
+
 __all__ = ["real_rows", "attend", "attention_backward", "scatter", "static_rows", "static_count", "bucket", "BUCKETS",
-           "Plan", "plan", "pack", "unpack", "carry", "carried", "carrying", "may_carry", "padded", "refused", "VARLEN",
-           "extended"]
+           "Plan", "plan", "pack", "link", "unpack", "carry", "carried", "carrying", "may_carry", "padded", "refused",
+           "VARLEN", "extended"]
 
 _last = threading.local()  # .entry: (weak reference to the mask, its version, (B, T, min_padding, ...), the result,
 # a weak reference to `extended`'s rows or None)
@@ -305,17 +309,37 @@ class _VarlenAttention(torch.autograd.Function):
         if keys is not None:  # back to the rows' order; the gathered rows past the last key are no key: zero
             used = (torch.arange(dk.shape[0], device=dk.device) < cu_k[-1]).view(-1, 1, 1)
             dk, dv = (torch.empty_like(t).index_copy_(0, keys, torch.where(used, t, 0)) for t in (dk, dv))
-        return (torch.cat([t.reshape(-1, D) for t in (dq, dk, dv)], 1), None, None, None, None, None, None, None,
-                None)
+        parts = [t.reshape(-1, D) for t in (dq, dk, dv)]
+        kernels = fused_kernels("column_sums") if getattr(ctx, "sum_columns", False) else None
+        if kernels is not None:  # `attention_backward`: the bias gradient summed as the parts are joined
+            grad_qkv, ctx.column_sums = kernels.concat(parts)
+        else:
+            grad_qkv = torch.cat(parts, 1)
+        return grad_qkv, None, None, None, None, None, None, None, None
 
 
-def attention_backward(out, qkv_leaf, grad_rows, shape, packed: bool):
-    """The gradient w.r.t. `qkv_leaf` of `attend`'s graph output `out`, given the gradient of its rows."""
+def attention_backward(out, qkv_leaf, grad_rows, shape, packed: bool, column_sums: bool = False):
+    """``(the gradient w.r.t. `qkv_leaf` of `attend`'s graph output `out`, given the gradient of its rows, its
+    column sums in fp32 or None)``. `column_sums`: where variable-length attention ran (CUDA, Triton), the column
+    sums (the projections' bias gradient) are summed while its dq, dk and dv are joined (`kernels.triton.column_sums
+    .concat`); elsewhere, and without `column_sums`, the second is None."""
     B, T, heads, width = shape
     grad = grad_rows if packed else grad_rows.view(B, T, heads, width).transpose(1, 2)
-    # retained: this one-node graph is freed with the saved tensors (a retain_graph backward can run again)
-    (grad_qkv,) = torch.autograd.grad(out, qkv_leaf, grad, retain_graph=True)
-    return grad_qkv
+    node = out.grad_fn if column_sums and packed else None
+    if node is not None and type(node) is not _VarlenAttention._backward_cls:
+        node = None
+    if node is not None:
+        node.sum_columns, node.column_sums = True, None
+    try:
+        # retained: this one-node graph is freed with the saved tensors (a retain_graph backward can run again)
+        (grad_qkv,) = torch.autograd.grad(out, qkv_leaf, grad, retain_graph=True)
+    finally:
+        if node is not None:
+            node.sum_columns = False
+    sums = None
+    if node is not None:
+        sums, node.column_sums = node.column_sums, None
+    return grad_qkv, sums
 
 
 def scatter(full: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -324,47 +348,82 @@ def scatter(full: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> torch.
 
 
 class _Pack(torch.autograd.Function):
-    """The `idx` rows of ``hidden.reshape(-1, D)``; its gradient is zero on the other rows."""
+    """The `idx` rows of ``hidden.reshape(-1, D)``; its gradient is zero on the other rows, but where the unpacks
+    of the rows it starts (`unpack` with this node as `link`) leave theirs in ``ctx.unpacked``: their gradient of
+    `hidden` (the output's on every row), whose `idx` rows this backward overwrites with its own."""
 
     @staticmethod
     def forward(ctx, hidden, idx):
         ctx.save_for_backward(idx)
-        ctx.shape = hidden.shape
+        ctx.shape, ctx.unpacked = hidden.shape, None
         return hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx)
 
     @staticmethod
     def backward(ctx, grad):
         (idx,) = ctx.saved_tensors
-        full = grad.new_zeros(ctx.shape[:-1].numel(), grad.shape[-1]).index_copy(0, idx, grad)
-        return full.view(ctx.shape), None
+        full, ctx.unpacked = ctx.unpacked, None
+        if full is None:
+            full = grad.new_zeros(ctx.shape[:-1].numel(), grad.shape[-1])
+        return full.index_copy_(0, idx, grad.to(full.dtype)).view(ctx.shape), None
+
+
+def _will_run(node) -> bool:
+    """Whether the running backward will execute `node` (True where PyTorch cannot say)."""
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except (AttributeError, RuntimeError):
+        return True
 
 
 class _Unpack(torch.autograd.Function):
-    """`full` [B, T, D] with its `idx` rows replaced by `rows` [N, D] (in rows' dtype)."""
+    """`full` [B, T, D] with its `idx` rows replaced by `rows` [N, D] (in rows' dtype). `link`: the `_Pack` node
+    of `full` from which `rows` descend, or None. With a link, `full` is passed detached and its gradient (the
+    output's, on every row) is left to the link (`_Pack`), which overwrites the `idx` rows: one copy of the full
+    gradient, where zeroing the rows here and adding the pack's gradient there took four."""
 
     @staticmethod
-    def forward(ctx, rows, full, idx):
+    def forward(ctx, rows, full, idx, link):
         ctx.save_for_backward(idx)
-        ctx.dtype = full.dtype
+        ctx.dtype, ctx.link = full.dtype, link
         return scatter(full.reshape(-1, full.shape[-1]), idx, rows).view(full.shape)
 
     @staticmethod
     def backward(ctx, grad):
         (idx,) = ctx.saved_tensors
         flat = grad.reshape(-1, grad.shape[-1])
-        grad_full = flat.index_fill(0, idx, 0).view(grad.shape).to(ctx.dtype) if ctx.needs_input_grad[1] else None
-        return flat.index_select(0, idx), grad_full, None
+        link, grad_full = ctx.link, None
+        if link is not None and _will_run(link):
+            if link.unpacked is None:
+                link.unpacked = flat.to(dtype=ctx.dtype, memory_format=torch.contiguous_format, copy=True)
+            else:
+                link.unpacked.add_(flat.to(ctx.dtype))
+        elif ctx.needs_input_grad[1]:
+            grad_full = flat.index_fill(0, idx, 0).view(grad.shape).to(ctx.dtype)
+        return flat.index_select(0, idx), grad_full, None, None
 
 
 def pack(hidden: torch.Tensor, packed: Plan) -> torch.Tensor:
-    """The plan's rows of `hidden` [B, T, D] as [1, N, D] (differentiable: zero gradient on the other rows)."""
-    return _Pack.apply(hidden, packed.idx).unsqueeze(0)
+    """The plan's rows of `hidden` [B, T, D] as [1, N, D] (differentiable: zero gradient on the other rows).
+    `link(rows)` is then the node to hand `unpack` (and `carry`) for the rows that descend from these."""
+    rows = _Pack.apply(hidden, packed.idx)
+    out = rows.unsqueeze(0)
+    out._cat_fast_link = rows.grad_fn
+    return out
 
 
-def unpack(rows: torch.Tensor, packed: Plan, full: torch.Tensor) -> torch.Tensor:
+def link(rows: torch.Tensor):
+    """The `_Pack` node of `pack`'s output `rows`, or None (no gradient recorded)."""
+    return getattr(rows, "_cat_fast_link", None)
+
+
+def unpack(rows: torch.Tensor, packed: Plan, full: torch.Tensor, link=None) -> torch.Tensor:
     """[B, T, D]: `full`'s rows with the plan's rows replaced by `rows` ([1, N, D] or [N, D]); differentiable in
-    both (`full`'s gradient is the output's on the other rows)."""
-    return _Unpack.apply(rows.reshape(-1, rows.shape[-1]), full, packed.idx)
+    both (`full`'s gradient is the output's on the other rows). `link`: the node `link` gave for the `pack` of
+    `full` from which `rows` descend (`full`'s gradient is then handed to it, `_Unpack`), or None."""
+    if link is not None and not (full.requires_grad and torch.is_grad_enabled()):
+        link = None
+    return _Unpack.apply(rows.reshape(-1, rows.shape[-1]), full.detach() if link is not None else full,
+                         packed.idx, link)
 
 
 def carrying(layers):
@@ -380,16 +439,17 @@ def may_carry(layer) -> bool:
     return layers is not None and layer in layers
 
 
-def carry(rows: torch.Tensor, packed: Plan, full: torch.Tensor) -> torch.Tensor:
+def carry(rows: torch.Tensor, packed: Plan, full: torch.Tensor, link=None) -> torch.Tensor:
     """`rows` [1, N, D], marked as the packed form of a [B, T, D] tensor whose other rows are `full`'s (`carried`,
-    `unpack`). Returns `rows`."""
-    rows._cat_fast_packed = (packed, full, rows._version)
+    `unpack`; `link`: the node of the `pack` of `full` from which `rows` descend, or None). Returns `rows`."""
+    rows._cat_fast_packed = (packed, full, rows._version, link)
     return rows
 
 
-def carried(x) -> tuple[Plan, torch.Tensor] | None:
-    """``(plan, full)`` when `x` is a layer output `carry` marked (and unchanged since), else None."""
+def carried(x) -> tuple[Plan, torch.Tensor, object] | None:
+    """``(plan, full, link)`` when `x` is a layer output `carry` marked (and unchanged since), else None:
+    ``unpack(x, *carried(x))`` is its unpacked form."""
     found = getattr(x, "_cat_fast_packed", None)
     if found is None or found[2] != x._version:
         return None
-    return found[0], found[1]
+    return found[0], found[1], found[3]

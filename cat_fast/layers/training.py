@@ -10,8 +10,9 @@ autocast (an fp32 layer, 16-bit matmuls) the elementwise work around the matmuls
 residual add + LayerNorm + the cast of its output (`kernels.triton.residual_layer_norm`), and in the backward
 LayerNorm backward + dropout backward + the cast, with the LayerNorm weight and bias gradients and the bias
 gradient of the projection before the dropout summed in the same pass, and GELU backward + the intermediate bias
-gradient (`kernels.triton.gelu_bias_backward`); the dropout draws stay `torch.native_dropout`'s, so they are the
-layer's. The fused path runs from `FUSED_MIN_ROWS` rows (batch × length) up, where it was measured faster; `FUSED =
+gradient (`kernels.triton.gelu_bias_backward`), and with variable-length attention the join of its dq, dk and dv
++ the query, key and value bias gradient (`kernels.triton.column_sums.concat`); the dropout draws stay
+`torch.native_dropout`'s, so they are the layer's. The fused path runs from `FUSED_MIN_ROWS` rows (batch × length) up, where it was measured faster; `FUSED =
 False` turns it off, for comparisons. Supported: the
 layers `resumed.supported` accepts, parameters in one dtype on the input's device, an fp32 layer under autocast
 or none; a layer with cat_fast interventions runs a composed version differentiated by autograd. No double
@@ -185,15 +186,16 @@ def forward(layer: nn.Module, args, kwargs, packed_only: bool = False) -> torch.
     if packed_only and packed is None:
         return None
     if carried is not None:
-        full, rows = carried[1], hidden
+        full, rows, link = carried[1], hidden, carried[2]
     else:
         if packed is None:
             return _TrainingLayer.apply(hidden, mask, None, layer, dtype, *params)
         full, rows = hidden, packing.pack(hidden, packed)
+        link = packing.link(rows)
     y = _TrainingLayer.apply(rows, mask, packed, layer, dtype, *params)
     if packing.may_carry(layer):
-        return packing.carry(y, packed, full)
-    return packing.unpack(y, packed, full)
+        return packing.carry(y, packed, full, link)
+    return packing.unpack(y, packed, full, link)
 
 
 def _packed_plan(hidden, mask):
@@ -390,12 +392,15 @@ class _TrainingLayer(torch.autograd.Function):
                 grad_a = _dropout_backward(grad_s1.to(dtype), t["keep1"], p1)
                 grad_bo = grad_a.sum(0, dtype=p_dtype) if need[7] else None
             grad_wo = _weight_grad(grad_a, t["rows"], p_dtype) if need[6] else None
-            grad_qkv = packing.attention_backward(t["context"], t["qkv_leaf"], torch.mm(grad_a, t["wo16"]),
-                                                  (B, T, heads, width), ctx.packed)
+            want_b_qkv = any(need[1:6:2])
+            # fused (fp32 parameters): the bias gradient summed while the attention's dq, dk, dv are joined, where
+            # variable-length attention ran, else by Triton's column sums (PyTorch's are latency-bound here)
+            grad_qkv, grad_b_qkv = packing.attention_backward(
+                t["context"], t["qkv_leaf"], torch.mm(grad_a, t["wo16"]), (B, T, heads, width), ctx.packed,
+                column_sums=bool(fused) and want_b_qkv and p_dtype == torch.float32)
             grad_x = _mm_into(grad_s1.to(torch.promote_types(x_dtype, grad_s1.dtype)), grad_qkv, t["w_qkv"])
             grad_w_qkv = _weight_grad(grad_qkv, t["x16"], p_dtype) if any(need[0:6:2]) else None
-            grad_b_qkv = None
-            if any(need[1:6:2]):  # fused (fp32 parameters): Triton's column sums, PyTorch's are latency-bound here
+            if grad_b_qkv is None and want_b_qkv:
                 grad_b_qkv = (fused[2].column_sums(grad_qkv.unsqueeze(0), grad_qkv.shape[1])[0] if fused
                               else grad_qkv.sum(0, dtype=p_dtype))
         wq_wk_wv = grad_w_qkv.split(qkv_sizes) if grad_w_qkv is not None else (None,) * 3

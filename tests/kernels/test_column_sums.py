@@ -59,3 +59,39 @@ def test_long_sums_split_over_programs_and_16_bit_input(rows, n):
 def test_a_tensor_that_is_not_3_d_is_refused():
     with pytest.raises(ValueError, match=r"part: expected a 3-D tensor \[groups, rows, columns\], got shape \(3, 4\)"):
         column_sums(torch.randn(3, 4), 4)
+
+
+@pytest.mark.skipif(not RUNS, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("rows,width", [(70, 24), (1, 5), (33, 130)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_concat_joins_three_parts_and_sums_the_columns_in_the_same_pass(rows, width, dtype, monkeypatch):
+    from cat_fast.kernels.triton.column_sums import LAUNCH, concat
+    monkeypatch.setitem(LAUNCH, "concat_rows", 8)  # several programs and tiles on few rows: partial sums added
+    g = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, 4 * width, generator=g, dtype=torch.float64).to(dtype).to(DEVICE)
+    parts = (wide[:, :width], wide[:, 2 * width:3 * width], wide[:, width:2 * width].clone())  # row strides differ
+    joined, sums = concat(parts)
+    want = torch.cat(parts, 1)
+    assert joined.dtype == dtype and torch.equal(joined, want)
+    assert sums.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(sums, want.to(sums.dtype).sum(0), rtol=tol, atol=tol * rows)
+    only, none = concat(parts, want_sums=False)
+    assert none is None and torch.equal(only, want)
+
+
+@pytest.mark.skipif(not RUNS, reason="needs CUDA or TRITON_INTERPRET=1")
+def test_concat_of_column_strided_and_empty_parts_and_bad_parts_named():
+    from cat_fast.kernels.triton.column_sums import concat
+    g = torch.Generator().manual_seed(5)
+    parts = [torch.randn(6, 9, generator=g, dtype=torch.float64).to(DEVICE) for _ in range(3)]
+    strided = [p.t().contiguous().t() for p in parts]  # column stride 6: copied first
+    joined, sums = concat(strided)
+    assert torch.equal(joined, torch.cat(parts, 1))
+    torch.testing.assert_close(sums, torch.cat(parts, 1).sum(0), rtol=1e-12, atol=1e-12)
+    joined, sums = concat([p[:0] for p in parts])
+    assert joined.shape == (0, 27) and sums.shape == (27,) and sums.eq(0).all()
+    with pytest.raises(ValueError, match="parts: expected three 2-D tensors"):
+        concat(parts[:2])
+    with pytest.raises(ValueError, match=r"parts: expected one shape, dtype and device, got \[\(\(6, 9\)"):
+        concat([parts[0], parts[1][:, :8], parts[2]])

@@ -64,6 +64,30 @@ def test_long_runs_sum_their_chunks_tile_by_tile(ids, monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("shape,num_weights,dim,padding_idx", [((2, 65), 3, 130, None), ((1, 7), 2, 9, 0),
+                                                               ((3, 20), 1, 5, -1), ((4, 30), 9, 17, -1)])
+def test_small_tables_are_summed_without_a_sort_and_agree_with_the_sorted_path(shape, num_weights, dim, padding_idx,
+                                                                               monkeypatch):
+    # a table of at most LAUNCH["small_table"] rows (here up to 16) skips the sort; integer-valued gradients: every
+    # order of the sums gives the same exact value, so both paths and PyTorch's agree bit for bit
+    g = torch.Generator().manual_seed(num_weights)
+    ids = torch.randint(0, num_weights, shape, generator=g)
+    grad = torch.randint(-50, 50, (*shape, dim), generator=g).double()
+    want = emb.reference_backward(grad, ids, num_weights, padding_idx)
+    monkeypatch.setitem(emb.LAUNCH, "small_table", 16)
+    called, small = [], emb._small_table
+    monkeypatch.setattr(emb, "_small_table", lambda *a: called.append(1) or small(*a))
+    got = emb.backward(grad.to(DEVICE), ids.to(DEVICE), num_weights, padding_idx).cpu()
+    assert called and torch.equal(got, want)
+    monkeypatch.setitem(emb.LAUNCH, "small_table", 0)
+    assert torch.equal(emb.backward(grad.to(DEVICE), ids.to(DEVICE), num_weights, padding_idx).cpu(), want)
+    floats = torch.randn(*shape, dim, generator=g, dtype=torch.float64)
+    monkeypatch.setitem(emb.LAUNCH, "small_table", 16)
+    torch.testing.assert_close(emb.backward(floats.to(DEVICE), ids.to(DEVICE), num_weights, padding_idx).cpu(),
+                               emb.reference_backward(floats, ids, num_weights, padding_idx), rtol=1e-12, atol=1e-12)
+
+
+@needs_kernels
 def test_int32_ids_strided_gradient_and_empty_input():
     grad, ids = _case((5, 6), 20, 9, torch.float64)
     strided = grad.transpose(0, 1).contiguous().transpose(0, 1)  # [5, 6, 9] with non-standard strides

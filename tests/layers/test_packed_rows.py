@@ -277,6 +277,39 @@ def test_a_layer_that_declines_packed_rows_gets_them_unpacked(monkeypatch, packe
                          ["pack", "unpack", "pack", "unpack"])
 
 
+def test_unpacks_hand_the_full_gradient_to_their_pack():
+    """`unpack(..., link)` leaves `full`'s gradient to the `pack` the rows descend from, which overwrites its rows:
+    the same gradients as the unlinked pair, with two unpacks of one chain (a captured layer's and the last), a
+    retained graph whose first backward stops short of the pack (nothing left behind for the second), and rows
+    that record no gradient."""
+    torch.manual_seed(0)
+    real = _real([5, 2, 4], 6)
+    mask = models.inputs._padding_mask_4d(real.long())
+    plan = packing.plan(mask, 3, 6, 0.0)
+    weight = torch.randn(D, D, dtype=torch.float64)
+
+    def run(linked):
+        hidden = torch.randn(3, 6, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        hidden.requires_grad_(True)
+        rows = packing.pack(hidden, plan)
+        link = packing.link(rows) if linked else None
+        assert link is not None or not linked
+        mid = torch.tanh(rows @ weight)
+        captured = packing.unpack(mid, plan, hidden, link)
+        out = packing.unpack(torch.tanh(mid @ weight), plan, hidden, link)
+        loss = (out ** 2).sum() + (captured * out.detach()).sum()
+        (short,) = torch.autograd.grad(loss, mid, retain_graph=True)  # runs the unpacks, not the pack
+        (grad,) = torch.autograd.grad(loss, hidden)
+        return short, grad
+
+    (short, grad), (want_short, want) = run(True), run(False)
+    assert torch.equal(short, want_short) and torch.equal(grad, want)
+    assert grad[~real].ne(0).all()  # the padding rows pass both unpacks' gradients
+    with torch.no_grad():
+        rows = packing.pack(torch.randn(3, 6, D, dtype=torch.float64), plan)
+    assert packing.link(rows) is None
+
+
 def test_the_varlen_offsets_of_a_plan():
     """`Plan.offsets`: each sequence's real rows, then a static count's extra padding rows in spans of at most T. A
     sequence whose first position is padding (left padding, an all-padding row) gives no plan: the padded path."""
@@ -530,6 +563,40 @@ def test_varlen_attention_equals_the_padded_attention(dtype):
         torch.testing.assert_close(grad_real[:n_real].float(), ref_grad[:n_real], rtol=tol, atol=tol)
         assert torch.equal(grad_real[n_real:], torch.zeros_like(grad_real[n_real:]))  # extra rows: their own spans
         assert torch.isfinite(rows).all() and torch.isfinite(grad).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("extended", [False, True])
+def test_gpu_attention_backward_sums_the_bias_gradient_as_it_joins_dq_dk_dv(extended):
+    """`packing.attention_backward(..., column_sums=True)` after variable-length attention: the same gradient bits
+    as without, and its column sums in fp32 (summed as the kernel joins dq, dk and dv), to fp32 rounding; a second
+    backward of the retained graph without sums, and the padded layout, give None."""
+    torch.manual_seed(1)
+    heads, width, T = 12, 64, 50
+    lens, ext = [50, 3, 27, 41], [50, 30, 27, 41]
+    B = len(lens)
+    real = _real(lens, T).cuda()
+    mask = models.inputs._padding_mask_4d(real.long().cpu()).cuda()
+    with packing.extended(_real(ext, T).cuda() if extended else None), packing.static_rows(150):
+        plan = packing.plan(mask, B, T, 0.0)
+    qkv = torch.randn(150, 3 * heads * width, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+    g = torch.randn(150, heads * width, device="cuda", dtype=torch.bfloat16)
+    rows, _ = packing.attend(qkv, (B, T, heads, width), None, 0.1, width ** -0.5, plan)
+    torch.cuda.manual_seed(3)
+    want, none = packing.attention_backward(rows, qkv, g, (B, T, heads, width), True)
+    torch.cuda.manual_seed(3)
+    got, sums = packing.attention_backward(rows, qkv, g, (B, T, heads, width), True, column_sums=True)
+    assert none is None and torch.equal(got, want) and got.abs().sum() > 0
+    assert sums.dtype == torch.float32 and sums.shape == (3 * heads * width,)
+    torch.testing.assert_close(sums, want.float().sum(0), rtol=1e-5, atol=1e-4)
+    again, none = packing.attention_backward(rows, qkv, g, (B, T, heads, width), True)
+    assert none is None and torch.equal(again, want)
+    padded_qkv = torch.randn(B * T, 3 * heads * width, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+    context, _ = packing.attend(padded_qkv, (B, T, heads, width), mask, 0.0, width ** -0.5, None)
+    grad, none = packing.attention_backward(context, padded_qkv, torch.randn(B * T, heads * width, device="cuda",
+                                                                             dtype=torch.bfloat16),
+                                            (B, T, heads, width), False, column_sums=True)
+    assert none is None and grad.shape == padded_qkv.shape
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -13,7 +13,9 @@ the kernel-op schemas (``csrc/cpu/<op>.cpp``; contracts: ``docs/KERNELS.md``):
 and kernels that are not op backends: ``residual_layer_norm`` (residual add + LayerNorm forward and backward, the
 latter optionally with the LayerNorm and branch-bias gradients, for `cat_fast.layers.resumed` and
 `cat_fast.layers.training`), ``gelu_bias_backward`` (GELU backward + the bias gradient, for `layers.training`),
-``column_sums`` (the partial sums of those two; a bias gradient's sums), ``first_row_attention`` (attention of one
+``column_sums`` (the partial sums of those two; a bias gradient's sums; the join of attention's dq, dk and dv with
+their bias gradient, for `cat_fast.layers.packing`), ``embedding_backward`` (an embedding table's weight gradient,
+for `cat_fast.layers.embedding`), ``first_row_attention`` (attention of one
 query per sequence, forward and backward, for `cat_fast.layers.attention`, the first-token layer's),
 ``attention`` (attention with a differentiable backward, for `cat_fast.layers.double_attention`),
 ``double_backward`` (the backward of LayerNorm's and GELU's backward, for `cat_fast.layers.double_layers`) and

@@ -12,18 +12,28 @@ Here the ids are sorted as int32 (one stable ``torch.sort``), then two launches:
 - each chunk in which a run that continues past its end begins adds that run's pieces: its own, then the first
   entry's of each chunk the run continues into (`LAUNCH["tile"]` at a time), and writes the id's row.
 
-The sums run in fp32 (float64 for float64 gradients) in an order that the ids and the launch settings fix, with no
-atomic additions: the same bits on every run. `reference_backward` is PyTorch's.
+A table of at most `LAUNCH["small_table"]` rows (BERT's token types: two rows, every id 0 in a single-segment
+batch) needs no sort: each program sums, for every row of the table, the gradient rows of a run of positions whose
+id is that row, and one more launch adds the programs' partial sums (`column_sums`).
+
+Positions whose id is `padding_idx` are not read. The sums run in fp32 (float64 for float64 gradients) in an order
+that the ids and the launch settings fix, with no atomic additions: the same bits on every run.
+`reference_backward` is PyTorch's.
 """
 import torch
 import triton
 import triton.language as tl
 
+from ._common import partial_programs, pow2_at_least
+from .column_sums import column_sums
+
 __all__ = ["backward", "reference_backward", "LAUNCH"]
 
 # sorted entries per program of the first launch (a power of 2), columns per program of each, and partial rows the
-# second adds per iteration
-LAUNCH = {"chunk": 64, "chunk_cols": 128, "row_cols": 128, "tile": 64}
+# second adds per iteration; the most rows a table summed without a sort may have (a power of 2), and that
+# kernel's positions and columns per tile and programs per multiprocessor along the positions
+LAUNCH = {"chunk": 64, "chunk_cols": 128, "row_cols": 128, "tile": 64, "small_table": 4, "small_rows": 16,
+          "small_cols": 128, "small_per_sm": 2}
 
 
 @triton.jit
@@ -53,7 +63,8 @@ def _chunk_kernel(ids_ptr, order_ptr, grad_ptr, part_ptr, out_ptr, N, D, stride_
     first = (lane == 0) | starts_run  # a piece of a run starts: the chunk's first entry, or a run's
     last = valid & ((lane == CHUNK - 1) | ends_run)
     rows = tl.load(order_ptr + entries, mask=valid, other=0).to(tl.int64)
-    x = tl.load(grad_ptr + rows[:, None] * stride_grad + cols[None, :], mask=valid[:, None] & inside[None, :],
+    read = valid & (ids != padding_idx)  # the padding row's sums are never written: its rows are not read
+    x = tl.load(grad_ptr + rows[:, None] * stride_grad + cols[None, :], mask=read[:, None] & inside[None, :],
                 other=0.0).to(part_ptr.dtype.element_ty)
     flags = tl.broadcast_to(first.to(tl.int32)[:, None], (CHUNK, BLOCK_D))
     sums, _ = tl.associative_scan((x, flags), 0, _segmented_add)
@@ -96,6 +107,44 @@ def _crossing_kernel(ids_ptr, part_ptr, out_ptr, N, D, padding_idx, CHUNK: tl.co
         tl.store(out_ptr + v.to(tl.int64) * D + cols, acc.to(out_ptr.dtype.element_ty), mask=inside)
 
 
+@triton.jit
+def _small_table_kernel(ids_ptr, grad_ptr, part_ptr, N, D, stride_grad, rows_per_program, padding_idx,
+                        R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    program = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    inside = cols < D
+    table_rows = tl.arange(0, R)
+    first = program.to(tl.int64) * rows_per_program
+    end = tl.minimum(first + rows_per_program, N)
+    acc = tl.zeros([R, BLOCK_D], dtype=part_ptr.dtype.element_ty)
+    for start in range(0, rows_per_program, BLOCK_M):
+        rows = first + start + tl.arange(0, BLOCK_M)
+        valid = rows < end
+        ids = tl.load(ids_ptr + rows, mask=valid, other=-1)
+        read = valid & (ids != padding_idx)
+        x = tl.load(grad_ptr + rows[:, None] * stride_grad + cols[None, :], mask=read[:, None] & inside[None, :],
+                    other=0.0).to(part_ptr.dtype.element_ty)
+        hit = (ids[:, None] == table_rows[None, :]) & read[:, None]  # [BLOCK_M, R]
+        acc += tl.sum(tl.where(hit[:, :, None], x[:, None, :], 0.0), axis=0)
+    tl.store(part_ptr + (program * R + table_rows).to(tl.int64)[:, None] * D + cols[None, :], acc,
+             mask=inside[None, :])
+
+
+def _small_table(g, flat, num_weights, pad, acc_dtype):
+    """[num_weights, D] sums in `acc_dtype` of a table of at most ``LAUNCH["small_table"]`` rows, without a sort."""
+    N, D = g.shape
+    R = max(2, pow2_at_least(num_weights))
+    block_m, block_d = LAUNCH["small_rows"], LAUNCH["small_cols"]
+    programs = partial_programs(triton.cdiv(N, block_m), g.device, per_sm=LAUNCH["small_per_sm"])
+    per_program = block_m * triton.cdiv(N, block_m * programs)
+    programs = triton.cdiv(N, per_program)
+    part = torch.empty(programs, R, D, device=g.device, dtype=acc_dtype)
+    _small_table_kernel[(programs, triton.cdiv(D, block_d))](flat, g, part, N, D, g.stride(0), per_program, pad,
+                                                             R=R, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
+    sums = part[0] if programs == 1 else column_sums(part.view(1, programs, R * D), R * D).view(R, D)
+    return sums[:num_weights]
+
+
 def backward(grad: torch.Tensor, ids: torch.Tensor, num_weights: int, padding_idx=None) -> torch.Tensor:
     """``grad_weight`` [num_weights, D] in `grad`'s dtype of ``F.embedding(ids, weight, padding_idx)`` given the
     gradient `grad` [*ids.shape, D] of its output (module docstring). `ids`: integers in [0, num_weights)."""
@@ -109,18 +158,21 @@ def backward(grad: torch.Tensor, ids: torch.Tensor, num_weights: int, padding_id
         raise ValueError(f"num_weights: expected a positive count below 2**31, got {num_weights}")
     if padding_idx is not None and padding_idx < 0:
         padding_idx += num_weights
-    out = torch.zeros(num_weights, D, device=grad.device, dtype=grad.dtype)
     flat = ids.reshape(-1)
     N = flat.numel()
     if N == 0 or D == 0:
-        return out
+        return torch.zeros(num_weights, D, device=grad.device, dtype=grad.dtype)
     g = grad.reshape(N, D)
     if g.stride(-1) != 1:
         g = g.contiguous()
+    acc_dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    pad = -1 if padding_idx is None else padding_idx
+    if num_weights <= LAUNCH["small_table"]:
+        return _small_table(g, flat.contiguous(), num_weights, pad, acc_dtype).to(grad.dtype)
+    out = torch.zeros(num_weights, D, device=grad.device, dtype=grad.dtype)
     keys, order = torch.sort(flat.to(torch.int32), stable=True)
-    part = torch.empty(N, D, device=grad.device, dtype=torch.float64 if grad.dtype == torch.float64
-                       else torch.float32)
-    chunk, pad = LAUNCH["chunk"], -1 if padding_idx is None else padding_idx
+    part = torch.empty(N, D, device=grad.device, dtype=acc_dtype)
+    chunk = LAUNCH["chunk"]
     chunks = triton.cdiv(N, chunk)
     _chunk_kernel[(chunks, triton.cdiv(D, LAUNCH["chunk_cols"]))](
         keys, order, g, part, out, N, D, g.stride(0), pad, CHUNK=chunk, BLOCK_D=LAUNCH["chunk_cols"], num_warps=4)
