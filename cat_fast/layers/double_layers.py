@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from ..ops.fused import fused_kernels, gelu_double_backward, layer_norm_double_backward
 from . import double_attention
 from .double_attention import second_order_only
+from .layout import will_run
 
 __all__ = ["layer_norm", "gelu", "installed", "available"]
 
@@ -63,12 +64,7 @@ def _needed(ctx, index):
     if not ctx.needs_input_grad[index]:
         return False
     node = ctx.next_functions[index][0]
-    if node is None:
-        return False
-    try:
-        return bool(torch._C._will_engine_execute_node(node))
-    except (AttributeError, RuntimeError):  # not inside the engine, or an older PyTorch: compute it
-        return True
+    return node is not None and will_run(node)
 
 
 class _LayerNormGrad(torch.autograd.Function):

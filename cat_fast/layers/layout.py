@@ -392,6 +392,16 @@ def compute_dtype(hidden: torch.Tensor, param_dtype) -> torch.dtype | None:
     return hidden.dtype if hidden.dtype == param_dtype else None
 
 
+def will_run(node) -> bool:
+    """Whether the running backward will execute the autograd `node` (an input's grad_fn or gradient edge): False
+    where ``torch.autograd.grad(..., inputs)`` leaves it out, so a backward can skip work nobody reads; True where
+    PyTorch cannot say (outside the engine, an older PyTorch, a leaf that ``autograd.grad`` was asked for)."""
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except (AttributeError, RuntimeError):
+        return True
+
+
 def mm_at(a: torch.Tensor, b: torch.Tensor, dtype) -> torch.Tensor:
     """``a @ b`` in `dtype`: 16-bit factors accumulated into an fp32 result by the matmul itself where the device
     can (`fp32_mm_supported`), else the product rounded to `dtype`."""

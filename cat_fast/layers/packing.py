@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.fused import fused_kernels
+from .layout import will_run
 
 __all__ = ["real_rows", "attend", "attention_backward", "scatter", "static_rows", "static_count", "bucket", "BUCKETS",
            "Plan", "plan", "pack", "link", "unpack", "carry", "carried", "carrying", "may_carry", "padded", "refused",
@@ -367,14 +368,6 @@ class _Pack(torch.autograd.Function):
         return full.index_copy_(0, idx, grad.to(full.dtype)).view(ctx.shape), None
 
 
-def _will_run(node) -> bool:
-    """Whether the running backward will execute `node` (True where PyTorch cannot say)."""
-    try:
-        return torch._C._will_engine_execute_node(node)
-    except (AttributeError, RuntimeError):
-        return True
-
-
 class _Unpack(torch.autograd.Function):
     """`full` [B, T, D] with its `idx` rows replaced by `rows` [N, D] (in rows' dtype). `link`: the `_Pack` node
     of `full` from which `rows` descend, or None. With a link, `full` is passed detached and its gradient (the
@@ -392,7 +385,7 @@ class _Unpack(torch.autograd.Function):
         (idx,) = ctx.saved_tensors
         flat = grad.reshape(-1, grad.shape[-1])
         link, grad_full = ctx.link, None
-        if link is not None and _will_run(link):
+        if link is not None and will_run(link):
             if link.unpacked is None:
                 link.unpacked = flat.to(dtype=ctx.dtype, memory_format=torch.contiguous_format, copy=True)
             else:

@@ -258,10 +258,7 @@ def _weight_grad(grad_rows, input_rows, dtype):
 
 
 def _will_run(param) -> bool:
-    try:
-        return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(param).node)
-    except RuntimeError:  # a leaf that torch.autograd.grad was asked for: PyTorch declines to answer, but it is
-        return True
+    return layout.will_run(torch.autograd.graph.get_gradient_edge(param).node)
 
 
 def _wanted(needs, params):

@@ -22,6 +22,14 @@ def partial_programs(n_rows: int, device, min_rows: int = 1, per_sm: float = 4) 
     return max(1, min(-(-int(n_rows) // min_rows), target))
 
 
+def runs(n_rows: int, tile: int, programs: int) -> tuple[int, int]:
+    """``(programs, rows per program)`` when `n_rows` rows are shared by at most `programs` programs (as
+    `partial_programs` says), each a run of whole `tile`s of rows: the run length rounded up to a tile, then the
+    programs that have rows."""
+    per_program = tile * -(-int(n_rows) // (tile * programs))
+    return -(-int(n_rows) // per_program), per_program
+
+
 def acc_tl_dtype(t: torch.Tensor):
     return tl.float64 if t.dtype == torch.float64 else tl.float32
 

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import partial_programs, pow2_at_least
+from ._common import partial_programs, pow2_at_least, runs
 
 __all__ = ["column_sums", "concat", "LAUNCH"]
 
@@ -121,9 +121,8 @@ def concat(parts, want_sums: bool = True):
         return out, (torch.zeros(3 * D, device=a.device, dtype=acc) if want_sums else None)
     block_m = LAUNCH["concat_rows"]
     block_n = min(pow2_at_least(D), LAUNCH["concat_cols"])
-    programs = partial_programs(triton.cdiv(n, block_m), a.device, per_sm=LAUNCH["concat_per_sm"])
-    per_program = block_m * triton.cdiv(n, block_m * programs)
-    programs = triton.cdiv(n, per_program)
+    programs, per_program = runs(n, block_m, partial_programs(triton.cdiv(n, block_m), a.device,
+                                                               per_sm=LAUNCH["concat_per_sm"]))
     part = torch.empty(programs, 3 * D, device=a.device, dtype=acc) if want_sums else out
     _concat_kernel[(programs, triton.cdiv(D, block_n), 3)](a, b, c, out, part, n, D, a.stride(0), b.stride(0),
                                                             c.stride(0), per_program, BLOCK_M=block_m,

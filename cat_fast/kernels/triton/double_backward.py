@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..dtypes import acc_dtype
-from ._common import acc_tl_dtype, partial_programs, pow2_at_least, scalar_acc, split_scalar
+from ._common import acc_tl_dtype, partial_programs, pow2_at_least, runs, scalar_acc, split_scalar
 from .column_sums import column_sums
 
 __all__ = ["layer_norm", "gelu"]
@@ -118,9 +118,8 @@ def layer_norm(x, weight, dy, a, c, e, mean, rstd):
     if n == 0:
         return g_x.view(x.shape), torch.zeros(D, device=x.device, dtype=acc), g_dy.view(dy.shape)
     block = pow2_at_least(D)
-    programs = partial_programs(n, x.device, min_rows=LAUNCH["min_rows"], per_sm=LAUNCH["per_sm"])
-    per_program = -(-n // programs)
-    programs = -(-n // per_program)
+    programs, per_program = runs(n, 1, partial_programs(n, x.device, min_rows=LAUNCH["min_rows"],
+                                                         per_sm=LAUNCH["per_sm"]))
     part = torch.empty(1, programs, block, device=x.device, dtype=acc)
     vectors = [t.contiguous().view(-1) for t in (weight, c, e)]
     _layer_norm_kernel[(programs,)](*rows, *vectors, mean.contiguous().view(-1), rstd.contiguous().view(-1), g_x,

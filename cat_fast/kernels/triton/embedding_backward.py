@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import partial_programs, pow2_at_least
+from ._common import partial_programs, pow2_at_least, runs
 from .column_sums import column_sums
 
 __all__ = ["backward", "reference_backward", "LAUNCH"]
@@ -135,9 +135,8 @@ def _small_table(g, flat, num_weights, pad, acc_dtype):
     N, D = g.shape
     R = max(2, pow2_at_least(num_weights))
     block_m, block_d = LAUNCH["small_rows"], LAUNCH["small_cols"]
-    programs = partial_programs(triton.cdiv(N, block_m), g.device, per_sm=LAUNCH["small_per_sm"])
-    per_program = block_m * triton.cdiv(N, block_m * programs)
-    programs = triton.cdiv(N, per_program)
+    programs, per_program = runs(N, block_m, partial_programs(triton.cdiv(N, block_m), g.device,
+                                                               per_sm=LAUNCH["small_per_sm"]))
     part = torch.empty(programs, R, D, device=g.device, dtype=acc_dtype)
     _small_table_kernel[(programs, triton.cdiv(D, block_d))](flat, g, part, N, D, g.stride(0), per_program, pad,
                                                              R=R, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)

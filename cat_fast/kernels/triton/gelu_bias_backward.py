@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import partial_programs
+from ._common import partial_programs, runs
 from .column_sums import column_sums
 
 __all__ = ["backward", "reference_backward"]
@@ -70,9 +70,7 @@ def backward(grad, inner, want_bias=True, *, block_m=None, block_n=None, per_sm=
     block_n = min(triton.next_power_of_2(N), block_n or LAUNCH["block_n"])
     column_blocks = triton.cdiv(N, block_n)
     # each program covers a run of whole row tiles of one column block
-    programs = partial_programs(-(-n // block_m), x.device, per_sm=per_sm)
-    per_program = block_m * -(-n // (block_m * programs))
-    programs = -(-n // per_program)
+    programs, per_program = runs(n, block_m, partial_programs(-(-n // block_m), x.device, per_sm=per_sm))
     part = torch.empty(programs, N, device=x.device, dtype=torch.float32) if want_bias else out
     _kernel[(programs, column_blocks)](g, x, out, part, n, N, per_program, _SQRT1_2, _PDF_SCALE, BLOCK_M=block_m,
                                        BLOCK_N=block_n, WANT_SUM=bool(want_bias),

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import partial_programs, pow2_at_least
+from ._common import partial_programs, pow2_at_least, runs
 from .column_sums import column_sums
 
 __all__ = ["forward", "backward", "backward_with_params", "reference_forward", "reference_backward",
@@ -237,8 +237,7 @@ def backward_with_params(grad_y, branch, residual, weight, mean, rstd, keep, sca
     rows = rows or LAUNCH["params_rows"]
     programs = partial_programs(n, g.device, min_rows=min_rows or LAUNCH["params_min_rows"],
                                 per_sm=per_sm or LAUNCH["params_per_sm"])
-    per_program = rows * -(-n // (rows * programs))  # whole iterations of `rows` rows
-    programs = -(-n // per_program)
+    programs, per_program = runs(n, rows, programs)  # whole iterations of `rows` rows
     part = torch.empty(3, programs, block, device=g.device, dtype=torch.float32)
     _backward_params_kernel[(programs,)](g, b, r, weight.contiguous(), mean, rstd, k, grad_s, grad_branch, part, n,
                                          D, per_program, programs, float(scale), ROWS=rows, BLOCK=block,
