@@ -16,6 +16,17 @@ in place (no per-projection casts, no zero-filled gradient of the first row). Th
 attention is the same `attention.first_row` call, given the keys and values as one tensor: their gradient is
 written as one); the input gradient is summed in fp32 under autocast (the modules round each projection's to 16
 bits first). `INPUT_ONLY_KEY_VALUE` (True by default) turns it off when False (its timing: benchmarks/RESULTS.md).
+
+Passes that take parameter gradients (training) of a layer the training layers run (`layers.training.supported`:
+the Bert layout, no hooks, no interventions), an fp32 layer under 16-bit autocast on CUDA, run as one autograd node
+(`TRAINING_ROW`): keys and values in one matmul and row 0's query on the step's 16-bit weight copies
+(`casts.weights`, cast ahead while the layer before runs), the input cast once (or the previous fast layer's copy),
+the attention by the first-row kernel, the row's residual add + dropout + LayerNorm by the fused kernels
+(`kernels.triton.residual_layer_norm`), its GELU's backward with the bias gradient (`kernels.triton
+.gelu_bias_backward`), the weight gradients accumulated in fp32 by the matmuls and the bias gradients summed in
+fp32 (no per-weight casts and casts back, no zero-filled input gradient for row 0). The same values to 16-bit
+rounding and the same dropout draws as the modules (the attention's keep mask drawn as `attention.first_row`
+draws it, then the two hidden dropouts by `torch.native_dropout` over the row's [B, D] elements).
 """
 from __future__ import annotations
 
@@ -23,14 +34,19 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from . import attention, casts, interventions, layout
+from ..ops.fused import fused_kernels
+from . import attention, casts, interventions, layout, training
+from .layout import bert_parts, copy16, dropout, dropout_p
 
-__all__ = ["supported", "forward", "INPUT_ONLY_KEY_VALUE"]
+__all__ = ["supported", "forward", "INPUT_ONLY_KEY_VALUE", "TRAINING_ROW"]
 
 _ATTENTION = ("sdpa", "eager")
 
 # Whether input-only passes compute keys and values in one matmul (module docstring).
 INPUT_ONLY_KEY_VALUE = True
+# Whether passes that take parameter gradients run as one autograd node where they can (module docstring); False:
+# the layer's own modules, for comparisons.
+TRAINING_ROW = True
 
 
 class _KeyValueFirst(torch.autograd.Function):
@@ -109,6 +125,10 @@ def forward(layer: nn.Module, args, kwargs, fill: float | None = None, row_only:
         return None
     x, mask = found
     heads = parts.heads
+    if not input_only:
+        row = _training_row(layer, x, mask)
+        if row is not None:
+            return row if row_only else _with_rest(row, x, fill)
     fast = _key_value_weights(layer, parts, x) if input_only else None
     if fast is not None:
         dtype, w_kv, b_kv = fast
@@ -131,5 +151,149 @@ def forward(layer: nn.Module, args, kwargs, fill: float | None = None, row_only:
     row = parts.finish(context, first)
     if row_only:
         return row
+    return _with_rest(row, x, fill)
+
+
+def _with_rest(row, x, fill):
+    """[B, T, D]: `row` then the input's rows 1.. (detached), or `fill` there."""
     rest = x[:, 1:].detach() if fill is None else torch.full_like(x[:, 1:], fill)
     return torch.cat([row, rest.to(row.dtype)], dim=1)
+
+
+def _row_kernels(x, dtype, layer_norm_dtype):
+    """``(residual_layer_norm, gelu_bias_backward, column_sums, first_row_attention)`` kernel modules where the
+    training row applies to this call (`layers.training`'s fused conditions: CUDA, an fp32 layer under 16-bit
+    autocast, its row count), else None."""
+    fused = training._fusion(x.reshape(-1, x.shape[-1]), dtype, layer_norm_dtype)
+    attend = fused_kernels("first_row_attention") if fused is not None and attention.FUSED else None
+    return None if attend is None else (*fused, attend)
+
+
+def _training_row(layer, x, mask):
+    """Row 0 of the layer's output ([B, 1, D]) by `_TrainingRow` where it applies (module docstring), else None."""
+    if not (TRAINING_ROW and torch.is_grad_enabled()) or not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return None
+    weighted = training._checked(layer)
+    if weighted is None or interventions.active(layer):
+        return None
+    params = training._parameters(weighted)
+    first = params[0]
+    if (x.dtype != torch.float32 or x.device != first.device or x.shape[1] == 0
+            or any(p.dtype != first.dtype or p.device != first.device for p in params)
+            or not (x.requires_grad or any(p.requires_grad for p in params))):
+        return None
+    sa, so, inter, out = bert_parts(layer)
+    dtype = layout.compute_dtype(x, first.dtype)
+    if dtype is None or training._gelu_approximate(inter) != "none" or None in (dropout_p(so.dropout),
+                                                                               dropout_p(out.dropout)):
+        return None
+    kernels = _row_kernels(x, dtype, params[8].dtype)
+    if kernels is None:
+        return None
+    B, T, _ = x.shape
+    heads = sa.num_attention_heads
+    if mask is not None and mask.shape[-2] != 1:
+        mask = mask[:, :, :1]
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(dtype)
+    bias = attention._bias(mask, B, heads, T, x.device)
+    if bias is False:
+        return None
+    with torch.autocast(x.device.type, enabled=False):
+        return _TrainingRow.apply(x, bias, layer, dtype, kernels, *params)
+
+
+def _dropout(x, p):
+    """`layout.dropout` (the modules' draws) with its keep mask as a boolean tensor, as the fused kernels take it
+    (off CUDA `layout.dropout` gives the scaled Bernoulli noise, nonzero where kept)."""
+    out, keep = dropout(x, p)
+    return out, keep if keep is None or keep.dtype == torch.bool else keep != 0
+
+
+class _TrainingRow(torch.autograd.Function):
+    """Row 0 of a Bert-layout layer's output, [B, 1, D] fp32, from its input x [B, T, D] (module docstring):
+    differentiable w.r.t. x and the sixteen parameters (`layers.training`'s order); not twice differentiable."""
+
+    @staticmethod
+    def forward(ctx, x, bias, layer, dtype, kernels, *params):
+        wq, bq, wk, bk, wv, bv, wo, bo, g1, be1, wi, bi, wo2, bo2, g2, be2 = params
+        rln, _, _, attend = kernels
+        sa, so, inter, out = bert_parts(layer)
+        B, T, D = x.shape
+        heads, HD = sa.num_attention_heads, wq.shape[0]
+        p_attn = sa.dropout.p if sa.training else 0.0
+        p1, p2 = dropout_p(so.dropout), dropout_p(out.dropout)
+        w16 = casts.weights(layer, (wq, wk, wv, bq, bk, bv, wo, bo, wi, bi, wo2, bo2), dtype)
+        x16 = copy16(x, dtype).reshape(B * T, D)
+        first16 = x16.view(B, T, D)[:, 0]  # row 0 of each sequence (strided)
+        kv = torch.addmm(w16.qkv_bias[HD:], x16, w16.qkv[HD:].t()).view(B, T, -1)
+        q = torch.addmm(w16.qkv_bias[:HD], first16, w16.qkv[:HD].t()).view(B, 1, HD)
+        k, v = kv[..., :HD], kv[..., HD:]
+        keep = (torch.empty(B, heads, T, device=x.device, dtype=torch.uint8).bernoulli_(1.0 - p_attn)
+                if p_attn > 0.0 else None)  # as `attention.first_row` draws it
+        inv_keep = 1.0 / (1.0 - p_attn)
+        context, attended = attend.forward(q, k, v, bias, keep, heads, sa.scaling, inv_keep)
+        context = context.view(B, HD)
+        a, keep1 = _dropout(torch.addmm(w16.attention_output_bias, context, w16.attention_output.t()), p1)
+        residual = x[:, 0].contiguous()  # saved: not a view that would keep the whole input alive
+        h1, h1_16, mean1, rstd1 = rln.forward(a, residual, g1, be1, so.LayerNorm.eps, out16_dtype=dtype)
+        inner = torch.addmm(w16.intermediate_bias, h1_16, w16.intermediate.t())
+        activated = torch.nn.functional.gelu(inner)
+        o, keep2 = _dropout(torch.addmm(w16.output_bias, activated, w16.output.t()), p2)
+        y, _, mean2, rstd2 = rln.forward(o, h1, g2, be2, out.LayerNorm.eps)
+        saved = dict(x16=x16, q=q, kv=kv, keep=keep, context=context, a=a, keep1=keep1, residual=residual,
+                     mean1=mean1, rstd1=rstd1, h1=h1, h1_16=h1_16, inner=inner, activated=activated, o=o,
+                     keep2=keep2, mean2=mean2, rstd2=rstd2, g1=g1, g2=g2, w_qkv=w16.qkv, wo16=w16.attention_output,
+                     wi16=w16.intermediate, wo2_16=w16.output)
+        ctx.save_for_backward(*saved.values(), *attended)
+        ctx.names = tuple(saved)
+        ctx.kernels, ctx.params = kernels, params
+        ctx.shapes = (B, T, D, heads, HD, p1, p2, sa.scaling, inv_keep, wq.dtype, (wq.shape[0], wk.shape[0],
+                                                                                  wv.shape[0]))
+        return y.view(B, 1, D)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y):
+        tensors = ctx.saved_tensors
+        t = dict(zip(ctx.names, tensors))
+        attended = tensors[len(ctx.names):]
+        B, T, D, heads, HD, p1, p2, scale, inv_keep, p_dtype, qkv_sizes = ctx.shapes
+        rln, gelu, sums, attend = ctx.kernels
+        need = training._wanted(ctx.needs_input_grad[5:], ctx.params)
+        with torch.autocast(grad_y.device.type, enabled=False):
+            grad_s2, grad_o, grad_g2, grad_be2, grad_bo2 = training._fused_norm_backward(
+                rln, grad_y.reshape(B, D), t["o"], t["h1"], t["g2"], t["mean2"], t["rstd2"], t["keep2"], p2,
+                need[13:16])
+            grad_wo2 = training._weight_grad(grad_o, t["activated"], p_dtype) if need[12] else None
+            grad_inner, grad_bi = gelu.backward(torch.mm(grad_o, t["wo2_16"]), t["inner"], want_bias=need[11])
+            grad_wi = training._weight_grad(grad_inner, t["h1_16"], p_dtype) if need[10] else None
+            grad_h1 = training._mm_into(grad_s2, grad_inner, t["wi16"])
+            grad_s1, grad_a, grad_g1, grad_be1, grad_bo = training._fused_norm_backward(
+                rln, grad_h1, t["a"], t["residual"], t["g1"], t["mean1"], t["rstd1"], t["keep1"], p1, need[7:10])
+            grad_wo = training._weight_grad(grad_a, t["context"], p_dtype) if need[6] else None
+            kv = t["kv"]
+            grad_kv = torch.empty_like(kv)
+            dq, _, _ = attend.backward(torch.mm(grad_a, t["wo16"]).view(B, 1, HD), t["q"], kv[..., :HD],
+                                       kv[..., HD:], t["keep"], attended, heads, scale, inv_keep, grad_kv[..., :HD],
+                                       grad_kv[..., HD:])
+            dq, grad_kv = dq.view(B, HD), grad_kv.view(B * T, -1)
+            x16, w_qkv = t["x16"], t["w_qkv"]
+            first16 = x16.view(B, T, D)[:, 0]
+            grad_w_qkv = grad_b_qkv = None
+            if any(need[0:6:2]):
+                grad_w_qkv = torch.cat((training._weight_grad(dq, first16, p_dtype),
+                                        training._weight_grad(grad_kv, x16, p_dtype)))
+            if any(need[1:6:2]):
+                grad_b_qkv = torch.cat((sums.column_sums(dq.unsqueeze(0), HD)[0],
+                                        sums.column_sums(grad_kv.unsqueeze(0), grad_kv.shape[1])[0]))
+            grad_x = None
+            if ctx.needs_input_grad[0]:
+                grad_x = layout.mm_at(grad_kv, w_qkv[HD:], torch.float32).view(B, T, D)
+                grad_x[:, 0] += training._mm_into(grad_s1, dq, w_qkv[:HD])
+        wq_wk_wv = grad_w_qkv.split(qkv_sizes) if grad_w_qkv is not None else (None,) * 3
+        bq_bk_bv = grad_b_qkv.split(qkv_sizes) if grad_b_qkv is not None else (None,) * 3
+        qkv_grads = [g if need[i] else None for i, g in enumerate(
+            (wq_wk_wv[0], bq_bk_bv[0], wq_wk_wv[1], bq_bk_bv[1], wq_wk_wv[2], bq_bk_bv[2]))]
+        return (grad_x, None, None, None, None, *qkv_grads, grad_wo, grad_bo, grad_g1, grad_be1, grad_wi, grad_bi,
+                grad_wo2, grad_bo2, grad_g2, grad_be2)

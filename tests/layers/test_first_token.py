@@ -1,5 +1,8 @@
 """cat_fast.layers.first_token's one-matmul keys and values for input-only passes (`INPUT_ONLY_KEY_VALUE`) against the
-layer's own key and value modules: the same logits, input gradient and dropout draws."""
+layer's own key and value modules: the same logits, input gradient and dropout draws; and the training row
+(`TRAINING_ROW`) against the modules."""
+import os
+
 import pytest
 import torch
 
@@ -113,3 +116,125 @@ def test_cuda_autocast_matches_the_modules_to_16_bit_rounding(monkeypatch):
     assert calls == [1]
     torch.testing.assert_close(got[0].float(), want[0].float(), rtol=2e-2, atol=2e-2)
     assert (got[1] - want[1]).abs().max() <= 2e-2 * want[1].abs().max()
+
+
+# ----------------------------------------------------------------------------- passes with parameter gradients
+
+_ROW_KERNELS = ("residual_layer_norm", "gelu_bias_backward", "column_sums", "first_row_attention")
+
+
+def _row_calls(monkeypatch, on_cpu=False):
+    """The `_TrainingRow` calls; `on_cpu`: the row allowed on the CPU, its kernels under the Triton interpreter (the
+    root conftest sets TRITON_INTERPRET=1 there), where the row otherwise never runs."""
+    from cat_fast.ops.fused import fused_kernels
+
+    calls = []
+    real = first_token._TrainingRow.apply
+    monkeypatch.setattr(first_token._TrainingRow, "apply", lambda *a: calls.append(1) or real(*a))
+    if on_cpu:
+        kernels = tuple(fused_kernels(name) for name in _ROW_KERNELS)
+        if None in kernels:
+            pytest.skip("needs Triton")
+        monkeypatch.setattr(first_token, "_row_kernels", lambda x, dtype, layer_norm_dtype: kernels)
+    return calls
+
+
+def _training_pass(layer, x, mask, g, on, monkeypatch, seed=3, parameters=True):
+    """(output [B, T, D], gradients of the input and, with `parameters`, of every parameter) of the first-token
+    layer with the training row on or off."""
+    monkeypatch.setattr(first_token, "TRAINING_ROW", on)
+    torch.manual_seed(seed)
+    t = x.detach().requires_grad_(True)
+    out = first_token.forward(layer, (t, mask), {})
+    assert out is not None and out.shape == x.shape
+    return out, torch.autograd.grad(out, [t, *layer.parameters()] if parameters else [t], g)
+
+
+def _first_token_layer(device="cpu", **config):
+    model = tiny_model("bert", attn="sdpa", num_layers=2, **config).to(device)
+    return models.structure(model).layer_modules[-1].train(True)
+
+
+def _padded(lengths, T, D, device="cpu"):
+    real = (torch.arange(T) < torch.tensor(lengths)[:, None]).to(device)
+    mask = models.inputs._padding_mask_4d(real.long())
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(len(lengths), T, D, generator=g).to(device)
+    grad = torch.randn(len(lengths), T, D, generator=g).to(device)
+    return x, mask, grad
+
+
+INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="runs the row's kernels on the CPU under the Triton interpreter")
+
+
+@INTERPRETED
+@pytest.mark.parametrize("lengths", [[9, 4, 6, 3], [1], [9, 1, 9]], ids=["padded", "one_token", "full_rows"])
+def test_training_row_equals_the_modules(lengths, monkeypatch):
+    """The training row (its kernels under the interpreter, fp32) against the layer's own modules in train mode with
+    hidden dropout (the same draws): row 0 and the input and every parameter gradient to fp32 rounding; rows 1.. the
+    input's; an input-only backward (``autograd.grad`` of the input alone) gives the same input gradient."""
+    layer = _first_token_layer(hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.0)
+    x, mask, g = _padded(lengths, 9, layer.attention.self.all_head_size)
+    calls = _row_calls(monkeypatch, on_cpu=True)
+    want, want_grads = _training_pass(layer, x, mask, g, False, monkeypatch)
+    assert calls == []
+    got, grads = _training_pass(layer, x, mask, g, True, monkeypatch)
+    assert calls == [1]
+    torch.testing.assert_close(got[:, 0], want[:, 0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[:, 1:], x[:, 1:])
+    names = ["input"] + [n for n, _ in layer.named_parameters()]
+    assert len(grads) == len(want_grads) == len(names)
+    for name, a, b in zip(names, grads, want_grads):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max().clamp_min(1.0), name
+    _, (grad_x,) = _training_pass(layer, x, mask, g, True, monkeypatch, parameters=False)
+    assert calls == [1, 1]
+    torch.testing.assert_close(grad_x, grads[0], rtol=1e-6, atol=1e-6)
+
+
+@INTERPRETED
+def test_training_row_stays_off_where_it_does_not_apply(monkeypatch):
+    """No gradient taken, an intervention or a hook on the layer, or (on the CPU, without the kernels allowed) any
+    call: the layer's own modules run."""
+    layer = _first_token_layer()
+    x, mask, g = _padded([9, 4], 9, layer.attention.self.all_head_size)
+    calls = _row_calls(monkeypatch)
+    _training_pass(layer, x, mask, g, True, monkeypatch)  # the CPU: the kernels are CUDA's
+    _row_calls(monkeypatch, on_cpu=True)
+    with torch.no_grad():
+        assert first_token.forward(layer, (x, mask), {}) is not None
+    handle = layer.intermediate.dense.register_forward_hook(lambda *args: None)
+    try:
+        _training_pass(layer, x, mask, g, True, monkeypatch)
+    finally:
+        handle.remove()
+    assert calls == []
+    _training_pass(layer, x, mask, g, True, monkeypatch)
+    assert calls == [1]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_training_row_matches_the_modules_to_16_bit_rounding(monkeypatch):
+    """bf16 autocast on CUDA (the row's own conditions, from any row count), attention and hidden dropout in train
+    mode: the same draws as the modules (the attention's keep mask as `attention.first_row` draws it), so row 0 and
+    every gradient agree to bf16 rounding; another seed moves them."""
+    from cat_fast.layers import training as training_layer
+
+    monkeypatch.setattr(training_layer, "FUSED_MIN_ROWS", 0)
+    layer = _first_token_layer("cuda", hidden_size=64, num_attention_heads=4, intermediate_size=256,
+                               hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.2)
+    x, mask, g = _padded([40, 17, 25, 9, 33, 40], 40, 64, "cuda")
+    calls = _row_calls(monkeypatch)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want, want_grads = _training_pass(layer, x, mask, g, False, monkeypatch)
+        got, grads = _training_pass(layer, x, mask, g, True, monkeypatch)
+        other, _ = _training_pass(layer, x, mask, g, True, monkeypatch, seed=4)
+    assert calls == [1, 1]
+    torch.testing.assert_close(got[:, 0], want[:, 0], rtol=3e-2, atol=3e-2)
+    names = ["input"] + [n for n, _ in layer.named_parameters()]
+    for name, a, b in zip(names, grads, want_grads):
+        assert a.dtype == b.dtype == torch.float32, name
+        if not name.endswith("key.bias"):  # exactly 0 in exact arithmetic: rounding noise on both sides
+            assert (a - b).abs().max() <= 3e-2 * b.abs().max().clamp_min(1e-6), name
+    assert (other[:, 0] - want[:, 0]).abs().max() > 3e-2  # other draws: beyond the tolerance above
