@@ -1,4 +1,6 @@
 """`ERM(fast=True)`: the model's own loss and gradients through `first_token_forward` with the training layers."""
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,6 +45,38 @@ def test_fast_erm_is_the_models_own_loss_and_gradients(arch, train):
     assert got_grads.keys() == want_grads.keys()
     for n in want_grads:
         torch.testing.assert_close(got_grads[n], want_grads[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs Triton kernels under the interpreter")
+def test_fast_erm_with_the_training_row_is_the_models_own_loss_and_gradients(monkeypatch):
+    """The last layer as one autograd node (`layers.first_token.TRAINING_ROW`; allowed on the CPU here, its kernels
+    under the Triton interpreter), in train mode with hidden dropout: the loss and every gradient of the model's own
+    layers cut to the first token, to fp32 rounding."""
+    from cat_fast.layers import first_token
+    from cat_fast.ops.fused import fused_kernels
+
+    kernels = tuple(fused_kernels(name) for name in ("residual_layer_norm", "gelu_bias_backward", "column_sums",
+                                                      "first_row_attention"))
+    if None in kernels:
+        pytest.skip("needs Triton")
+    calls = []
+    real = first_token._TrainingRow.apply
+    monkeypatch.setattr(first_token._TrainingRow, "apply", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(first_token, "_row_kernels", lambda x, dtype, layer_norm_dtype: kernels)
+    # the training layers' conditions: SDPA attention; no attention dropout: SDPA draws its own on the CPU
+    model = tiny_model("bert", attn="sdpa", seed=1, attention_probs_dropout_prob=0.0).train(True)
+    batch = tiny_batch("bert", batch=5)
+    monkeypatch.setattr(first_token, "TRAINING_ROW", False)  # the reference: the last layer's own modules
+    want, want_grads = _loss_and_grads(model, _PrunedComposition(model), batch)
+    assert calls == []
+    monkeypatch.setattr(first_token, "TRAINING_ROW", True)
+    got, got_grads = _loss_and_grads(model, ERM(model, fast=True), batch)
+    assert calls == [1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got_grads.keys() == want_grads.keys()
+    for n in want_grads:
+        scale = want_grads[n].abs().max().clamp_min(1e-3)
+        assert (got_grads[n] - want_grads[n]).abs().max() <= 1e-4 * scale, n
 
 
 def test_fast_erm_through_captured_step_on_the_cpu_equals_the_loop():
