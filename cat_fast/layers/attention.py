@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 
 from ..ops.fused import fused_kernels
 
-__all__ = ["first_row", "fused_first_row", "FUSED"]
+__all__ = ["first_row", "fused_first_row", "score_bias", "keep_mask", "FUSED"]
 
 # Whether CUDA passes use the fused kernel (module docstring); off: SDPA.
 FUSED = True
@@ -68,7 +68,7 @@ class _FirstRow(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-def _bias(mask, B, H, T, device):
+def score_bias(mask, B, H, T, device):
     """The mask as an additive ``[B, H, T]`` score bias (broadcast strides), or False where the kernel does not
     take it (then SDPA runs)."""
     if mask is None:
@@ -137,9 +137,16 @@ def first_row(q, keys_values, mask, heads: int, dropout_p: float, scale: float):
                       or q.dtype in (torch.get_autocast_dtype("cuda"), torch.float64))
     fused = (FUSED and q.is_cuda and q.dtype == k.dtype == v.dtype and q.dtype in _DTYPES and autocast_keeps
              and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and 0.0 <= dropout_p < 1.0 and B * T > 0)
-    bias = _bias(mask, B, heads, T, q.device) if fused else False
+    bias = score_bias(mask, B, heads, T, q.device) if fused else False
     if bias is False or fused_kernels("first_row_attention") is None:
         return _sdpa(q, k, v, mask, heads, dropout_p, scale)
-    keep = (torch.empty(B, heads, T, device=q.device, dtype=torch.uint8).bernoulli_(1.0 - dropout_p)
-            if dropout_p > 0.0 else None)
-    return fused_first_row(q, keys_values, bias, heads, keep, scale, dropout_p)
+    return fused_first_row(q, keys_values, bias, heads, keep_mask(B, heads, T, q.device, dropout_p), scale,
+                           dropout_p)
+
+
+def keep_mask(B: int, heads: int, T: int, device, dropout_p: float):
+    """The kernel path's attention-dropout keep mask: a uint8 ``[B, heads, T]`` Bernoulli(1 - `dropout_p`) draw
+    from torch's generator, or None without dropout."""
+    if dropout_p <= 0.0:
+        return None
+    return torch.empty(B, heads, T, device=device, dtype=torch.uint8).bernoulli_(1.0 - dropout_p)

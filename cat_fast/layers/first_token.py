@@ -142,16 +142,22 @@ def forward(layer: nn.Module, args, kwargs, fill: float | None = None, row_only:
         first = x[:, :1]
         keys_values = parts.key(x), parts.value(x)
     q = parts.query(first)
-    if mask is not None and mask.shape[-2] != 1:
-        mask = mask[:, :, :1]
-    if mask is not None and mask.dtype != torch.bool:
-        mask = mask.to(q.dtype)
+    mask = _first_row_mask(mask, q.dtype)
     a = parts.attention
     context = attention.first_row(q, keys_values, mask, heads, a.dropout.p if a.training else 0.0, a.scaling)
     row = parts.finish(context, first)
     if row_only:
         return row
     return _with_rest(row, x, fill)
+
+
+def _first_row_mask(mask, dtype):
+    """Row 0's query row of a 4-D attention mask (None stays None), a float mask in the attention's `dtype`."""
+    if mask is not None and mask.shape[-2] != 1:
+        mask = mask[:, :, :1]
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(dtype)
+    return mask
 
 
 def _with_rest(row, x, fill):
@@ -164,19 +170,20 @@ def _row_kernels(x, dtype, layer_norm_dtype):
     """``(residual_layer_norm, gelu_bias_backward, column_sums, first_row_attention)`` kernel modules where the
     training row applies to this call (`layers.training`'s fused conditions: CUDA, an fp32 layer under 16-bit
     autocast, its row count), else None."""
-    fused = training._fusion(x.reshape(-1, x.shape[-1]), dtype, layer_norm_dtype)
+    fused = training.fusion(x.reshape(-1, x.shape[-1]), dtype, layer_norm_dtype)
     attend = fused_kernels("first_row_attention") if fused is not None and attention.FUSED else None
     return None if attend is None else (*fused, attend)
 
 
 def _training_row(layer, x, mask):
     """Row 0 of the layer's output ([B, 1, D]) by `_TrainingRow` where it applies (module docstring), else None."""
+    if TRAINING_ROW is not True and TRAINING_ROW is not False:
+        raise ValueError(f"cat_fast.layers.first_token.TRAINING_ROW: expected True or False, got {TRAINING_ROW!r}")
     if not (TRAINING_ROW and torch.is_grad_enabled()) or not isinstance(x, torch.Tensor) or x.dim() != 3:
         return None
-    weighted = training._checked(layer)
-    if weighted is None or interventions.active(layer):
+    params = training.parameters(layer)
+    if params is None or interventions.active(layer):
         return None
-    params = training._parameters(weighted)
     first = params[0]
     if (x.dtype != torch.float32 or x.device != first.device or x.shape[1] == 0
             or any(p.dtype != first.dtype or p.device != first.device for p in params)
@@ -184,19 +191,14 @@ def _training_row(layer, x, mask):
         return None
     sa, so, inter, out = bert_parts(layer)
     dtype = layout.compute_dtype(x, first.dtype)
-    if dtype is None or training._gelu_approximate(inter) != "none" or None in (dropout_p(so.dropout),
+    if dtype is None or training.gelu_approximate(inter) != "none" or None in (dropout_p(so.dropout),
                                                                                dropout_p(out.dropout)):
         return None
     kernels = _row_kernels(x, dtype, params[8].dtype)
     if kernels is None:
         return None
     B, T, _ = x.shape
-    heads = sa.num_attention_heads
-    if mask is not None and mask.shape[-2] != 1:
-        mask = mask[:, :, :1]
-    if mask is not None and mask.dtype != torch.bool:
-        mask = mask.to(dtype)
-    bias = attention._bias(mask, B, heads, T, x.device)
+    bias = attention.score_bias(_first_row_mask(mask, dtype), B, sa.num_attention_heads, T, x.device)
     if bias is False:
         return None
     with torch.autocast(x.device.type, enabled=False):
@@ -229,8 +231,7 @@ class _TrainingRow(torch.autograd.Function):
         kv = torch.addmm(w16.qkv_bias[HD:], x16, w16.qkv[HD:].t()).view(B, T, -1)
         q = torch.addmm(w16.qkv_bias[:HD], first16, w16.qkv[:HD].t()).view(B, 1, HD)
         k, v = kv[..., :HD], kv[..., HD:]
-        keep = (torch.empty(B, heads, T, device=x.device, dtype=torch.uint8).bernoulli_(1.0 - p_attn)
-                if p_attn > 0.0 else None)  # as `attention.first_row` draws it
+        keep = attention.keep_mask(B, heads, T, x.device, p_attn)  # as `attention.first_row` draws it
         inv_keep = 1.0 / (1.0 - p_attn)
         context, attended = attend.forward(q, k, v, bias, keep, heads, sa.scaling, inv_keep)
         context = context.view(B, HD)
@@ -260,18 +261,18 @@ class _TrainingRow(torch.autograd.Function):
         attended = tensors[len(ctx.names):]
         B, T, D, heads, HD, p1, p2, scale, inv_keep, p_dtype, qkv_sizes = ctx.shapes
         rln, gelu, sums, attend = ctx.kernels
-        need = training._wanted(ctx.needs_input_grad[5:], ctx.params)
+        need = training.wanted(ctx.needs_input_grad[5:], ctx.params)
         with torch.autocast(grad_y.device.type, enabled=False):
-            grad_s2, grad_o, grad_g2, grad_be2, grad_bo2 = training._fused_norm_backward(
+            grad_s2, grad_o, grad_g2, grad_be2, grad_bo2 = training.norm_backward(
                 rln, grad_y.reshape(B, D), t["o"], t["h1"], t["g2"], t["mean2"], t["rstd2"], t["keep2"], p2,
                 need[13:16])
-            grad_wo2 = training._weight_grad(grad_o, t["activated"], p_dtype) if need[12] else None
+            grad_wo2 = training.weight_grad(grad_o, t["activated"], p_dtype) if need[12] else None
             grad_inner, grad_bi = gelu.backward(torch.mm(grad_o, t["wo2_16"]), t["inner"], want_bias=need[11])
-            grad_wi = training._weight_grad(grad_inner, t["h1_16"], p_dtype) if need[10] else None
-            grad_h1 = training._mm_into(grad_s2, grad_inner, t["wi16"])
-            grad_s1, grad_a, grad_g1, grad_be1, grad_bo = training._fused_norm_backward(
+            grad_wi = training.weight_grad(grad_inner, t["h1_16"], p_dtype) if need[10] else None
+            grad_h1 = training.mm_into(grad_s2, grad_inner, t["wi16"])
+            grad_s1, grad_a, grad_g1, grad_be1, grad_bo = training.norm_backward(
                 rln, grad_h1, t["a"], t["residual"], t["g1"], t["mean1"], t["rstd1"], t["keep1"], p1, need[7:10])
-            grad_wo = training._weight_grad(grad_a, t["context"], p_dtype) if need[6] else None
+            grad_wo = training.weight_grad(grad_a, t["context"], p_dtype) if need[6] else None
             kv = t["kv"]
             grad_kv = torch.empty_like(kv)
             dq, _, _ = attend.backward(torch.mm(grad_a, t["wo16"]).view(B, 1, HD), t["q"], kv[..., :HD],
@@ -280,19 +281,17 @@ class _TrainingRow(torch.autograd.Function):
             dq, grad_kv = dq.view(B, HD), grad_kv.view(B * T, -1)
             x16, w_qkv = t["x16"], t["w_qkv"]
             first16 = x16.view(B, T, D)[:, 0]
-            grad_w_qkv = grad_b_qkv = None
+            wq_wk_wv = bq_bk_bv = (None,) * 3  # the query's from row 0, the keys' and values' from every row
             if any(need[0:6:2]):
-                grad_w_qkv = torch.cat((training._weight_grad(dq, first16, p_dtype),
-                                        training._weight_grad(grad_kv, x16, p_dtype)))
+                wq_wk_wv = (training.weight_grad(dq, first16, p_dtype),
+                            *training.weight_grad(grad_kv, x16, p_dtype).split(qkv_sizes[1:]))
             if any(need[1:6:2]):
-                grad_b_qkv = torch.cat((sums.column_sums(dq.unsqueeze(0), HD)[0],
-                                        sums.column_sums(grad_kv.unsqueeze(0), grad_kv.shape[1])[0]))
+                bq_bk_bv = (sums.column_sums(dq.unsqueeze(0), HD)[0],
+                            *sums.column_sums(grad_kv.unsqueeze(0), grad_kv.shape[1])[0].split(qkv_sizes[1:]))
             grad_x = None
             if ctx.needs_input_grad[0]:
                 grad_x = layout.mm_at(grad_kv, w_qkv[HD:], torch.float32).view(B, T, D)
-                grad_x[:, 0] += training._mm_into(grad_s1, dq, w_qkv[:HD])
-        wq_wk_wv = grad_w_qkv.split(qkv_sizes) if grad_w_qkv is not None else (None,) * 3
-        bq_bk_bv = grad_b_qkv.split(qkv_sizes) if grad_b_qkv is not None else (None,) * 3
+                grad_x[:, 0] += training.mm_into(grad_s1, dq, w_qkv[:HD])
         qkv_grads = [g if need[i] else None for i, g in enumerate(
             (wq_wk_wv[0], bq_bk_bv[0], wq_wk_wv[1], bq_bk_bv[1], wq_wk_wv[2], bq_bk_bv[2]))]
         return (grad_x, None, None, None, None, *qkv_grads, grad_wo, grad_bo, grad_g1, grad_be1, grad_wi, grad_bi,

@@ -51,7 +51,8 @@ from ..ops.fused import fused_kernels
 from . import casts, interventions, layout, packing, resumed
 from .layout import attach_copy16, bert_parts, copy16, dropout, dropout_p, fp32_mm_supported, plain, sdpa_mask
 
-__all__ = ["supported", "forward", "packed_mode", "FUSED", "FUSED_MIN_ROWS", "PACKED", "PACKED_MIN_PADDING",
+__all__ = ["supported", "parameters", "forward", "packed_mode", "fusion", "gelu_approximate", "wanted",
+           "norm_backward", "weight_grad", "mm_into", "FUSED", "FUSED_MIN_ROWS", "PACKED", "PACKED_MIN_PADDING",
            "PACKED_MIN_ROWS"]
 
 # Whether the fused Triton kernels run where they apply (module docstring); False runs the same arithmetic in
@@ -87,7 +88,7 @@ def _parameters(weighted):
     return tuple(p for m in weighted for p in layout.projection(m))
 
 
-def _gelu_approximate(inter):
+def gelu_approximate(inter):
     """``approximate`` of the layer's activation when it is ``F.gelu`` (Hugging Face's GELUActivation or the
     function itself), else None (the activation is then differentiated by autograd on its own graph)."""
     act = inter.intermediate_act_fn
@@ -135,6 +136,13 @@ def supported(layer: nn.Module) -> bool:
     return _checked(layer) is not None
 
 
+def parameters(layer: nn.Module) -> tuple | None:
+    """The sixteen parameters the layer's computation reads (query W, b, key W, b, value W, b, attention output W,
+    b, its LayerNorm γ, β, intermediate W, b, output W, b, its LayerNorm γ, β) when it can run here, else None."""
+    weighted = _checked(layer)
+    return None if weighted is None else _parameters(weighted)
+
+
 def packed_mode() -> "bool | str":
     """`PACKED` checked: True, False or "auto" (module docstring); any other value raises naming it."""
     if PACKED is True or PACKED is False or PACKED == "auto":
@@ -142,7 +150,7 @@ def packed_mode() -> "bool | str":
     raise ValueError(f"cat_fast.layers.training.PACKED: expected True, False or 'auto', got {PACKED!r}")
 
 
-def _fusion(hidden, dtype, layer_norm_dtype):
+def fusion(hidden, dtype, layer_norm_dtype):
     """``(residual_layer_norm, gelu_bias_backward, column_sums)`` kernel modules when the fused path applies (CUDA,
     an fp32 layer under autocast, Triton importable, `FUSED`, `FUSED_MIN_ROWS` rows or more), else None."""
     if not (FUSED and hidden.shape[:-1].numel() >= FUSED_MIN_ROWS and hidden.is_cuda and hidden.dtype == torch.float32
@@ -244,7 +252,7 @@ def _dropout_backward(grad, keep, p):
     return grad * keep
 
 
-def _mm_into(acc, a, b):
+def mm_into(acc, a, b):
     """``acc + a @ b`` accumulated at acc's precision (in place into acc, which this module owns)."""
     if (fp32_mm_supported(acc.device) and acc.dtype == torch.float32
             and a.dtype in (torch.bfloat16, torch.float16)):
@@ -252,7 +260,7 @@ def _mm_into(acc, a, b):
     return acc.add_((a @ b).to(acc.dtype))
 
 
-def _weight_grad(grad_rows, input_rows, dtype):
+def weight_grad(grad_rows, input_rows, dtype):
     """``grad_rowsᵀ @ input_rows`` in the parameter dtype, accumulated in fp32 (or wider)."""
     return layout.mm_at(grad_rows.t(), input_rows, dtype)
 
@@ -261,7 +269,7 @@ def _will_run(param) -> bool:
     return layout.will_run(torch.autograd.graph.get_gradient_edge(param).node)
 
 
-def _wanted(needs, params):
+def wanted(needs, params):
     """Which parameter gradients this backward must compute: those that need one, less those the running
     backward will not deliver (``torch.autograd.grad(out, inputs)`` differentiating the input only, as GS's ``g``
     does: the weight-gradient matmuls are then skipped, as the model's own autograd nodes skip them). Asked for one
@@ -271,7 +279,7 @@ def _wanted(needs, params):
     return tuple(n and _will_run(p) for n, p in zip(needs, params))
 
 
-def _fused_norm_backward(rln, grad_y, branch, residual, weight, mean, rstd, keep, p, need):
+def norm_backward(rln, grad_y, branch, residual, weight, mean, rstd, keep, p, need):
     """``(grad_s, grad_branch, grad_weight, grad_bias, grad_branch_bias)`` of ``LayerNorm(dropout(branch) +
     residual)`` by the fused kernel; `need` says which of the branch's bias, the weight and the bias want gradients
     (those not wanted are None; none wanted: the input-only kernel)."""
@@ -294,11 +302,11 @@ class _TrainingLayer(torch.autograd.Function):
         heads, width = sa.num_attention_heads, sa.attention_head_size
         p_attn = sa.dropout.p if sa.training else 0.0
         p1, p2 = dropout_p(so.dropout), dropout_p(out.dropout)
-        approximate = _gelu_approximate(inter)
+        approximate = gelu_approximate(inter)
         with torch.autocast(hidden.device.type, enabled=False):
             x = hidden.reshape(-1, D)  # packed: the plan's rows only
             x16 = copy16(hidden, dtype).reshape(-1, D)  # the previous fast layer's 16-bit copy, or a cast
-            fused = _fusion(x, dtype, g1.dtype)
+            fused = fusion(x, dtype, g1.dtype)
             w16 = casts.weights(layer, (wq, wk, wv, bq, bk, bv, wo, bo, wi, bi, wo2, bo2), dtype)
             w_qkv = w16.qkv
             qkv = torch.addmm(w16.qkv_bias, x16, w_qkv.t())
@@ -352,13 +360,13 @@ class _TrainingLayer(torch.autograd.Function):
         t = dict(zip(ctx.names, ctx.saved_tensors))
         B, T, D, heads, width, p1, p2, approximate, x_dtype, p_dtype, qkv_sizes = ctx.shapes
         g1, be1, g2, be2 = t["g1"], t["be1"], t["g2"], t["be2"]
-        need = _wanted(ctx.needs_input_grad[5:], ctx.params)
+        need = wanted(ctx.needs_input_grad[5:], ctx.params)
         dtype = t["x16"].dtype
         fused = ctx.fused
         grad_rows = grad_y.reshape(-1, D)
         with torch.autocast(grad_y.device.type, enabled=False):
             if fused:
-                grad_s2, grad_o, grad_g2, grad_be2, grad_bo2 = _fused_norm_backward(
+                grad_s2, grad_o, grad_g2, grad_be2, grad_bo2 = norm_backward(
                     fused[0], grad_rows, t["o"], t["h1"], g2, t["mean2"], t["rstd2"], t["keep2"], p2,
                     need[13:16])
             else:
@@ -367,7 +375,7 @@ class _TrainingLayer(torch.autograd.Function):
                     (True, need[14], need[15]))
                 grad_o = _dropout_backward(grad_s2.to(dtype), t["keep2"], p2)
                 grad_bo2 = grad_o.sum(0, dtype=p_dtype) if need[13] else None
-            grad_wo2 = _weight_grad(grad_o, t["activated"].detach(), p_dtype) if need[12] else None
+            grad_wo2 = weight_grad(grad_o, t["activated"].detach(), p_dtype) if need[12] else None
             grad_activated = torch.mm(grad_o, t["wo2_16"])
             grad_bi = None
             if fused and approximate == "none":
@@ -376,27 +384,27 @@ class _TrainingLayer(torch.autograd.Function):
                 grad_inner = torch.ops.aten.gelu_backward(grad_activated, t["inner"], approximate=approximate)
             else:
                 (grad_inner,) = torch.autograd.grad(t["activated"], t["inner"], grad_activated, retain_graph=True)
-            grad_wi = _weight_grad(grad_inner, t["h1_16"], p_dtype) if need[10] else None
+            grad_wi = weight_grad(grad_inner, t["h1_16"], p_dtype) if need[10] else None
             if grad_bi is None and need[11]:
                 grad_bi = grad_inner.sum(0, dtype=p_dtype)
-            grad_h1 = _mm_into(grad_s2, grad_inner, t["wi16"])  # the residual's gradient + the projection's
+            grad_h1 = mm_into(grad_s2, grad_inner, t["wi16"])  # the residual's gradient + the projection's
             if fused:
-                grad_s1, grad_a, grad_g1, grad_be1, grad_bo = _fused_norm_backward(
+                grad_s1, grad_a, grad_g1, grad_be1, grad_bo = norm_backward(
                     fused[0], grad_h1, t["a"], t["x"], g1, t["mean1"], t["rstd1"], t["keep1"], p1, need[7:10])
             else:
                 grad_s1, grad_g1, grad_be1 = torch.ops.aten.native_layer_norm_backward(
                     grad_h1, t["s1"], (D,), t["mean1"], t["rstd1"], g1, be1, (True, need[8], need[9]))
                 grad_a = _dropout_backward(grad_s1.to(dtype), t["keep1"], p1)
                 grad_bo = grad_a.sum(0, dtype=p_dtype) if need[7] else None
-            grad_wo = _weight_grad(grad_a, t["rows"], p_dtype) if need[6] else None
+            grad_wo = weight_grad(grad_a, t["rows"], p_dtype) if need[6] else None
             want_b_qkv = any(need[1:6:2])
             # fused (fp32 parameters): the bias gradient summed while the attention's dq, dk, dv are joined, where
             # variable-length attention ran, else by Triton's column sums (PyTorch's are latency-bound here)
             grad_qkv, grad_b_qkv = packing.attention_backward(
                 t["context"], t["qkv_leaf"], torch.mm(grad_a, t["wo16"]), (B, T, heads, width), ctx.packed,
                 column_sums=bool(fused) and want_b_qkv and p_dtype == torch.float32)
-            grad_x = _mm_into(grad_s1.to(torch.promote_types(x_dtype, grad_s1.dtype)), grad_qkv, t["w_qkv"])
-            grad_w_qkv = _weight_grad(grad_qkv, t["x16"], p_dtype) if any(need[0:6:2]) else None
+            grad_x = mm_into(grad_s1.to(torch.promote_types(x_dtype, grad_s1.dtype)), grad_qkv, t["w_qkv"])
+            grad_w_qkv = weight_grad(grad_qkv, t["x16"], p_dtype) if any(need[0:6:2]) else None
             if grad_b_qkv is None and want_b_qkv:
                 grad_b_qkv = (fused[2].column_sums(grad_qkv.unsqueeze(0), grad_qkv.shape[1])[0] if fused
                               else grad_qkv.sum(0, dtype=p_dtype))

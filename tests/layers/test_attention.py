@@ -124,7 +124,7 @@ def test_all_padding_rows_and_non_contiguous_inputs(mask_kind):
         allowed = torch.ones(B, 1, 1, T, dtype=torch.bool, device=DEVICE)
         allowed[0, ..., 15:] = False
         allowed[1] = False
-        bias = attention._bias(allowed, B, heads, T, q.device)
+        bias = attention.score_bias(allowed, B, heads, T, q.device)
         want_bias = bias
     got = attention.fused_first_row(q, (k, v), bias, heads, None, 0.3)
     want = _reference(q, k, v, want_bias, heads, None, 0.3, 0.0)
@@ -147,8 +147,8 @@ def test_the_dispatcher_is_sdpa_where_the_kernel_does_not_run():
     want = F.scaled_dot_product_attention(q.view(2, 1, 3, 4).transpose(1, 2), k.reshape(2, 9, 3, 4).transpose(1, 2),
                                           v.reshape(2, 9, 3, 4).transpose(1, 2), attn_mask=mask, scale=0.5)
     assert torch.equal(got, want.transpose(1, 2).reshape(2, 1, 12))
-    assert attention._bias(torch.zeros(2, 1, 3, 9), 2, 3, 9, q.device) is False  # several query rows
-    assert attention._bias(torch.zeros(2, 1, 1, 9, requires_grad=True), 2, 3, 9, q.device) is False
+    assert attention.score_bias(torch.zeros(2, 1, 3, 9), 2, 3, 9, q.device) is False  # several query rows
+    assert attention.score_bias(torch.zeros(2, 1, 1, 9, requires_grad=True), 2, 3, 9, q.device) is False
 
 
 def test_bad_shapes_are_refused_with_the_argument_named():

@@ -238,3 +238,11 @@ def test_cuda_training_row_matches_the_modules_to_16_bit_rounding(monkeypatch):
         if not name.endswith("key.bias"):  # exactly 0 in exact arithmetic: rounding noise on both sides
             assert (a - b).abs().max() <= 3e-2 * b.abs().max().clamp_min(1e-6), name
     assert (other[:, 0] - want[:, 0]).abs().max() > 3e-2  # other draws: beyond the tolerance above
+
+
+def test_training_row_switch_must_be_a_bool(monkeypatch):
+    layer = _first_token_layer()
+    x, mask, _ = _padded([9, 4], 9, layer.attention.self.all_head_size)
+    monkeypatch.setattr(first_token, "TRAINING_ROW", "off")
+    with pytest.raises(ValueError, match="TRAINING_ROW: expected True or False, got 'off'"):
+        first_token.forward(layer, (x.requires_grad_(True), mask), {})

@@ -36,7 +36,7 @@ def test_fused_training_layer_over_lora_agrees_to_16_bit_rounding(targets, train
     layer = models.structure(model).layer_modules[1].train(train)
     assert any(layout.lora(m) for m in layer.modules()) and training.supported(layer)
     x = torch.randn(16, 64, 64, device="cuda")
-    assert training._fusion(x, torch.bfloat16, torch.float32) is not None  # 1,024 rows: the Triton kernels run
+    assert training.fusion(x, torch.bfloat16, torch.float32) is not None  # 1,024 rows: the Triton kernels run
     lengths = torch.randint(32, 65, (16,), generator=torch.Generator().manual_seed(1))
     mask = models.inputs._padding_mask_4d((torch.arange(64) < lengths[:, None]).long()).cuda()
     g = torch.randn(16, 64, 64, device="cuda")

@@ -140,8 +140,8 @@ def test_an_input_only_backward_skips_the_weight_gradients(monkeypatch):
     w = layer.intermediate.dense.weight
     full = torch.autograd.grad(y, (x, w), g, retain_graph=True)
     products = []
-    original = training_layer._weight_grad
-    monkeypatch.setattr(training_layer, "_weight_grad", lambda *a: products.append(a[0].shape) or original(*a))
+    original = training_layer.weight_grad
+    monkeypatch.setattr(training_layer, "weight_grad", lambda *a: products.append(a[0].shape) or original(*a))
     (only_x,) = torch.autograd.grad(y, x, g, retain_graph=True)
     assert products == []
     (only_w,) = torch.autograd.grad(y, w, g)
@@ -325,12 +325,12 @@ def test_fused_kernels_run_under_autocast_and_agree_with_the_unfused_path(train,
 def test_fusion_applies_only_to_an_fp32_cuda_layer_under_16_bit_autocast(monkeypatch):
     x = torch.randn(32, 32, 3)  # 1,024 rows: the threshold
     assert training_layer.FUSED_MIN_ROWS == 1024
-    assert training_layer._fusion(x, torch.bfloat16, torch.float32) is None  # CPU
+    assert training_layer.fusion(x, torch.bfloat16, torch.float32) is None  # CPU
     if CUDA:
         xc = x.cuda()
-        assert training_layer._fusion(xc, torch.bfloat16, torch.float32) is not None
-        assert training_layer._fusion(xc[:, :31], torch.bfloat16, torch.float32) is None  # 992 rows
-        assert training_layer._fusion(xc, torch.float32, torch.float32) is None
-        assert training_layer._fusion(xc.half(), torch.float16, torch.float16) is None
+        assert training_layer.fusion(xc, torch.bfloat16, torch.float32) is not None
+        assert training_layer.fusion(xc[:, :31], torch.bfloat16, torch.float32) is None  # 992 rows
+        assert training_layer.fusion(xc, torch.float32, torch.float32) is None
+        assert training_layer.fusion(xc.half(), torch.float16, torch.float16) is None
         monkeypatch.setattr(training_layer, "FUSED", False)
-        assert training_layer._fusion(xc, torch.bfloat16, torch.float32) is None
+        assert training_layer.fusion(xc, torch.bfloat16, torch.float32) is None
