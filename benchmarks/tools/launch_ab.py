@@ -1,4 +1,4 @@
-"""Steps of the suite built under two or more values of one setting, timed in turn in one process with the
+"""Steps of the suite built under two or more values of one setting (or of several set together), timed in turn in one process with the
 ``reduce-overhead``-compiled plain step as the peer: an entry of a `cat_fast.kernels.triton` module's ``LAUNCH``
 ("residual_layer_norm.params_prefetch"), or a module-level switch of cat_fast ("layers.packing.VARLEN"). A
 captured step's graphs hold the kernels as launched when they were captured, so each value gets its own step, built
@@ -7,6 +7,8 @@ and warmed up with the setting in force (and timed with it in force too). GPU on
     python benchmarks/tools/launch_ab.py 32x128 64x256 --setting residual_layer_norm.params_prefetch \
         --values 0 1 [--method plain_fast_captured cat_captured] [--rounds 3] [--steps 20]
     python benchmarks/tools/launch_ab.py 32x128 64x256 --setting layers.packing.VARLEN --values false true
+    python benchmarks/tools/launch_ab.py 32x128 --setting gelu_bias_backward.block_m,gelu_bias_backward.per_sm \
+        --values 32,2 16,1
 
 Prints one JSON line per size and method: the median step in ms per value and round, the peer's, and each value's
 median over the rounds as × the peer's median. Each size runs in a process of its own.
@@ -67,13 +69,27 @@ def _value(text):
         raise argparse.ArgumentTypeError(f"expected true, false, none, an int or a float, got {text!r}") from None
 
 
+def _values(text, n):
+    """A --values entry: n comma-separated values, one per setting."""
+    parts = text.split(",")
+    if len(parts) != n:
+        raise SystemExit(f"--values {text!r}: expected {n} comma-separated values, one per setting")
+    try:
+        return tuple(_value(part) for part in parts)
+    except argparse.ArgumentTypeError as e:
+        raise SystemExit(f"--values {text!r}: {e}") from None
+
+
 @contextlib.contextmanager
-def _set(launch, key, value):
-    saved, launch[key] = launch[key], value
+def _set(settings, values):
+    saved = [launch[key] for launch, key in settings]
+    for (launch, key), value in zip(settings, values):
+        launch[key] = value
     try:
         yield
     finally:
-        launch[key] = saved
+        for (launch, key), value in zip(settings, saved):
+            launch[key] = value
 
 
 def _time(step, steps):
@@ -85,38 +101,41 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("sizes", nargs="+", metavar="BxT")
     p.add_argument("--setting", required=True,
-                   help="module.key of a cat_fast.kernels.triton LAUNCH entry, or dotted.module.NAME of cat_fast")
-    p.add_argument("--values", nargs="+", required=True, type=_value,
-                   help="the values to compare (true, false, none, ints or floats)")
+                   help="module.key of a cat_fast.kernels.triton LAUNCH entry, or dotted.module.NAME of cat_fast; "
+                        "several, comma-separated, are set together")
+    p.add_argument("--values", nargs="+", required=True,
+                   help="the values to compare (true, false, none, ints or floats); with several settings, each "
+                        "comma-separated, one per setting")
     p.add_argument("--method", nargs="+", default=["plain_fast_captured"], choices=S.METHODS)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
     args = p.parse_args()
-    launch, key = _launch(args.setting)
+    settings = [_launch(setting) for setting in args.setting.split(",")]
+    arms = {text: _values(text, len(settings)) for text in args.values}
     if not torch.cuda.is_available():
         sys.exit("launch_ab.py: needs a CUDA GPU")
     if each_size_apart(__file__, args.sizes, sys.argv[1:]):
         return
-    values = args.values
+    values = list(arms)
     for size in args.sizes:
         peer = S.build_step("plain_compiled_ro", size)[2]
         steps = {}
         for m in args.method:
             for v in values:
-                with _set(launch, key, v):
+                with _set(settings, arms[v]):
                     steps[m, v] = S.build_step(m, size)[2]
                     _time(steps[m, v], 3)  # captured with the setting in force
         peer_ms, medians = [], {(m, v): [] for m in args.method for v in values}
         for _ in range(args.rounds):
             peer_ms.append(_time(peer, args.steps))
             for (m, v), step in steps.items():
-                with _set(launch, key, v):
+                with _set(settings, arms[v]):
                     medians[m, v].append(_time(step, args.steps))
         ref = statistics.median(peer_ms)
         for m in args.method:
             print(json.dumps({"size": size, "method": m, "setting": args.setting, "peer_ms": peer_ms,
-                              "median_ms": {str(v): medians[m, v] for v in values},
-                              "x_peer": {str(v): round(statistics.median(medians[m, v]) / ref, 3) for v in values}}),
+                              "median_ms": {v: medians[m, v] for v in values},
+                              "x_peer": {v: round(statistics.median(medians[m, v]) / ref, 3) for v in values}}),
                   flush=True)
 
 

@@ -6,7 +6,7 @@ GELU backward with the bias sum (`gelu_bias_backward.backward`, N = 3072), at th
 µs per call, and the bytes it must move over the time as a fraction of the GPU's memory bandwidth (``--peak-tbs``,
 the H200's 4.8 TB/s by default). Each setting's results are checked against eager PyTorch first.
 
-    python benchmarks/tools/row_kernels.py [--rows 1024 4096 16384] [--quick]
+    python benchmarks/tools/row_kernels.py [--rows 1024 4096 16384] [--quick] [--kernels layer_norm gelu]
 """
 import argparse
 import itertools
@@ -111,18 +111,20 @@ def sweep_gelu(n, peak, quick, N=3072):
     compiled = torch.compile(gelu.reference_backward)
     compiled(grad, inner)
     report("torch.compile(reference_backward)", graph_time_us(lambda: compiled(grad, inner)), nbytes, peak)
-    options = list(itertools.product((8, 16, 32, 64), (64, 128, 256, 512), (1, 2, 4, 8), (4, 8)))
+    options = list(itertools.product((8, 16, 32, 64), (64, 128, 256, 512), (1, 2, 4, 8), (4, 8), (False, True)))
     if quick:
-        options = list(itertools.product((8, 16, 32), (128, 256, 512), (2, 8), (4, 8)))
-    default = tuple(gelu.LAUNCH[k] for k in ("block_m", "block_n", "per_sm", "num_warps"))
+        options = list(itertools.product((16, 32, 64), (128, 256), (1, 2, 4), (4, 8), (False, True)))
+    default = tuple(gelu.LAUNCH[k] for k in ("block_m", "block_n", "per_sm", "num_warps", "tile_sums"))
     if default not in options:
         options.insert(0, default)
-    for block_m, block_n, per_sm, warps in options:
-        kw = dict(block_m=block_m, block_n=block_n, per_sm=per_sm, num_warps=warps)
+    for block_m, block_n, per_sm, warps, tile_sums in options:
+        kw = dict(block_m=block_m, block_n=block_n, per_sm=per_sm, num_warps=warps, tile_sums=tile_sums)
         ok = close(gelu.backward(grad, inner, **kw), want, 2e-2)
-        mark = " *" if (block_m, block_n, per_sm, warps) == default else ""
-        report(f"fused block {block_m}x{block_n} per_sm={per_sm} warps={warps}{mark}",
+        mark = " *" if (block_m, block_n, per_sm, warps, tile_sums) == default else ""
+        report(f"fused block {block_m}x{block_n} per_sm={per_sm} warps={warps} tile_sums={int(tile_sums)}{mark}",
                graph_time_us(lambda: gelu.backward(grad, inner, **kw)), nbytes, peak, "" if ok else "  MISMATCH")
+    report("fused, no bias sum (elementwise only)", graph_time_us(lambda: gelu.backward(grad, inner, False)),
+           nbytes, peak)
 
 
 def main():
@@ -130,14 +132,17 @@ def main():
     parser.add_argument("--rows", nargs="*", type=int, default=[1024, 4096, 16384])
     parser.add_argument("--peak-tbs", type=float, default=4.8)
     parser.add_argument("--quick", action="store_true", help="fewer settings")
+    parser.add_argument("--kernels", nargs="*", choices=("layer_norm", "gelu"), default=["layer_norm", "gelu"])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("row_kernels.py needs a CUDA device")
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     torch.manual_seed(0)
     for n in args.rows:
-        sweep_layer_norm(n, args.peak_tbs, args.quick)
-        sweep_gelu(n, args.peak_tbs, args.quick)
+        if "layer_norm" in args.kernels:
+            sweep_layer_norm(n, args.peak_tbs, args.quick)
+        if "gelu" in args.kernels:
+            sweep_gelu(n, args.peak_tbs, args.quick)
 
 
 if __name__ == "__main__":

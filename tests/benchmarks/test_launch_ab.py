@@ -11,10 +11,10 @@ def test_setting_is_found_and_restored():
     launch, key = launch_ab._launch("residual_layer_norm.params_prefetch")
     assert launch is rln.LAUNCH and key == "params_prefetch"
     before = rln.LAUNCH["params_prefetch"]
-    with launch_ab._set(launch, key, 0):
+    with launch_ab._set([(launch, key)], (0,)):
         assert rln.LAUNCH["params_prefetch"] == 0
     assert rln.LAUNCH["params_prefetch"] == before
-    with pytest.raises(RuntimeError), launch_ab._set(launch, key, 0):
+    with pytest.raises(RuntimeError), launch_ab._set([(launch, key)], (0,)):
         raise RuntimeError("a step failed")
     assert rln.LAUNCH["params_prefetch"] == before
 
@@ -24,7 +24,7 @@ def test_a_module_level_switch_is_found_and_restored():
     holder, key = launch_ab._launch("layers.packing.VARLEN")
     assert key == "VARLEN" and holder is vars(packing)
     before = packing.VARLEN
-    with launch_ab._set(holder, key, not before):
+    with launch_ab._set([(holder, key)], (not before,)):
         assert packing.VARLEN is (not before)
     assert packing.VARLEN is before
 
@@ -37,6 +37,22 @@ def test_a_module_level_switch_is_found_and_restored():
 def test_unknown_setting_names_what_is_missing(setting, names):
     with pytest.raises(SystemExit, match=names):
         launch_ab._launch(setting)
+
+
+def test_several_settings_are_set_and_restored_together():
+    from cat_fast.kernels.triton import gelu_bias_backward as gelu
+    settings = [launch_ab._launch(f"gelu_bias_backward.{key}") for key in ("block_m", "tile_sums")]
+    before = dict(gelu.LAUNCH)
+    values = launch_ab._values("8,false", 2)
+    assert values == (8, False)
+    with pytest.raises(RuntimeError), launch_ab._set(settings, values):
+        assert gelu.LAUNCH["block_m"] == 8 and gelu.LAUNCH["tile_sums"] is False
+        raise RuntimeError("a step failed")
+    assert gelu.LAUNCH == before
+    with pytest.raises(SystemExit, match="2 comma-separated"):
+        launch_ab._values("8", 2)
+    with pytest.raises(SystemExit, match="'fast'"):
+        launch_ab._values("8,fast", 2)
 
 
 def test_values_parse_as_launch_entries():

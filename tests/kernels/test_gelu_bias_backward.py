@@ -43,10 +43,11 @@ def test_kernel_matches_the_reference(n, N, dtype, want_bias):
 
 @pytest.mark.skipif(not RUNS, reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("block_m,block_n,per_sm", [(8, 128, 1), (32, 64, 0.34), (16, 256, 8)])
-def test_launch_settings_give_the_same_results(block_m, block_n, per_sm):
+@pytest.mark.parametrize("tile_sums", [False, True])
+def test_launch_settings_give_the_same_results(block_m, block_n, per_sm, tile_sums):
     grad, inner = _inputs(77, 300, torch.bfloat16, seed=3)
     want, _ = gelu.backward(grad, inner, want_bias=False)
-    got, got_bias = gelu.backward(grad, inner, block_m=block_m, block_n=block_n, per_sm=per_sm)
+    got, got_bias = gelu.backward(grad, inner, block_m=block_m, block_n=block_n, per_sm=per_sm, tile_sums=tile_sums)
     assert torch.equal(got, want)  # elementwise: the same bits under any tiling
     torch.testing.assert_close(got_bias, got.float().sum(0), rtol=1e-5, atol=1e-4)
 
