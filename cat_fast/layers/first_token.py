@@ -292,7 +292,6 @@ class _TrainingRow(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 grad_x = layout.mm_at(grad_kv, w_qkv[HD:], torch.float32).view(B, T, D)
                 grad_x[:, 0] += training.mm_into(grad_s1, dq, w_qkv[:HD])
-        qkv_grads = [g if need[i] else None for i, g in enumerate(
-            (wq_wk_wv[0], bq_bk_bv[0], wq_wk_wv[1], bq_bk_bv[1], wq_wk_wv[2], bq_bk_bv[2]))]
-        return (grad_x, None, None, None, None, *qkv_grads, grad_wo, grad_bo, grad_g1, grad_be1, grad_wi, grad_bi,
+        grads_qkv = training.qkv_grads(need, wq_wk_wv, bq_bk_bv)
+        return (grad_x, None, None, None, None, *grads_qkv, grad_wo, grad_bo, grad_g1, grad_be1, grad_wi, grad_bi,
                 grad_wo2, grad_bo2, grad_g2, grad_be2)

@@ -12,11 +12,11 @@ LayerNorm backward + dropout backward + the cast, with the LayerNorm weight and 
 gradient of the projection before the dropout summed in the same pass, and GELU backward + the intermediate bias
 gradient (`kernels.triton.gelu_bias_backward`), and with variable-length attention the join of its dq, dk and dv
 + the query, key and value bias gradient (`kernels.triton.column_sums.concat`); the dropout draws stay
-`torch.native_dropout`'s, so they are the layer's. The fused path runs from `FUSED_MIN_ROWS` rows (batch × length) up, where it was measured faster; `FUSED =
-False` turns it off, for comparisons. Supported: the
-layers `resumed.supported` accepts, parameters in one dtype on the input's device, an fp32 layer under autocast
-or none; a layer with cat_fast interventions runs a composed version differentiated by autograd. No double
-backward (``once_differentiable``).
+`torch.native_dropout`'s, so they are the layer's. The fused path runs from `FUSED_MIN_ROWS` rows (batch × length)
+up, where it was measured faster; `FUSED = False` turns it off, for comparisons. Supported: the layers
+`resumed.supported` accepts, parameters in one dtype on the input's device, an fp32 layer under autocast or none;
+a layer with cat_fast interventions runs a composed version differentiated by autograd. No double backward
+(``once_differentiable``).
 
 The packed path (`PACKED`: True wherever it applies, outside the step of an objective that does not declare
 `packs_rows`, which runs padded (`packing.padded`); "auto", the default, in the graphs of a captured step on CUDA of
@@ -52,8 +52,8 @@ from . import casts, interventions, layout, packing, resumed
 from .layout import attach_copy16, bert_parts, copy16, dropout, dropout_p, fp32_mm_supported, plain, sdpa_mask
 
 __all__ = ["supported", "parameters", "forward", "packed_mode", "fusion", "gelu_approximate", "wanted",
-           "norm_backward", "weight_grad", "mm_into", "FUSED", "FUSED_MIN_ROWS", "PACKED", "PACKED_MIN_PADDING",
-           "PACKED_MIN_ROWS"]
+           "norm_backward", "qkv_grads", "weight_grad", "mm_into", "FUSED", "FUSED_MIN_ROWS", "PACKED",
+           "PACKED_MIN_PADDING", "PACKED_MIN_ROWS"]
 
 # Whether the fused Triton kernels run where they apply (module docstring); False runs the same arithmetic in
 # PyTorch ops (16-bit roundings may differ), as the benchmarks compare.
@@ -260,6 +260,13 @@ def mm_into(acc, a, b):
     return acc.add_((a @ b).to(acc.dtype))
 
 
+def qkv_grads(need, weights, biases):
+    """The six query / key / value gradients in the parameters' order (wq, bq, wk, bk, wv, bv), each None where
+    `need` (the first six of the sixteen parameters' flags) does not want it."""
+    ordered = (weights[0], biases[0], weights[1], biases[1], weights[2], biases[2])
+    return [g if need[i] else None for i, g in enumerate(ordered)]
+
+
 def weight_grad(grad_rows, input_rows, dtype):
     """``grad_rowsᵀ @ input_rows`` in the parameter dtype, accumulated in fp32 (or wider)."""
     return layout.mm_at(grad_rows.t(), input_rows, dtype)
@@ -410,10 +417,9 @@ class _TrainingLayer(torch.autograd.Function):
                               else grad_qkv.sum(0, dtype=p_dtype))
         wq_wk_wv = grad_w_qkv.split(qkv_sizes) if grad_w_qkv is not None else (None,) * 3
         bq_bk_bv = grad_b_qkv.split(qkv_sizes) if grad_b_qkv is not None else (None,) * 3
-        qkv_grads = [g if need[i] else None for i, g in enumerate(
-            (wq_wk_wv[0], bq_bk_bv[0], wq_wk_wv[1], bq_bk_bv[1], wq_wk_wv[2], bq_bk_bv[2]))]
+        grads_qkv = qkv_grads(need, wq_wk_wv, bq_bk_bv)
         grad_hidden = None
         if ctx.needs_input_grad[0]:
             grad_hidden = grad_x.to(x_dtype).view(ctx.shape)
-        return (grad_hidden, None, None, None, None, *qkv_grads, grad_wo, grad_bo, grad_g1, grad_be1, grad_wi, grad_bi,
+        return (grad_hidden, None, None, None, None, *grads_qkv, grad_wo, grad_bo, grad_g1, grad_be1, grad_wi, grad_bi,
                 grad_wo2, grad_bo2, grad_g2, grad_be2)
