@@ -18,12 +18,15 @@ the same steps, and a capture that fails on one rank runs that step eagerly on a
 Semantics, as DDP's: a parameter with no gradient on this rank contributes zeros (every rank's buffer has every
 parameter: no rank waits for another's different all-reduce) and then gets the average, like DDP's locally unused
 parameters. A parameter no rank reaches gets zeros where DDP leaves None: objectives that declare
-``find_unused_parameters = True`` are refused (`NotCapturable`), as are DDP communication hooks and models whose
-buffers DDP would broadcast each forward (BatchNorm's running statistics; BERT's buffers are constants). The
-objective's own parameters (a learned gate) are averaged by their gradient hooks (`prepare_objective`), as in the
-plain loop. A step the objective does not plan (`NotCapturable`, ``strict=False``: CAT's alternating update,
-``erm-two-step``) runs the objective's own call inside DDP's forward, whose reducer averages, and whose inner
-updates all-reduce themselves (`Objective.inner_update`).
+``find_unused_parameters = True`` are refused (`NotCapturable`), as are models whose buffers DDP would broadcast each
+forward (BatchNorm's running statistics; BERT's buffers are constants) and DDP communication hooks other than
+PyTorch's two compression hooks: with ``bf16_compress_hook`` or ``fp16_compress_hook`` registered (on DDP's own
+process group) the averager compresses as the hook does (`GradientAverager`'s ``compress``: half the bytes, not
+exact); any other hook is refused, since the averager would skip it, and so is a hook registered after the
+`CapturedStep` was built. The objective's own parameters (a learned gate) are averaged by their gradient hooks
+(`prepare_objective`), as in the plain loop. A step the objective does not plan (`NotCapturable`, ``strict=False``:
+CAT's alternating update, ``erm-two-step``) runs the objective's own call inside DDP's forward, whose reducer
+averages, and whose inner updates all-reduce themselves (`Objective.inner_update`).
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from .distributed import DistributedObjective, ddp_module
 from .gradient_averaging import BUCKET_MB, GradientAverager
 from .step import NotCapturable
 
-__all__ = ["DDPStep", "GradientAverager", "Lockstep", "ddp_of"]
+__all__ = ["DDPStep", "GradientAverager", "Lockstep", "compression", "ddp_of"]
 
 
 def ddp_of(objective):
@@ -77,13 +80,31 @@ def _refusal(planner, ddp) -> str | None:
     if getattr(planner, "find_unused_parameters", False):
         return ("it declares find_unused_parameters=True, and a parameter no rank reaches would get a zero gradient "
                 "where DDP leaves None")
-    if getattr(ddp, "_comm_hooks", None):
-        return "the DistributedDataParallel module has a communication hook, which CapturedStep's all-reduce skips"
+    if getattr(ddp, "_comm_hooks", None) and compression(ddp) is None:
+        return ("the DistributedDataParallel module has a communication hook other than PyTorch's bf16_compress_hook "
+                "or fp16_compress_hook on its own process group, which CapturedStep's all-reduce would skip")
     norms = torch.nn.modules.batchnorm._NormBase
     if ddp.broadcast_buffers and any(isinstance(m, norms) and m.track_running_stats for m in ddp.module.modules()):
         return ("the model has running statistics (BatchNorm), which DDP broadcasts at each forward and a step outside "
                 "its forward does not (or pass broadcast_buffers=False to DDP)")
     return None
+
+
+def compression(ddp):
+    """The 16-bit dtype of `ddp`'s communication hook when it has exactly one and that is PyTorch's
+    ``bf16_compress_hook`` or ``fp16_compress_hook`` over DDP's own process group (state None or that group); else
+    None."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    hooks = getattr(ddp, "_comm_hooks", None) or []
+    if len(hooks) != 1:
+        return None
+    hook, state = hooks[0]
+    known = {default_hooks.bf16_compress_hook: torch.bfloat16, default_hooks.fp16_compress_hook: torch.float16}
+    dtype = known.get(hook)
+    if dtype is None or not (state is None or state is ddp.process_group):
+        return None
+    return dtype
 
 
 def accumulators_off_the_default_stream(ddp) -> str | None:
@@ -107,6 +128,8 @@ def accumulators_off_the_default_stream(ddp) -> str | None:
         if ddp.static_graph:
             ddp.reducer._set_static_graph()
             ddp.logger._set_static_graph()
+        for hook, state in getattr(ddp, "_comm_hooks", None) or ():  # the new reducer's, for steps in DDP's forward
+            dist._register_comm_hook(ddp.reducer, state, hook)
     torch.cuda.current_stream().wait_stream(stream)
     ddp._cat_fast_accumulation_stream = stream
     return None
@@ -130,12 +153,18 @@ class DDPStep:
         self.lockstep = host if cuda_graph else None
         agree = (lambda flag: not host.all(not flag)) if host is not None else None
         bucket_mb = getattr(self.ddp, "bucket_bytes_cap", BUCKET_MB * 2**20) / 2**20  # DDP's bucket_cap_mb
-        self.average = GradientAverager([p for p in params if id(p) not in own], agree=agree, bucket_mb=bucket_mb)
+        self.average = GradientAverager([p for p in params if id(p) not in own], agree=agree, bucket_mb=bucket_mb,
+                                        compress=compression(self.ddp) if self.reason is None else None)
 
     def check(self):
         if self.capture_reason is not None:
             raise NotCapturable(f"a whole step under DistributedDataParallel is not captured as a CUDA graph: "
                                 f"{self.capture_reason}; CapturedStep(..., cuda_graph=False) runs it eagerly")
+        hooked = compression(self.ddp)
+        if self.reason is None and (hooked != self.average.compress
+                                    or (getattr(self.ddp, "_comm_hooks", None) and hooked is None)):
+            self.reason = ("a communication hook was registered on the DistributedDataParallel module after "
+                           "CapturedStep was built (build the CapturedStep after registering it)")
         if self.reason is not None:
             raise NotCapturable(f"{type(self.planner).__name__} under DistributedDataParallel cannot average its own "
                                 f"gradients: {self.reason}; CapturedStep(..., cuda_graph=False) without strict=True "

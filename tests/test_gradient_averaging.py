@@ -86,13 +86,61 @@ def _worker(rank, out):
     gc.collect()
     rows.append(("hooks", before, len(weight._post_accumulate_grad_hooks or {})))
     torch.save(rows, f"{out}.{rank}")
+    torch.save(_compressed_rows(model, rank, host), f"{out}.{rank}.compressed")
+
+
+def _compressed_reference(model, x, dtype):
+    """What DDP's compression hook gives: each rank's gradient cast to `dtype` and divided by the world size there,
+    summed in `dtype` in rank order, cast back."""
+    model.zero_grad(set_to_none=True)
+    model(x).square().sum().backward()
+    out = []
+    for p in model.parameters():
+        every = [torch.empty_like(p.grad) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, p.grad.contiguous())
+        total = every[0].to(dtype).div_(len(every))
+        for g in every[1:]:
+            total = total + g.to(dtype).div_(len(every))
+        out.append(total.to(p.dtype))
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _compressed_rows(model, rank, host):
+    """(dtype, overlap, step, buckets overlapped, error against the hook's result, difference from the exact
+    average) of averagers that compress, three steps of one key each."""
+    rows = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for overlap in (False, True):
+            averager = GradientAverager(list(model.parameters()), overlap=overlap, compress=dtype, bucket_mb=2**-12,
+                                        agree=lambda flag: not host.all(not flag))
+            for i in range(3):
+                x = torch.randn(5, 6, generator=torch.Generator().manual_seed(900 + i + 10 * rank))
+                exact = _reference(model, x, 1)
+                want = _compressed_reference(model, x, dtype)
+                averager.begin("z")
+                model(x).square().sum().backward()
+                averager()
+                got = [p.grad.clone() for p in model.parameters()]
+                model.zero_grad(set_to_none=True)
+                rows.append((str(dtype), overlap, i, averager.overlapped,
+                             max(float((g - w).abs().max()) for g, w in zip(got, want)),
+                             max(float((g - e).abs().max()) for g, e in zip(got, exact))))
+            del averager
+            gc.collect()
+    return rows
 
 
 @pytest.fixture(scope="module")
-def spawned(tmp_path_factory):
+def spawned_files(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("averager")
     spawn(_worker, str(tmp / "out"), tmp_path=tmp, world=2)
-    return [torch.load(f"{tmp / 'out'}.{r}", weights_only=False) for r in range(2)]
+    return tmp / "out"
+
+
+@pytest.fixture(scope="module")
+def spawned(spawned_files):
+    return [torch.load(f"{spawned_files}.{r}", weights_only=False) for r in range(2)]
 
 
 def test_every_step_averages_the_complete_gradients(spawned):
@@ -137,3 +185,18 @@ def test_an_abandoned_step_leaves_the_next_whole(spawned):
         name, (first, launched, closed, second, third) = rows[-2]
         assert name == "abandoned" and launched == 1 and closed
         assert max(first, second, third) < 1e-6
+
+
+def test_compressed_buckets_average_as_the_compression_hooks(spawned_files):
+    """compress=bf16 / fp16: each step equals what DDP's bf16_compress_hook / fp16_compress_hook give (each rank's
+    share cast and divided by the world size in 16 bits, summed in 16 bits), not the exact average, with and without
+    the overlap (every bucket reduced during the backward from the key's second step on)."""
+    for rank in range(2):
+        rows = torch.load(f"{spawned_files}.{rank}.compressed", weights_only=False)
+        assert len(rows) == 12
+        for dtype, overlap, step, overlapped, error, off_exact in rows:
+            assert error == 0, (rank, dtype, overlap, step, error)
+            assert off_exact > 0, (rank, dtype, overlap, step)
+            assert overlapped == (3 if overlap and step > 0 else 0), (rank, dtype, overlap, step, overlapped)
+    with pytest.raises(ValueError, match="compress: expected None, torch.bfloat16 or torch.float16"):
+        GradientAverager([], compress=torch.float64)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 
 WORLD, STEPS = 2, 3
 PAIRS = torch.tensor([1, 0, 3, 2])
-CASES = ("erm", "cat", "gs-first-order", "learned-mixin", "erm-two-step", "erm-wrapped", "unused")
+CASES = ("erm", "cat", "gs-first-order", "learned-mixin", "erm-two-step", "erm-wrapped", "unused", "erm-compress-hook")
 
 
 class _RankDependent(ERM):
@@ -52,7 +52,8 @@ def _objective(case, model, ddp):
     if case == "erm-wrapped":  # built on the model inside, wrapped (what the Trainer makes under torchrun)
         objective = ERM(model)
         return objective, D.DistributedObjective(objective, ddp)
-    make = {"erm": lambda: ERM(ddp), "erm-two-step": lambda: ERM(ddp, two_step=True),
+    make = {"erm": lambda: ERM(ddp), "erm-compress-hook": lambda: ERM(ddp),
+            "erm-two-step": lambda: ERM(ddp, two_step=True),
             "cat": lambda: CAT(ddp, layers=[1, 2], warmup_steps=1, generator=torch.Generator().manual_seed(0)),
             "gs-first-order": lambda: GradientSupervision(ddp, mode="first_order", low_memory=False),
             "learned-mixin": lambda: LearnedMixin(ddp), "unused": lambda: _RankDependent(ddp)}[case]
@@ -67,6 +68,11 @@ def _train(rank, case, captured, device="cpu", lengths=None, steps=STEPS, graph=
     # the reference is DDP's own: unused parameters need find_unused_parameters=True there
     ddp = DDP(model, find_unused_parameters=case == "unused" and not captured,
               **({"device_ids": [device.index]} if device.type == "cuda" else {}))
+    if case == "erm-compress-hook":  # the averager compresses as the hook does (bf16 needs NCCL: fp16 on gloo)
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook if device.type == "cuda"
+                               else default_hooks.fp16_compress_hook)
     torch.manual_seed(D.rank_seed(1))
     objective, call = _objective(case, model, ddp)
     params = list(model.parameters()) + list(objective.parameters())
@@ -139,8 +145,17 @@ def spawned_cpu(tmp_path_factory):
 def test_eager_ddp_steps_equal_the_ddp_loop(spawned_cpu):
     """ERM, CAT, first-order GS, a learned gate (its own hooks average it), erm-two-step (not planned: its call
     runs inside DDP's forward and its inner step all-reduces), a DistributedObjective, and a parameter only rank 0
-    reaches (zeros from rank 1, the average on both, as DDP's find_unused_parameters=True gives)."""
+    reaches (zeros from rank 1, the average on both, as DDP's find_unused_parameters=True gives), and ERM under
+    DDP's fp16_compress_hook (the averager compressing as the hook does: the same 16-bit sums, so the same steps;
+    not those of plain ERM; bf16's hook needs NCCL: the GPU test)."""
     _compare(spawned_cpu, CASES, dict(rtol=1e-6, atol=1e-6))
+    plain, compressed = spawned_cpu[0]["erm", "captured"][0], spawned_cpu[0]["erm-compress-hook", "captured"][0]
+    hooked = spawned_cpu[0]["erm-compress-hook", "loop"][0]
+
+    def gap(a, b):
+        return max(float((a[k] - b[k]).abs().max()) for k in a if a[k].is_floating_point())
+
+    assert gap(compressed, plain) > 1e-6 and gap(compressed, hooked) <= gap(compressed, plain) / 100
 
 
 def test_lockstep_keys_name_every_rank(spawned_cpu):
@@ -210,9 +225,29 @@ def test_a_step_that_cannot_average_itself_says_why(process_group, case, reason)
     assert calls == [1]
 
 
+def test_a_hook_registered_after_the_step_was_built_is_not_skipped(process_group):
+    """A communication hook registered after CapturedStep was built: strict, NotCapturable saying so; otherwise the
+    steps run inside DDP's forward, whose reducer runs the hook."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    model = tiny_model("bert", num_layers=2).train()
+    ddp = DDP(model)
+    calls = _forward_calls(ddp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    strict = CapturedStep(ERM(ddp), opt, cuda_graph=False, strict=True)
+    lenient = CapturedStep(ERM(ddp), opt, cuda_graph=False)
+    strict(_batch(0, 0))
+    assert calls == []
+    ddp.register_comm_hook(None, fp16_compress_hook)
+    with pytest.raises(NotCapturable, match="registered on the DistributedDataParallel module after CapturedStep"):
+        strict(_batch(0, 1))
+    lenient(_batch(0, 1))
+    assert calls == [1]
+
+
 # ----------------------------------------------------------------------------- 2 GPUs, NCCL, CUDA graphs
 
-GPU_CASES = ("erm", "cat", "gs-first-order")
+GPU_CASES = ("erm", "cat", "gs-first-order", "erm-compress-hook")
 GPU_STEPS = 8
 
 
