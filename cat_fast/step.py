@@ -244,7 +244,7 @@ class CapturedStep(cuda_graphs.CachedGraphs):
             return loss, info
         plan = self._plan(batch, args)
         inputs = (batch, args, plan.tensors)
-        rows = _static_rows(batch, self.objective, plan.tensors)
+        rows = _static_rows(batch, self._planner, plan.tensors)  # under DDP the objective inside a wrapper
         sig = self._signature(inputs, plan, rows)
         if (rows is not None and sig not in self.cache.entries
                 and len(self._packed_graphs) >= self.cache.max_graphs // 2):

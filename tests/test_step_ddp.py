@@ -319,6 +319,12 @@ def _packed_worker(rank, out):
     _packed_runs(rank, out, lambda ddp: ERM(ddp, fast=True))
 
 
+def _packed_wrapped_worker(rank, out):
+    """ERM(fast=True) built on the model inside and run through `DistributedObjective` (what the Trainer and the CLI
+    make under torchrun), padded and with packed rows."""
+    _packed_runs(rank, out, lambda ddp: D.DistributedObjective(ERM(ddp.module, fast=True), ddp))
+
+
 def _packed_cat_worker(rank, out):
     """CAT under DDP as CUDA graphs, padded and with packed rows (``PACKED = True``: the rows a shorter partner lends
     too); the partners and λ from one seeded CPU generator on both ranks."""
@@ -346,6 +352,16 @@ def test_gpu_ddp_captured_steps_with_packed_rows_equal_padded(tmp_path):
     count, the ranks' graphs keyed on both) equal the padded captured steps (fp32, no dropout) and keep the ranks
     bit-identical."""
     spawn(_packed_worker, str(tmp_path / "out"), tmp_path=tmp_path, world=WORLD, backend="nccl")
+    _check_packed_equals_padded([torch.load(f"{tmp_path / 'out'}.{r}", weights_only=False) for r in range(WORLD)])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
+                    reason="needs 2 CUDA devices and NCCL")
+def test_gpu_ddp_captured_steps_of_a_wrapped_objective_pack_rows(tmp_path):
+    """The same through `DistributedObjective` (the Trainer's and the CLI's step under torchrun): the wrapped
+    objective's rows are packed and the steps equal the padded ones. (CapturedStep used to ask the wrapper, which
+    declares no packed rows, so every step of the Trainer and the CLI under torchrun ran padded.)"""
+    spawn(_packed_wrapped_worker, str(tmp_path / "out"), tmp_path=tmp_path, world=WORLD, backend="nccl")
     _check_packed_equals_padded([torch.load(f"{tmp_path / 'out'}.{r}", weights_only=False) for r in range(WORLD)])
 
 
