@@ -15,7 +15,9 @@ Diagnostics: ``--no-ddp`` runs each rank's step without DDP (no gradient averagi
 one host reach, the scaling ceiling); ``--profile DIR`` then profiles 3 more steps per method with torch.profiler
 and writes each rank's operator table (CUDA and CPU time) to DIR. The JSON row also gives the host time to issue one
 step (``host_ms``: until ``step()`` returns, measured on separate steps after a synchronisation) and, for CAT, the
-number of captured CAL-graph signatures and of steps that replayed them. ``--captured``: each step is one
+number of captured CAL-graph signatures and of steps that replayed them, and ``timed_layers``: how many timed steps
+mixed at each layer (a step at layer 8 resumes four layers, one at 10 two). One process draws CAT's layers from the
+stream DDP gives every rank, as do the ranks of ``--no-ddp``, so every run times the same layers. ``--captured``: each step is one
 `cat_fast.step.CapturedStep` (one CUDA graph per batch signature, the gradient all-reduce inside it:
 `cat_fast.step_ddp`; a fused, capturable AdamW with a tensor lr); the row gives its graphs and replayed steps.
 """
@@ -46,7 +48,7 @@ def make_model(device, tiny):
     return BertForSequenceClassification(config).to(device).train()
 
 
-def make_objective(method, model, tiny):
+def make_objective(method, model, tiny, ddp=True):
     from cat_fast import CAT, GradientSupervision
     from cat_fast.objectives import ERM
 
@@ -54,8 +56,12 @@ def make_objective(method, model, tiny):
         return ERM(model)
     if method in ("cat", "cat-eager"):  # cat-eager: the CAL loop without CUDA graphs (a diagnostic)
         layers = [2, 3] if tiny else [8, 9, 10]
-        return CAT(model, layers=layers, adv_steps=3, alpha=0.3, beta=0.3, gamma=10.0, eta=20.0, adv_lr=2e-2,
-                   generator=torch.Generator().manual_seed(D.rank_seed(0)), cuda_graph=method == "cat")
+        cat = CAT(model, layers=layers, adv_steps=3, alpha=0.3, beta=0.3, gamma=10.0, eta=20.0, adv_lr=2e-2,
+                  generator=torch.Generator().manual_seed(D.rank_seed(0)), cuda_graph=method == "cat")
+        if not ddp:  # the mixing-layer stream DDP gives every rank (`distributed.prepare_objective`: rank 0's seed):
+            # the same layers drawn as in a DDP run, whose steps cost as much as this one's
+            cat.layer_generator = torch.Generator().manual_seed(D.rank_seed(0) - D.rank())
+        return cat
     if method == "gs":
         return GradientSupervision(model, weight=1.0, representation=0, mode="first_order", difference="central",
                                    low_memory=False)
@@ -117,13 +123,17 @@ def _training_step(call, objective, model, device, batch_size, tokens, captured,
 
     def step():
         if captured:
-            return whole(batch, *args)
-        with torch.autocast(device.type, dtype=dtype):
-            loss, _ = call(batch, *args)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            _, info = whole(batch, *args)
+        else:
+            with torch.autocast(device.type, dtype=dtype):
+                loss, info = call(batch, *args)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if "layer" in info:  # CAT's mixing layer: a step's cost depends on it
+            step.layers.append(int(info["layer"]))
 
+    step.layers = []
     return step, whole
 
 
@@ -132,6 +142,7 @@ def _seconds_per_step(step, device, warmup, steps):
     for _ in range(warmup):
         step()
     sync(device)
+    step.layers.clear()  # the timed steps' mixing layers from here
     if D.world() > 1:
         dist.barrier()
     start = time.perf_counter()
@@ -181,10 +192,11 @@ def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None,
     batch_size, tokens = (int(x) for x in size.lower().split("x"))
     model = make_model(device, tiny)
     wrapped = _ddp(model, device, use_ddp, comm_hook, bucket_mb)
-    objective = make_objective(method, model, tiny)
+    objective = make_objective(method, model, tiny, ddp=wrapped is not None)
     call = D.DistributedObjective(objective, wrapped) if wrapped is not None else objective
     step, whole = _training_step(call, objective, model, device, batch_size, tokens, captured, overlap)
     seconds = _seconds_per_step(step, device, warmup, steps)
+    layers = {str(m): step.layers.count(m) for m in sorted(set(step.layers))}
     host = _host_seconds(step, device)
     if profile:
         tag = f"{method}-w{D.world()}{'' if wrapped is not None or D.world() == 1 else '-noddp'}-r{D.rank()}"
@@ -192,6 +204,8 @@ def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None,
     world = D.world()
     graphs = getattr(objective, "graphs", None)
     extra = {} if graphs is None else {"cat_graphs": graphs.num_graphs, "replays_in_forward": graphs.replays_in_forward}
+    if layers:
+        extra["timed_layers"] = layers  # CAT: how many timed steps mixed at each layer
     if captured:
         extra.update(captured_graphs=whole.num_graphs, replayed_steps=whole.num_replays)
         average = whole.gradient_averager
