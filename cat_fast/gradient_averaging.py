@@ -178,7 +178,9 @@ class GradientAverager:
         unused = [v for p, v in zip(bucket.members, bucket.views) if p.grad is None]
         if unused:  # zeros from this rank, so that every rank reduces the same buffer
             torch._foreach_zero_(unused)
-        if bucket.wire is None:
+        if self.compress is not None and bucket.wire is None:  # already 16-bit: the hook's division, in place
+            bucket.flat.div_(self.world)
+        elif bucket.wire is None:
             bucket.flat.mul_(1.0 / self.world)  # as DDP: each rank's share scaled before the sum
 
     def _encoded(self, bucket):
