@@ -31,6 +31,7 @@ averages, and whose inner updates all-reduce themselves (`Objective.inner_update
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -80,7 +81,7 @@ def _refusal(planner, ddp) -> str | None:
     if getattr(planner, "find_unused_parameters", False):
         return ("it declares find_unused_parameters=True, and a parameter no rank reaches would get a zero gradient "
                 "where DDP leaves None")
-    if getattr(ddp, "_comm_hooks", None) and compression(ddp) is None:
+    if _skipped_hook(ddp):
         return ("the DistributedDataParallel module has a communication hook other than PyTorch's bf16_compress_hook "
                 "or fp16_compress_hook on its own process group, which CapturedStep's all-reduce would skip")
     norms = torch.nn.modules.batchnorm._NormBase
@@ -90,21 +91,30 @@ def _refusal(planner, ddp) -> str | None:
     return None
 
 
+@functools.cache
+def _compression_hooks():
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return {default_hooks.bf16_compress_hook: torch.bfloat16, default_hooks.fp16_compress_hook: torch.float16}
+
+
 def compression(ddp):
     """The 16-bit dtype of `ddp`'s communication hook when it has exactly one and that is PyTorch's
     ``bf16_compress_hook`` or ``fp16_compress_hook`` over DDP's own process group (state None or that group); else
     None."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
     hooks = getattr(ddp, "_comm_hooks", None) or []
     if len(hooks) != 1:
         return None
     hook, state = hooks[0]
-    known = {default_hooks.bf16_compress_hook: torch.bfloat16, default_hooks.fp16_compress_hook: torch.float16}
-    dtype = known.get(hook)
+    dtype = _compression_hooks().get(hook)
     if dtype is None or not (state is None or state is ddp.process_group):
         return None
     return dtype
+
+
+def _skipped_hook(ddp) -> bool:
+    """Whether `ddp` has a communication hook that the averager does not apply (any but `compression`'s)."""
+    return bool(getattr(ddp, "_comm_hooks", None)) and compression(ddp) is None
 
 
 def accumulators_off_the_default_stream(ddp) -> str | None:
@@ -160,9 +170,7 @@ class DDPStep:
         if self.capture_reason is not None:
             raise NotCapturable(f"a whole step under DistributedDataParallel is not captured as a CUDA graph: "
                                 f"{self.capture_reason}; CapturedStep(..., cuda_graph=False) runs it eagerly")
-        hooked = compression(self.ddp)
-        if self.reason is None and (hooked != self.average.compress
-                                    or (getattr(self.ddp, "_comm_hooks", None) and hooked is None)):
+        if self.reason is None and (compression(self.ddp) != self.average.compress or _skipped_hook(self.ddp)):
             self.reason = ("a communication hook was registered on the DistributedDataParallel module after "
                            "CapturedStep was built (build the CapturedStep after registering it)")
         if self.reason is not None:

@@ -17,8 +17,8 @@ and writes each rank's operator table (CUDA and CPU time) to DIR. The JSON row a
 step (``host_ms``: until ``step()`` returns, measured on separate steps after a synchronisation) and, for CAT, the
 number of captured CAL-graph signatures and of steps that replayed them, and ``timed_layers``: how many timed steps
 mixed at each layer (a step at layer 8 resumes four layers, one at 10 two). One process draws CAT's layers from the
-stream DDP gives every rank, as do the ranks of ``--no-ddp``, so every run times the same layers. ``--captured``: each step is one
-`cat_fast.step.CapturedStep` (one CUDA graph per batch signature, the gradient all-reduce inside it:
+stream DDP gives every rank, as do the ranks of ``--no-ddp``, so every run times the same layers. ``--captured``:
+each step is one `cat_fast.step.CapturedStep` (one CUDA graph per batch signature, the gradient all-reduce inside it:
 `cat_fast.step_ddp`; a fused, capturable AdamW with a tensor lr); the row gives its graphs and replayed steps.
 """
 import argparse
