@@ -21,6 +21,16 @@ the world size there, all-reduced in 16 bits (half the bytes on the wire), and c
 each rank's share and the sum are rounded to 16 bits, as with the hook. `cat_fast.step_ddp` uses it where the DDP
 module has one of those two hooks.
 
+Exchange (``exchange="nccl"``, the default, or ``"copy"``). ``"nccl"`` all-reduces each bucket with NCCL, whose
+kernels take multiprocessors from the backward they overlap. ``"copy"`` (GPUs of one host with peer access; PyTorch's
+symmetric memory) moves the bytes with the GPUs' copy engines instead: each exchanged buffer is allocated in
+symmetric memory, and each bucket, cut into one span per rank, is reduced in two pulls: rank r copies span r of
+every other rank's bucket, sums the ranks' shares in rank order into its own span r (the only kernel: a sum over 1/N
+of the bucket), and then copies every other rank's summed span back. Device-side barriers (one kernel each) order
+the pulls: before the first, between the two, and once after a step's last bucket, so that no rank writes a buffer
+that another is still reading. Every rank gets the same result, the ranks' shares summed in rank order. The bytes
+sent are an NCCL ring's, 2(N-1)/N of the bucket per rank.
+
 A parameter that accumulates again after its bucket was reduced (a step whose path differs from its key's first
 step) would leave that bucket's average stale. Each rank notes it; the ranks agree on a host-side group (`agree`,
 no GPU synchronisation) whether any rank saw it, and if one did, every rank reduces every bucket again after the
@@ -28,23 +38,27 @@ backward, so the result is always the average of the complete gradients.
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["GradientAverager", "BUCKET_MB", "OVERLAP"]
+__all__ = ["GradientAverager", "BUCKET_MB", "EXCHANGE", "OVERLAP"]
 
 BUCKET_MB = 25.0  # DDP's default bucket_cap_mb
 OVERLAP = True  # the averagers made from here on overlap (False: every bucket after the backward, for comparisons)
+EXCHANGE = "nccl"  # how the averagers made from here on reduce a bucket: "nccl" or "copy" (module docstring)
+EXCHANGES = ("nccl", "copy")
 
 
 class _Bucket:
-    __slots__ = ("flat", "members", "views", "index", "wire")
+    __slots__ = ("flat", "members", "views", "index", "wire", "peers")
 
     def __init__(self, flat, members, views, index, wire):
         self.flat, self.members, self.views, self.index = flat, members, views, index
         self.wire = wire  # the 16-bit copy that is all-reduced (compression), or None: `flat` itself
+        self.peers = None  # exchange="copy": the symmetric-memory handle of the buffer exchanged
 
 
 class GradientAverager:
@@ -52,15 +66,25 @@ class GradientAverager:
     `group` in place of DDP's reducer (module docstring). ``overlap=False`` reduces every bucket after the backward
     (None: `OVERLAP`). `agree` (``callable(bool) -> bool``, true where true on any rank; host-side) is needed for
     the overlap. ``compress`` (None, ``torch.bfloat16`` or ``torch.float16``): the dtype the buckets are all-reduced
-    in (module docstring). ``overlapped``: the buckets of the last step reduced while its backward ran."""
+    in (module docstring). ``exchange`` ("nccl" or "copy"; None: `EXCHANGE`): how a bucket is reduced (module
+    docstring). ``overlapped``: the buckets of the last step reduced while its backward ran."""
 
     def __init__(self, params, group=None, *, overlap: bool | None = None, bucket_mb: float = BUCKET_MB, agree=None,
-                 compress: torch.dtype | None = None):
+                 compress: torch.dtype | None = None, exchange: str | None = None):
         if compress not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"compress: expected None, torch.bfloat16 or torch.float16, got {compress!r}")
+        exchange = EXCHANGE if exchange is None else exchange
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
+        params = list(params)
         self.compress = compress
         self.group = group
         self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.exchange = exchange if self.world > 1 else "nccl"
+        if self.exchange == "copy":
+            _check_copy_exchange(params)
+        allocate = _symmetric_zeros if self.exchange == "copy" else _zeros
         self.overlap = bool(OVERLAP if overlap is None else overlap) and agree is not None
         self.agree = agree
         kinds = {}
@@ -70,9 +94,10 @@ class GradientAverager:
         self._bucket_of = {}  # id(param) -> its bucket
         for (dtype, device), members in kinds.items() if self.world > 1 else ():
             members = members[::-1]  # the backward's order
-            flat = torch.zeros(sum(p.numel() for p in members), dtype=dtype, device=device)
-            wire = (torch.zeros(flat.numel(), dtype=compress, device=device)
-                    if compress is not None and dtype.is_floating_point and dtype != compress else None)
+            n = sum(p.numel() for p in members)
+            wired = compress is not None and dtype.is_floating_point and dtype != compress
+            flat = (_zeros if wired else allocate)(n, dtype, device)  # the buffer exchanged is the shared one
+            wire = allocate(n, compress, device) if wired else None
             cap = max(1, int(bucket_mb * 2**20) // flat.element_size())
             offset, start, group_members = 0, 0, []
             for i, p in enumerate(members):
@@ -81,6 +106,9 @@ class GradientAverager:
                 if offset - start >= cap or i == len(members) - 1:
                     self._add_bucket(flat, start, offset, group_members, wire)
                     start, group_members = offset, []
+        self._scratch = {}  # exchange="copy": (dtype, device) -> the spans pulled from the other ranks
+        if self.exchange == "copy":
+            self._share()
         self.overlapped = 0  # buckets of the last step reduced while its backward ran
         self._counts = {}  # key -> accumulations per parameter in a step of that key
         self._open = None  # the open step's state (`begin`)
@@ -108,6 +136,60 @@ class GradientAverager:
         for p in members:
             self._bucket_of[id(p)] = bucket
         self.buckets.append(bucket)
+
+    def _share(self):
+        """exchange="copy": each exchanged buffer made symmetric over the group (a collective call, in the same
+        order on every rank), and the scratch its pulls land in."""
+        from torch.distributed import _symmetric_memory as symmetric
+
+        group = self.group if self.group is not None else dist.group.WORLD
+        handles = {}
+        for bucket in self.buckets:
+            shared = bucket.flat if bucket.wire is None else bucket.wire
+            base = shared._base if shared._base is not None else shared
+            if id(base) not in handles:
+                handles[id(base)] = _rendezvous(symmetric, base, group)
+            bucket.peers = handles[id(base)]
+            key = (shared.dtype, shared.device)
+            span = -(-shared.numel() // self.world)
+            if key not in self._scratch or self._scratch[key].shape[1] < span:
+                self._scratch[key] = torch.empty(self.world, span, dtype=shared.dtype, device=shared.device)
+
+    def _pull_reduce(self, bucket):
+        """exchange="copy": `bucket`'s buffer (already scaled, or encoded) summed over the ranks in place, by the
+        copy engines (module docstring); on the averager's stream."""
+        shared = self._encoded(bucket)
+        peers, world, rank = bucket.peers, self.world, self.rank
+        root = shared._base if shared._base is not None else shared  # the tensor made symmetric (`_share`)
+        base = shared.storage_offset() - root.storage_offset()  # where the bucket starts in it
+        spans = _spans(shared.numel(), world)
+        scratch = self._scratch[shared.dtype, shared.device]
+        start, end = spans[rank]
+        own = shared[start:end]
+        peers.barrier()  # every rank's bucket is filled
+        if end > start:
+            shares = []
+            for r in range(world):
+                if r == rank:
+                    shares.append(own)
+                else:
+                    shares.append(scratch[r, :end - start])
+                    shares[-1].copy_(peers.get_buffer(r, (end - start,), shared.dtype, base + start))
+            if world == 2:  # one sum: the same on both ranks in either order
+                own.add_(shares[1 - rank])
+            else:  # in rank order, as every rank sums its span
+                total = scratch[rank, :end - start]
+                torch.add(shares[0], shares[1], out=total)
+                for share in shares[2:]:
+                    total.add_(share)
+                own.copy_(total)
+        peers.barrier()  # every rank's span is summed
+        for step in range(1, world):
+            r = (rank + step) % world
+            start, end = spans[r]
+            if end > start:
+                shared[start:end].copy_(peers.get_buffer(r, (end - start,), shared.dtype, base + start))
+        return shared
 
     # ------------------------------------------------------------------ one step
     def begin(self, key=None):
@@ -159,7 +241,10 @@ class GradientAverager:
             step["stream"] = stream
             with torch.cuda.stream(stream):
                 self._fill(bucket, None if _capturing(bucket.flat) else stream)
-                dist.all_reduce(self._encoded(bucket), group=self.group)
+                if bucket.peers is not None:
+                    self._pull_reduce(bucket)
+                else:
+                    dist.all_reduce(self._encoded(bucket), group=self.group)
                 if bucket.wire is not None:  # after the all-reduce on this stream
                     bucket.flat.copy_(bucket.wire)
         else:
@@ -208,11 +293,11 @@ class GradientAverager:
                 stale = self.agree(stale)  # every rank redoes where one must (the same collectives on every rank)
             self.overlapped = 0 if stale else len(step["launched"])
             if stale:
-                self._join()  # the first reduces are done before their buffers are filled again
+                self._join(settle=True)  # the first reduces are done before their buffers are filled again
             for bucket in self.buckets:
                 if bucket.index not in step["launched"] or stale:
                     self._launch(bucket)
-            self._join()
+            self._join(settle=True)
             if self.overlap and step["seen"] != step["expected"]:
                 self._counts[step["key"]] = dict(step["seen"])
         finally:
@@ -221,9 +306,14 @@ class GradientAverager:
             for p, v in zip(bucket.members, bucket.views):
                 p.grad = v
 
-    def _join(self):
-        """The current stream waits for the averager's (GPU); the asynchronous collectives are waited for (CPU)."""
+    def _join(self, settle=False):
+        """The current stream waits for the averager's (GPU); the asynchronous collectives are waited for (CPU).
+        ``settle`` (every rank together), with exchange="copy": first a barrier, so that no rank writes a buffer
+        (the next step's backward, a redone average) that another is still pulling."""
         step = self._open
+        if settle and self.exchange == "copy" and step["stream"] is not None:
+            with torch.cuda.stream(step["stream"]):
+                self.buckets[-1].peers.barrier()
         for work in step["works"]:
             work.wait()
         step["works"] = []
@@ -240,6 +330,49 @@ class GradientAverager:
         if self.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return flag[0]
+
+
+def _spans(n, world):
+    """[start, end) of each rank's span of a bucket of `n` elements (the last ones shorter, or empty)."""
+    size = -(-n // world)
+    return [(min(r * size, n), min((r + 1) * size, n)) for r in range(world)]
+
+
+def _zeros(n, dtype, device):
+    return torch.zeros(n, dtype=dtype, device=device)
+
+
+def _symmetric_zeros(n, dtype, device):
+    from torch.distributed import _symmetric_memory as symmetric
+
+    return symmetric.empty(n, dtype=dtype, device=device).zero_()
+
+
+def _rendezvous(symmetric, tensor, group):
+    """`symmetric.rendezvous`; where this PyTorch wants the group enabled first (older releases), enabled and
+    tried again (the failure is local, before any exchange: every rank takes the same path)."""
+    try:
+        return symmetric.rendezvous(tensor, group.group_name)
+    except RuntimeError:
+        enable = getattr(symmetric, "enable_symm_mem_for_group", None)
+        if enable is None:
+            raise
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # deprecated where no longer needed
+            enable(group.group_name)
+        return symmetric.rendezvous(tensor, group.group_name)
+
+
+def _check_copy_exchange(params):
+    devices = {p.device for p in params}
+    if any(d.type != "cuda" for d in devices):
+        raise ValueError(f"exchange='copy': expected parameters on CUDA devices (the copy engines of GPUs of one "
+                         f"host), got {sorted(str(d) for d in devices)}; exchange='nccl' averages anywhere")
+    try:
+        from torch.distributed import _symmetric_memory  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(f"exchange='copy' needs PyTorch's symmetric memory (torch.distributed._symmetric_memory), "
+                         f"which this PyTorch lacks ({exc}); exchange='nccl' averages without it") from exc
 
 
 def _capturing(tensor) -> bool:

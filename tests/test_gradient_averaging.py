@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cat_fast.gradient_averaging import GradientAverager
+from cat_fast.gradient_averaging import GradientAverager, _spans
 from cat_fast.step_ddp import Lockstep
 from tests.ranks import spawn
 
@@ -85,6 +85,11 @@ def _worker(rank, out):
     del averager
     gc.collect()
     rows.append(("hooks", before, len(weight._post_accumulate_grad_hooks or {})))
+    try:  # the copy engines' exchange is for GPUs: refused on CPU parameters, naming the argument
+        GradientAverager(list(model.parameters()), exchange="copy")
+        rows.append(("copy on the CPU", None))
+    except ValueError as exc:
+        rows.append(("copy on the CPU", str(exc)))
     torch.save(rows, f"{out}.{rank}")
     torch.save(_compressed_rows(model, rank, host), f"{out}.{rank}.compressed")
 
@@ -151,7 +156,7 @@ def spawned(spawned_files):
 
 def test_every_step_averages_the_complete_gradients(spawned):
     for rank, rows in enumerate(spawned):
-        for step, name, _, error, buckets in rows[:-2]:
+        for step, name, _, error, buckets in rows[:-3]:
             assert buckets == (3 if name == "overlap" else 1)
             assert error < 1e-6, (rank, step, name, error)
 
@@ -160,11 +165,11 @@ def test_buckets_are_reduced_during_the_backward_once_the_key_is_known(spawned):
     """Step 0 and step 2 are the first of their keys (after the backward); steps 1 and 3 reduce every bucket while
     the backward runs; without overlap none."""
     for rows in spawned:
-        overlapped = {step: n for step, name, n, _, _ in rows[:-2] if name == "overlap"}
+        overlapped = {step: n for step, name, n, _, _ in rows[:-3] if name == "overlap"}
         buckets = rows[0][4]
         assert overlapped[0] == 0 and overlapped[2] == 0
         assert overlapped[1] == buckets and overlapped[3] == buckets
-        assert all(n == 0 for _, name, n, _, _ in rows[:-2] if name == "plain")
+        assert all(n == 0 for _, name, n, _, _ in rows[:-3] if name == "plain")
 
 
 def test_a_backward_that_differs_from_its_keys_first_is_redone_on_every_rank(spawned):
@@ -172,7 +177,7 @@ def test_a_backward_that_differs_from_its_keys_first_is_redone_on_every_rank(spa
     counted as overlapped), and both get the average of the complete gradients. Step 5: a layer unused on rank 0
     (zeros from it) gives its accumulations fewer than expected, so its buckets wait for the end of the backward."""
     for rows in spawned:
-        overlapped = {step: n for step, name, n, _, _ in rows[:-2] if name == "overlap"}
+        overlapped = {step: n for step, name, n, _, _ in rows[:-3] if name == "overlap"}
         assert overlapped[4] == 0
         assert overlapped[5] < rows[0][4]
 
@@ -180,7 +185,7 @@ def test_a_backward_that_differs_from_its_keys_first_is_redone_on_every_rank(spa
 def test_the_hooks_go_with_the_averager(spawned):
     """The parameters outlive the averager; its hooks do not (the plain averager, overlap off, has none)."""
     for rows in spawned:
-        name, before, after = rows[-1]
+        name, before, after = rows[-2]
         assert name == "hooks" and before == 1 and after == 0
 
 
@@ -188,7 +193,7 @@ def test_an_abandoned_step_leaves_the_next_whole(spawned):
     """Key "c": a whole step (counted), then a backward of the head only, abandoned after its bucket was launched,
     then whole steps: each the average of its complete gradients."""
     for rows in spawned:
-        name, (first, launched, closed, second, third) = rows[-2]
+        name, (first, launched, closed, second, third) = rows[-3]
         assert name == "abandoned" and launched == 1 and closed
         assert max(first, second, third) < 1e-6
 
@@ -207,3 +212,114 @@ def test_compressed_buckets_average_as_the_compression_hooks(spawned_files):
             assert overlapped == 0, (rank, dtype, overlap, step, overlapped)  # all buckets, or none, as expected
     with pytest.raises(ValueError, match="compress: expected None, torch.bfloat16 or torch.float16"):
         GradientAverager([], compress=torch.float64)
+
+
+def test_the_copy_exchange_is_refused_on_cpu_parameters_and_names_are_checked(spawned):
+    for rows in spawned:
+        name, message = rows[-1]
+        assert name == "copy on the CPU" and message is not None and message.startswith("exchange='copy': expected "
+                                                                                          "parameters on CUDA devices")
+    with pytest.raises(ValueError, match="exchange: expected one of"):
+        GradientAverager([], exchange="nvlink")
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 93, 1230, 280])
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_the_ranks_spans_tile_a_bucket(n, world):
+    spans = _spans(n, world)
+    assert len(spans) == world and spans[0][0] == 0 and spans[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert all(0 <= end - start <= -(-n // world) for start, end in spans)
+
+
+# ----------------------------------------------------------------------------- 2 GPUs: the copy engines' exchange
+
+def _copy_worker(rank, out):
+    """Per step: the copy exchange's gradients against NCCL's all-reduce of the same model and batch, and against
+    the exact average; eager (with and without overlap, fp32 and bf16-compressed) and replayed as a CUDA graph."""
+    device = torch.device("cuda", rank)
+    host = Lockstep()
+    agree = lambda flag: not host.all(not flag)  # noqa: E731
+    rows = []
+    for compress in (None, torch.bfloat16):
+        for overlap in (False, True):
+            nets = {name: _model(0).to(device) for name in ("nccl", "copy")}
+            averagers = {name: GradientAverager(list(net.parameters()), overlap=overlap, compress=compress,
+                                                bucket_mb=2**-12, agree=agree, exchange=name)
+                         for name, net in nets.items()}
+            for i in range(3):
+                x = torch.randn(5, 6, generator=torch.Generator().manual_seed(700 + i + 10 * rank)).to(device)
+                exact = _reference(nets["copy"], x, 1)
+                got = {}
+                for name, net in nets.items():
+                    net.zero_grad(set_to_none=True)
+                    averagers[name].begin("k")
+                    net(x).square().sum().backward()
+                    averagers[name]()
+                    got[name] = [p.grad.clone() for p in net.parameters()]
+                rows.append(("eager", str(compress), overlap, i, averagers["copy"].overlapped,
+                             len(averagers["copy"].buckets),
+                             max(float((c - n).abs().max()) for c, n in zip(got["copy"], got["nccl"])),
+                             max(float((c - e).abs().max()) for c, e in zip(got["copy"], exact))))
+            del averagers
+            gc.collect()
+    net, ref = _model(0).to(device), _model(0).to(device)
+    averager = GradientAverager(list(net.parameters()), bucket_mb=2**-12, agree=agree, exchange="copy")
+    plain = GradientAverager(list(ref.parameters()), overlap=False, bucket_mb=2**-12, exchange="nccl")
+    static = torch.zeros(5, 6, device=device)
+
+    def step():
+        for p in net.parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+        averager.begin("g")
+        net(static).square().sum().backward()
+        averager()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # the key's first step (counted), then one overlapped
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    captured_overlapped = averager.overlapped
+    for i in range(3):
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(800 + i + 10 * rank)).to(device)
+        static.copy_(x)
+        graph.replay()
+        ref.zero_grad(set_to_none=True)
+        plain.begin()
+        ref(x).square().sum().backward()
+        plain()
+        rows.append(("captured", i, captured_overlapped, len(averager.buckets),
+                     max(float((p.grad - q.grad).abs().max()) for p, q in zip(net.parameters(), ref.parameters()))))
+    torch.cuda.synchronize()
+    del graph
+    torch.save(rows, f"{out}.{rank}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
+                    reason="needs 2 CUDA devices and NCCL")
+def test_gpu_the_copy_exchange_equals_nccl_all_reduce(tmp_path):
+    """exchange="copy" on 2 GPUs: every step's gradients equal NCCL's all-reduce of the same gradients to the bit
+    (two shares, one sum), fp32 and bf16-compressed, with the overlap (every bucket reduced during the backward from
+    the key's second step on) and without, eagerly and replayed as a CUDA graph; and they are the average (not this
+    rank's own gradient). The buckets (93, 1230 and 280 elements) split into unequal spans."""
+    spawn(_copy_worker, str(tmp_path / "out"), tmp_path=tmp_path, world=2, backend="nccl")
+    for rank in range(2):
+        rows = torch.load(f"{tmp_path / 'out'}.{rank}", weights_only=False)
+        eager = [r for r in rows if r[0] == "eager"]
+        captured = [r for r in rows if r[0] == "captured"]
+        assert len(eager) == 12 and len(captured) == 3
+        for _, dtype, overlap, step, overlapped, buckets, off_nccl, off_exact in eager:
+            assert buckets == 3
+            assert off_nccl == 0, (rank, dtype, overlap, step, off_nccl)
+            assert overlapped == (buckets if overlap and step else 0), (rank, dtype, overlap, step, overlapped)
+            if dtype == "None":
+                assert off_exact < 1e-6, (rank, overlap, step, off_exact)
+        for _, step, overlapped, buckets, off_nccl in captured:
+            assert overlapped == buckets == 3
+            assert off_nccl == 0, (rank, step, off_nccl)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cat_fast import distributed as D
-from cat_fast import step_ddp
+from cat_fast import gradient_averaging, step_ddp
 from cat_fast.objectives import CAT, ERM, GradientSupervision, LearnedMixin
 from cat_fast.step import CapturedStep, NotCapturable
 from tests.conftest import tiny_batch, tiny_model
@@ -62,7 +62,9 @@ def _objective(case, model, ddp):
 
 
 def _train(rank, case, captured, device="cpu", lengths=None, steps=STEPS, graph=True):
-    """Parameters, losses (and the CapturedStep's graph and replay counts) after `steps` steps of `case`."""
+    """Parameters, losses (and the CapturedStep's graph and replay counts) after `steps` steps of `case` (a case
+    ending in "+copy": the CapturedStep's averager exchanges by the copy engines, `GradientAverager`'s "copy")."""
+    case, _, exchange = case.partition("+")
     device = torch.device(device)
     model = _model(rank, case, device)
     # the reference is DDP's own: unused parameters need find_unused_parameters=True there
@@ -81,8 +83,14 @@ def _train(rank, case, captured, device="cpu", lengths=None, steps=STEPS, graph=
            else torch.optim.SGD(params, lr=0.1))
     objective.set_optimizer(opt)
     # strict: a step that is not planned raises (only erm-two-step's call runs as the DDP loop's)
-    step = CapturedStep(call, opt, cuda_graph=gpu and graph, max_grad_norm=1.0 if gpu else None, skip_non_finite=gpu,
-                        warmup_steps=1, strict=case != "erm-two-step") if captured else None
+    saved, gradient_averaging.EXCHANGE = gradient_averaging.EXCHANGE, exchange or "nccl"
+    try:
+        step = CapturedStep(call, opt, cuda_graph=gpu and graph, max_grad_norm=1.0 if gpu else None,
+                            skip_non_finite=gpu, warmup_steps=1, strict=case != "erm-two-step") if captured else None
+    finally:
+        gradient_averaging.EXCHANGE = saved
+    if step is not None and exchange:
+        assert step.gradient_averager.exchange == exchange
     losses = []
     for i in range(steps):
         batch = _batch(rank, i, device, length=lengths[i] if lengths else 9)
@@ -247,7 +255,7 @@ def test_a_hook_registered_after_the_step_was_built_is_not_skipped(process_group
 
 # ----------------------------------------------------------------------------- 2 GPUs, NCCL, CUDA graphs
 
-GPU_CASES = ("erm", "cat", "gs-first-order", "erm-compress-hook")
+GPU_CASES = ("erm", "cat", "gs-first-order", "erm-compress-hook", "cat+copy", "erm-compress-hook+copy")
 GPU_STEPS = 8
 
 

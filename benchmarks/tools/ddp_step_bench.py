@@ -104,7 +104,7 @@ def _ddp(model, device, use_ddp, comm_hook, bucket_mb):
     return wrapped
 
 
-def _training_step(call, objective, model, device, batch_size, tokens, captured, overlap=True):
+def _training_step(call, objective, model, device, batch_size, tokens, captured, overlap=True, exchange="nccl"):
     """(step, whole): one training step on this rank's batch as a call without arguments, and the CapturedStep
     (None unless `captured`)."""
     gpu = device.type == "cuda"
@@ -119,6 +119,7 @@ def _training_step(call, objective, model, device, batch_size, tokens, captured,
         from cat_fast.step import CapturedStep
 
         gradient_averaging.OVERLAP = overlap  # False: the all-reduce after the backward instead of overlapped with it
+        gradient_averaging.EXCHANGE = exchange  # "copy": the copy engines move the bytes, not NCCL's kernels
         whole = CapturedStep(call, optimizer, autocast=dtype, strict=True)
 
     def step():
@@ -188,13 +189,13 @@ def _write_profile(step, device, directory, tag):
 
 
 def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None, comm_hook=None, bucket_mb=None,
-          captured=False, overlap=True):
+          captured=False, overlap=True, exchange="nccl"):
     batch_size, tokens = (int(x) for x in size.lower().split("x"))
     model = make_model(device, tiny)
     wrapped = _ddp(model, device, use_ddp, comm_hook, bucket_mb)
     objective = make_objective(method, model, tiny, ddp=wrapped is not None)
     call = D.DistributedObjective(objective, wrapped) if wrapped is not None else objective
-    step, whole = _training_step(call, objective, model, device, batch_size, tokens, captured, overlap)
+    step, whole = _training_step(call, objective, model, device, batch_size, tokens, captured, overlap, exchange)
     seconds = _seconds_per_step(step, device, warmup, steps)
     layers = {str(m): step.layers.count(m) for m in sorted(set(step.layers))}
     host = _host_seconds(step, device)
@@ -210,7 +211,8 @@ def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None,
         extra.update(captured_graphs=whole.num_graphs, replayed_steps=whole.num_replays)
         average = whole.gradient_averager
         if average is not None:  # buckets of the last captured (or eager) step reduced during its backward
-            extra.update(overlap=average.overlap, buckets=len(average.buckets), overlapped=average.overlapped)
+            extra.update(overlap=average.overlap, buckets=len(average.buckets), overlapped=average.overlapped,
+                         exchange=average.exchange)
     return {"method": method, "world": world, "ddp": wrapped is not None, "size": size, **extra,
             "comm_hook": comm_hook if wrapped is not None else None, "bucket_mb": bucket_mb,
             "nccl_max_ctas": os.environ.get("NCCL_MAX_CTAS"),
@@ -239,6 +241,9 @@ def main(argv=None):
                         "with the gradient all-reduce inside; eager on the CPU)")
     parser.add_argument("--no-overlap", action="store_true", help="with --captured: the gradient all-reduce after "
                         "the backward (the default overlaps it, bucket by bucket)")
+    parser.add_argument("--exchange", choices=("nccl", "copy"), default="nccl", help="with --captured: how the "
+                        "gradient buckets are reduced: NCCL's all-reduce, or pulls by the GPUs' copy engines through "
+                        "PyTorch's symmetric memory (GPUs only)")
     args = parser.parse_args(argv)
     size = args.size or ("4x32" if args.tiny else "64x256")
     warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 5)
@@ -255,7 +260,7 @@ def main(argv=None):
         for method in args.methods:
             row = bench(method, device, size, args.tiny, warmup, steps, use_ddp=not args.no_ddp, profile=args.profile,
                         comm_hook=args.comm_hook, bucket_mb=args.bucket_mb, captured=args.captured,
-                        overlap=not args.no_overlap)
+                        overlap=not args.no_overlap, exchange=args.exchange)
             if rank == 0:
                 print(json.dumps(row), flush=True)
     finally:
