@@ -353,14 +353,19 @@ def _rendezvous(symmetric, tensor, group):
     tried again (the failure is local, before any exchange: every rank takes the same path)."""
     try:
         return symmetric.rendezvous(tensor, group.group_name)
-    except RuntimeError:
+    except RuntimeError as first:
         enable = getattr(symmetric, "enable_symm_mem_for_group", None)
-        if enable is None:
-            raise
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # deprecated where no longer needed
-            enable(group.group_name)
-        return symmetric.rendezvous(tensor, group.group_name)
+        try:
+            if enable is None:
+                raise
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # deprecated where no longer needed
+                enable(group.group_name)
+            return symmetric.rendezvous(tensor, group.group_name)
+        except RuntimeError as exc:
+            raise RuntimeError(f"exchange='copy': the gradient buffers could not be shared between the ranks' GPUs "
+                               f"through PyTorch's symmetric memory ({exc}); exchange='nccl' averages without it"
+                               ) from first
 
 
 def _check_copy_exchange(params):
