@@ -188,6 +188,57 @@ def _write_profile(step, device, directory, tag):
         f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70))
 
 
+def interference_rows(device, numel, exchanges, repeats=10, matmuls=16, size=4096, parts=13):
+    """Whether a gradient exchange slows work beside it (GPUs): bf16 matmuls on a stream of their own, and the
+    averaging of `numel` fp32 gradients in `parts` buckets by `GradientAverager` (each `exchanges` in turn: "nccl",
+    "copy"), each alone and both launched together. Per exchange: ms per repeat of each alone and of both (wall), and
+    the matmuls' own span when both run (CUDA events on their stream)."""
+    from cat_fast.gradient_averaging import GradientAverager
+
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    side = torch.cuda.Stream(device)
+
+    def products():
+        with torch.cuda.stream(side):
+            for _ in range(matmuls):
+                torch.mm(a, b)
+
+    rows = []
+    for exchange in exchanges:
+        params = [torch.nn.Parameter(torch.zeros(numel // parts, device=device)) for _ in range(parts)]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        averager = GradientAverager(params, overlap=False, exchange=exchange)
+
+        def average(averager=averager):
+            averager.begin(None)
+            averager()
+
+        for _ in range(2):
+            products()
+            average()
+        row = {"method": "interference", "exchange": exchange, "world": D.world(), "buckets": len(averager.buckets),
+               "mib": round(numel * 4 / 2**20, 1), "matmul_tflop": round(matmuls * 2 * size**3 / 1e12, 2)}
+        for name, calls in (("matmul", (products,)), ("exchange", (average,)), ("both", (products, average))):
+            sync(device)
+            dist.barrier()
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record(side)
+            start = time.perf_counter()
+            for _ in range(repeats):
+                for call in calls:
+                    call()
+            end.record(side)
+            sync(device)
+            row[f"{name}_ms"] = round((time.perf_counter() - start) / repeats * 1e3, 3)
+            if name == "both":
+                row["matmul_in_both_ms"] = round(begin.elapsed_time(end) / repeats, 3)
+        rows.append(row)
+        del averager, params
+    return rows
+
+
 def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None, comm_hook=None, bucket_mb=None,
           captured=False, overlap=True, exchange="nccl"):
     batch_size, tokens = (int(x) for x in size.lower().split("x"))
@@ -236,6 +287,8 @@ def main(argv=None):
     parser.add_argument("--bucket-mb", type=float, default=None, help="DDP's bucket_cap_mb (default: DDP's, 25)")
     parser.add_argument("--allreduce", action="store_true", help="first, the all-reduce bandwidth of BERT-base's "
                         "gradient size (fp32)")
+    parser.add_argument("--interference", action="store_true", help="first, on GPUs: bf16 matmuls and the "
+                        "averaging of BERT-base's gradient size (fp32) by each exchange, alone and together")
     parser.add_argument("--profile", default=None, metavar="DIR", help="write per-rank torch.profiler tables to DIR")
     parser.add_argument("--captured", action="store_true", help="each step one cat_fast CapturedStep (a CUDA graph "
                         "with the gradient all-reduce inside; eager on the CPU)")
@@ -257,6 +310,12 @@ def main(argv=None):
             row = allreduce_row(device, 2**16 if args.tiny else 109_483_778)
             if rank == 0:
                 print(json.dumps(row), flush=True)
+        if args.interference:
+            if device.type != "cuda" or world < 2:
+                parser.error("--interference: expected a run on 2 or more GPUs (torchrun)")
+            for row in interference_rows(device, 109_483_778, ("nccl", "copy")):
+                if rank == 0:
+                    print(json.dumps(row), flush=True)
         for method in args.methods:
             row = bench(method, device, size, args.tiny, warmup, steps, use_ddp=not args.no_ddp, profile=args.profile,
                         comm_hook=args.comm_hook, bucket_mb=args.bucket_mb, captured=args.captured,
