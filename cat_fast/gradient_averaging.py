@@ -146,10 +146,10 @@ class GradientAverager:
         handles = {}
         for bucket in self.buckets:
             shared = bucket.flat if bucket.wire is None else bucket.wire
-            base = shared._base if shared._base is not None else shared
-            if id(base) not in handles:
-                handles[id(base)] = _rendezvous(symmetric, base, group)
-            bucket.peers = handles[id(base)]
+            root = _root(shared)
+            if id(root) not in handles:
+                handles[id(root)] = _rendezvous(symmetric, root, group)
+            bucket.peers = handles[id(root)]
             key = (shared.dtype, shared.device)
             span = -(-shared.numel() // self.world)
             if key not in self._scratch or self._scratch[key].shape[1] < span:
@@ -160,8 +160,7 @@ class GradientAverager:
         copy engines (module docstring); on the averager's stream."""
         shared = self._encoded(bucket)
         peers, world, rank = bucket.peers, self.world, self.rank
-        root = shared._base if shared._base is not None else shared  # the tensor made symmetric (`_share`)
-        base = shared.storage_offset() - root.storage_offset()  # where the bucket starts in it
+        base = shared.storage_offset() - _root(shared).storage_offset()  # where the bucket starts in its buffer
         spans = _spans(shared.numel(), world)
         scratch = self._scratch[shared.dtype, shared.device]
         start, end = spans[rank]
@@ -330,6 +329,11 @@ class GradientAverager:
         if self.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return flag[0]
+
+
+def _root(view):
+    """The buffer a bucket is a view of (the tensor made symmetric by `GradientAverager._share`)."""
+    return view._base if view._base is not None else view
 
 
 def _spans(n, world):

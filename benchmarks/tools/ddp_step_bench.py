@@ -310,6 +310,8 @@ def main(argv=None):
             row = allreduce_row(device, 2**16 if args.tiny else 109_483_778)
             if rank == 0:
                 print(json.dumps(row), flush=True)
+        if args.exchange == "copy" and (device.type != "cuda" or not args.captured):
+            parser.error("--exchange copy: expected --captured steps on GPUs")
         if args.interference:
             if device.type != "cuda" or world < 2:
                 parser.error("--interference: expected a run on 2 or more GPUs (torchrun)")
