@@ -21,15 +21,18 @@ the world size there, all-reduced in 16 bits (half the bytes on the wire), and c
 each rank's share and the sum are rounded to 16 bits, as with the hook. `cat_fast.step_ddp` uses it where the DDP
 module has one of those two hooks.
 
-Exchange (``exchange="nccl"``, the default, or ``"copy"``). ``"nccl"`` all-reduces each bucket with NCCL, whose
-kernels take multiprocessors from the backward they overlap. ``"copy"`` (GPUs of one host with peer access; PyTorch's
+Exchange (``exchange="auto"``, the default, ``"nccl"`` or ``"copy"``). ``"nccl"`` all-reduces each bucket with NCCL,
+whose kernels take multiprocessors from the backward they overlap. ``"copy"`` (GPUs of one host with peer access; PyTorch's
 symmetric memory) moves the bytes with the GPUs' copy engines instead: each exchanged buffer is allocated in
 symmetric memory, and each bucket, cut into one span per rank, is reduced in two pulls: rank r copies span r of
 every other rank's bucket, sums the ranks' shares in rank order into its own span r (the only kernel: a sum over 1/N
 of the bucket), and then copies every other rank's summed span back. Device-side barriers (one kernel each) order
 the pulls: before the first, between the two, and once after a step's last bucket, so that no rank writes a buffer
 that another is still reading. Every rank gets the same result, the ranks' shares summed in rank order. The bytes
-sent are an NCCL ring's, 2(N-1)/N of the bucket per rank.
+sent are an NCCL ring's, 2(N-1)/N of the bucket per rank. ``"auto"`` is ``"copy"`` where every rank can use it
+(an NCCL group whose ranks run on one host, every parameter on a GPU that reaches the host's other GPUs, PyTorch's
+symmetric memory present and the buffers shared without error; the ranks agree in one small all-reduce) and
+``"nccl"`` elsewhere; ``exchange`` names the one chosen.
 
 A parameter that accumulates again after its bucket was reduced (a step whose path differs from its key's first
 step) would leave that bucket's average stale. Each rank notes it; the ranks agree on a host-side group (`agree`,
@@ -38,8 +41,10 @@ backward, so the result is always the average of the complete gradients.
 """
 from __future__ import annotations
 
+import socket
 import warnings
 import weakref
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -48,8 +53,8 @@ __all__ = ["GradientAverager", "BUCKET_MB", "EXCHANGE", "OVERLAP"]
 
 BUCKET_MB = 25.0  # DDP's default bucket_cap_mb
 OVERLAP = True  # the averagers made from here on overlap (False: every bucket after the backward, for comparisons)
-EXCHANGE = "nccl"  # how the averagers made from here on reduce a bucket: "nccl" or "copy" (module docstring)
-EXCHANGES = ("nccl", "copy")
+EXCHANGE = "auto"  # how the averagers made from here on reduce a bucket: "auto", "nccl" or "copy" (module docstring)
+EXCHANGES = ("auto", "nccl", "copy")
 
 
 class _Bucket:
@@ -66,8 +71,8 @@ class GradientAverager:
     `group` in place of DDP's reducer (module docstring). ``overlap=False`` reduces every bucket after the backward
     (None: `OVERLAP`). `agree` (``callable(bool) -> bool``, true where true on any rank; host-side) is needed for
     the overlap. ``compress`` (None, ``torch.bfloat16`` or ``torch.float16``): the dtype the buckets are all-reduced
-    in (module docstring). ``exchange`` ("nccl" or "copy"; None: `EXCHANGE`): how a bucket is reduced (module
-    docstring). ``overlapped``: the buckets of the last step reduced while its backward ran."""
+    in (module docstring). ``exchange`` ("auto", "nccl" or "copy"; None: `EXCHANGE`): how a bucket is reduced
+    (module docstring; ``self.exchange`` is the one used). ``overlapped``: the buckets of the last step reduced while its backward ran."""
 
     def __init__(self, params, group=None, *, overlap: bool | None = None, bucket_mb: float = BUCKET_MB, agree=None,
                  compress: torch.dtype | None = None, exchange: str | None = None):
@@ -76,15 +81,19 @@ class GradientAverager:
         exchange = EXCHANGE if exchange is None else exchange
         if exchange not in EXCHANGES:
             raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
+        self._auto = exchange == "auto"
         params = list(params)
         self.compress = compress
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        if self.world > 1 and exchange == "auto":
+            exchange = "copy" if _copy_possible(params, group) else "nccl"
         self.exchange = exchange if self.world > 1 else "nccl"
         if self.exchange == "copy":
             _check_copy_exchange(params)
-        allocate = _symmetric_zeros if self.exchange == "copy" else _zeros
+        self._unshared = None  # exchange="auto": why this rank could not make a buffer symmetric
+        allocate = self._symmetric_zeros if self.exchange == "copy" else _zeros
         self.overlap = bool(OVERLAP if overlap is None else overlap) and agree is not None
         self.agree = agree
         kinds = {}
@@ -108,7 +117,7 @@ class GradientAverager:
                     start, group_members = offset, []
         self._scratch = {}  # exchange="copy": (dtype, device) -> the spans pulled from the other ranks
         if self.exchange == "copy":
-            self._share()
+            self._share(fallback=self._auto)
         self.overlapped = 0  # buckets of the last step reduced while its backward ran
         self._counts = {}  # key -> accumulations per parameter in a step of that key
         self._open = None  # the open step's state (`begin`)
@@ -137,9 +146,51 @@ class GradientAverager:
             self._bucket_of[id(p)] = bucket
         self.buckets.append(bucket)
 
-    def _share(self):
+    def _share(self, fallback=False):
         """exchange="copy": each exchanged buffer made symmetric over the group (a collective call, in the same
-        order on every rank), and the scratch its pulls land in."""
+        order on every rank), and the scratch its pulls land in. `fallback` (exchange="auto"): where any rank
+        fails to allocate or share them, every rank uses "nccl" instead, with a warning."""
+        failed = self._unshared
+        if fallback and self._anyone(failed is not None):  # before the rendezvous, which every rank must enter
+            return self._fall_back(failed)
+        try:
+            self._rendezvous_buckets()
+        except Exception as exc:  # noqa: BLE001 (with fallback, agreed on below)
+            if not fallback:
+                raise
+            failed = exc
+        if fallback and self._anyone(failed is not None):
+            self._fall_back(failed)
+
+    def _anyone(self, flag) -> bool:
+        device = self.buckets[0].flat.device if self.buckets else torch.device("cuda", torch.cuda.current_device())
+        votes = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(votes.item())
+
+    def _fall_back(self, failed):
+        self.exchange = "nccl"
+        self._scratch = {}
+        for bucket in self.buckets:
+            bucket.peers = None
+        where = f"this rank: {failed}" if failed is not None else "on another rank"
+        warnings.warn(f"GradientAverager(exchange='auto'): the gradient buffers could not be shared through "
+                      f"PyTorch's symmetric memory ({where}); every rank averages with exchange='nccl'",
+                      RuntimeWarning, stacklevel=3)
+
+    def _symmetric_zeros(self, n, dtype, device):
+        """A buffer in symmetric memory; with exchange="auto", where this rank cannot make one, an ordinary one
+        (noted: every rank then falls back to "nccl", `_share`)."""
+        if self._unshared is None:
+            try:
+                return _symmetric_zeros(n, dtype, device)
+            except Exception as exc:  # noqa: BLE001
+                if not self._auto:
+                    raise
+                self._unshared = exc
+        return _zeros(n, dtype, device)
+
+    def _rendezvous_buckets(self):
         from torch.distributed import _symmetric_memory as symmetric
 
         group = self.group if self.group is not None else dist.group.WORLD
@@ -370,6 +421,29 @@ def _rendezvous(symmetric, tensor, group):
             raise RuntimeError(f"exchange='copy': the gradient buffers could not be shared between the ranks' GPUs "
                                f"through PyTorch's symmetric memory ({exc}); exchange='nccl' averages without it"
                                ) from first
+
+
+def _copy_possible(params, group) -> bool:
+    """exchange="auto": whether every rank of `group` can use the copy exchange (module docstring). A collective
+    call where the group's backend is NCCL (the same on every rank); none elsewhere."""
+    if dist.get_backend(group) != "nccl" or not torch.cuda.is_available():
+        return False
+    devices = {p.device for p in params}
+    local = torch.cuda.current_device()
+    ok = all(d.type == "cuda" for d in devices) and len(devices) <= 1
+    if ok and devices:
+        local = next(iter(devices)).index
+    try:
+        from torch.distributed import _symmetric_memory  # noqa: F401
+    except ImportError:
+        ok = False
+    ok = ok and all(torch.cuda.can_device_access_peer(local, other)
+                    for other in range(torch.cuda.device_count()) if other != local)
+    host = zlib.crc32(socket.gethostname().encode())
+    # one all-reduce (min): every rank able to, and the smallest and largest host equal (one host)
+    votes = torch.tensor([int(ok), host, -host], dtype=torch.int64, device=torch.device("cuda", local))
+    dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
+    return bool(votes[0].item()) and int(votes[1]) == -int(votes[2])
 
 
 def _check_copy_exchange(params):

@@ -2,11 +2,13 @@
 every step, its buckets reduced during the backward once a step's key has been seen, and the ranks' agreement when a
 step's backward accumulates where its key's first step did not."""
 import gc
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from cat_fast import gradient_averaging
 from cat_fast.gradient_averaging import GradientAverager, _spans
 from cat_fast.step_ddp import Lockstep
 from tests.ranks import spawn
@@ -85,11 +87,19 @@ def _worker(rank, out):
     del averager
     gc.collect()
     rows.append(("hooks", before, len(weight._post_accumulate_grad_hooks or {})))
+    auto = GradientAverager(list(model.parameters()))  # the default exchange, resolved without a collective
+    copy_missing = gradient_averaging._symmetric_zeros  # "auto" never reaches for symmetric memory on gloo
+    gradient_averaging._symmetric_zeros = None
+    try:
+        auto = auto.exchange, GradientAverager(list(model.parameters()), exchange="auto").exchange
+    finally:
+        gradient_averaging._symmetric_zeros = copy_missing
     try:  # the copy engines' exchange is for GPUs: refused on CPU parameters, naming the argument
         GradientAverager(list(model.parameters()), exchange="copy")
         rows.append(("copy on the CPU", None))
     except ValueError as exc:
         rows.append(("copy on the CPU", str(exc)))
+    rows.append(("auto on the CPU",) + auto)
     torch.save(rows, f"{out}.{rank}")
     torch.save(_compressed_rows(model, rank, host), f"{out}.{rank}.compressed")
 
@@ -156,7 +166,7 @@ def spawned(spawned_files):
 
 def test_every_step_averages_the_complete_gradients(spawned):
     for rank, rows in enumerate(spawned):
-        for step, name, _, error, buckets in rows[:-3]:
+        for step, name, _, error, buckets in rows[:-4]:
             assert buckets == (3 if name == "overlap" else 1)
             assert error < 1e-6, (rank, step, name, error)
 
@@ -165,11 +175,11 @@ def test_buckets_are_reduced_during_the_backward_once_the_key_is_known(spawned):
     """Step 0 and step 2 are the first of their keys (after the backward); steps 1 and 3 reduce every bucket while
     the backward runs; without overlap none."""
     for rows in spawned:
-        overlapped = {step: n for step, name, n, _, _ in rows[:-3] if name == "overlap"}
+        overlapped = {step: n for step, name, n, _, _ in rows[:-4] if name == "overlap"}
         buckets = rows[0][4]
         assert overlapped[0] == 0 and overlapped[2] == 0
         assert overlapped[1] == buckets and overlapped[3] == buckets
-        assert all(n == 0 for _, name, n, _, _ in rows[:-3] if name == "plain")
+        assert all(n == 0 for _, name, n, _, _ in rows[:-4] if name == "plain")
 
 
 def test_a_backward_that_differs_from_its_keys_first_is_redone_on_every_rank(spawned):
@@ -177,7 +187,7 @@ def test_a_backward_that_differs_from_its_keys_first_is_redone_on_every_rank(spa
     counted as overlapped), and both get the average of the complete gradients. Step 5: a layer unused on rank 0
     (zeros from it) gives its accumulations fewer than expected, so its buckets wait for the end of the backward."""
     for rows in spawned:
-        overlapped = {step: n for step, name, n, _, _ in rows[:-3] if name == "overlap"}
+        overlapped = {step: n for step, name, n, _, _ in rows[:-4] if name == "overlap"}
         assert overlapped[4] == 0
         assert overlapped[5] < rows[0][4]
 
@@ -185,7 +195,7 @@ def test_a_backward_that_differs_from_its_keys_first_is_redone_on_every_rank(spa
 def test_the_hooks_go_with_the_averager(spawned):
     """The parameters outlive the averager; its hooks do not (the plain averager, overlap off, has none)."""
     for rows in spawned:
-        name, before, after = rows[-2]
+        name, before, after = rows[-3]
         assert name == "hooks" and before == 1 and after == 0
 
 
@@ -193,7 +203,7 @@ def test_an_abandoned_step_leaves_the_next_whole(spawned):
     """Key "c": a whole step (counted), then a backward of the head only, abandoned after its bucket was launched,
     then whole steps: each the average of its complete gradients."""
     for rows in spawned:
-        name, (first, launched, closed, second, third) = rows[-3]
+        name, (first, launched, closed, second, third) = rows[-4]
         assert name == "abandoned" and launched == 1 and closed
         assert max(first, second, third) < 1e-6
 
@@ -216,11 +226,17 @@ def test_compressed_buckets_average_as_the_compression_hooks(spawned_files):
 
 def test_the_copy_exchange_is_refused_on_cpu_parameters_and_names_are_checked(spawned):
     for rows in spawned:
-        name, message = rows[-1]
+        name, message = rows[-2]
         assert name == "copy on the CPU" and message is not None and message.startswith("exchange='copy': expected "
                                                                                           "parameters on CUDA devices")
     with pytest.raises(ValueError, match="exchange: expected one of"):
         GradientAverager([], exchange="nvlink")
+
+
+def test_the_default_exchange_is_nccl_where_the_copy_engines_cannot_serve(spawned):
+    """exchange="auto" (the default) on CPU parameters over gloo is "nccl", decided without symmetric memory."""
+    for rows in spawned:
+        assert rows[-1] == ("auto on the CPU", "nccl", "nccl")
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 93, 1230, 280])
@@ -300,7 +316,30 @@ def _copy_worker(rank, out):
                      max(float((p.grad - q.grad).abs().max()) for p, q in zip(net.parameters(), ref.parameters()))))
     torch.cuda.synchronize()
     del graph
+    # the default ("auto") on 2 GPUs of one host is the copy exchange; where one rank cannot allocate symmetric
+    # memory, every rank falls back to NCCL (with a warning) and still averages
+    default = GradientAverager(list(net.parameters()), agree=agree).exchange
+    saved = gradient_averaging._symmetric_zeros
+    if rank == 1:
+        gradient_averaging._symmetric_zeros = _refuse
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            fallen = GradientAverager(list(ref.parameters()), overlap=False, bucket_mb=2**-12)
+    finally:
+        gradient_averaging._symmetric_zeros = saved
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(900 + rank)).to(device)
+    exact = _reference(ref, x, 1)
+    fallen.begin()
+    ref(x).square().sum().backward()
+    fallen()
+    rows.append(("auto", default, fallen.exchange, sum("could not be shared" in str(w.message) for w in caught),
+                 max(float((p.grad - e).abs().max()) for p, e in zip(ref.parameters(), exact))))
     torch.save(rows, f"{out}.{rank}")
+
+
+def _refuse(*args, **kwargs):
+    raise RuntimeError("no symmetric memory on this rank")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
@@ -310,13 +349,16 @@ def test_gpu_the_copy_exchange_equals_nccl_all_reduce(tmp_path):
     (two shares, one sum), fp32 and bf16-compressed, with the overlap (every bucket reduced during the backward from
     the key's second step on) and without, eagerly and replayed as a CUDA graph; and they are the average (not this
     rank's own gradient), also in a step that one rank's extra backward makes every rank redo. The buckets (93, 1230
-    and 280 elements) split into unequal spans."""
+    and 280 elements) split into unequal spans. The default exchange there is "copy"; where one rank cannot make
+    symmetric memory, both use "nccl", warned, and average."""
     spawn(_copy_worker, str(tmp_path / "out"), tmp_path=tmp_path, world=2, backend="nccl")
     for rank in range(2):
         rows = torch.load(f"{tmp_path / 'out'}.{rank}", weights_only=False)
         eager = [r for r in rows if r[0] == "eager"]
         captured = [r for r in rows if r[0] == "captured"]
         assert len(eager) == 16 and len(captured) == 3
+        _, default, fallen, warned, off_exact = rows[-1]
+        assert default == "copy" and fallen == "nccl" and warned == 1 and off_exact < 1e-6, (rank, rows[-1])
         for _, dtype, overlap, step, overlapped, buckets, off_nccl, off_exact in eager:
             assert buckets == 3
             assert off_nccl == 0, (rank, dtype, overlap, step, off_nccl)

@@ -104,7 +104,7 @@ def _ddp(model, device, use_ddp, comm_hook, bucket_mb):
     return wrapped
 
 
-def _training_step(call, objective, model, device, batch_size, tokens, captured, overlap=True, exchange="nccl"):
+def _training_step(call, objective, model, device, batch_size, tokens, captured, overlap=True, exchange="auto"):
     """(step, whole): one training step on this rank's batch as a call without arguments, and the CapturedStep
     (None unless `captured`)."""
     gpu = device.type == "cuda"
@@ -119,7 +119,7 @@ def _training_step(call, objective, model, device, batch_size, tokens, captured,
         from cat_fast.step import CapturedStep
 
         gradient_averaging.OVERLAP = overlap  # False: the all-reduce after the backward instead of overlapped with it
-        gradient_averaging.EXCHANGE = exchange  # "copy": the copy engines move the bytes, not NCCL's kernels
+        gradient_averaging.EXCHANGE = exchange  # "copy": the copy engines move the bytes; "auto": copy where it can
         whole = CapturedStep(call, optimizer, autocast=dtype, strict=True)
 
     def step():
@@ -240,7 +240,7 @@ def interference_rows(device, numel, exchanges, repeats=10, matmuls=16, size=409
 
 
 def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None, comm_hook=None, bucket_mb=None,
-          captured=False, overlap=True, exchange="nccl"):
+          captured=False, overlap=True, exchange="auto"):
     batch_size, tokens = (int(x) for x in size.lower().split("x"))
     model = make_model(device, tiny)
     wrapped = _ddp(model, device, use_ddp, comm_hook, bucket_mb)
@@ -294,9 +294,10 @@ def main(argv=None):
                         "with the gradient all-reduce inside; eager on the CPU)")
     parser.add_argument("--no-overlap", action="store_true", help="with --captured: the gradient all-reduce after "
                         "the backward (the default overlaps it, bucket by bucket)")
-    parser.add_argument("--exchange", choices=("nccl", "copy"), default="nccl", help="with --captured: how the "
-                        "gradient buckets are reduced: NCCL's all-reduce, or pulls by the GPUs' copy engines through "
-                        "PyTorch's symmetric memory (GPUs only)")
+    parser.add_argument("--exchange", choices=("auto", "nccl", "copy"), default="auto", help="with --captured: how "
+                        "the gradient buckets are reduced: NCCL's all-reduce, pulls by the GPUs' copy engines through "
+                        "PyTorch's symmetric memory (GPUs of one host), or auto (the library's default: copy where "
+                        "every rank can, else nccl; the row names the one used)")
     args = parser.parse_args(argv)
     size = args.size or ("4x32" if args.tiny else "64x256")
     warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 5)
