@@ -239,6 +239,62 @@ def interference_rows(device, numel, exchanges, repeats=10, matmuls=16, size=409
     return rows
 
 
+def copy_bandwidth_rows(device, sizes_mib=(8, 16, 45, 209), repeats=20):
+    """The link the copy exchange uses (GPUs, 2 ranks): per buffer size, every rank copying the other rank's
+    symmetric-memory buffer into its own memory (pull) or its own into the other's (push), at once, in one copy or
+    cut into 2 or 4 on as many streams; NCCL's all-reduce of the same buffer; and the symmetric-memory barrier. ms
+    per call and GB/s (bytes copied per rank, or the buffer's bytes for the all-reduce)."""
+    from torch.distributed import _symmetric_memory as symmetric
+
+    from cat_fast.gradient_averaging import _rendezvous, _symmetric_zeros
+
+    streams = [torch.cuda.Stream(device) for _ in range(4)]
+    other = 1 - D.rank()
+
+    def timed(call):
+        for _ in range(3):
+            call()
+        sync(device)
+        dist.barrier()
+        sync(device)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(repeats):
+            call()
+        end.record()
+        sync(device)
+        return begin.elapsed_time(end) / repeats
+
+    def copies(dst, src, parts):
+        n = dst.numel()
+        size, current = -(-n // parts), torch.cuda.current_stream(device)
+        for i, stream in enumerate(streams[:parts]):
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                dst[i * size:(i + 1) * size].copy_(src[i * size:(i + 1) * size])
+        for stream in streams[:parts]:
+            current.wait_stream(stream)
+
+    rows = []
+    for mib in sizes_mib:
+        n = mib * 2**20 // 4
+        mine = _symmetric_zeros(n, torch.float32, device).normal_()
+        handle = _rendezvous(symmetric, mine, dist.group.WORLD)
+        theirs = handle.get_buffer(other, (n,), torch.float32, 0)
+        local = torch.empty(n, device=device)
+        row = {"method": "copy_bandwidth", "world": D.world(), "mib": mib}
+        for direction, (dst, src) in (("pull", (local, theirs)), ("push", (theirs, local))):
+            for parts in (1, 2, 4):
+                ms = timed(lambda dst=dst, src=src, parts=parts: copies(dst, src, parts))
+                row[f"{direction}{parts}_ms"], row[f"{direction}{parts}_gbs"] = round(ms, 4), round(n * 4 / ms / 1e6)
+        ms = timed(lambda: dist.all_reduce(local))
+        row["all_reduce_ms"], row["all_reduce_gbs"] = round(ms, 4), round(n * 4 / ms / 1e6)
+        row["barrier_ms"] = round(timed(handle.barrier), 4)
+        rows.append(row)
+        del handle, theirs, mine
+    return rows
+
+
 def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None, comm_hook=None, bucket_mb=None,
           captured=False, overlap=True, exchange="auto"):
     batch_size, tokens = (int(x) for x in size.lower().split("x"))
@@ -289,6 +345,8 @@ def main(argv=None):
                         "gradient size (fp32)")
     parser.add_argument("--interference", action="store_true", help="first, on GPUs: bf16 matmuls and the "
                         "averaging of BERT-base's gradient size (fp32) by each exchange, alone and together")
+    parser.add_argument("--copy-bandwidth", action="store_true", help="first, on 2 GPUs: the peer copies the copy "
+                        "exchange makes (pull and push, 1, 2 or 4 streams) and NCCL's all-reduce, by buffer size")
     parser.add_argument("--profile", default=None, metavar="DIR", help="write per-rank torch.profiler tables to DIR")
     parser.add_argument("--captured", action="store_true", help="each step one cat_fast CapturedStep (a CUDA graph "
                         "with the gradient all-reduce inside; eager on the CPU)")
@@ -317,6 +375,12 @@ def main(argv=None):
             if device.type != "cuda" or world < 2:
                 parser.error("--interference: expected a run on 2 or more GPUs (torchrun)")
             for row in interference_rows(device, 109_483_778, ("nccl", "copy")):
+                if rank == 0:
+                    print(json.dumps(row), flush=True)
+        if args.copy_bandwidth:
+            if device.type != "cuda" or world != 2:
+                parser.error("--copy-bandwidth: expected a run on 2 GPUs (torchrun --nproc_per_node 2)")
+            for row in copy_bandwidth_rows(device):
                 if rank == 0:
                     print(json.dumps(row), flush=True)
         for method in args.methods:
