@@ -32,7 +32,8 @@ that another is still reading. Every rank gets the same result, the ranks' share
 sent are an NCCL ring's, 2(N-1)/N of the bucket per rank. ``"auto"`` is ``"copy"`` where every rank can use it
 (an NCCL group whose ranks run on one host, every parameter on a GPU that reaches the host's other GPUs, PyTorch's
 symmetric memory present and the buffers shared without error; the ranks agree in one small all-reduce) and
-``"nccl"`` elsewhere; ``exchange`` names the one chosen.
+``"nccl"`` elsewhere; ``exchange`` names the one chosen. The environment variable ``CAT_FAST_GRADIENT_EXCHANGE``
+(read at import) sets the default for a whole run, e.g. ``nccl`` where symmetric memory misbehaves.
 
 A parameter that accumulates again after its bucket was reduced (a step whose path differs from its key's first
 step) would leave that bucket's average stale. Each rank notes it; the ranks agree on a host-side group (`agree`,
@@ -41,6 +42,7 @@ backward, so the result is always the average of the complete gradients.
 """
 from __future__ import annotations
 
+import os
 import socket
 import warnings
 import weakref
@@ -53,7 +55,10 @@ __all__ = ["GradientAverager", "BUCKET_MB", "EXCHANGE", "OVERLAP"]
 
 BUCKET_MB = 25.0  # DDP's default bucket_cap_mb
 OVERLAP = True  # the averagers made from here on overlap (False: every bucket after the backward, for comparisons)
-EXCHANGE = "auto"  # how the averagers made from here on reduce a bucket: "auto", "nccl" or "copy" (module docstring)
+# how the averagers made from here on reduce a bucket: "auto", "nccl" or "copy" (module docstring); the environment
+# variable sets it for a whole run (the CLI and the Trainer under torchrun) without code
+EXCHANGE_VARIABLE = "CAT_FAST_GRADIENT_EXCHANGE"
+EXCHANGE = os.environ.get(EXCHANGE_VARIABLE, "auto")
 EXCHANGES = ("auto", "nccl", "copy")
 
 
@@ -78,9 +83,13 @@ class GradientAverager:
                  compress: torch.dtype | None = None, exchange: str | None = None):
         if compress not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"compress: expected None, torch.bfloat16 or torch.float16, got {compress!r}")
-        exchange = EXCHANGE if exchange is None else exchange
+        source = ""
+        if exchange is None:
+            exchange = EXCHANGE
+            if exchange == os.environ.get(EXCHANGE_VARIABLE):
+                source = f" (from the environment variable {EXCHANGE_VARIABLE})"
         if exchange not in EXCHANGES:
-            raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
+            raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}{source}")
         self._auto = exchange == "auto"
         params = list(params)
         self.compress = compress

@@ -2,6 +2,9 @@
 every step, its buckets reduced during the backward once a step's key has been seen, and the ranks' agreement when a
 step's backward accumulates where its key's first step did not."""
 import gc
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -369,3 +372,16 @@ def test_gpu_the_copy_exchange_equals_nccl_all_reduce(tmp_path):
         for _, step, overlapped, buckets, off_nccl in captured:
             assert overlapped == buckets == 3
             assert off_nccl == 0, (rank, step, off_nccl)
+
+
+def test_the_environment_variable_sets_the_default_exchange(monkeypatch):
+    """CAT_FAST_GRADIENT_EXCHANGE, read at import, is the default for a whole run; a value that is not an exchange
+    is refused by name, naming the variable."""
+    env = dict(os.environ, CAT_FAST_GRADIENT_EXCHANGE="nccl")
+    out = subprocess.run([sys.executable, "-c", "from cat_fast import gradient_averaging as g; print(g.EXCHANGE)"],
+                         env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "nccl"
+    monkeypatch.setenv("CAT_FAST_GRADIENT_EXCHANGE", "nvlink")
+    monkeypatch.setattr(gradient_averaging, "EXCHANGE", "nvlink")
+    with pytest.raises(ValueError, match="got 'nvlink' \\(from the environment variable CAT_FAST_GRADIENT_EXCHANGE\\)"):
+        GradientAverager([])
