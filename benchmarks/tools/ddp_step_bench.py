@@ -13,7 +13,7 @@ method: world size, ms per step and tokens/s = world × batch × tokens / step t
 
 Diagnostics: ``--no-ddp`` runs each rank's step without DDP (no gradient averaging: what N independent processes on
 one host reach, the scaling ceiling); ``--profile DIR`` then profiles 3 more steps per method with torch.profiler
-and writes each rank's operator table (CUDA and CPU time) to DIR. The JSON row also gives the host time to issue one
+and writes each rank's operator table (CUDA and CPU time) and timeline (a Chrome trace) to DIR. The JSON row also gives the host time to issue one
 step (``host_ms``: until ``step()`` returns, measured on separate steps after a synchronisation) and, for CAT, the
 number of captured CAL-graph signatures and of steps that replayed them, and ``timed_layers``: how many timed steps
 mixed at each layer (a step at layer 8 resumes four layers, one at 10 two). One process draws CAT's layers from the
@@ -171,7 +171,8 @@ def _host_seconds(step, device):
 
 
 def _write_profile(step, device, directory, tag):
-    """3 more steps under torch.profiler; the operator tables to `directory`/`tag`.txt."""
+    """3 more steps under torch.profiler; the operator tables to `directory`/`tag`.txt, the timeline (every stream's
+    kernels and copies, for chrome://tracing or Perfetto) to `directory`/`tag`.json."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -186,6 +187,7 @@ def _write_profile(step, device, directory, tag):
         f.write(prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=70))
         f.write("\n\n")
         f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70))
+    prof.export_chrome_trace(os.path.join(directory, tag + ".json"))
 
 
 def interference_rows(device, numel, exchanges, repeats=10, matmuls=16, size=4096, parts=13):
@@ -347,7 +349,8 @@ def main(argv=None):
                         "averaging of BERT-base's gradient size (fp32) by each exchange, alone and together")
     parser.add_argument("--copy-bandwidth", action="store_true", help="first, on 2 GPUs: the peer copies the copy "
                         "exchange makes (pull and push, 1, 2 or 4 streams) and NCCL's all-reduce, by buffer size")
-    parser.add_argument("--profile", default=None, metavar="DIR", help="write per-rank torch.profiler tables to DIR")
+    parser.add_argument("--profile", default=None, metavar="DIR", help="write per-rank torch.profiler tables and "
+                        "timelines to DIR")
     parser.add_argument("--captured", action="store_true", help="each step one cat_fast CapturedStep (a CUDA graph "
                         "with the gradient all-reduce inside; eager on the CPU)")
     parser.add_argument("--no-overlap", action="store_true", help="with --captured: the gradient all-reduce after "

@@ -33,3 +33,15 @@ def test_one_process_times_the_layers_a_ddp_run_times():
     assert (one["world"], two["world"], two["ddp"], apart["ddp"]) == (1, 2, True, False)
     assert sum(one["timed_layers"].values()) == 30 and len(one["timed_layers"]) == 2
     assert one["timed_layers"] == two["timed_layers"] == apart["timed_layers"]
+
+
+def test_profile_writes_each_ranks_table_and_timeline(tmp_path):
+    """``--profile DIR``: the operator table and a loadable Chrome trace with the profiled steps' events."""
+    row = _row([sys.executable], "--profile", str(tmp_path))
+    assert row["world"] == 1
+    assert sorted(os.listdir(tmp_path)) == ["cat-w1-r0.json", "cat-w1-r0.txt"]
+    with open(tmp_path / "cat-w1-r0.txt") as f:
+        assert "Self CPU" in f.read()
+    with open(tmp_path / "cat-w1-r0.json") as f:
+        events = json.load(f)["traceEvents"]
+    assert any(e.get("name", "").startswith("aten::") for e in events)
