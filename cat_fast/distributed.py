@@ -47,10 +47,14 @@ __all__ = ["init_from_env", "world", "rank", "rank_seed", "unwrap", "ddp_module"
 
 def init_from_env(device: torch.device) -> Tuple[torch.device, int, int]:
     """(device, rank, world size). Under torchrun (``WORLD_SIZE`` > 1) the default process group is initialised
-    here (NCCL on CUDA, gloo on the CPU) and a CUDA `device` becomes ``cuda:LOCAL_RANK``; otherwise (device, 0, 1)."""
+    here (NCCL on CUDA, gloo on the CPU) and a CUDA `device` becomes ``cuda:LOCAL_RANK``; otherwise (device, 0, 1).
+    A gradient exchange named in the environment that is not one is refused first (ValueError)."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size <= 1 and not dist.is_initialized():
         return device, 0, 1
+    from .gradient_averaging import checked_exchange
+
+    checked_exchange()
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)

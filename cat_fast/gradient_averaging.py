@@ -22,8 +22,8 @@ each rank's share and the sum are rounded to 16 bits, as with the hook. `cat_fas
 module has one of those two hooks.
 
 Exchange (``exchange="auto"``, the default, ``"nccl"`` or ``"copy"``). ``"nccl"`` all-reduces each bucket with NCCL,
-whose kernels take multiprocessors from the backward they overlap. ``"copy"`` (GPUs of one host with peer access; PyTorch's
-symmetric memory) moves the bytes with the GPUs' copy engines instead: each exchanged buffer is allocated in
+whose kernels take multiprocessors from the backward they overlap. ``"copy"`` (GPUs of one host with peer access;
+PyTorch's symmetric memory) moves the bytes with the GPUs' copy engines instead: each exchanged buffer is allocated in
 symmetric memory, and each bucket, cut into one span per rank, is reduced in two pulls: rank r copies span r of
 every other rank's bucket, sums the ranks' shares in rank order into its own span r (the only kernel: a sum over 1/N
 of the bucket), and then copies every other rank's summed span back. Device-side barriers (one kernel each) order
@@ -51,7 +51,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
-__all__ = ["GradientAverager", "BUCKET_MB", "EXCHANGE", "OVERLAP"]
+__all__ = ["GradientAverager", "BUCKET_MB", "EXCHANGE", "OVERLAP", "checked_exchange", "share_symmetric",
+           "symmetric_zeros"]
 
 BUCKET_MB = 25.0  # DDP's default bucket_cap_mb
 OVERLAP = True  # the averagers made from here on overlap (False: every bucket after the backward, for comparisons)
@@ -60,6 +61,20 @@ OVERLAP = True  # the averagers made from here on overlap (False: every bucket a
 EXCHANGE_VARIABLE = "CAT_FAST_GRADIENT_EXCHANGE"
 EXCHANGE = os.environ.get(EXCHANGE_VARIABLE, "auto")
 EXCHANGES = ("auto", "nccl", "copy")
+
+
+def checked_exchange(exchange: str | None = None) -> str:
+    """`exchange`, or where None the default (`EXCHANGE`), checked: a ValueError names a value that is not one of
+    `EXCHANGES`, and the environment variable where it came from there (checked by `cat_fast.distributed` before a
+    run's process group is made)."""
+    source = ""
+    if exchange is None:
+        exchange = EXCHANGE
+        if exchange == os.environ.get(EXCHANGE_VARIABLE):
+            source = f" (from the environment variable {EXCHANGE_VARIABLE})"
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}{source}")
+    return exchange
 
 
 class _Bucket:
@@ -77,19 +92,14 @@ class GradientAverager:
     (None: `OVERLAP`). `agree` (``callable(bool) -> bool``, true where true on any rank; host-side) is needed for
     the overlap. ``compress`` (None, ``torch.bfloat16`` or ``torch.float16``): the dtype the buckets are all-reduced
     in (module docstring). ``exchange`` ("auto", "nccl" or "copy"; None: `EXCHANGE`): how a bucket is reduced
-    (module docstring; ``self.exchange`` is the one used). ``overlapped``: the buckets of the last step reduced while its backward ran."""
+    (module docstring; ``self.exchange`` is the one used). ``overlapped``: the buckets of the last step reduced
+    while its backward ran."""
 
     def __init__(self, params, group=None, *, overlap: bool | None = None, bucket_mb: float = BUCKET_MB, agree=None,
                  compress: torch.dtype | None = None, exchange: str | None = None):
         if compress not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"compress: expected None, torch.bfloat16 or torch.float16, got {compress!r}")
-        source = ""
-        if exchange is None:
-            exchange = EXCHANGE
-            if exchange == os.environ.get(EXCHANGE_VARIABLE):
-                source = f" (from the environment variable {EXCHANGE_VARIABLE})"
-        if exchange not in EXCHANGES:
-            raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}{source}")
+        exchange = checked_exchange(exchange)
         self._auto = exchange == "auto"
         params = list(params)
         self.compress = compress
@@ -99,8 +109,9 @@ class GradientAverager:
         if self.world > 1 and exchange == "auto":
             exchange = "copy" if _copy_possible(params, group) else "nccl"
         self.exchange = exchange if self.world > 1 else "nccl"
-        if self.exchange == "copy":
-            _check_copy_exchange(params)
+        refusal = _copy_refusal(params) if self.exchange == "copy" else None
+        if refusal is not None:
+            raise ValueError(refusal)
         self._unshared = None  # exchange="auto": why this rank could not make a buffer symmetric
         allocate = self._symmetric_zeros if self.exchange == "copy" else _zeros
         self.overlap = bool(OVERLAP if overlap is None else overlap) and agree is not None
@@ -126,7 +137,7 @@ class GradientAverager:
                     start, group_members = offset, []
         self._scratch = {}  # exchange="copy": (dtype, device) -> the spans pulled from the other ranks
         if self.exchange == "copy":
-            self._share(fallback=self._auto)
+            self._share()
         self.overlapped = 0  # buckets of the last step reduced while its backward ran
         self._counts = {}  # key -> accumulations per parameter in a step of that key
         self._open = None  # the open step's state (`begin`)
@@ -155,20 +166,20 @@ class GradientAverager:
             self._bucket_of[id(p)] = bucket
         self.buckets.append(bucket)
 
-    def _share(self, fallback=False):
+    def _share(self):
         """exchange="copy": each exchanged buffer made symmetric over the group (a collective call, in the same
-        order on every rank), and the scratch its pulls land in. `fallback` (exchange="auto"): where any rank
-        fails to allocate or share them, every rank uses "nccl" instead, with a warning."""
+        order on every rank), and the scratch its pulls land in. With exchange="auto", where any rank fails to
+        allocate or share them, every rank uses "nccl" instead, with a warning."""
         failed = self._unshared
-        if fallback and self._anyone(failed is not None):  # before the rendezvous, which every rank must enter
+        if self._auto and self._anyone(failed is not None):  # before the rendezvous, which every rank must enter
             return self._fall_back(failed)
         try:
             self._rendezvous_buckets()
-        except Exception as exc:  # noqa: BLE001 (with fallback, agreed on below)
-            if not fallback:
+        except Exception as exc:  # noqa: BLE001 (with "auto", agreed on below)
+            if not self._auto:
                 raise
             failed = exc
-        if fallback and self._anyone(failed is not None):
+        if self._auto and self._anyone(failed is not None):
             self._fall_back(failed)
 
     def _anyone(self, flag) -> bool:
@@ -192,7 +203,7 @@ class GradientAverager:
         (noted: every rank then falls back to "nccl", `_share`)."""
         if self._unshared is None:
             try:
-                return _symmetric_zeros(n, dtype, device)
+                return symmetric_zeros(n, dtype, device)
             except Exception as exc:  # noqa: BLE001
                 if not self._auto:
                     raise
@@ -200,15 +211,12 @@ class GradientAverager:
         return _zeros(n, dtype, device)
 
     def _rendezvous_buckets(self):
-        from torch.distributed import _symmetric_memory as symmetric
-
-        group = self.group if self.group is not None else dist.group.WORLD
         handles = {}
         for bucket in self.buckets:
             shared = bucket.flat if bucket.wire is None else bucket.wire
             root = _root(shared)
             if id(root) not in handles:
-                handles[id(root)] = _rendezvous(symmetric, root, group)
+                handles[id(root)] = share_symmetric(root, self.group)
             bucket.peers = handles[id(root)]
             key = (shared.dtype, shared.device)
             span = -(-shared.numel() // self.world)
@@ -406,15 +414,21 @@ def _zeros(n, dtype, device):
     return torch.zeros(n, dtype=dtype, device=device)
 
 
-def _symmetric_zeros(n, dtype, device):
+def symmetric_zeros(n, dtype, device):
+    """`n` zeros in PyTorch's symmetric memory (a buffer other GPUs of the host can read; `share_symmetric`)."""
     from torch.distributed import _symmetric_memory as symmetric
 
     return symmetric.empty(n, dtype=dtype, device=device).zero_()
 
 
-def _rendezvous(symmetric, tensor, group):
-    """`symmetric.rendezvous`; where this PyTorch wants the group enabled first (older releases), enabled and
-    tried again (the failure is local, before any exchange: every rank takes the same path)."""
+def share_symmetric(tensor, group=None):
+    """The handle through which the ranks of `group` (None: the world) read each other's copy of `tensor`, a
+    `symmetric_zeros` buffer (``get_buffer(rank, shape, dtype, offset)``, ``barrier()``); a collective call. Where
+    this PyTorch wants the group enabled first (older releases), it is enabled and tried again (the failure is
+    local, before any exchange: every rank takes the same path)."""
+    from torch.distributed import _symmetric_memory as symmetric
+
+    group = group if group is not None else dist.group.WORLD
     try:
         return symmetric.rendezvous(tensor, group.group_name)
     except RuntimeError as first:
@@ -432,20 +446,28 @@ def _rendezvous(symmetric, tensor, group):
                                ) from first
 
 
+def _copy_refusal(params) -> str | None:
+    """Why this rank's `params` cannot use the copy exchange (None: they can)."""
+    devices = {p.device for p in params}
+    if any(d.type != "cuda" for d in devices):
+        return (f"exchange='copy': expected parameters on CUDA devices (the copy engines of GPUs of one host), got "
+                f"{sorted(str(d) for d in devices)}; exchange='nccl' averages anywhere")
+    try:
+        from torch.distributed import _symmetric_memory  # noqa: F401
+    except ImportError as exc:
+        return (f"exchange='copy' needs PyTorch's symmetric memory (torch.distributed._symmetric_memory), which "
+                f"this PyTorch lacks ({exc}); exchange='nccl' averages without it")
+    return None
+
+
 def _copy_possible(params, group) -> bool:
     """exchange="auto": whether every rank of `group` can use the copy exchange (module docstring). A collective
     call where the group's backend is NCCL (the same on every rank); none elsewhere."""
     if dist.get_backend(group) != "nccl" or not torch.cuda.is_available():
         return False
     devices = {p.device for p in params}
-    local = torch.cuda.current_device()
-    ok = all(d.type == "cuda" for d in devices) and len(devices) <= 1
-    if ok and devices:
-        local = next(iter(devices)).index
-    try:
-        from torch.distributed import _symmetric_memory  # noqa: F401
-    except ImportError:
-        ok = False
+    ok = _copy_refusal(params) is None and len(devices) <= 1
+    local = next(iter(devices)).index if ok and devices else torch.cuda.current_device()
     ok = ok and all(torch.cuda.can_device_access_peer(local, other)
                     for other in range(torch.cuda.device_count()) if other != local)
     host = zlib.crc32(socket.gethostname().encode())
@@ -453,18 +475,6 @@ def _copy_possible(params, group) -> bool:
     votes = torch.tensor([int(ok), host, -host], dtype=torch.int64, device=torch.device("cuda", local))
     dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
     return bool(votes[0].item()) and int(votes[1]) == -int(votes[2])
-
-
-def _check_copy_exchange(params):
-    devices = {p.device for p in params}
-    if any(d.type != "cuda" for d in devices):
-        raise ValueError(f"exchange='copy': expected parameters on CUDA devices (the copy engines of GPUs of one "
-                         f"host), got {sorted(str(d) for d in devices)}; exchange='nccl' averages anywhere")
-    try:
-        from torch.distributed import _symmetric_memory  # noqa: F401
-    except ImportError as exc:
-        raise ValueError(f"exchange='copy' needs PyTorch's symmetric memory (torch.distributed._symmetric_memory), "
-                         f"which this PyTorch lacks ({exc}); exchange='nccl' averages without it") from exc
 
 
 def _capturing(tensor) -> bool:

@@ -91,12 +91,12 @@ def _worker(rank, out):
     gc.collect()
     rows.append(("hooks", before, len(weight._post_accumulate_grad_hooks or {})))
     auto = GradientAverager(list(model.parameters()))  # the default exchange, resolved without a collective
-    copy_missing = gradient_averaging._symmetric_zeros  # "auto" never reaches for symmetric memory on gloo
-    gradient_averaging._symmetric_zeros = None
+    copy_missing = gradient_averaging.symmetric_zeros  # "auto" never reaches for symmetric memory on gloo
+    gradient_averaging.symmetric_zeros = None
     try:
         auto = auto.exchange, GradientAverager(list(model.parameters()), exchange="auto").exchange
     finally:
-        gradient_averaging._symmetric_zeros = copy_missing
+        gradient_averaging.symmetric_zeros = copy_missing
     try:  # the copy engines' exchange is for GPUs: refused on CPU parameters, naming the argument
         GradientAverager(list(model.parameters()), exchange="copy")
         rows.append(("copy on the CPU", None))
@@ -322,15 +322,15 @@ def _copy_worker(rank, out):
     # the default ("auto") on 2 GPUs of one host is the copy exchange; where one rank cannot allocate symmetric
     # memory, every rank falls back to NCCL (with a warning) and still averages
     default = GradientAverager(list(net.parameters()), agree=agree).exchange
-    saved = gradient_averaging._symmetric_zeros
+    saved = gradient_averaging.symmetric_zeros
     if rank == 1:
-        gradient_averaging._symmetric_zeros = _refuse
+        gradient_averaging.symmetric_zeros = _refuse
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RuntimeWarning)
             fallen = GradientAverager(list(ref.parameters()), overlap=False, bucket_mb=2**-12)
     finally:
-        gradient_averaging._symmetric_zeros = saved
+        gradient_averaging.symmetric_zeros = saved
     x = torch.randn(5, 6, generator=torch.Generator().manual_seed(900 + rank)).to(device)
     exact = _reference(ref, x, 1)
     fallen.begin()

@@ -13,11 +13,12 @@ method: world size, ms per step and tokens/s = world × batch × tokens / step t
 
 Diagnostics: ``--no-ddp`` runs each rank's step without DDP (no gradient averaging: what N independent processes on
 one host reach, the scaling ceiling); ``--profile DIR`` then profiles 3 more steps per method with torch.profiler
-and writes each rank's operator table (CUDA and CPU time) and timeline (a Chrome trace) to DIR. The JSON row also gives the host time to issue one
-step (``host_ms``: until ``step()`` returns, measured on separate steps after a synchronisation) and, for CAT, the
-number of captured CAL-graph signatures and of steps that replayed them, and ``timed_layers``: how many timed steps
-mixed at each layer (a step at layer 8 resumes four layers, one at 10 two). One process draws CAT's layers from the
-stream DDP gives every rank, as do the ranks of ``--no-ddp``, so every run times the same layers. ``--captured``:
+and writes each rank's operator table (CUDA and CPU time) and timeline (a Chrome trace) to DIR. The JSON row also
+gives the host time to issue one step (``host_ms``: until ``step()`` returns, measured on separate steps after a
+synchronisation) and, for CAT, the number of captured CAL-graph signatures and of steps that replayed them, and
+``timed_layers``: how many timed steps mixed at each layer (a step at layer 8 resumes four layers, one at 10 two).
+One process draws CAT's layers from the stream DDP gives every rank, as do the ranks of ``--no-ddp``, so every run
+times the same layers. ``--captured``:
 each step is one `cat_fast.step.CapturedStep` (one CUDA graph per batch signature, the gradient all-reduce inside it:
 `cat_fast.step_ddp`; a fused, capturable AdamW with a tensor lr); the row gives its graphs and replayed steps.
 """
@@ -246,9 +247,7 @@ def copy_bandwidth_rows(device, sizes_mib=(8, 16, 45, 209), repeats=20):
     symmetric-memory buffer into its own memory (pull) or its own into the other's (push), at once, in one copy or
     cut into 2 or 4 on as many streams; NCCL's all-reduce of the same buffer; and the symmetric-memory barrier. ms
     per call and GB/s (bytes copied per rank, or the buffer's bytes for the all-reduce)."""
-    from torch.distributed import _symmetric_memory as symmetric
-
-    from cat_fast.gradient_averaging import _rendezvous, _symmetric_zeros
+    from cat_fast.gradient_averaging import share_symmetric, symmetric_zeros
 
     streams = [torch.cuda.Stream(device) for _ in range(4)]
     other = 1 - D.rank()
@@ -280,8 +279,8 @@ def copy_bandwidth_rows(device, sizes_mib=(8, 16, 45, 209), repeats=20):
     rows = []
     for mib in sizes_mib:
         n = mib * 2**20 // 4
-        mine = _symmetric_zeros(n, torch.float32, device).normal_()
-        handle = _rendezvous(symmetric, mine, dist.group.WORLD)
+        mine = symmetric_zeros(n, torch.float32, device).normal_()
+        handle = share_symmetric(mine)
         theirs = handle.get_buffer(other, (n,), torch.float32, 0)
         local = torch.empty(n, device=device)
         row = {"method": "copy_bandwidth", "world": D.world(), "mib": mib}

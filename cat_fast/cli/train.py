@@ -113,7 +113,10 @@ def train(args) -> Dict:
     run.folder = CheckpointFolder(run.out, args.save_steps > 0, args.resume, args.overwrite)
     from ..distributed import init_from_env
 
-    run.device, run.rank, run.world = init_from_env(get_device(args.device))
+    try:
+        run.device, run.rank, run.world = init_from_env(get_device(args.device))
+    except ValueError as error:  # a setting of the environment torchrun gives every rank
+        raise CliError(str(error)) from error
     setup_device(run.device)
     args.trainer_args = resolve_trainer_args(getattr(args, "trainer_args", None), args, run.device, run.world)
     seed_everything(args.seed)

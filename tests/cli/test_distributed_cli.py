@@ -157,3 +157,17 @@ def test_two_nodes_equal_one_node_of_two_processes(tiny, tmp_path):
     a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=0, msg=k)
+
+
+def test_a_gradient_exchange_that_is_not_one_is_refused_before_the_run(tiny, tmp_path):
+    """CAT_FAST_GRADIENT_EXCHANGE=nvlink: every rank ends in one line naming the variable (exit 2), and nothing
+    is written."""
+    train = write_csv(tmp_path / "train.csv", make_rows(16))
+    args = own(tiny, train, tmp_path / "out", "--epochs", 1, "--device", "cpu", "--warmup-epochs", 0, method="erm")
+    done = _torchrun(tmp_path, args, CAT_FAST_GRADIENT_EXCHANGE="nvlink")
+    assert done.returncode != 0
+    line = ("cat-fast: error: exchange: expected one of ('auto', 'nccl', 'copy'), got 'nvlink' (from the environment "
+            "variable CAT_FAST_GRADIENT_EXCHANGE)")
+    assert done.stderr.count(line) == 2, done.stderr[-3000:]
+    assert "exitcode  : 2" in done.stderr and "ValueError" not in done.stderr  # (torchrun's own traceback follows)
+    assert sorted(os.listdir(tmp_path)) == ["rank_main.py", "train.csv"]
