@@ -26,7 +26,8 @@ whose kernels take multiprocessors from the backward they overlap. ``"copy"`` (G
 PyTorch's symmetric memory) moves the bytes with the GPUs' copy engines instead: each exchanged buffer is allocated in
 symmetric memory, and each bucket, cut into one span per rank, is reduced in two pulls: rank r copies span r of
 every other rank's bucket, sums the ranks' shares in rank order into its own span r (the only kernel: a sum over 1/N
-of the bucket), and then copies every other rank's summed span back. Device-side barriers (one kernel each) order
+of the bucket, each share times 1/N there rather than the whole bucket before: the same products), and then copies
+every other rank's summed span back. Device-side barriers (one kernel each) order
 the pulls: before the first, between the two, and once after a step's last bucket, so that no rank writes a buffer
 that another is still reading. Every rank gets the same result, the ranks' shares summed in rank order. The bytes
 sent are an NCCL ring's, 2(N-1)/N of the bucket per rank. ``"auto"`` is ``"copy"`` where every rank can use it
@@ -34,6 +35,12 @@ sent are an NCCL ring's, 2(N-1)/N of the bucket per rank. ``"auto"`` is ``"copy"
 symmetric memory present and the buffers shared without error; the ranks agree in one small all-reduce) and
 ``"nccl"`` elsewhere; ``exchange`` names the one chosen. The environment variable ``CAT_FAST_GRADIENT_EXCHANGE``
 (read at import) sets the default for a whole run, e.g. ``nccl`` where symmetric memory misbehaves.
+
+The exposed tail. The last bucket (the embeddings, whose gradients the backward finishes last) is reduced after the
+backward, and nothing else is left to hide it. ``averager(defer_last=True)`` therefore joins every bucket but that
+one, returns its parameters (``.grad`` None meanwhile) and lets `finish()` join it: `cat_fast.step.CapturedStep`
+steps the optimizer over the other parameters in between, then over those (`cat_fast.step`; for PyTorch's
+per-parameter optimizers the two steps are the one step, bit for bit).
 
 A parameter that accumulates again after its bucket was reduced (a step whose path differs from its key's first
 step) would leave that bucket's average stale. Each rank notes it; the ranks agree on a host-side group (`agree`,
@@ -139,8 +146,10 @@ class GradientAverager:
         if self.exchange == "copy":
             self._share()
         self.overlapped = 0  # buckets of the last step reduced while its backward ran
+        self.deferred = 0  # parameters of the last step whose average was joined after the others (`defer_last`)
         self._counts = {}  # key -> accumulations per parameter in a step of that key
         self._open = None  # the open step's state (`begin`)
+        self._deferred = None  # (the step, its last bucket's own gradients) between `__call__(defer_last)` and `finish`
         self._streams = {}
         self._handles = []
         if self.overlap and self.buckets:
@@ -242,9 +251,14 @@ class GradientAverager:
                 else:
                     shares.append(scratch[r, :end - start])
                     shares[-1].copy_(peers.get_buffer(r, (end - start,), shared.dtype, base + start))
-            if world == 2:  # one sum: the same on both ranks in either order
+            scale = bucket.wire is None and self.compress is None  # unscaled shares (`_fill`): each one times 1/N
+            if world == 2 and scale:  # x/2 + y/2, both halves exact: DDP's sum of scaled shares, bit for bit
+                own.mul_(0.5).add_(shares[1 - rank], alpha=0.5)
+            elif world == 2:  # one sum: the same on both ranks in either order
                 own.add_(shares[1 - rank])
             else:  # in rank order, as every rank sums its span
+                if scale:
+                    torch._foreach_mul_(shares, 1.0 / world)
                 total = scratch[rank, :end - start]
                 torch.add(shares[0], shares[1], out=total)
                 for share in shares[2:]:
@@ -263,14 +277,18 @@ class GradientAverager:
         """Opens a step of `key` (what decides its backward's path: the objective's plan key)."""
         if not self.buckets:
             return
+        self.finish()  # a step left deferred is joined before the next one fills its buffers
         expected = self._counts.get(key) if self.overlap else None
         self._open = {"key": key, "seen": {}, "expected": expected, "left": None, "next": 0, "launched": set(),
-                      "stale": False, "works": [], "decode": [], "stream": None}
+                      "stale": False, "works": [], "decode": [], "stream": None,
+                      "early": None}
         if expected is not None:
             self._open["left"] = [sum(expected.get(id(p), 0) for p in b.members) for b in self.buckets]
 
     def abandon(self):
         """Closes a step whose backward did not complete (an exception): nothing more is counted or reduced."""
+        if self._deferred is not None:
+            return self.finish()
         if self._open is not None:
             try:
                 self._join()
@@ -314,6 +332,9 @@ class GradientAverager:
                     dist.all_reduce(self._encoded(bucket), group=self.group)
                 if bucket.wire is not None:  # after the all-reduce on this stream
                     bucket.flat.copy_(bucket.wire)
+                if bucket.index == len(self.buckets) - 2:  # every bucket but the last reduced (`defer_last`)
+                    step["early"] = torch.cuda.Event()
+                    step["early"].record(stream)
         else:
             self._fill(bucket, None)
             step["works"].append(dist.all_reduce(self._encoded(bucket), group=self.group, async_op=True))
@@ -332,8 +353,9 @@ class GradientAverager:
             torch._foreach_zero_(unused)
         if self.compress is not None and bucket.wire is None:  # already 16-bit: the hook's division, in place
             bucket.flat.div_(self.world)
-        elif bucket.wire is None:
+        elif bucket.wire is None and bucket.peers is None:
             bucket.flat.mul_(1.0 / self.world)  # as DDP: each rank's share scaled before the sum
+        # exchange="copy" uncompressed: the shares are scaled where they are summed (`_pull_reduce`), 1/N of the bucket
 
     def _encoded(self, bucket):
         """The tensor to all-reduce: `bucket`'s buffer, or its 16-bit copy divided by the world size (as the
@@ -343,10 +365,15 @@ class GradientAverager:
         bucket.wire.copy_(bucket.flat)
         return bucket.wire.div_(self.world)
 
-    def __call__(self):
-        """Closes the step (the backward is done): reduces the buckets left, joins, sets each ``.grad``."""
+    def __call__(self, *, defer_last: bool = False):
+        """Closes the step (the backward is done): reduces the buckets left, joins, sets each ``.grad``. Returns the
+        parameters whose average is not yet joined: none, or with ``defer_last`` (more than one bucket) the last
+        bucket's. Then the current stream waits only for the buckets before it (on the CPU, their collectives), the
+        last bucket's parameters have ``.grad`` None, and `finish()` joins the rest: work queued in between (an
+        update of the other parameters) overlaps the last bucket's exchange, the step's exposed tail. That work must
+        not write the averaged gradients. ``deferred``: the parameters so left in the last step."""
         if not self.buckets:
-            return
+            return []
         if self._open is None:
             self.begin(None)
         step = self._open
@@ -364,11 +391,51 @@ class GradientAverager:
             for bucket in self.buckets:
                 if bucket.index not in step["launched"] or stale:
                     self._launch(bucket)
-            self._join(settle=True)
             if self.overlap and step["seen"] != step["expected"]:
                 self._counts[step["key"]] = dict(step["seen"])
+            self.deferred = 0
+            last = self.buckets[-1]
+            gpu = last.flat.is_cuda and step["early"] is not None
+            if defer_last and len(self.buckets) > 1 and (gpu or step["stream"] is None):
+                if gpu:  # the stream as it was after the bucket before the last
+                    torch.cuda.current_stream(step["stream"].device).wait_event(step["early"])
+                else:  # CPU: the last bucket's collective is the last one issued
+                    for work in step["works"][:-1]:
+                        work.wait()
+                    step["works"] = step["works"][-1:]
+                    for bucket in step["decode"]:
+                        if bucket is not last:
+                            bucket.flat.copy_(bucket.wire)
+                    step["decode"] = [bucket for bucket in step["decode"] if bucket is last]
+                self.deferred = len(last.members)
+                # the backward's own gradients stay referenced until `finish`: the averager's stream still reads them
+                self._deferred = (step, [p.grad for p in last.members])
+                for bucket in self.buckets[:-1]:
+                    for p, v in zip(bucket.members, bucket.views):
+                        p.grad = v
+                for p in last.members:
+                    p.grad = None
+                return list(last.members)
+            self._join(settle=True)
         finally:
+            if self._deferred is None:
+                self._open = None
+        self._set_grads()
+        return []
+
+    def finish(self):
+        """Joins the last bucket that ``averager(defer_last=True)`` left in flight and sets its ``.grad``; nothing
+        when none was."""
+        if self._deferred is None:
+            return
+        try:
+            self._join(settle=True)
+        finally:
+            self._deferred = None
             self._open = None
+        self._set_grads()
+
+    def _set_grads(self):
         for bucket in self.buckets:
             for p, v in zip(bucket.members, bucket.views):
                 p.grad = v

@@ -123,6 +123,22 @@ def _static_rows(batch, objective, tensors=None):
     return packing.bucket(n_real, mask.numel(), training_layers.PACKED_MIN_PADDING)
 
 
+# PyTorch's optimizers whose update of a parameter reads only that parameter, its gradient and its own state: a step
+# over a part of the parameters, then one over the rest (each skipping the parameters without a gradient), is their
+# one step (tests/test_step.py checks it, bit for bit)
+_PER_PARAMETER = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop")
+
+
+def _splittable(optimizer) -> bool:
+    """Whether `optimizer`'s step can be split by parameters (`CapturedStep._update`): one of `_PER_PARAMETER`
+    exactly (not a subclass), with no step hooks (which would run twice)."""
+    from torch.optim import optimizer as base
+
+    return (type(optimizer) in tuple(getattr(torch.optim, name) for name in _PER_PARAMETER)
+            and not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+            and not base._global_optimizer_pre_hooks and not base._global_optimizer_post_hooks)
+
+
 def _detached(loss, info):
     return loss.detach(), {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in info.items()}
 
@@ -202,25 +218,48 @@ class CapturedStep(cuda_graphs.CachedGraphs):
             if ddp is not None:
                 ddp.average.abandon()
             raise
-        if ddp is not None:
-            ddp.average()
-        norm = bad = None
-        if self.max_grad_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
-        if self.skip_non_finite:  # the device skips the update (and the step count) of a non-finite step
-            bad = ~torch.isfinite(loss.detach().float())
-            if norm is not None:
-                bad = bad | ~torch.isfinite(norm)
-            if self._ddp is not None:  # a rank's own loss: every rank skips where one does
-                bad = self._ddp.average.any(bad) > 0
-            self.optimizer.found_inf = bad.to(torch.float32)
-            try:
-                self.optimizer.step()
-            finally:
-                del self.optimizer.found_inf
-        else:
-            self.optimizer.step()
+        split = self.max_grad_norm is None and _splittable(self.optimizer)  # the update overlaps the last bucket
+        late = ddp.average(defer_last=split) if ddp is not None else []
+        try:
+            norm = bad = None
+            if self.max_grad_norm is not None:
+                norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
+            if self.skip_non_finite:  # the device skips the update (and the step count) of a non-finite step
+                bad = ~torch.isfinite(loss.detach().float())
+                if norm is not None:
+                    bad = bad | ~torch.isfinite(norm)
+                if self._ddp is not None:  # a rank's own loss: every rank skips where one does
+                    bad = self._ddp.average.any(bad) > 0
+                self.optimizer.found_inf = bad.to(torch.float32)
+                try:
+                    self._update(late)
+                finally:
+                    del self.optimizer.found_inf
+            else:
+                self._update(late)
+        finally:
+            if ddp is not None:
+                ddp.average.finish()
         return (*_detached(loss, info), *(t.detach() if t is not None else None for t in (norm, bad)))
+
+    def _update(self, late):
+        """The optimizer's step. With `late` (under DDP, the parameters whose average is still in flight, their
+        ``.grad`` None: `GradientAverager`'s ``defer_last``): a step of the others first, which overlaps that
+        exchange, then, joined, a step of `late` alone. For an optimizer whose update is per parameter
+        (`_splittable`) the two are the one step, bit for bit."""
+        self.optimizer.step()
+        if not late:
+            return
+        self._ddp.average.finish()
+        late = {id(p) for p in late}
+        early = [(p, p.grad) for p in self.params if id(p) not in late and p.grad is not None]
+        for p, _ in early:
+            p.grad = None
+        try:
+            self.optimizer.step()
+        finally:
+            for p, grad in early:
+                p.grad = grad
 
     def _plan(self, batch, args):
         """The objective's plan of this step (`Objective.plan_step`); under DDP, of a step outside DDP's forward."""

@@ -319,6 +319,20 @@ def _copy_worker(rank, out):
                      max(float((p.grad - q.grad).abs().max()) for p, q in zip(net.parameters(), ref.parameters()))))
     torch.cuda.synchronize()
     del graph
+    # defer_last: the other buckets' .grad at once, the last bucket's None until finish(), then the same averages
+    deferring = GradientAverager(list(ref.parameters()), bucket_mb=2**-12, agree=agree, exchange="copy")
+    for i in range(2):
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(850 + i + 10 * rank)).to(device)
+        exact = _reference(ref, x, 1)
+        ref.zero_grad(set_to_none=True)
+        deferring.begin("d")
+        ref(x).square().sum().backward()
+        late = {id(p) for p in deferring(defer_last=True)}
+        waiting = [p.grad is None for p in ref.parameters() if id(p) in late]
+        ready = [p.grad is not None for p in ref.parameters() if id(p) not in late]
+        deferring.finish()
+        rows.append(("deferred", i, deferring.deferred, len(late), len(deferring.buckets[-1].members), all(waiting),
+                     all(ready), max(float((p.grad - e).abs().max()) for p, e in zip(ref.parameters(), exact))))
     # the default ("auto") on 2 GPUs of one host is the copy exchange; where one rank cannot allocate symmetric
     # memory, every rank falls back to NCCL (with a warning) and still averages
     default = GradientAverager(list(net.parameters()), agree=agree).exchange
@@ -352,14 +366,17 @@ def test_gpu_the_copy_exchange_equals_nccl_all_reduce(tmp_path):
     (two shares, one sum), fp32 and bf16-compressed, with the overlap (every bucket reduced during the backward from
     the key's second step on) and without, eagerly and replayed as a CUDA graph; and they are the average (not this
     rank's own gradient), also in a step that one rank's extra backward makes every rank redo. The buckets (93, 1230
-    and 280 elements) split into unequal spans. The default exchange there is "copy"; where one rank cannot make
-    symmetric memory, both use "nccl", warned, and average."""
+    and 280 elements) split into unequal spans. With ``defer_last`` the last bucket's ``.grad`` waits for
+    ``finish()``, the others' do not, and the averages are the same. The default exchange there is "copy"; where one
+    rank cannot make symmetric memory, both use "nccl", warned, and average."""
     spawn(_copy_worker, str(tmp_path / "out"), tmp_path=tmp_path, world=2, backend="nccl")
     for rank in range(2):
         rows = torch.load(f"{tmp_path / 'out'}.{rank}", weights_only=False)
         eager = [r for r in rows if r[0] == "eager"]
         captured = [r for r in rows if r[0] == "captured"]
         assert len(eager) == 16 and len(captured) == 3
+        for _, step, deferred, late, last, waiting, ready, off_exact in (r for r in rows if r[0] == "deferred"):
+            assert deferred == late == last > 0 and waiting and ready and off_exact < 1e-6, (rank, step)
         _, default, fallen, warned, off_exact = rows[-1]
         assert default == "copy" and fallen == "nccl" and warned == 1 and off_exact < 1e-6, (rank, rows[-1])
         for _, dtype, overlap, step, overlapped, buckets, off_nccl, off_exact in eager:

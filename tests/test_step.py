@@ -5,6 +5,7 @@ import warnings
 import pytest
 import torch
 
+from cat_fast import step as step_module
 from cat_fast.objectives import CAT, CLP, ERM, GradientSupervision, PoE
 from cat_fast.step import CapturedStep, NotCapturable
 from tests.conftest import tiny_batch, tiny_model
@@ -298,3 +299,78 @@ def test_gpu_a_changed_float_learning_rate_raises():
     opt.param_groups[0]["lr"] = 5e-4
     with pytest.raises(ValueError, match="tensor lr"):
         step(*batches[2])
+
+
+def _options(name):
+    """The implementations of optimizer `name` on the CPU: the for-loop, foreach and (where it has one) fused."""
+    options = [{"foreach": False}, {"foreach": True}]
+    if name in ("SGD", "Adam", "AdamW", "Adagrad"):
+        options.append({"fused": True})
+    return options
+
+
+@pytest.mark.parametrize("name", step_module._PER_PARAMETER)
+def test_a_step_split_by_parameters_is_the_one_step(name):
+    """What the update under DDP relies on (`CapturedStep._update`: the parameters averaged first stepped while the
+    last bucket is exchanged, then those of the last bucket): for each optimizer `_splittable` names, in each of
+    its implementations, a step of some parameters then a step of the others (each skipping those whose ``.grad`` is
+    None) leaves the parameters and the state of one step over all of them, bit for bit, over three steps with
+    momentum, weight decay and amsgrad or its kin where the optimizer has them."""
+    extra = {"SGD": dict(momentum=0.9, nesterov=True, weight_decay=0.01), "Adam": dict(amsgrad=True),
+             "AdamW": dict(amsgrad=True), "RMSprop": dict(momentum=0.5, centered=True),
+             "NAdam": dict(decoupled_weight_decay=True, weight_decay=0.1), "RAdam": dict(weight_decay=0.1)}
+    for options in _options(name):
+        made = []
+        for _ in range(2):
+            params = [torch.nn.Parameter(torch.randn(*shape, generator=torch.Generator().manual_seed(i)))
+                      for i, shape in enumerate([(7, 3), (5,), (4, 4), (1,), (9,)])]
+            made.append((params, getattr(torch.optim, name)(params, lr=0.05, **extra.get(name, {}), **options)))
+        (whole, one), (split, two) = made
+        assert step_module._splittable(two)
+        for i in range(3):
+            for a, b in zip(whole, split):
+                a.grad = torch.randn(a.shape, generator=torch.Generator().manual_seed(100 * i + a.numel()))
+                b.grad = a.grad.clone()
+            one.step()
+            late = split[1::2]
+            held = [(p, p.grad) for p in late]
+            for p in late:
+                p.grad = None
+            two.step()
+            early = [(p, p.grad) for p in split if p.grad is not None]
+            for p, grad in held:
+                p.grad = grad
+            for p, _ in early:
+                p.grad = None
+            two.step()
+            for p, grad in early:
+                p.grad = grad
+        for a, b in zip(whole, split):
+            assert torch.equal(a, b), (name, options)
+            for key, value in one.state[a].items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(two.state[b][key])), (name, options, key)
+        assert any(not torch.equal(p, torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+                   for i, p in enumerate(whole))
+
+
+def test_only_per_parameter_optimizers_without_hooks_are_split():
+    """A subclass (whose step may couple parameters), LBFGS, and an optimizer with a step hook (which would run
+    twice) take one step after the whole average."""
+    params = [torch.nn.Parameter(torch.zeros(3))]
+
+    class Coupled(torch.optim.AdamW):
+        pass
+
+    assert step_module._splittable(torch.optim.AdamW(params))
+    assert not step_module._splittable(Coupled(params))
+    assert not step_module._splittable(torch.optim.LBFGS(params))
+    hooked = torch.optim.SGD(params, lr=0.1)
+    hooked.register_step_post_hook(lambda *args: None)
+    assert not step_module._splittable(hooked)
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    handle = register_optimizer_step_pre_hook(lambda *args: None)
+    try:
+        assert not step_module._splittable(torch.optim.SGD(params, lr=0.1))
+    finally:
+        handle.remove()

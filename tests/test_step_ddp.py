@@ -19,6 +19,7 @@ from tests.ranks import spawn
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 WORLD, STEPS = 2, 3
+BUCKET_MB = 0.02  # DDP's bucket_cap_mb in these tests: the tiny models' gradients in about 5 buckets
 PAIRS = torch.tensor([1, 0, 3, 2])
 CASES = ("erm", "cat", "gs-first-order", "learned-mixin", "erm-two-step", "erm-wrapped", "unused", "erm-compress-hook")
 
@@ -65,10 +66,13 @@ def _train(rank, case, captured, device="cpu", lengths=None, steps=STEPS, graph=
     """Parameters, losses (and the CapturedStep's graph and replay counts) after `steps` steps of `case` (a case
     ending in "+copy": the CapturedStep's averager exchanges by the copy engines, `GradientAverager`'s "copy")."""
     case, _, exchange = case.partition("+")
+    exchange, _, variant = exchange.partition("/")
     device = torch.device(device)
+    clip = device.type == "cuda" and variant != "unclipped"
     model = _model(rank, case, device)
     # the reference is DDP's own: unused parameters need find_unused_parameters=True there
-    ddp = DDP(model, find_unused_parameters=case == "unused" and not captured,
+    # small buckets (about 1,000 gradients each), so that the step's update overlaps the last one's average
+    ddp = DDP(model, find_unused_parameters=case == "unused" and not captured, bucket_cap_mb=BUCKET_MB,
               **({"device_ids": [device.index]} if device.type == "cuda" else {}))
     if case == "erm-compress-hook":  # the averager compresses as the hook does (bf16 needs NCCL: fp16 on gloo)
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -85,7 +89,7 @@ def _train(rank, case, captured, device="cpu", lengths=None, steps=STEPS, graph=
     # strict: a step that is not planned raises (only erm-two-step's call runs as the DDP loop's)
     saved, gradient_averaging.EXCHANGE = gradient_averaging.EXCHANGE, exchange or "nccl"
     try:
-        step = CapturedStep(call, opt, cuda_graph=gpu and graph, max_grad_norm=1.0 if gpu else None,
+        step = CapturedStep(call, opt, cuda_graph=gpu and graph, max_grad_norm=1.0 if clip else None,
                             skip_non_finite=gpu, warmup_steps=1, strict=case != "erm-two-step") if captured else None
     finally:
         gradient_averaging.EXCHANGE = saved
@@ -100,14 +104,14 @@ def _train(rank, case, captured, device="cpu", lengths=None, steps=STEPS, graph=
         else:
             loss, _ = call(batch, *args)
             loss.backward()
-            if gpu:
+            if clip:
                 torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
             opt.step()
             opt.zero_grad(set_to_none=True)
         losses.append(float(loss))
     state = {f"model.{k}": v.detach().cpu().clone() for k, v in model.state_dict().items()}
     state.update({f"own.{i}": p.detach().cpu().clone() for i, p in enumerate(objective.parameters())})
-    counts = (step.num_graphs, step.num_replays) if step is not None else None
+    counts = (step.num_graphs, step.num_replays, step.gradient_averager.deferred) if step is not None else None
     return state, losses, counts
 
 
@@ -157,6 +161,9 @@ def test_eager_ddp_steps_equal_the_ddp_loop(spawned_cpu):
     DDP's fp16_compress_hook (the averager compressing as the hook does: the same 16-bit sums, so the same steps;
     not those of plain ERM; bf16's hook needs NCCL: the GPU test)."""
     _compare(spawned_cpu, CASES, dict(rtol=1e-6, atol=1e-6))
+    for case in CASES:  # the SGD update of all but the last bucket's parameters overlapped that bucket's average
+        deferred = spawned_cpu[0][case, "captured"][2][2]
+        assert (deferred > 0) == (case != "erm-two-step"), (case, deferred)  # that one runs inside DDP's forward
     plain, compressed = spawned_cpu[0]["erm", "captured"][0], spawned_cpu[0]["erm-compress-hook", "captured"][0]
     hooked = spawned_cpu[0]["erm-compress-hook", "loop"][0]
 
@@ -255,7 +262,9 @@ def test_a_hook_registered_after_the_step_was_built_is_not_skipped(process_group
 
 # ----------------------------------------------------------------------------- 2 GPUs, NCCL, CUDA graphs
 
-GPU_CASES = ("erm", "cat", "gs-first-order", "erm-compress-hook", "cat+copy", "erm-compress-hook+copy")
+# "/unclipped": no clipping, so the update of all but the last bucket's parameters overlaps that bucket's average
+GPU_CASES = ("erm", "cat", "gs-first-order", "erm-compress-hook", "cat+copy", "erm-compress-hook+copy",
+             "cat+copy/unclipped", "erm+nccl/unclipped")
 GPU_STEPS = 8
 
 
@@ -278,7 +287,8 @@ def _gpu_worker(rank, out):
                     reason="needs 2 CUDA devices and NCCL")
 def test_gpu_ddp_steps_equal_the_ddp_loop_eager_and_captured(tmp_path):
     """On GPUs (NCCL) the step outside DDP's forward, averaging its own gradients (rank 1's batch length changes
-    every step, rank 0's does not), equals the DDP loop (fp32, fused AdamW, clipping), ranks bit-identical, both run
+    every step, rank 0's does not), equals the DDP loop (fp32, fused AdamW, clipping; and unclipped, the update of
+    all but the last bucket's parameters overlapping that bucket's average), ranks bit-identical, both run
     eagerly and as CUDA graphs (all-reduces inside the graph; the ranks capture each pair of shapes together: one
     graph per pair of signatures, every later step a replay)."""
     spawn(_gpu_worker, str(tmp_path / "out"), tmp_path=tmp_path, world=WORLD, backend="nccl")
@@ -286,10 +296,11 @@ def test_gpu_ddp_steps_equal_the_ddp_loop_eager_and_captured(tmp_path):
     assert results[0]["warnings"] == results[1]["warnings"] == []
     for case in GPU_CASES:
         for result in results:
-            graphs, replays = result[case, "eager"][2]
+            graphs, replays, _ = result[case, "eager"][2]
             assert graphs == 0 and replays == 0, case
-            graphs, replays = result[case, "captured"][2]
+            graphs, replays, deferred = result[case, "captured"][2]
             assert graphs >= 1 and replays >= 2, (case, graphs, replays)
+            assert (deferred > 0) == case.endswith("/unclipped"), (case, deferred)  # clipping needs every gradient
     for route in ("eager", "captured"):
         _compare(results, GPU_CASES, dict(rtol=1e-6, atol=1e-6), route)
 
