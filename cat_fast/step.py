@@ -54,7 +54,10 @@ Under DistributedDataParallel (an objective built on the DDP module, or a `cat_f
 build the CapturedStep on every rank at the same point): each planned step runs outside DDP's forward and averages
 its gradients itself (`cat_fast.step_ddp`); on GPUs the whole step, its all-reduces included, is one CUDA graph, the
 ranks capturing and replaying together (DDP's reducer is rebuilt once on a side stream so that its gradient
-accumulators can join a capture); on the CPU (gloo) every step is eager.
+accumulators can join a capture); on the CPU (gloo) every step is eager. Without ``max_grad_norm`` (clipping needs
+every gradient first), and with one of PyTorch's per-parameter optimizers (`_PER_PARAMETER`, no step hooks), the
+optimizer steps the parameters of every bucket but the last while the last one (the embeddings, which the backward
+finishes last) is still averaged, then those: the same update, bit for bit, with the end of the exchange hidden.
 """
 from __future__ import annotations
 
@@ -127,6 +130,7 @@ def _static_rows(batch, objective, tensors=None):
 # over a part of the parameters, then one over the rest (each skipping the parameters without a gradient), is their
 # one step (tests/test_step.py checks it, bit for bit)
 _PER_PARAMETER = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop")
+SPLIT_UPDATE = True  # False: under DDP the optimizer waits for every bucket (for comparisons; `CapturedStep._update`)
 
 
 def _splittable(optimizer) -> bool:
@@ -218,7 +222,8 @@ class CapturedStep(cuda_graphs.CachedGraphs):
             if ddp is not None:
                 ddp.average.abandon()
             raise
-        split = self.max_grad_norm is None and _splittable(self.optimizer)  # the update overlaps the last bucket
+        # the update overlaps the last bucket's average
+        split = SPLIT_UPDATE and self.max_grad_norm is None and _splittable(self.optimizer)
         late = ddp.average(defer_last=split) if ddp is not None else []
         try:
             norm = bad = None

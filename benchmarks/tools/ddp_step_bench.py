@@ -105,7 +105,8 @@ def _ddp(model, device, use_ddp, comm_hook, bucket_mb):
     return wrapped
 
 
-def _training_step(call, objective, model, device, batch_size, tokens, captured, overlap=True, exchange="auto"):
+def _training_step(call, objective, model, device, batch_size, tokens, captured, overlap=True, exchange="auto",
+                   split=True):
     """(step, whole): one training step on this rank's batch as a call without arguments, and the CapturedStep
     (None unless `captured`)."""
     gpu = device.type == "cuda"
@@ -117,10 +118,12 @@ def _training_step(call, objective, model, device, batch_size, tokens, captured,
     whole = None
     if captured:
         from cat_fast import gradient_averaging
+        from cat_fast import step as step_module
         from cat_fast.step import CapturedStep
 
         gradient_averaging.OVERLAP = overlap  # False: the all-reduce after the backward instead of overlapped with it
         gradient_averaging.EXCHANGE = exchange  # "copy": the copy engines move the bytes; "auto": copy where it can
+        step_module.SPLIT_UPDATE = split  # False: the optimizer waits for the last bucket too
         whole = CapturedStep(call, optimizer, autocast=dtype, strict=True)
 
     def step():
@@ -297,13 +300,14 @@ def copy_bandwidth_rows(device, sizes_mib=(8, 16, 45, 209), repeats=20):
 
 
 def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None, comm_hook=None, bucket_mb=None,
-          captured=False, overlap=True, exchange="auto"):
+          captured=False, overlap=True, exchange="auto", split=True):
     batch_size, tokens = (int(x) for x in size.lower().split("x"))
     model = make_model(device, tiny)
     wrapped = _ddp(model, device, use_ddp, comm_hook, bucket_mb)
     objective = make_objective(method, model, tiny, ddp=wrapped is not None)
     call = D.DistributedObjective(objective, wrapped) if wrapped is not None else objective
-    step, whole = _training_step(call, objective, model, device, batch_size, tokens, captured, overlap, exchange)
+    step, whole = _training_step(call, objective, model, device, batch_size, tokens, captured, overlap, exchange,
+                                 split)
     seconds = _seconds_per_step(step, device, warmup, steps)
     layers = {str(m): step.layers.count(m) for m in sorted(set(step.layers))}
     host = _host_seconds(step, device)
@@ -320,7 +324,7 @@ def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None,
         average = whole.gradient_averager
         if average is not None:  # buckets of the last captured (or eager) step reduced during its backward
             extra.update(overlap=average.overlap, buckets=len(average.buckets), overlapped=average.overlapped,
-                         exchange=average.exchange)
+                         exchange=average.exchange, deferred=average.deferred)
     return {"method": method, "world": world, "ddp": wrapped is not None, "size": size, **extra,
             "comm_hook": comm_hook if wrapped is not None else None, "bucket_mb": bucket_mb,
             "nccl_max_ctas": os.environ.get("NCCL_MAX_CTAS"),
@@ -354,6 +358,8 @@ def main(argv=None):
                         "with the gradient all-reduce inside; eager on the CPU)")
     parser.add_argument("--no-overlap", action="store_true", help="with --captured: the gradient all-reduce after "
                         "the backward (the default overlaps it, bucket by bucket)")
+    parser.add_argument("--no-split", action="store_true", help="with --captured: the optimizer steps after every "
+                        "bucket is averaged (the default steps the others while the last bucket is averaged)")
     parser.add_argument("--exchange", choices=("auto", "nccl", "copy"), default="auto", help="with --captured: how "
                         "the gradient buckets are reduced: NCCL's all-reduce, pulls by the GPUs' copy engines through "
                         "PyTorch's symmetric memory (GPUs of one host), or auto (the library's default: copy where "
@@ -388,7 +394,7 @@ def main(argv=None):
         for method in args.methods:
             row = bench(method, device, size, args.tiny, warmup, steps, use_ddp=not args.no_ddp, profile=args.profile,
                         comm_hook=args.comm_hook, bucket_mb=args.bucket_mb, captured=args.captured,
-                        overlap=not args.no_overlap, exchange=args.exchange)
+                        overlap=not args.no_overlap, exchange=args.exchange, split=not args.no_split)
             if rank == 0:
                 print(json.dumps(row), flush=True)
     finally:

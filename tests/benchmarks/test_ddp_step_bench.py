@@ -45,3 +45,13 @@ def test_profile_writes_each_ranks_table_and_timeline(tmp_path):
     with open(tmp_path / "cat-w1-r0.json") as f:
         events = json.load(f)["traceEvents"]
     assert any(e.get("name", "").startswith("aten::") for e in events)
+
+
+def test_no_split_makes_the_optimizer_wait_for_the_last_bucket():
+    """With small buckets the captured (here eager, gloo) DDP step updates every other bucket's parameters before the
+    last bucket's average is joined (``deferred``: its parameters); ``--no-split`` waits for it (the A/B switch)."""
+    torchrun = [TORCHRUN, "--standalone", "--nproc_per_node", "2"]
+    split = _row(torchrun, "--steps", "3", "--bucket-mb", "0.01")
+    waits = _row(torchrun, "--steps", "3", "--bucket-mb", "0.01", "--no-split")
+    assert split["buckets"] == waits["buckets"] > 1
+    assert split["deferred"] > 0 and waits["deferred"] == 0
