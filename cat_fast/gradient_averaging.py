@@ -149,7 +149,7 @@ class GradientAverager:
         self.deferred = 0  # parameters of the last step whose average was joined after the others (`defer_last`)
         self._counts = {}  # key -> accumulations per parameter in a step of that key
         self._open = None  # the open step's state (`begin`)
-        self._deferred = None  # (the step, its last bucket's own gradients) between `__call__(defer_last)` and `finish`
+        self._deferred = None  # the last bucket's own gradients, between `__call__(defer_last)` and `finish`
         self._streams = {}
         self._handles = []
         if self.overlap and self.buckets:
@@ -374,6 +374,7 @@ class GradientAverager:
         not write the averaged gradients. ``deferred``: the parameters so left in the last step."""
         if not self.buckets:
             return []
+        self.finish()  # a step left deferred is joined first
         if self._open is None:
             self.begin(None)
         step = self._open
@@ -409,7 +410,7 @@ class GradientAverager:
                     step["decode"] = [bucket for bucket in step["decode"] if bucket is last]
                 self.deferred = len(last.members)
                 # the backward's own gradients stay referenced until `finish`: the averager's stream still reads them
-                self._deferred = (step, [p.grad for p in last.members])
+                self._deferred = [p.grad for p in last.members]
                 for bucket in self.buckets[:-1]:
                     for p, v in zip(bucket.members, bucket.views):
                         p.grad = v

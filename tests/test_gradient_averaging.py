@@ -105,6 +105,34 @@ def _worker(rank, out):
     rows.append(("auto on the CPU",) + auto)
     torch.save(rows, f"{out}.{rank}")
     torch.save(_compressed_rows(model, rank, host), f"{out}.{rank}.compressed")
+    torch.save(_deferred_rows(model, rank, host), f"{out}.{rank}.deferred")
+
+
+def _deferred_rows(model, rank, host):
+    """(compress, step, parameters deferred, last bucket's count, those .grad None before finish, the others' set,
+    error against the exact average or the hook's) of ``averager(defer_last=True)`` steps; step 2 is not finished:
+    the next step's ``begin`` joins it."""
+    rows = []
+    for compress in (None, torch.bfloat16):
+        averager = GradientAverager(list(model.parameters()), compress=compress, bucket_mb=2**-12,
+                                    agree=lambda flag: not host.all(not flag))
+        for i in range(4):
+            x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1000 + i + 10 * rank))
+            want = _reference(model, x, 1) if compress is None else _compressed_reference(model, x, compress)
+            averager.begin("d")
+            model(x).square().sum().backward()
+            late = {id(p) for p in averager(defer_last=True)}
+            waiting = all(p.grad is None for p in model.parameters() if id(p) in late)
+            ready = all(p.grad is not None for p in model.parameters() if id(p) not in late)
+            if i == 2:
+                averager.begin("d")
+                averager.abandon()
+            else:
+                averager.finish()
+            rows.append((str(compress), i, averager.deferred, len(late), len(averager.buckets[-1].members), waiting,
+                         ready, max(float((p.grad - w).abs().max()) for p, w in zip(model.parameters(), want))))
+            model.zero_grad(set_to_none=True)
+    return rows
 
 
 def _compressed_reference(model, x, dtype):
@@ -225,6 +253,18 @@ def test_compressed_buckets_average_as_the_compression_hooks(spawned_files):
             assert overlapped == 0, (rank, dtype, overlap, step, overlapped)  # all buckets, or none, as expected
     with pytest.raises(ValueError, match="compress: expected None, torch.bfloat16 or torch.float16"):
         GradientAverager([], compress=torch.float64)
+
+
+def test_the_last_bucket_can_be_joined_after_the_others(spawned_files):
+    """``averager(defer_last=True)``: the other buckets' ``.grad`` set at once (their collectives waited for), the
+    last bucket's parameters returned with ``.grad`` None, and after ``finish()`` (or the next ``begin``) the same
+    average as without: exact in fp32, the hook's in bf16 (whose cast back waits for ``finish`` too)."""
+    for rank in range(2):
+        rows = torch.load(f"{spawned_files}.{rank}.deferred", weights_only=False)
+        assert len(rows) == 8
+        for compress, step, deferred, late, last, waiting, ready, error in rows:
+            assert deferred == late == last > 0 and waiting and ready, (rank, compress, step)
+            assert error < 1e-6 if compress == "None" else error == 0, (rank, compress, step, error)
 
 
 def test_the_copy_exchange_is_refused_on_cpu_parameters_and_names_are_checked(spawned):
