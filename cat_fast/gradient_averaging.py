@@ -251,7 +251,7 @@ class GradientAverager:
                 else:
                     shares.append(scratch[r, :end - start])
                     shares[-1].copy_(peers.get_buffer(r, (end - start,), shared.dtype, base + start))
-            scale = bucket.wire is None and self.compress is None  # unscaled shares (`_fill`): each one times 1/N
+            scale = self._scaled_at_sum(bucket)  # unscaled shares: each one times 1/N here
             if world == 2 and scale:  # x/2 + y/2, both halves exact: DDP's sum of scaled shares, bit for bit
                 own.mul_(0.5).add_(shares[1 - rank], alpha=0.5)
             elif world == 2:  # one sum: the same on both ranks in either order
@@ -280,8 +280,7 @@ class GradientAverager:
         self.finish()  # a step left deferred is joined before the next one fills its buffers
         expected = self._counts.get(key) if self.overlap else None
         self._open = {"key": key, "seen": {}, "expected": expected, "left": None, "next": 0, "launched": set(),
-                      "stale": False, "works": [], "decode": [], "stream": None,
-                      "early": None}
+                      "stale": False, "works": [], "decode": [], "stream": None, "early": None}
         if expected is not None:
             self._open["left"] = [sum(expected.get(id(p), 0) for p in b.members) for b in self.buckets]
 
@@ -353,9 +352,13 @@ class GradientAverager:
             torch._foreach_zero_(unused)
         if self.compress is not None and bucket.wire is None:  # already 16-bit: the hook's division, in place
             bucket.flat.div_(self.world)
-        elif bucket.wire is None and bucket.peers is None:
+        elif bucket.wire is None and not self._scaled_at_sum(bucket):
             bucket.flat.mul_(1.0 / self.world)  # as DDP: each rank's share scaled before the sum
-        # exchange="copy" uncompressed: the shares are scaled where they are summed (`_pull_reduce`), 1/N of the bucket
+
+    def _scaled_at_sum(self, bucket) -> bool:
+        """exchange="copy", uncompressed: the shares are scaled where they are summed (`_pull_reduce`, 1/N of the
+        bucket), not by `_fill` (the whole bucket)."""
+        return bucket.peers is not None and bucket.wire is None and self.compress is None
 
     def _encoded(self, bucket):
         """The tensor to all-reduce: `bucket`'s buffer, or its 16-bit copy divided by the world size (as the
@@ -371,7 +374,7 @@ class GradientAverager:
         bucket's. Then the current stream waits only for the buckets before it (on the CPU, their collectives), the
         last bucket's parameters have ``.grad`` None, and `finish()` joins the rest: work queued in between (an
         update of the other parameters) overlaps the last bucket's exchange, the step's exposed tail. That work must
-        not write the averaged gradients. ``deferred``: the parameters so left in the last step."""
+        not write the averaged gradients. ``deferred``: how many parameters the last step so left."""
         if not self.buckets:
             return []
         self.finish()  # a step left deferred is joined first

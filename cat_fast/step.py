@@ -138,9 +138,12 @@ def _splittable(optimizer) -> bool:
     exactly (not a subclass), with no step hooks (which would run twice)."""
     from torch.optim import optimizer as base
 
+    # PyTorch's hook registries (not public); where a release names them otherwise, the step is not split
+    hooks = [getattr(owner, name, None) for owner, name in (
+        (optimizer, "_optimizer_step_pre_hooks"), (optimizer, "_optimizer_step_post_hooks"),
+        (base, "_global_optimizer_pre_hooks"), (base, "_global_optimizer_post_hooks"))]
     return (type(optimizer) in tuple(getattr(torch.optim, name) for name in _PER_PARAMETER)
-            and not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
-            and not base._global_optimizer_pre_hooks and not base._global_optimizer_post_hooks)
+            and all(registry is not None and not registry for registry in hooks))
 
 
 def _detached(loss, info):
