@@ -7,7 +7,9 @@ unwrapped model, outside DDP's forward, so that DDP's reducer stays idle; `cat_f
 GradientAverager` averages the gradients over the ranks (flat buffers made once, cut into buckets, each scaled by
 1/world as DDP scales them and all-reduced as soon as the backward has finished its gradients, overlapped with the
 rest of the backward; each ``.grad`` set to its view of the result); then clipping and the optimizer's step. On a GPU
-the all-reduces are NCCL's, issued on the averager's stream, which joins the capture inside the captured region.
+the all-reduces are NCCL's, issued on the averager's stream, which joins the capture inside the captured region
+(or, on GPUs of one host, the copy engines' pulls; the model's vocabulary tables, `gradient_averaging.
+embedding_tables`, are then exchanged by the rows their gradients use).
 
 Lockstep (`Lockstep`): a graph holding an NCCL collective must be captured and replayed by every rank together
 (NCCL's rule: a captured collective is a collective property of the ranks). The ranks' batches may have different
@@ -37,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed import DistributedObjective, ddp_module
-from .gradient_averaging import BUCKET_MB, GradientAverager
+from .gradient_averaging import BUCKET_MB, GradientAverager, embedding_tables
 from .step import NotCapturable
 
 __all__ = ["DDPStep", "GradientAverager", "Lockstep", "compression", "ddp_of"]
@@ -57,10 +59,12 @@ def ddp_of(objective):
 class Lockstep:
     """The ranks' agreement on each step's graph (module docstring): `key` maps this rank's signature to one that
     names every rank's, and `all` tells whether a condition holds on every rank; both over a gloo group made on
-    construction (a collective call: every rank builds its `Lockstep` at the same point)."""
+    construction (a collective call: every rank builds its `Lockstep` at the same point). The group is its own
+    even where the default one is gloo: a rank may agree while another rank's gradient collectives, issued during
+    its backward, are still in flight on the default group, and the two must not be paired."""
 
     def __init__(self):
-        self.group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self.group = dist.new_group(backend="gloo")
         self.world = dist.get_world_size()
         self._ids = {}  # this rank's signatures -> small numbers, in the order first seen
 
@@ -163,7 +167,10 @@ class DDPStep:
         self.lockstep = host if cuda_graph else None
         agree = (lambda flag: not host.all(not flag)) if host is not None else None
         bucket_mb = getattr(self.ddp, "bucket_bytes_cap", BUCKET_MB * 2**20) / 2**20  # DDP's bucket_cap_mb
-        self.average = GradientAverager([p for p in params if id(p) not in own], agree=agree, bucket_mb=bucket_mb,
+        averaged = [p for p in params if id(p) not in own]
+        ids = {id(p) for p in averaged}
+        tables = [p for p in embedding_tables(self.ddp.module) if id(p) in ids]  # exchanged by their nonzero rows
+        self.average = GradientAverager(averaged, agree=agree, bucket_mb=bucket_mb, sparse_rows=tables,
                                         compress=compression(self.ddp) if self.reason is None else None)
 
     def check(self):

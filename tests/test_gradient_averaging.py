@@ -25,6 +25,114 @@ def _model(seed):
                                torch.nn.Linear(30, 3))
 
 
+class _Tokens(torch.nn.Module):
+    """A vocabulary table (rows of the ids a batch holds get gradients), a position table, a head; ``unused``: the
+    vocabulary table gets no gradient on this call."""
+
+    def __init__(self, seed, vocabulary=300, width=20):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.words = torch.nn.Embedding(vocabulary, width)
+        self.positions = torch.nn.Embedding(8, width)
+        self.head = torch.nn.Linear(width, 3)
+        self.unused = False
+
+    def forward(self, ids):
+        words = self.words.weight.detach() if self.unused else self.words.weight
+        h = torch.nn.functional.embedding(ids, words) + self.positions.weight[:ids.shape[1]]
+        return self.head(torch.tanh(h).mean(1))
+
+
+def _ids(seed, rank, vocabulary=300):
+    return torch.randint(0, vocabulary, (4, 6), generator=torch.Generator().manual_seed(seed + 10 * rank))
+
+
+def _captured_step(net, averager, static):
+    """A CUDA graph of one averaged step of `net` on `static` (gradients zeroed in place, the backward, the average),
+    captured after two eager steps of its key on a side stream: the key's first (counted), then one overlapped."""
+
+    def step():
+        for p in net.parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+        averager.begin("g")
+        net(static).square().sum().backward()
+        averager()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def _sparse_rows(rank, host, device, exchanges):
+    """("sparse", what, step, exchange, tables exchanged by rows, buckets, the table's bucket members, error against
+    the exact average, against NCCL's): a vocabulary table passed as ``sparse_rows``, eager steps of one key with
+    the overlap (step 2: the table unused on rank 0, redone), then (GPUs) replayed as a CUDA graph and deferred."""
+    agree = lambda flag: not host.all(not flag)  # noqa: E731
+    rows = []
+    nets = {name: _Tokens(0).to(device) for name in exchanges}
+    averagers = {name: GradientAverager(list(net.parameters()), bucket_mb=2**-12, agree=agree, exchange=name,
+                                        sparse_rows=[net.words.weight]) for name, net in nets.items()}
+    for i in range(4):
+        ids = _ids(1100 + i, rank).to(device)
+        unused = i == 2 and rank == 0
+        nets[exchanges[0]].unused = unused
+        exact = _reference(nets[exchanges[0]], ids, 1)
+        got = {}
+        for name, net in nets.items():
+            net.unused = unused
+            net.zero_grad(set_to_none=True)
+            averagers[name].begin("s")
+            net(ids).square().sum().backward()
+            averagers[name]()
+            got[name] = [p.grad.clone() for p in net.parameters()]
+        for name, averager in averagers.items():
+            table = averager._bucket_of[id(nets[name].words.weight)]
+            rows.append(("sparse", "eager", i, name, averager.sparse_exchanged, len(averager.buckets),
+                         len(table.members), max(float((g - e).abs().max()) for g, e in zip(got[name], exact)),
+                         max(float((g - n).abs().max()) for g, n in zip(got[name], got[exchanges[0]]))))
+    if device.type != "cuda":
+        return rows
+    net, ref = nets["copy"], nets["nccl"]
+    net.unused = ref.unused = False
+    averager, plain = averagers["copy"], averagers["nccl"]
+    static = torch.zeros(4, 6, dtype=torch.long, device=device)
+    graph = _captured_step(net, averager, static)
+    for i in range(3):
+        ids = _ids(1200 + i, rank).to(device)
+        static.copy_(ids)
+        graph.replay()
+        ref.zero_grad(set_to_none=True)
+        plain.begin()
+        ref(ids).square().sum().backward()
+        plain()
+        rows.append(("sparse", "captured", i, "copy", averager.sparse_exchanged, len(averager.buckets), 1,
+                     0.0, max(float((p.grad - q.grad).abs().max()) for p, q in zip(net.parameters(),
+                                                                                   ref.parameters()))))
+    torch.cuda.synchronize()
+    del graph
+    for i in range(2):  # defer_last: the table (the last bucket) joined after the others
+        ids = _ids(1300 + i, rank).to(device)
+        for name, n in nets.items():
+            n.zero_grad(set_to_none=True)
+            averagers[name].begin("d")
+            n(ids).square().sum().backward()
+        late = averager(defer_last=True)
+        waiting = [p is net.words.weight and p.grad is None for p in late]
+        plain()
+        averager.finish()
+        rows.append(("sparse", "deferred", i, "copy", len(late), all(waiting), 1, 0.0,
+                     max(float((p.grad - q.grad).abs().max()) for p, q in zip(net.parameters(), ref.parameters()))))
+    return rows
+
+
 def _reference(model, x, passes, skip_last=False):
     """The gradients of `passes` backwards (summed) averaged over the ranks by all_gather."""
     model.zero_grad(set_to_none=True)
@@ -106,6 +214,7 @@ def _worker(rank, out):
     torch.save(rows, f"{out}.{rank}")
     torch.save(_compressed_rows(model, rank, host), f"{out}.{rank}.compressed")
     torch.save(_deferred_rows(model, rank, host), f"{out}.{rank}.deferred")
+    torch.save(_sparse_rows(rank, host, torch.device("cpu"), ("nccl",)), f"{out}.{rank}.sparse")
 
 
 def _deferred_rows(model, rank, host):
@@ -267,6 +376,29 @@ def test_the_last_bucket_can_be_joined_after_the_others(spawned_files):
             assert error < 1e-6 if compress == "None" else error == 0, (rank, compress, step, error)
 
 
+def test_a_row_sparse_table_is_a_bucket_of_its_own_and_averaged(spawned_files):
+    """``sparse_rows`` on the CPU (gloo): the vocabulary table is a bucket of its own (the other three parameters,
+    in 256-byte buckets, make one), averaged like any other (its rows are exchanged only between GPUs), with the
+    overlap; and in a step where rank 0 does not use it, so that rank 1 reduces its bucket during its backward and
+    rank 0 after agreeing, the ranks' collectives still pair (the agreement has a gloo group of its own)."""
+    for rank in range(2):
+        rows = torch.load(f"{spawned_files}.{rank}.sparse", weights_only=False)
+        assert len(rows) == 4
+        for _, what, step, name, by_rows, buckets, members, off_exact, _ in rows:
+            assert by_rows == 0 and members == 1 and buckets == 2, (rank, step)
+            assert off_exact < 1e-6, (rank, step, off_exact)
+
+
+def test_sparse_rows_are_checked_and_embedding_tables_named():
+    with pytest.raises(ValueError, match="sparse_rows: expected 2-D parameters among params"):
+        GradientAverager([], sparse_rows=[torch.nn.Parameter(torch.zeros(3, 2))])
+    net = _Tokens(0, vocabulary=5000)
+    assert gradient_averaging.embedding_tables(net) == [net.words.weight]  # not the 8-row position table
+    assert gradient_averaging.embedding_tables(net, min_rows=8) == [net.words.weight, net.positions.weight]
+    net.head.weight = net.positions.weight  # a table another module uses has dense gradients: not named
+    assert gradient_averaging.embedding_tables(net, min_rows=8) == [net.words.weight]
+
+
 def test_the_copy_exchange_is_refused_on_cpu_parameters_and_names_are_checked(spawned):
     for rows in spawned:
         name, message = rows[-2]
@@ -328,24 +460,7 @@ def _copy_worker(rank, out):
     averager = GradientAverager(list(net.parameters()), bucket_mb=2**-12, agree=agree, exchange="copy")
     plain = GradientAverager(list(ref.parameters()), overlap=False, bucket_mb=2**-12, exchange="nccl")
     static = torch.zeros(5, 6, device=device)
-
-    def step():
-        for p in net.parameters():
-            if p.grad is not None:
-                p.grad.zero_()
-        averager.begin("g")
-        net(static).square().sum().backward()
-        averager()
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # the key's first step (counted), then one overlapped
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = _captured_step(net, averager, static)
     captured_overlapped = averager.overlapped
     for i in range(3):
         x = torch.randn(5, 6, generator=torch.Generator().manual_seed(800 + i + 10 * rank)).to(device)
@@ -393,6 +508,7 @@ def _copy_worker(rank, out):
     rows.append(("auto", default, fallen.exchange, sum("could not be shared" in str(w.message) for w in caught),
                  max(float((p.grad - e).abs().max()) for p, e in zip(ref.parameters(), exact))))
     torch.save(rows, f"{out}.{rank}")
+    torch.save(_sparse_rows(rank, host, device, ("nccl", "copy")), f"{out}.{rank}.sparse")
 
 
 def _refuse(*args, **kwargs):
@@ -408,7 +524,10 @@ def test_gpu_the_copy_exchange_equals_nccl_all_reduce(tmp_path):
     rank's own gradient), also in a step that one rank's extra backward makes every rank redo. The buckets (93, 1230
     and 280 elements) split into unequal spans. With ``defer_last`` the last bucket's ``.grad`` waits for
     ``finish()``, the others' do not, and the averages are the same. The default exchange there is "copy"; where one
-    rank cannot make symmetric memory, both use "nccl", warned, and average."""
+    rank cannot make symmetric memory, both use "nccl", warned, and average. A vocabulary table passed as
+    ``sparse_rows`` (about 24 of its 300 rows used per rank and step) is exchanged by its nonzero rows and equals
+    NCCL's all-reduce of the whole table to the bit: eager (also where one rank does not use it), replayed as a
+    CUDA graph, and deferred."""
     spawn(_copy_worker, str(tmp_path / "out"), tmp_path=tmp_path, world=2, backend="nccl")
     for rank in range(2):
         rows = torch.load(f"{tmp_path / 'out'}.{rank}", weights_only=False)
@@ -429,6 +548,18 @@ def test_gpu_the_copy_exchange_equals_nccl_all_reduce(tmp_path):
         for _, step, overlapped, buckets, off_nccl in captured:
             assert overlapped == buckets == 3
             assert off_nccl == 0, (rank, step, off_nccl)
+        # a vocabulary table as sparse_rows: exchanged by its nonzero rows (copy), equal to NCCL's all-reduce of the
+        # whole table to the bit, eager (one step with the table unused on rank 0), replayed and deferred
+        sparse = torch.load(f"{tmp_path / 'out'}.{rank}.sparse", weights_only=False)
+        assert [r[1] for r in sparse] == ["eager"] * 8 + ["captured"] * 3 + ["deferred"] * 2
+        for _, what, step, name, by_rows, buckets, members, off_exact, off_nccl in sparse:
+            if what == "eager":
+                assert by_rows == (name == "copy") and buckets == 2 and members == 1, (rank, step, name)
+                assert off_exact < 1e-6 and off_nccl == 0, (rank, step, name, off_exact, off_nccl)
+            elif what == "captured":
+                assert by_rows == 1 and off_nccl == 0, (rank, step, off_nccl)
+            else:  # deferred: (late parameters, the table's .grad None until finish)
+                assert by_rows == 1 and buckets and off_nccl == 0, (rank, step, by_rows, off_nccl)
 
 
 def test_the_environment_variable_sets_the_default_exchange(monkeypatch):

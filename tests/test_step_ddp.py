@@ -87,14 +87,17 @@ def _train(rank, case, captured, device="cpu", lengths=None, steps=STEPS, graph=
            else torch.optim.SGD(params, lr=0.1))
     objective.set_optimizer(opt)
     # strict: a step that is not planned raises (only erm-two-step's call runs as the DDP loop's)
-    saved, gradient_averaging.EXCHANGE = gradient_averaging.EXCHANGE, exchange or "nccl"
+    saved = gradient_averaging.EXCHANGE, gradient_averaging.SPARSE_MIN_ROWS
+    gradient_averaging.EXCHANGE = exchange or "nccl"
+    gradient_averaging.SPARSE_MIN_ROWS = 100  # the tiny vocabulary (100 rows): exchanged by its rows with "copy"
     try:
         step = CapturedStep(call, opt, cuda_graph=gpu and graph, max_grad_norm=1.0 if clip else None,
                             skip_non_finite=gpu, warmup_steps=1, strict=case != "erm-two-step") if captured else None
     finally:
-        gradient_averaging.EXCHANGE = saved
+        gradient_averaging.EXCHANGE, gradient_averaging.SPARSE_MIN_ROWS = saved
     if step is not None and exchange:
         assert step.gradient_averager.exchange == exchange
+        assert step.gradient_averager.sparse_exchanged == (exchange == "copy" and "compress" not in case)
     losses = []
     for i in range(steps):
         batch = _batch(rank, i, device, length=lengths[i] if lengths else 9)

@@ -324,7 +324,8 @@ def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None,
         average = whole.gradient_averager
         if average is not None:  # buckets of the last captured (or eager) step reduced during its backward
             extra.update(overlap=average.overlap, buckets=len(average.buckets), overlapped=average.overlapped,
-                         exchange=average.exchange, deferred=average.deferred)
+                         exchange=average.exchange, deferred=average.deferred,
+                         sparse_exchanged=average.sparse_exchanged)
     return {"method": method, "world": world, "ddp": wrapped is not None, "size": size, **extra,
             "comm_hook": comm_hook if wrapped is not None else None, "bucket_mb": bucket_mb,
             "nccl_max_ctas": os.environ.get("NCCL_MAX_CTAS"),
@@ -364,7 +365,14 @@ def main(argv=None):
                         "the gradient buckets are reduced: NCCL's all-reduce, pulls by the GPUs' copy engines through "
                         "PyTorch's symmetric memory (GPUs of one host), or auto (the library's default: copy where "
                         "every rank can, else nccl; the row names the one used)")
+    parser.add_argument("--dense-embeddings", action="store_true", help="with --captured and the copy exchange: "
+                        "the vocabulary table pulled whole (the default reads only the rows the other rank's gradient "
+                        "uses)")
     args = parser.parse_args(argv)
+    if args.dense_embeddings:
+        from cat_fast import gradient_averaging
+
+        gradient_averaging.ROW_SPARSE = False
     size = args.size or ("4x32" if args.tiny else "64x256")
     warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 5)
     steps = args.steps if args.steps is not None else (2 if args.tiny else 20)

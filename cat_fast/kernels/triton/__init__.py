@@ -18,9 +18,10 @@ their bias gradient, for `cat_fast.layers.packing`), ``embedding_backward`` (an 
 for `cat_fast.layers.embedding`), ``first_row_attention`` (attention of one
 query per sequence, forward and backward, for `cat_fast.layers.attention`, the first-token layer's),
 ``attention`` (attention with a differentiable backward, for `cat_fast.layers.double_attention`),
-``double_backward`` (the backward of LayerNorm's and GELU's backward, for `cat_fast.layers.double_layers`) and
+``double_backward`` (the backward of LayerNorm's and GELU's backward, for `cat_fast.layers.double_layers`),
 ``pooled_gs_loss`` (gradient supervision on the pooled representation of a linear head, loss and weight gradient in
-one launch, for `cat_fast.objectives.gs`).
+one launch, for `cat_fast.objectives.gs`) and ``row_exchange`` (the two-GPU average of an embedding table's gradient
+by its nonzero rows, for `cat_fast.gradient_averaging`).
 
 Importing a submodule imports triton; this package file itself does not (`optional` imports one on demand).
 """
