@@ -42,7 +42,7 @@ it is not copied into its buffer and pulled whole: each rank flags the rows of i
 copies them into a staging table in symmetric memory (one kernel), a barrier, and then one kernel writes the
 average into the bucket, reading the other rank's staged row only where that rank flagged it
 (`cat_fast.kernels.triton.row_exchange`). The link carries the rows the batches touch, not the table (at BERT's
-30,522 rows and 8 × 128 tokens, about 2 % of it), and the result is the same bits as the all-reduce. The staging
+30,522 rows and 8 × 128 tokens, 2-3 % of it), and the result is the same bits as the all-reduce. The staging
 table costs one more copy of the table per GPU. Elsewhere (NCCL, more ranks, compression, the CPU) the bucket is
 reduced like any other. `ROW_SPARSE` = False turns it off for the averagers made from then on (comparisons).
 `embedding_tables(module)` names the tables `cat_fast.step_ddp` passes.
@@ -60,6 +60,7 @@ backward, so the result is always the average of the complete gradients.
 """
 from __future__ import annotations
 
+import collections
 import os
 import socket
 import warnings
@@ -69,8 +70,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
-__all__ = ["GradientAverager", "BUCKET_MB", "EXCHANGE", "OVERLAP", "ROW_SPARSE", "checked_exchange",
-           "embedding_tables", "share_symmetric", "symmetric_zeros"]
+__all__ = ["GradientAverager", "BUCKET_MB", "EXCHANGE", "OVERLAP", "ROW_SPARSE", "SPARSE_MIN_ROWS",
+           "checked_exchange", "embedding_tables", "share_symmetric", "symmetric_zeros"]
 
 BUCKET_MB = 25.0  # DDP's default bucket_cap_mb
 OVERLAP = True  # the averagers made from here on overlap (False: every bucket after the backward, for comparisons)
@@ -145,10 +146,12 @@ class GradientAverager:
         exchange = checked_exchange(exchange)
         self._auto = exchange == "auto"
         params = list(params)
+        sparse_rows = list(sparse_rows)
         sparse = {id(p) for p in sparse_rows}
-        if not sparse <= {id(p) for p in params} or any(p.dim() != 2 for p in sparse_rows):
-            raise ValueError("sparse_rows: expected 2-D parameters among params (embedding tables), got shapes "
-                             f"{[tuple(p.shape) for p in sparse_rows]}, not all of them among params")
+        outside = len(sparse - {id(p) for p in params})
+        if outside or any(p.dim() != 2 for p in sparse_rows):
+            got = f"{outside} not among them" if outside else f"shapes {[tuple(p.shape) for p in sparse_rows]}"
+            raise ValueError(f"sparse_rows: expected 2-D parameters among params (embedding tables), got {got}")
         self.compress = compress
         self.group = group
         self.world = dist.get_world_size(group)
@@ -364,8 +367,8 @@ class GradientAverager:
 
     def _launch(self, bucket):
         """Copies `bucket`'s gradients into its buffer (zeros for a parameter without one), scales and all-reduces
-        it (through its 16-bit copy where compressing): on a GPU on the averager's stream, after the work queued so
-        far on the current stream."""
+        it (through its 16-bit copy where compressing; a row-sparse table by its rows, `_row_reduce`): on a GPU on
+        the averager's stream, after the work queued so far on the current stream."""
         step = self._open
         step["launched"].add(bucket.index)
         cuda = bucket.flat.is_cuda
@@ -555,14 +558,12 @@ def embedding_tables(module, min_rows: int | None = None) -> list:
     tables, elsewhere = [], set()
     for m in module.modules():
         if type(m) is torch.nn.Embedding and not m.sparse:
-            if m.weight.dim() == 2 and m.weight.shape[0] >= min_rows:
+            if m.num_embeddings >= min_rows:
                 tables.append(m.weight)
         else:
             elsewhere.update(id(p) for p in m.parameters(recurse=False))
-    counted = {}
-    for p in tables:
-        counted[id(p)] = counted.get(id(p), 0) + 1
-    return [p for p in tables if id(p) not in elsewhere and counted[id(p)] == 1]
+    uses = collections.Counter(id(p) for p in tables)  # two tables sharing one weight: not a table of its own
+    return [p for p in tables if id(p) not in elsewhere and uses[id(p)] == 1]
 
 
 def _kernels_present() -> bool:

@@ -106,7 +106,7 @@ def _ddp(model, device, use_ddp, comm_hook, bucket_mb):
 
 
 def _training_step(call, objective, model, device, batch_size, tokens, captured, overlap=True, exchange="auto",
-                   split=True):
+                   split=True, row_sparse=True):
     """(step, whole): one training step on this rank's batch as a call without arguments, and the CapturedStep
     (None unless `captured`)."""
     gpu = device.type == "cuda"
@@ -124,6 +124,7 @@ def _training_step(call, objective, model, device, batch_size, tokens, captured,
         gradient_averaging.OVERLAP = overlap  # False: the all-reduce after the backward instead of overlapped with it
         gradient_averaging.EXCHANGE = exchange  # "copy": the copy engines move the bytes; "auto": copy where it can
         step_module.SPLIT_UPDATE = split  # False: the optimizer waits for the last bucket too
+        gradient_averaging.ROW_SPARSE = row_sparse  # False: the vocabulary table pulled whole
         whole = CapturedStep(call, optimizer, autocast=dtype, strict=True)
 
     def step():
@@ -300,14 +301,14 @@ def copy_bandwidth_rows(device, sizes_mib=(8, 16, 45, 209), repeats=20):
 
 
 def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None, comm_hook=None, bucket_mb=None,
-          captured=False, overlap=True, exchange="auto", split=True):
+          captured=False, overlap=True, exchange="auto", split=True, row_sparse=True):
     batch_size, tokens = (int(x) for x in size.lower().split("x"))
     model = make_model(device, tiny)
     wrapped = _ddp(model, device, use_ddp, comm_hook, bucket_mb)
     objective = make_objective(method, model, tiny, ddp=wrapped is not None)
     call = D.DistributedObjective(objective, wrapped) if wrapped is not None else objective
     step, whole = _training_step(call, objective, model, device, batch_size, tokens, captured, overlap, exchange,
-                                 split)
+                                 split, row_sparse)
     seconds = _seconds_per_step(step, device, warmup, steps)
     layers = {str(m): step.layers.count(m) for m in sorted(set(step.layers))}
     host = _host_seconds(step, device)
@@ -369,10 +370,6 @@ def main(argv=None):
                         "the vocabulary table pulled whole (the default reads only the rows the other rank's gradient "
                         "uses)")
     args = parser.parse_args(argv)
-    if args.dense_embeddings:
-        from cat_fast import gradient_averaging
-
-        gradient_averaging.ROW_SPARSE = False
     size = args.size or ("4x32" if args.tiny else "64x256")
     warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 5)
     steps = args.steps if args.steps is not None else (2 if args.tiny else 20)
@@ -402,7 +399,8 @@ def main(argv=None):
         for method in args.methods:
             row = bench(method, device, size, args.tiny, warmup, steps, use_ddp=not args.no_ddp, profile=args.profile,
                         comm_hook=args.comm_hook, bucket_mb=args.bucket_mb, captured=args.captured,
-                        overlap=not args.no_overlap, exchange=args.exchange, split=not args.no_split)
+                        overlap=not args.no_overlap, exchange=args.exchange, split=not args.no_split,
+                        row_sparse=not args.dense_embeddings)
             if rank == 0:
                 print(json.dumps(row), flush=True)
     finally:
