@@ -199,6 +199,11 @@ class CapturedStep(cuda_graphs.CachedGraphs):
         return self._ddp.average if self._ddp is not None else None
 
     @property
+    def num_packed_graphs(self) -> int:
+        """Graphs captured with packed rows (`layers.training.PACKED`; at most half of ``max_graphs``)."""
+        return sum(1 for sig in self._packed_graphs if self.cache.entries.get(sig) is not None)
+
+    @property
     def num_replays(self) -> int:
         """Steps that replayed a graph."""
         return sum(entry.replays["step"] for entry in self.cache.entries.values() if entry is not None)

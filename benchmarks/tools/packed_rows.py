@@ -10,8 +10,9 @@ with the packed switch set for each.
     python benchmarks/tools/packed_rows.py 8x128 32x128 64x256 --method plain_fast_captured poe_captured \
         [--rounds 2] [--steps 20] [--no-peer]
 
-Prints one JSON line per size and method: the median step in ms of each round, PACKED off and on, the peer's, and
-the ratios of the medians over the rounds to the peer's.
+Prints one JSON line per size and method: the median step in ms of each round, PACKED off and on, the peer's, the
+ratios of the medians over the rounds to the peer's, and for the captured methods each arm's graphs, packed graphs
+and replayed steps (a step that replayed no graph ran eagerly).
 """
 import argparse
 import contextlib
@@ -73,6 +74,12 @@ def main():
                     medians[m]["on" if packed else "off"].append(_time(steps[m][packed], args.steps, packed))
         for m in args.method:
             row = {"size": size, "method": m, "median_ms": medians[m]}
+            for packed, name in ((False, "off"), (True, "on")):  # what each arm's steps ran: graphs, or eagerly
+                captured = getattr(steps[m][packed], "captured", None)
+                if captured is not None:
+                    row.setdefault("graphs", {})[name] = {"graphs": captured.num_graphs,
+                                                          "packed_graphs": captured.num_packed_graphs,
+                                                          "replays": captured.num_replays}
             if peer_ms:
                 ref = statistics.median(peer_ms)
                 row["peer_ms"] = peer_ms

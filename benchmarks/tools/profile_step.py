@@ -2,7 +2,7 @@
 model, batch and step closures), kernels summed by name and by kind (matmul, attention, elementwise, ...).
 
     python benchmarks/tools/profile_step.py [--size 64x256] [--steps 3] [--host] [--dump DIR] [--cat-layer M]
-        [methods...]
+        [--packed] [methods...]
 
 Prints, per method, GPU kernel time per step (sum of kernel durations; overlapping streams would count twice),
 the CUDA-event step time, and the top kernels. CUDA-graph replays are traced kernel by kernel (CUPTI). GPU only.
@@ -108,7 +108,13 @@ def profile(method, size, steps, trace_dir=None, host=False, dump=None, layers=N
           f"kernels {total:.2f} ms/step, {launches / steps:.0f} kernels/step; GPU busy {busy / steps / 1e3:.2f} "
           f"of {window / steps / 1e3:.2f} ms/step (union of kernel intervals / first start to last end)")
     print(f"   Python GC over the 15 warm-up + timed steps: {pauses.count} pauses, {pauses.ms:.2f} ms")
+    captured = getattr(step, "captured", None)
+    if captured is not None:  # which graphs the steps replayed (a step that replayed none ran eagerly)
+        print(f"   CapturedStep: {captured.num_graphs} graphs ({captured.num_packed_graphs} with packed rows), "
+              f"{captured.num_replays} replayed steps")
     if trace_dir or host:
+        if trace_dir:
+            os.makedirs(trace_dir, exist_ok=True)
         path = os.path.join(trace_dir or tempfile.gettempdir(), f"trace-{method}-{size}.json")
         prof.export_chrome_trace(path)
         if host:
@@ -137,9 +143,15 @@ def main():
     parser.add_argument("--dump", default=None, help="write every kernel (µs and calls per step, kind) as a TSV there")
     parser.add_argument("--cat-layer", type=int, default=None,
                         help="CAT's mixing layer fixed to this one (default: the suite's set, one drawn per step)")
+    parser.add_argument("--packed", action="store_true", help="the training layers' packed path wherever it applies "
+                        "(layers.training.PACKED = True: CAT's captured step too)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_step.py needs a CUDA device")
+    if args.packed:
+        from cat_fast.layers import training
+
+        training.PACKED = True
     layers = None if args.cat_layer is None else [args.cat_layer]
     for method in args.methods:
         profile(method, args.size, args.steps, args.trace_dir, args.host, args.dump, layers)
