@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from cat_fast import gradient_averaging
 from cat_fast.gradient_averaging import GradientAverager, _spans
+from cat_fast.graphs import side_stream
 from cat_fast.step_ddp import Lockstep
 from tests.ranks import spawn
 
@@ -59,12 +60,9 @@ def _captured_step(net, averager, static):
         net(static).square().sum().backward()
         averager()
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    with side_stream(static.device):
         for _ in range(2):
             step()
-    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
