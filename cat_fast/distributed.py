@@ -33,6 +33,7 @@ model uncompiled (`Objective`).
 """
 from __future__ import annotations
 
+import gc
 import os
 from typing import Iterable, Optional, Tuple
 
@@ -41,7 +42,7 @@ import torch.distributed as dist
 
 from .models.structure import orig_module, unwrap
 
-__all__ = ["init_from_env", "world", "rank", "rank_seed", "unwrap", "ddp_module", "run_in_forward",
+__all__ = ["init_from_env", "leave", "world", "rank", "rank_seed", "unwrap", "ddp_module", "run_in_forward",
            "all_reduce_mean_", "broadcast_", "prepare_objective", "DistributedObjective"]
 
 
@@ -61,6 +62,16 @@ def init_from_env(device: torch.device) -> Tuple[torch.device, int, int]:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return device, dist.get_rank(), dist.get_world_size()
+
+
+def leave() -> None:
+    """Leaves the process group, where one is initialised: garbage first, then every group destroyed. An object in
+    a reference cycle (a DDP reducer, a CapturedStep's gloo agreement group) that outlived `destroy_process_group`
+    would drop a group's last reference later, with the GIL held or while the interpreter shuts down, where gloo's
+    destructor can wait for ever or abort the process (tests/ranks.py)."""
+    if dist.is_available() and dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def world() -> int:

@@ -275,3 +275,19 @@ def test_gpu_nccl_ranks_identical_and_cat_graphs_captured(tmp_path):
         assert all(x == x for x in l0 + l1) and l0 != l1
         if name == "cat-graphs":
             assert g0 >= 1 and g1 >= 1, (g0, g1)
+
+
+def test_leave_destroys_the_groups_and_is_a_no_op_without_one(tmp_path):
+    """`leave`: nothing without a process group; with one (a one-process gloo group and a group of its own, as
+    CapturedStep's agreement makes), every group destroyed, and a second call is a no-op."""
+    D.leave()
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        dist.new_group(backend="gloo")
+        D.leave()
+        assert not dist.is_initialized()
+        D.leave()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -404,8 +404,7 @@ def main(argv=None):
             if rank == 0:
                 print(json.dumps(row), flush=True)
     finally:
-        if world > 1:
-            dist.destroy_process_group()
+        D.leave()  # the garbage (CapturedStep's agreement group among it) first, then the groups
 
 
 if __name__ == "__main__":

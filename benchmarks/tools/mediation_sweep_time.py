@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.tools import mediation_bench as MB
+from cat_fast import distributed as D
 from cat_fast.analysis import mediation as M
 
 
@@ -137,13 +138,13 @@ def main():
                       looped_fp32_full_s=per_neuron * values.numel(),
                       sweep_vs_looped_fp32=per_neuron * values.numel() / seconds)
     if args.compare and rank == 0:
-        other = torch.load(args.compare)
+        other = torch.load(args.compare, weights_only=True)
         result["max_abs_diff_vs_saved"] = float((values - other).abs().max())
         result["bit_identical_vs_saved"] = bool(torch.equal(values, other))
     if rank == 0:
         _write(result, values, args)
     if world > 1:
-        dist.destroy_process_group()
+        D.leave()
 
 
 if __name__ == "__main__":

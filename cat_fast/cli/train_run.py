@@ -170,18 +170,16 @@ class Scratch:
 def finish(world: int) -> None:
     """Under torchrun: wait for every rank (rank 0 writes its outputs first), then leave the process group.
 
-    The caller drops its trainer first, and the garbage is collected here: a DDP reducer that outlives the group
-    would drop the group's last reference while holding the GIL, and gloo's destructor can then wait for ever on a
-    worker thread that needs the GIL (tests/ranks.py)."""
+    The caller drops its trainer first; `cat_fast.distributed.leave` collects the garbage before destroying the group
+    (a DDP reducer that outlived it would drop the group's last reference while holding the GIL)."""
     if world > 1:
-        import gc
-
         import torch.distributed as dist
 
-        gc.collect()
+        from ..distributed import leave
+
         if dist.is_initialized():
             dist.barrier()
-            dist.destroy_process_group()
+        leave()
 
 
 def history_of(logs: List[Dict], ends: List[int], cat_active_from: int, method: str) -> List[Dict]:
