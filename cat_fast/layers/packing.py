@@ -143,10 +143,11 @@ class Plan:
     keys), `rows`, the [B, T] rows packed (`real` itself, or `extended`'s rows), and `static`, `static_rows`'s n or
     None. Made once per mask (`real_rows`'s memo), shared by the layers of a forward."""
 
-    __slots__ = ("idx", "B", "T", "real", "rows", "static", "_offsets")
+    __slots__ = ("idx", "B", "T", "real", "rows", "static", "_offsets", "_sources")
 
     def __init__(self, idx, B, T, real, static, rows=None):
         self.idx, self.B, self.T, self.real, self.static, self._offsets = idx, B, T, real, static, None
+        self._sources = None
         self.rows = real if rows is None else rows
 
     def offsets(self):
@@ -174,6 +175,18 @@ class Plan:
                 order = torch.where(key, 0, torch.where(packed, 2, 1)).to(torch.uint8)
                 self._offsets = (cu_q, self.T, cu_k, torch.sort(order, stable=True).indices)
         return self._offsets
+
+    def key_sources(self):
+        """Where each packed row's key is among `attention_layout`'s gathered keys (int64 [N]: the inverse of its
+        key order), -1 for a row that is no key; None where every packed row is a key. A gathered key's gradient
+        goes back to its row by it (`kernels.triton.column_sums.concat`'s `gather`). On the device."""
+        if self._sources is None:
+            _, _, cu_k, keys = self.attention_layout()
+            if keys is None:
+                return None
+            where = torch.empty_like(keys).scatter_(0, keys, torch.arange(keys.numel(), device=keys.device))
+            self._sources = torch.where(where < cu_k[-1], where, -1)
+        return self._sources
 
     def _cumulative(self, counts, extra=None):
         """int32 offsets of `counts` ([B]), then, with a static count, its extra rows (`extra`, a [1] tensor; by
@@ -252,7 +265,8 @@ def attend(qkv_leaf, shape, attn_mask, p, scale, packed):
     with torch.enable_grad():
         if packed is not None and varlen_applies(qkv_leaf, width):
             cu, max_len, cu_k, keys = packed.attention_layout()
-            rows = _VarlenAttention.apply(qkv_leaf, cu, max_len, heads, width, p, scale, cu_k, keys)
+            rows = _VarlenAttention.apply(qkv_leaf, cu, max_len, heads, width, p, scale, cu_k, keys,
+                                          None if keys is None else packed.key_sources())
             return rows, rows.detach()
         full = qkv_leaf
         if callable(attn_mask):
@@ -279,26 +293,28 @@ def varlen_applies(qkv: torch.Tensor, width: int) -> bool:
 class _VarlenAttention(torch.autograd.Function):
     """Attention over packed rows of ``[q | k | v]`` [N, 3·heads·width], each sequence its `cu` span, by
     PyTorch's variable-length flash attention (forward and backward; its own dropout draws). `keys` (a permutation
-    of the rows, `Plan.attention_layout`): the key and value rows are gathered in that order, each sequence its
-    `cu_k` span of them."""
+    of the rows, `Plan.attention_layout`): the key and value rows are gathered in that order (one gather of both),
+    each sequence its `cu_k` span of them; their gradients go back to the rows' order by `sources`
+    (`Plan.key_sources`) as dq, dk and dv are joined."""
 
     @staticmethod
-    def forward(ctx, qkv, cu, max_len, heads, width, p, scale, cu_k=None, keys=None):
+    def forward(ctx, qkv, cu, max_len, heads, width, p, scale, cu_k=None, keys=None, sources=None):
         D = heads * width
         q, k, v = (qkv[:, i * D:(i + 1) * D].view(-1, heads, width) for i in range(3))
         if keys is not None:
-            k, v = k.index_select(0, keys), v.index_select(0, keys)
+            kv = qkv[:, D:].index_select(0, keys)
+            k, v = kv[:, :D].view(-1, heads, width), kv[:, D:].view(-1, heads, width)
         else:
             cu_k = cu
         out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
             q, k, v, cu, cu_k, max_len, max_len, p, False, False, scale=scale)
-        ctx.save_for_backward(qkv, cu, cu_k, keys, k, v, out, lse, rng, unused)
+        ctx.save_for_backward(qkv, cu, cu_k, keys, sources, k, v, out, lse, rng, unused)
         ctx.args = (max_len, heads, width, p, scale)
         return out.view(-1, D)
 
     @staticmethod
     def backward(ctx, grad):
-        qkv, cu, cu_k, keys, k, v, out, lse, rng, unused = ctx.saved_tensors
+        qkv, cu, cu_k, keys, sources, k, v, out, lse, rng, unused = ctx.saved_tensors
         max_len, heads, width, p, scale = ctx.args
         D = heads * width
         q = qkv[:, :D].view(-1, heads, width)
@@ -307,16 +323,19 @@ class _VarlenAttention(torch.autograd.Function):
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             grad.contiguous().view(-1, heads, width), q, k, v, out, lse, cu, cu_k, max_len, max_len, p, False, rng,
             unused, scale=scale)
-        if keys is not None:  # back to the rows' order; the gathered rows past the last key are no key: zero
+        sum_columns = getattr(ctx, "sum_columns", False)
+        kernels = fused_kernels("column_sums") if sum_columns or keys is not None else None
+        if keys is not None and kernels is None:  # back to the rows' order; past the last key no key: zero
             used = (torch.arange(dk.shape[0], device=dk.device) < cu_k[-1]).view(-1, 1, 1)
             dk, dv = (torch.empty_like(t).index_copy_(0, keys, torch.where(used, t, 0)) for t in (dk, dv))
         parts = [t.reshape(-1, D) for t in (dq, dk, dv)]
-        kernels = fused_kernels("column_sums") if getattr(ctx, "sum_columns", False) else None
-        if kernels is not None:  # `attention_backward`: the bias gradient summed as the parts are joined
-            grad_qkv, ctx.column_sums = kernels.concat(parts)
+        if kernels is not None:  # one pass: the key rows put back in order, the bias gradient summed if asked
+            grad_qkv, sums = kernels.concat(parts, want_sums=sum_columns, gather=sources if keys is not None else None)
+            if sum_columns:  # `attention_backward`
+                ctx.column_sums = sums
         else:
             grad_qkv = torch.cat(parts, 1)
-        return grad_qkv, None, None, None, None, None, None, None, None
+        return grad_qkv, None, None, None, None, None, None, None, None, None
 
 
 def attention_backward(out, qkv_leaf, grad_rows, shape, packed: bool, column_sums: bool = False):

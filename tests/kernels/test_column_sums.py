@@ -81,6 +81,35 @@ def test_concat_joins_three_parts_and_sums_the_columns_in_the_same_pass(rows, wi
 
 
 @pytest.mark.skipif(not RUNS, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("want_sums", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_concat_puts_the_second_and_third_parts_back_in_order_by_gather(want_sums, dtype, monkeypatch):
+    """`concat(..., gather=g)`: output row i holds the first part's row i and row g[i] of the other two (zeros
+    where g[i] is -1), as flash attention's key and value gradients go back to the packed rows' order; the sums are
+    those of the joined result. A gather of another shape, dtype or device is named."""
+    from cat_fast.kernels.triton.column_sums import LAUNCH, concat
+    monkeypatch.setitem(LAUNCH, "concat_rows", 8)
+    g = torch.Generator().manual_seed(2)
+    n, width = 45, 36
+    parts = [torch.randn(n, width, generator=g, dtype=torch.float64).to(dtype).to(DEVICE) for _ in range(3)]
+    order = torch.randperm(n, generator=g)
+    gather = order.masked_fill(order >= 38, -1).to(DEVICE)  # 7 rows of no key
+    joined, sums = concat(parts, want_sums=want_sums, gather=gather)
+    moved = [torch.where(gather[:, None] >= 0, p[gather.clamp(min=0)], torch.zeros_like(p)) for p in parts[1:]]
+    want = torch.cat([parts[0], *moved], 1)
+    assert torch.equal(joined, want) and joined[gather < 0, width:].eq(0).all()
+    if want_sums:
+        tol = 1e-12 if dtype == torch.float64 else 1e-5
+        torch.testing.assert_close(sums, want.to(sums.dtype).sum(0), rtol=tol, atol=tol * n)
+    else:
+        assert sums is None
+    assert torch.equal(concat(parts, want_sums=False, gather=gather.int())[0], want)
+    for bad in (gather[:-1], gather.float(), gather.view(5, 9)):
+        with pytest.raises(ValueError, match=r"gather: expected an int32 or int64 tensor of shape \(45,\)"):
+            concat(parts, gather=bad)
+
+
+@pytest.mark.skipif(not RUNS, reason="needs CUDA or TRITON_INTERPRET=1")
 def test_concat_of_column_strided_and_empty_parts_and_bad_parts_named():
     from cat_fast.kernels.triton.column_sums import concat
     g = torch.Generator().manual_seed(5)

@@ -345,6 +345,9 @@ def test_the_attention_layout_of_extended_rows():
     cu_q, longest, cu_k, keys = plan.attention_layout()
     assert cu_q.tolist() == [0, 9, 15, 16, 21] and longest == 9 and cu_k.tolist() == [0, 9, 13, 14, 17]
     assert keys.tolist() == [*range(13), 15, 16, 17, 18, 13, 14, 19, 20]
+    # each row's place among the gathered keys (their gradients go back by it), -1: a packed padding row, no key
+    assert plan.key_sources().tolist() == [*range(13), -1, -1, 13, 14, 15, 16, -1, -1]
+    assert plan.key_sources() is plan.key_sources()
     assert plan.offsets()[0] is cu_q
     with packing.extended(rows):  # one plan per mask and rows while both are alive and unchanged
         again = packing.plan(mask, 4, 9, 0.0)
@@ -358,6 +361,8 @@ def test_the_attention_layout_of_extended_rows():
     assert cu_q.tolist() == [0, 9, 15, 16, 21, 30, 30, 30, 30]  # 9 extra rows
     assert cu_k.tolist() == [0, 9, 13, 14, 17, 26, 26, 26, 26]  # the keys, then the same 9 extra rows
     assert keys.tolist() == [*range(13), 15, 16, 17, 18, *range(21, 30), 13, 14, 19, 20]
+    assert plan.key_sources().tolist() == [*range(13), -1, -1, 13, 14, 15, 16, -1, -1, *range(17, 26)]
+    assert packing.plan(mask, 4, 9, 0.0).key_sources() is None  # every packed row a key
     with packing.extended(_real([9, 3, 1, 5], 9)):  # the second sequence's fourth key is left out
         assert packing.plan(mask, 4, 9, 0.0) is None
         with packing.static_rows(30), pytest.raises(RuntimeError):

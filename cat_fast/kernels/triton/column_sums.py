@@ -4,7 +4,10 @@ the partial sums the row-sum kernels write (one row per program: `residual_layer
 
 `concat` joins three [N, D] tensors along the columns (``torch.cat(parts, 1)``: flash attention's dq, dk and dv,
 the gradient of the packed query, key and value projections, `cat_fast.layers.packing`) and sums the columns of the
-result in the same pass (their bias's gradient), rather than reading the joined gradient again.
+result in the same pass (their bias's gradient), rather than reading the joined gradient again. Given `gather`, the
+second and third parts are read in another row order (row ``gather[i]`` of each for output row i, a zero row where
+``gather[i] < 0``): the key and value gradients of variable-length attention whose keys were gathered apart from
+the queries, put back in the rows' order in the same pass.
 """
 import torch
 import triton
@@ -73,8 +76,9 @@ def column_sums(part: torch.Tensor, n_cols: int) -> torch.Tensor:
 
 
 @triton.jit
-def _concat_kernel(a_ptr, b_ptr, c_ptr, out_ptr, part_ptr, n_rows, D, stride_a, stride_b, stride_c,
-                   rows_per_program, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WANT_SUM: tl.constexpr):
+def _concat_kernel(a_ptr, b_ptr, c_ptr, gather_ptr, out_ptr, part_ptr, n_rows, D, stride_a, stride_b, stride_c,
+                   rows_per_program, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WANT_SUM: tl.constexpr,
+                   GATHER: tl.constexpr):
     program = tl.program_id(0)
     which = tl.program_id(2)  # the part: its columns are which * D + [0, D) of the output
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -94,7 +98,12 @@ def _concat_kernel(a_ptr, b_ptr, c_ptr, out_ptr, part_ptr, n_rows, D, stride_a, 
     for start in range(0, rows_per_program, BLOCK_M):
         rows = first + start + tl.arange(0, BLOCK_M)
         m = (rows < end)[:, None] & inside[None, :]
-        x = tl.load(src + rows[:, None] * stride + cols[None, :], mask=m, other=0.0)
+        read, take = rows, m
+        if GATHER:
+            if which > 0:  # the key and value parts: row gather[i], none where it is negative
+                read = tl.load(gather_ptr + rows, mask=rows < end, other=-1).to(tl.int64)
+                take = m & (read >= 0)[:, None]
+        x = tl.load(src + read[:, None] * stride + cols[None, :], mask=take, other=0.0)
         tl.store(out_ptr + rows[:, None] * (3 * D) + which * D + cols[None, :], x, mask=m)
         if WANT_SUM:
             acc += x.to(part_ptr.dtype.element_ty)
@@ -102,10 +111,13 @@ def _concat_kernel(a_ptr, b_ptr, c_ptr, out_ptr, part_ptr, n_rows, D, stride_a, 
         tl.store(part_ptr + program * (3 * D) + which * D + cols, tl.sum(acc, axis=0), mask=inside)
 
 
-def concat(parts, want_sums: bool = True):
+def concat(parts, want_sums: bool = True, gather: torch.Tensor | None = None):
     """``(torch.cat(parts, 1), its column sums in fp32 (float64 stays float64) or None)`` for three 2-D tensors
     `parts` of one shape [N, D], dtype and device, in one launch that reads each element once (two with the sums:
-    each program sums a run of rows, then `column_sums` adds the programs' partial sums, in a fixed order)."""
+    each program sums a run of rows, then `column_sums` adds the programs' partial sums, in a fixed order).
+    `gather` (an integer [N] tensor on their device, entries in [-1, N)): output row i takes row ``gather[i]`` of the
+    second and third parts, zeros where it is -1 (the first part's row i as ever). Entries are not checked on the
+    device: an out-of-range one reads out of bounds, so its makers compute it (`layers.packing.Plan.key_sources`)."""
     if len(parts) != 3 or any(not isinstance(t, torch.Tensor) or t.dim() != 2 for t in parts):
         raise ValueError("parts: expected three 2-D tensors")
     a, b, c = parts
@@ -113,6 +125,12 @@ def concat(parts, want_sums: bool = True):
             a.device == b.device == c.device):
         found = [(tuple(t.shape), t.dtype, str(t.device)) for t in parts]
         raise ValueError(f"parts: expected one shape, dtype and device, got {found}")
+    if gather is not None and (not isinstance(gather, torch.Tensor) or gather.dim() != 1
+                               or gather.shape[0] != a.shape[0] or gather.dtype not in (torch.int32, torch.int64)
+                               or gather.device != a.device):
+        raise ValueError(f"gather: expected an int32 or int64 tensor of shape ({a.shape[0]},) on {a.device}, got "
+                         f"{getattr(gather, 'dtype', type(gather).__name__)} of shape "
+                         f"{tuple(getattr(gather, 'shape', ()))} on {getattr(gather, 'device', None)}")
     a, b, c = (t if t.stride(1) == 1 else t.contiguous() for t in parts)
     n, D = a.shape
     out = torch.empty(n, 3 * D, device=a.device, dtype=a.dtype)
@@ -124,9 +142,10 @@ def concat(parts, want_sums: bool = True):
     programs, per_program = runs(n, block_m, partial_programs(triton.cdiv(n, block_m), a.device,
                                                                per_sm=LAUNCH["concat_per_sm"]))
     part = torch.empty(programs, 3 * D, device=a.device, dtype=acc) if want_sums else out
-    _concat_kernel[(programs, triton.cdiv(D, block_n), 3)](a, b, c, out, part, n, D, a.stride(0), b.stride(0),
-                                                            c.stride(0), per_program, BLOCK_M=block_m,
-                                                            BLOCK_N=block_n, WANT_SUM=bool(want_sums),
+    _concat_kernel[(programs, triton.cdiv(D, block_n), 3)](a, b, c, a if gather is None else gather, out, part, n,
+                                                            D, a.stride(0), b.stride(0), c.stride(0), per_program,
+                                                            BLOCK_M=block_m, BLOCK_N=block_n,
+                                                            WANT_SUM=bool(want_sums), GATHER=gather is not None,
                                                             num_warps=LAUNCH["concat_warps"])
     if not want_sums:
         return out, None
