@@ -37,7 +37,10 @@ and batches of at least ``PACKED_MIN_ROWS`` rows): a batch with a 2-D ``attentio
 rounded up to a 32nd of its rows (`layers.packing.bucket`), to the signature, and its graph runs the encoder on that
 many packed rows (`layers.packing.static_rows`: the rows packed once, handed from layer to layer packed, attended by
 variable-length flash attention, unpacked before the last layers). Reading the count is one host synchronisation per
-step. The signature's eager warm-up steps pack the same rows, so the offsets at which its passes redraw the clean
+step, except from a batch given on the host: a dict of CPU tensors (pinned by a ``DataLoader(..., pin_memory=True)``:
+copied without a synchronisation) is moved to the parameters' device by the step, and its count read from its host
+mask (for an objective whose rows are the real tokens; CAT's rows depend on its partners, drawn on the device).
+The signature's eager warm-up steps pack the same rows, so the offsets at which its passes redraw the clean
 forward's dropout (`models.PassGenerators`) are measured on packed steps. A batch whose first position is padding
 (left padding) runs padded, and so does a new row count once packed graphs hold half of ``max_graphs``.
 
@@ -101,12 +104,30 @@ def _hyper_parameters(optimizer):
             for group in optimizer.param_groups]
 
 
-def _static_rows(batch, objective, tensors=None):
+def _on_device(batch, device):
+    """``(batch, host mask)``: a dict `batch` on a CUDA `device` with its CPU tensors moved there (pinned ones
+    without a host synchronisation) and its ``attention_mask`` as given when that was a 2-D CPU tensor, else None;
+    any other batch as it is, and None."""
+    if not isinstance(batch, dict) or device.type != "cuda":
+        return batch, None
+    host = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.device.type == "cpu"]
+    if not host:
+        return batch, None
+    mask = batch.get("attention_mask")
+    moved = dict(batch)
+    for k in host:
+        moved[k] = batch[k].to(device, non_blocking=batch[k].is_pinned())
+    return moved, (mask if "attention_mask" in host and mask.dim() == 2 else None)
+
+
+def _static_rows(batch, objective, tensors=None, host_mask=None):
     """For an objective that declares `packs_rows`, with the training layers' packed path on
     (`layers.training.PACKED`; "auto": a CUDA batch of at least `PACKED_MIN_ROWS` rows): the real rows of the
     batch's 2-D ``attention_mask`` (or the rows the objective's ``packed_rows(batch, tensors)`` names, for the plan's
     `tensors`: CAT's) rounded up to a bucket (`layers.packing.bucket`), the row count its graph packs; else None.
-    Reading the count is one host synchronisation per step, paid only where the rows are packed."""
+    Reading the count is one host synchronisation per step, paid only where the rows are packed, unless the mask's
+    host copy is given (`host_mask`, the batch's mask as it came from the host: `_on_device`), which counts the real
+    tokens where the objective names no rows of its own."""
     mode = training_layers.packed_mode()
     if not mode or not isinstance(batch, dict):
         return None
@@ -119,8 +140,11 @@ def _static_rows(batch, objective, tensors=None):
                                and getattr(objective, "packs_by_default", True)):
         return None
     rows = objective.packed_rows(batch, tensors or {})
-    count = mask.count_nonzero() if rows is None else rows.count_nonzero()
-    n_real, first_real = torch.stack([count, mask[:, 0].bool().all()]).tolist()
+    if rows is None and host_mask is not None and tuple(host_mask.shape) == tuple(mask.shape):
+        n_real, first_real = int(host_mask.count_nonzero()), bool(host_mask[:, 0].bool().all())
+    else:
+        count = mask.count_nonzero() if rows is None else rows.count_nonzero()
+        n_real, first_real = torch.stack([count, mask[:, 0].bool().all()]).tolist()
     if not first_real:  # a sequence whose first position is padding (left padding) runs padded
         return None
     return packing.bucket(n_real, mask.numel(), training_layers.PACKED_MIN_PADDING)
@@ -283,6 +307,9 @@ class CapturedStep(cuda_graphs.CachedGraphs):
             return self._planner.plan_step(batch, *args)
 
     def __call__(self, batch, *args):
+        host_mask = None
+        if self.params and self.params[0].is_cuda:  # a batch given on the host: moved (module docstring)
+            batch, host_mask = _on_device(batch, self.params[0].device)
         if not self.cuda_graph or not self.params or not self.params[0].is_cuda:
             try:
                 plan = self._plan(batch, args)  # the same path as a replayed step, run eagerly
@@ -296,7 +323,7 @@ class CapturedStep(cuda_graphs.CachedGraphs):
             return loss, info
         plan = self._plan(batch, args)
         inputs = (batch, args, plan.tensors)
-        rows = _static_rows(batch, self._planner, plan.tensors)  # under DDP the objective inside a wrapper
+        rows = _static_rows(batch, self._planner, plan.tensors, host_mask)  # under DDP the objective in a wrapper
         sig = self._signature(inputs, plan, rows)
         if (rows is not None and sig not in self.cache.entries
                 and len(self._packed_graphs) >= self.cache.max_graphs // 2):

@@ -29,6 +29,10 @@ Every row of `METHODS` is a `Method`: a registered objective (``cat_fast.objecti
 10. `plain_captured`, `plain_fast_captured`: ``erm`` (``fast=True``: the first-token cut and the training layers)
    through `CapturedStep` with a fused, capturable AdamW (tensor lr): one CUDA graph per batch shape.
 11. `cat_captured`: `cat` through `CapturedStep`, one graph per mixing layer, captured before the warm-up (`prime`).
+   On a GPU the captured steps are given their batch as pinned CPU tensors (`HOST_BATCHES`), as a
+   ``DataLoader(pin_memory=True)`` yields it, and move it themselves (the copies are in their time; the compiled
+   peer's batch is on the device already): a packed step reads its row count from the host mask, without a host
+   synchronisation.
 12./13. `gs_first_order_captured`, `gs_first_order_fwd_captured` (``low_memory=False``, which a captured step
    needs), `gs_pooled_captured`,
    `gs_exact_captured`, `gs_exact_fused_captured`, `poe_captured`, `reweight_captured`, `learned_mixin_captured`,
@@ -66,6 +70,9 @@ class Method:
     flops: bool = True
 
 
+# whether `captured_step` gives its step the batch as pinned CPU tensors on a GPU (module docstring, 11.); False:
+# on the device, as the other steps get it
+HOST_BATCHES = True
 _CAT = dict(adv_steps=ADV_STEPS, alpha=ALPHA, beta=BETA, gamma=GAMMA, eta=ETA, adv_lr=ADV_LR)
 _GS_TOKEN = dict(weight=1.0, representation=0)
 _GS_POOLED = dict(weight=1.0, representation="pooled", mode="exact")
@@ -231,6 +238,8 @@ def captured_step(name, model, batch, pairs, capture, prime=False, **kwargs):
                             capturable=cuda)
     objective.set_optimizer(own)
     captured = CapturedStep(objective, own, autocast=torch.bfloat16, **capture)
+    if cuda and HOST_BATCHES and isinstance(batch, dict):
+        batch = {k: v.cpu().pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
     def step():
         _, info = captured(batch, *args)

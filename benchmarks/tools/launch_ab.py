@@ -1,7 +1,7 @@
 """Steps of the suite built under two or more values of one setting (or of several set together), timed in turn
 in one process with the ``reduce-overhead``-compiled plain step as the peer: an entry of a `cat_fast.kernels.triton`
-module's ``LAUNCH`` ("residual_layer_norm.params_prefetch"), or a module-level switch of cat_fast
-("layers.packing.VARLEN"). A captured step's graphs hold the kernels as launched when they were captured, so each
+module's ``LAUNCH`` ("residual_layer_norm.params_prefetch"), a module-level switch of cat_fast
+("layers.packing.VARLEN"), or one of the suite's own (`benchmarks.steps.harness`: "harness.HOST_BATCHES"). A captured step's graphs hold the kernels as launched when they were captured, so each
 value gets its own step, built and warmed up with the setting in force (and timed with it in force too). GPU only.
 
     python benchmarks/tools/launch_ab.py 32x128 64x256 --setting residual_layer_norm.params_prefetch \
@@ -44,13 +44,16 @@ def _launch(setting):
         if key not in launch:
             raise SystemExit(f"--setting {setting!r}: LAUNCH has {sorted(launch)}, not {key!r}")
         return launch, key
-    try:
-        module = importlib.import_module(f"cat_fast.{module_name}")
-    except ImportError:
-        raise SystemExit(f"--setting {setting!r}: no cat_fast.kernels.triton.{module_name}.LAUNCH and no module "
-                         f"cat_fast.{module_name}") from None
+    if module_name == "harness":  # the suite's own switches
+        module = S
+    else:
+        try:
+            module = importlib.import_module(f"cat_fast.{module_name}")
+        except ImportError:
+            raise SystemExit(f"--setting {setting!r}: no cat_fast.kernels.triton.{module_name}.LAUNCH and no module "
+                             f"cat_fast.{module_name}") from None
     if not key.isupper() or key not in vars(module):
-        raise SystemExit(f"--setting {setting!r}: cat_fast.{module_name} has no module-level setting {key!r}")
+        raise SystemExit(f"--setting {setting!r}: {module.__name__} has no module-level setting {key!r}")
     return vars(module), key
 
 

@@ -29,7 +29,17 @@ def test_a_module_level_switch_is_found_and_restored():
     assert packing.VARLEN is before
 
 
+def test_a_switch_of_the_suite_is_found_and_restored():
+    from benchmarks.steps import harness
+    holder, key = launch_ab._launch("harness.HOST_BATCHES")
+    assert key == "HOST_BATCHES" and holder is vars(harness)
+    with launch_ab._set([(holder, key)], (False,)):
+        assert harness.HOST_BATCHES is False
+    assert harness.HOST_BATCHES is True
+
+
 @pytest.mark.parametrize("setting, names", [("no_such_module.rows", "no_such_module"),
+                                            ("harness.NO_SUCH", "benchmarks.steps.harness has no module-level"),
                                             ("residual_layer_norm.no_such_key", "no_such_key"),
                                             ("layers.training.forward", "forward"),
                                             ("layers.training.NO_SUCH", "NO_SUCH"),

@@ -387,6 +387,45 @@ def test_gpu_captured_first_order_gs_packed_equals_padded(autocast, monkeypatch)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("train", [False, True])
+def test_gpu_a_batch_given_on_the_host_steps_as_on_the_device_without_a_synchronisation(train, monkeypatch):
+    """`CapturedStep` given each batch as pinned CPU tensors (as a ``DataLoader(pin_memory=True)`` yields them):
+    the step moves it and reads the packed row count from its host mask, so a replayed packed step makes no host
+    synchronisation (`set_sync_debug_mode("error")` raises on one: the device batch's count does), and its losses,
+    packed graphs and weights are those of the same batches given on the device, bit for bit, dropout included."""
+    from cat_fast.step import CapturedStep
+
+    results = {}
+    for host in (False, True):
+        model, _, opt = _gpu_model("auto", train, monkeypatch)
+        torch.cuda.manual_seed(0)
+        step = CapturedStep(ERM(model, fast=True), opt, warmup_steps=1)
+        losses, batches = [], list(_gpu_batches())
+        for i, batch in enumerate(batches):
+            if host:
+                batch = {k: v.cpu().pin_memory() for k, v in batch.items()}
+            torch.cuda.set_sync_debug_mode("error" if host and i >= 4 else 0)  # both signatures captured by then
+            try:
+                losses.append(step(batch)[0])
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        results[host] = (losses, len(step._packed_graphs), step.num_replays,
+                         [p.detach().clone() for p in model.parameters()])
+        if not host:  # the device batch's count is read from the device
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                with pytest.raises(RuntimeError, match="synchroniz"):
+                    step(batches[0])
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    (losses, graphs, replays, weights), (want_losses, want_graphs, want_replays, want_weights) = (
+        results[True], results[False])
+    assert graphs == want_graphs == 2 and replays == want_replays >= 4
+    assert all(torch.equal(a, b) for a, b in zip(losses, want_losses))
+    assert all(torch.equal(a, b) for a, b in zip(weights, want_weights))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("representation", [0, "pooled"])
 @pytest.mark.parametrize("difference", ["forward", "central"])
 def test_gpu_captured_packed_gs_passes_redraw_the_clean_dropout(difference, representation, monkeypatch):

@@ -671,6 +671,15 @@ def test_which_steps_pack_by_default(monkeypatch):
     assert lent == 3584  # 128 / 90 / 90 / 128 rows per four sequences (real: 128 / 70 / 90 / 64), in 128-row buckets
     left = {"attention_mask": batch["attention_mask"].flip(1)}
     assert step_module._static_rows(left, erm) is None
+    # the count read from the batch's host mask (a batch the step moved: `_on_device`), the same buckets
+    host = batch["attention_mask"].clone()
+    assert step_module._static_rows(batch, erm, None, host) == want
+    assert step_module._static_rows(left, erm, None, left["attention_mask"].clone()) is None
+    assert step_module._static_rows(batch, erm, None, host[:8]) == want  # not the batch's shape: its own mask read
+    assert step_module._static_rows(batch, cat, {"partner": torch.arange(32).roll(1)}, host) == lent  # CAT: its rows
+    assert step_module._static_rows(batch, erm, None, torch.ones_like(host)) is None  # the host mask is what counts
+    cpu = {"attention_mask": host, "labels": torch.zeros(32)}
+    assert step_module._on_device(cpu, torch.device("cpu")) == (cpu, None)  # moved to CUDA only
     monkeypatch.setattr(training_layer, "PACKED", False)
     assert step_module._static_rows(batch, erm) is None
 
@@ -688,6 +697,12 @@ def test_auto_packs_cuda_batches_from_the_least_row_count():
     assert step_module._static_rows(big, erm) is not None
     assert step_module._static_rows(small, erm) is None
     assert step_module._static_rows(big, ERM(model)) is None
+    host = {"attention_mask": big["attention_mask"].cpu().pin_memory(), "labels": torch.zeros(32, dtype=torch.long)}
+    moved, mask = step_module._on_device(host, torch.device("cuda"))
+    assert mask is host["attention_mask"] and all(v.is_cuda for v in moved.values())
+    assert torch.equal(moved["attention_mask"].cpu(), mask) and step_module._static_rows(moved, erm, None, mask) == (
+        step_module._static_rows(big, erm))
+    assert step_module._on_device(big, torch.device("cuda")) == (big, None)  # already there: as it is
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
