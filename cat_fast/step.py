@@ -307,10 +307,11 @@ class CapturedStep(cuda_graphs.CachedGraphs):
             return self._planner.plan_step(batch, *args)
 
     def __call__(self, batch, *args):
+        on_cuda = bool(self.params) and self.params[0].is_cuda
         host_mask = None
-        if self.params and self.params[0].is_cuda:  # a batch given on the host: moved (module docstring)
+        if on_cuda:  # a batch given on the host: moved (module docstring)
             batch, host_mask = _on_device(batch, self.params[0].device)
-        if not self.cuda_graph or not self.params or not self.params[0].is_cuda:
+        if not self.cuda_graph or not on_cuda:
             try:
                 plan = self._plan(batch, args)  # the same path as a replayed step, run eagerly
             except NotCapturable:

@@ -29,15 +29,15 @@ Every row of `METHODS` is a `Method`: a registered objective (``cat_fast.objecti
 10. `plain_captured`, `plain_fast_captured`: ``erm`` (``fast=True``: the first-token cut and the training layers)
    through `CapturedStep` with a fused, capturable AdamW (tensor lr): one CUDA graph per batch shape.
 11. `cat_captured`: `cat` through `CapturedStep`, one graph per mixing layer, captured before the warm-up (`prime`).
-   On a GPU the captured steps are given their batch as pinned CPU tensors (`HOST_BATCHES`), as a
-   ``DataLoader(pin_memory=True)`` yields it, and move it themselves (the copies are in their time; the compiled
-   peer's batch is on the device already): a packed step reads its row count from the host mask, without a host
-   synchronisation.
 12./13. `gs_first_order_captured`, `gs_first_order_fwd_captured` (``low_memory=False``, which a captured step
    needs), `gs_pooled_captured`,
    `gs_exact_captured`, `gs_exact_fused_captured`, `poe_captured`, `reweight_captured`, `learned_mixin_captured`,
    `conf_reg_captured`, `clp_captured`: the same objectives through `CapturedStep` (CLP's virtual step at its
    tensor learning rate).
+On a GPU the captured steps (10.-13.) are given their batch as pinned CPU tensors (`HOST_BATCHES`), as a
+``DataLoader(pin_memory=True)`` yields it, and move it themselves (the copies are in their time; the compiled peer's
+batch is on the device already): a packed step reads its row count from the host mask, without a host
+synchronisation.
 """
 import functools
 from dataclasses import dataclass, field, replace
@@ -70,7 +70,7 @@ class Method:
     flops: bool = True
 
 
-# whether `captured_step` gives its step the batch as pinned CPU tensors on a GPU (module docstring, 11.); False:
+# whether `captured_step` gives its step the batch as pinned CPU tensors on a GPU (module docstring); False:
 # on the device, as the other steps get it
 HOST_BATCHES = True
 _CAT = dict(adv_steps=ADV_STEPS, alpha=ALPHA, beta=BETA, gamma=GAMMA, eta=ETA, adv_lr=ADV_LR)

@@ -1,8 +1,9 @@
 """Steps of the suite built under two or more values of one setting (or of several set together), timed in turn
 in one process with the ``reduce-overhead``-compiled plain step as the peer: an entry of a `cat_fast.kernels.triton`
 module's ``LAUNCH`` ("residual_layer_norm.params_prefetch"), a module-level switch of cat_fast
-("layers.packing.VARLEN"), or one of the suite's own (`benchmarks.steps.harness`: "harness.HOST_BATCHES"). A captured step's graphs hold the kernels as launched when they were captured, so each
-value gets its own step, built and warmed up with the setting in force (and timed with it in force too). GPU only.
+("layers.packing.VARLEN"), or one of the suite's own (`benchmarks.steps.harness`: "harness.HOST_BATCHES"). A
+captured step's graphs hold the kernels as launched when they were captured, so each value gets its own step, built
+and warmed up with the setting in force (and timed with it in force too). GPU only.
 
     python benchmarks/tools/launch_ab.py 32x128 64x256 --setting residual_layer_norm.params_prefetch \
         --values 0 1 [--method plain_fast_captured cat_captured] [--rounds 3] [--steps 20]

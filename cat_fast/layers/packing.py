@@ -330,7 +330,7 @@ class _VarlenAttention(torch.autograd.Function):
             dk, dv = (torch.empty_like(t).index_copy_(0, keys, torch.where(used, t, 0)) for t in (dk, dv))
         parts = [t.reshape(-1, D) for t in (dq, dk, dv)]
         if kernels is not None:  # one pass: the key rows put back in order, the bias gradient summed if asked
-            grad_qkv, sums = kernels.concat(parts, want_sums=sum_columns, gather=sources if keys is not None else None)
+            grad_qkv, sums = kernels.concat(parts, want_sums=sum_columns, gather=sources)
             if sum_columns:  # `attention_backward`
                 ctx.column_sums = sums
         else:
