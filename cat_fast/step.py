@@ -32,17 +32,18 @@ What it refuses or runs eagerly, with the reason:
 Signatures beyond ``max_graphs`` run eagerly (pad batches to a few lengths: `cat_fast.data.length_buckets`).
 
 Padding-free graphs (`cat_fast.layers.training.PACKED`; by default "auto": on CUDA, for an objective that declares
-`packs_rows` — ERM(fast=True), the bias-model losses, GS on the pooled vector or first order at the embeddings —
-and batches of at least ``PACKED_MIN_ROWS`` rows): a batch with a 2-D ``attention_mask`` adds its real-token count,
-rounded up to a 32nd of its rows (`layers.packing.bucket`), to the signature, and its graph runs the encoder on that
-many packed rows (`layers.packing.static_rows`: the rows packed once, handed from layer to layer packed, attended by
-variable-length flash attention, unpacked before the last layers). Reading the count is one host synchronisation per
-step, except from a batch given on the host: a dict of CPU tensors (pinned by a ``DataLoader(..., pin_memory=True)``:
-copied without a synchronisation) is moved to the parameters' device by the step, and its count read from its host
-mask (for an objective whose rows are the real tokens; CAT's rows depend on its partners, drawn on the device).
-The signature's eager warm-up steps pack the same rows, so the offsets at which its passes redraw the clean
-forward's dropout (`models.PassGenerators`) are measured on packed steps. A batch whose first position is padding
-(left padding) runs padded, and so does a new row count once packed graphs hold half of ``max_graphs``.
+`packs_rows` — ERM(fast=True), the bias-model losses, GS on the pooled vector or first order at the embeddings, CAT
+— and batches of at least ``PACKED_MIN_ROWS`` rows, or the objective's own ``packed_min_rows``: CAT's 8,192): a
+batch with a 2-D ``attention_mask`` adds its real-token count, rounded up to a 32nd of its rows
+(`layers.packing.bucket`), to the signature, and its graph runs the encoder on that many packed rows
+(`layers.packing.static_rows`: the rows packed once, handed from layer to layer packed, attended by variable-length
+flash attention, unpacked before the last layers). Reading the count is one host synchronisation per step, except
+from a batch given on the host: a dict of CPU tensors (pinned by a ``DataLoader(..., pin_memory=True)``: copied
+without a synchronisation) is moved to the parameters' device by the step, and its count read from its host mask
+(for an objective whose rows are the real tokens; CAT's rows depend on its partners, drawn on the device). The
+signature's eager warm-up steps pack the same rows, so the offsets at which its passes redraw the clean forward's
+dropout (`models.PassGenerators`) are measured on packed steps. A batch whose first position is padding (left
+padding) runs padded, and so does a new row count once packed graphs hold half of ``max_graphs``.
 
 ``strict=True``: an objective whose step cannot be planned raises `NotCapturable` on every device (by default it
 runs eagerly where nothing is captured: on the CPU and with ``cuda_graph=False``).
@@ -120,9 +121,16 @@ def _on_device(batch, device):
     return moved, (mask if "attention_mask" in host and mask.dim() == 2 else None)
 
 
+def _min_rows(objective) -> int:
+    """The fewest rows (batch x length) of a batch that "auto" packs for `objective`: its own
+    ``packed_min_rows`` (`Objective.packed_min_rows`: CAT's), else `layers.training.PACKED_MIN_ROWS`."""
+    own = getattr(objective, "packed_min_rows", None)
+    return training_layers.PACKED_MIN_ROWS if own is None else own
+
+
 def _static_rows(batch, objective, tensors=None, host_mask=None):
     """For an objective that declares `packs_rows`, with the training layers' packed path on
-    (`layers.training.PACKED`; "auto": a CUDA batch of at least `PACKED_MIN_ROWS` rows): the real rows of the
+    (`layers.training.PACKED`; "auto": a CUDA batch of at least `_min_rows` rows): the real rows of the
     batch's 2-D ``attention_mask`` (or the rows the objective's ``packed_rows(batch, tensors)`` names, for the plan's
     `tensors`: CAT's) rounded up to a bucket (`layers.packing.bucket`), the row count its graph packs; else None.
     Reading the count is one host synchronisation per step, paid only where the rows are packed, unless the mask's
@@ -136,8 +144,7 @@ def _static_rows(batch, objective, tensors=None, host_mask=None):
         return None
     if not getattr(objective, "packs_rows", False):  # its step runs padded (`Objective.packs_rows`)
         return None
-    if mode == "auto" and not (mask.is_cuda and mask.numel() >= training_layers.PACKED_MIN_ROWS
-                               and getattr(objective, "packs_by_default", True)):
+    if mode == "auto" and not (mask.is_cuda and mask.numel() >= _min_rows(objective)):
         return None
     rows = objective.packed_rows(batch, tensors or {})
     if rows is None and host_mask is not None and tuple(host_mask.shape) == tuple(mask.shape):

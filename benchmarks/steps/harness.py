@@ -300,8 +300,9 @@ def make_step(method, model, optimizer, batch, pairs, layers=None):
         kwargs["layers"] = list(LAYERS if layers is None else layers)
     if spec.captured is None:
         return objective_step(spec.objective, model, optimizer, batch, pairs, **kwargs)
-    # CAT: a graph per mixing layer; with packed rows (`PACKED = True`) one per layer and row count, of which
-    # CapturedStep keeps packed graphs to half of max_graphs (then padded ones): room for two row counts a layer
+    # CAT: a graph per mixing layer; with packed rows (from `CAT.packed_min_rows` or with `PACKED = True`) one per layer
+    # and row count, of which CapturedStep keeps packed graphs to half of max_graphs (then padded ones): room for two
+    # row counts a layer
     capture = dict(spec.captured, max_graphs=4 * len(kwargs["layers"])) if spec.per_layer else spec.captured
     return captured_step(spec.objective, model, batch, pairs, capture, prime=spec.per_layer, **kwargs)
 

@@ -20,7 +20,10 @@ synchronisation) and, for CAT, the number of captured CAL-graph signatures and o
 One process draws CAT's layers from the stream DDP gives every rank, as do the ranks of ``--no-ddp``, so every run
 times the same layers. ``--captured``:
 each step is one `cat_fast.step.CapturedStep` (one CUDA graph per batch signature, the gradient all-reduce inside it:
-`cat_fast.step_ddp`; a fused, capturable AdamW with a tensor lr); the row gives its graphs and replayed steps.
+`cat_fast.step_ddp`; a fused, capturable AdamW with a tensor lr); the row gives its graphs and replayed steps, and
+``timed_replays``: how many of the timed steps replayed a graph (one that did not ran eagerly or captured, and its
+time counts in the mean: raise ``--warmup``; CAT's packed steps, from `CAT.packed_min_rows` rows, key a graph per
+layer and row count).
 """
 import argparse
 import json
@@ -106,28 +109,36 @@ def _ddp(model, device, use_ddp, comm_hook, bucket_mb):
 
 
 def _training_step(call, objective, model, device, batch_size, tokens, captured, overlap=True, exchange="auto",
-                   split=True, row_sparse=True):
+                   split=True, row_sparse=True, rank_batches=1):
     """(step, whole): one training step on this rank's batch as a call without arguments, and the CapturedStep
-    (None unless `captured`)."""
+    (None unless `captured`); one process with `rank_batches` > 1 steps through the batches of ranks 0, 1, ... in
+    turn."""
     gpu = device.type == "cuda"
     lr = torch.tensor(2e-5, device=device) if captured and gpu else 2e-5  # a captured step replays a tensor lr
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=gpu, capturable=captured and gpu)
-    batch, pairs = make_batch(batch_size, tokens, model.config.vocab_size, device, seed=1234 + D.rank())
-    args = (pairs,) if objective.needs_pairs else ()
+    ranks = range(rank_batches) if D.world() == 1 else [D.rank()]
+    data = [make_batch(batch_size, tokens, model.config.vocab_size, device, seed=1234 + r) for r in ranks]
     dtype = torch.bfloat16
     whole = None
     if captured:
         from cat_fast import gradient_averaging
         from cat_fast import step as step_module
+        from cat_fast.objectives import CAT
         from cat_fast.step import CapturedStep
 
         gradient_averaging.OVERLAP = overlap  # False: the all-reduce after the backward instead of overlapped with it
         gradient_averaging.EXCHANGE = exchange  # "copy": the copy engines move the bytes; "auto": copy where it can
         step_module.SPLIT_UPDATE = split  # False: the optimizer waits for the last bucket too
         gradient_averaging.ROW_SPARSE = row_sparse  # False: the vocabulary table pulled whole
-        whole = CapturedStep(call, optimizer, autocast=dtype, strict=True)
+        # CAT's packed steps (from `CAT.packed_min_rows` rows) key a graph per layer and row count of every rank, of
+        # which CapturedStep keeps packed graphs to half of max_graphs: room for five row-count pairs a layer
+        whole = CapturedStep(call, optimizer, autocast=dtype, strict=True,
+                             max_graphs=32 if isinstance(objective, CAT) else 8)
 
     def step():
+        batch, pairs = data[step.count % len(data)]
+        step.count += 1
+        args = (pairs,) if objective.needs_pairs else ()
         if captured:
             _, info = whole(batch, *args)
         else:
@@ -139,28 +150,32 @@ def _training_step(call, objective, model, device, batch_size, tokens, captured,
         if "layer" in info:  # CAT's mixing layer: a step's cost depends on it
             step.layers.append(int(info["layer"]))
 
-    step.layers = []
+    step.layers, step.count = [], 0
     return step, whole
 
 
-def _seconds_per_step(step, device, warmup, steps):
-    """Seconds per step after `warmup` steps, the slowest rank's."""
+def _seconds_per_step(step, device, warmup, steps, whole=None):
+    """(seconds per step after `warmup` steps, the slowest rank's; how many of the timed steps replayed a graph of
+    `whole`, the CapturedStep, or None)."""
     for _ in range(warmup):
         step()
     sync(device)
     step.layers.clear()  # the timed steps' mixing layers from here
     if D.world() > 1:
         dist.barrier()
+    replays = None if whole is None else whole.num_replays
     start = time.perf_counter()
     for _ in range(steps):
         step()
     sync(device)
     seconds = (time.perf_counter() - start) / steps
+    if whole is not None:  # a timed step that replayed nothing ran eagerly or captured: raise --warmup
+        replays = whole.num_replays - replays
     if D.world() > 1:  # the slowest rank's time is the step's
         t = torch.tensor([seconds], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         seconds = float(t)
-    return seconds
+    return seconds, replays
 
 
 def _host_seconds(step, device):
@@ -301,15 +316,15 @@ def copy_bandwidth_rows(device, sizes_mib=(8, 16, 45, 209), repeats=20):
 
 
 def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None, comm_hook=None, bucket_mb=None,
-          captured=False, overlap=True, exchange="auto", split=True, row_sparse=True):
+          captured=False, overlap=True, exchange="auto", split=True, row_sparse=True, rank_batches=1):
     batch_size, tokens = (int(x) for x in size.lower().split("x"))
     model = make_model(device, tiny)
     wrapped = _ddp(model, device, use_ddp, comm_hook, bucket_mb)
     objective = make_objective(method, model, tiny, ddp=wrapped is not None)
     call = D.DistributedObjective(objective, wrapped) if wrapped is not None else objective
     step, whole = _training_step(call, objective, model, device, batch_size, tokens, captured, overlap, exchange,
-                                 split, row_sparse)
-    seconds = _seconds_per_step(step, device, warmup, steps)
+                                 split, row_sparse, rank_batches)
+    seconds, timed_replays = _seconds_per_step(step, device, warmup, steps, whole)
     layers = {str(m): step.layers.count(m) for m in sorted(set(step.layers))}
     host = _host_seconds(step, device)
     if profile:
@@ -321,12 +336,14 @@ def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None,
     if layers:
         extra["timed_layers"] = layers  # CAT: how many timed steps mixed at each layer
     if captured:
-        extra.update(captured_graphs=whole.num_graphs, replayed_steps=whole.num_replays)
+        extra.update(captured_graphs=whole.num_graphs, replayed_steps=whole.num_replays, timed_replays=timed_replays)
         average = whole.gradient_averager
         if average is not None:  # buckets of the last captured (or eager) step reduced during its backward
             extra.update(overlap=average.overlap, buckets=len(average.buckets), overlapped=average.overlapped,
                          exchange=average.exchange, deferred=average.deferred,
                          sparse_exchanged=average.sparse_exchanged)
+    if world == 1 and rank_batches > 1:
+        extra["rank_batches"] = rank_batches
     return {"method": method, "world": world, "ddp": wrapped is not None, "size": size, **extra,
             "comm_hook": comm_hook if wrapped is not None else None, "bucket_mb": bucket_mb,
             "nccl_max_ctas": os.environ.get("NCCL_MAX_CTAS"),
@@ -369,7 +386,17 @@ def main(argv=None):
     parser.add_argument("--dense-embeddings", action="store_true", help="with --captured and the copy exchange: "
                         "the vocabulary table pulled whole (the default reads only the rows the other rank's gradient "
                         "uses)")
+    parser.add_argument("--packed", choices=("auto", "true", "false"), default="auto", help="the training layers' "
+                        "packed path (`cat_fast.layers.training.PACKED`; default auto)")
+    parser.add_argument("--rank-batches", type=int, default=1, metavar="N", help="one process: step through the "
+                        "batches of ranks 0..N-1 in turn, the data N ranks take (a baseline for a packed step, whose "
+                        "time follows its batch's real tokens; default 1: rank 0's)")
     args = parser.parse_args(argv)
+    if args.rank_batches < 1:
+        parser.error(f"--rank-batches: expected a count >= 1, got {args.rank_batches}")
+    from cat_fast.layers import training
+
+    training.PACKED = {"auto": "auto", "true": True, "false": False}[args.packed]
     size = args.size or ("4x32" if args.tiny else "64x256")
     warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 5)
     steps = args.steps if args.steps is not None else (2 if args.tiny else 20)
@@ -400,9 +427,9 @@ def main(argv=None):
             row = bench(method, device, size, args.tiny, warmup, steps, use_ddp=not args.no_ddp, profile=args.profile,
                         comm_hook=args.comm_hook, bucket_mb=args.bucket_mb, captured=args.captured,
                         overlap=not args.no_overlap, exchange=args.exchange, split=not args.no_split,
-                        row_sparse=not args.dense_embeddings)
+                        row_sparse=not args.dense_embeddings, rank_batches=args.rank_batches)
             if rank == 0:
-                print(json.dumps(row), flush=True)
+                print(json.dumps({**row, "packed": args.packed}), flush=True)
     finally:
         D.leave()  # the garbage (CapturedStep's agreement group among it) first, then the groups
 

@@ -8,7 +8,11 @@ objective declares `packs_rows`. Off and on are two steps built apart (each its 
 with the packed switch set for each.
 
     python benchmarks/tools/packed_rows.py 8x128 32x128 64x256 --method plain_fast_captured poe_captured \
-        [--rounds 2] [--steps 20] [--no-peer]
+        [--rounds 2] [--steps 20] [--no-peer] [--cat-layers 8 9 10]
+
+``--cat-layers`` times CAT's steps with the mixing layer fixed, one pair of steps per layer (a row each), so that
+packed and padded are compared at the same layer rather than over drawn ones, whose mix moves a median by more than
+the difference between the arms.
 
 Prints one JSON line per size and method: the median step in ms of each round, PACKED off and on, the peer's, the
 ratios of the medians over the rounds to the peer's, and for the captured methods each arm's graphs, packed graphs
@@ -46,9 +50,9 @@ def _time(step, steps, packed):
         return round(time_steps(step, 5, steps)[0], 3)
 
 
-def _build(method, size, packed):
+def _build(method, size, packed, layers=None):
     with _packed(packed):  # a captured step primed at build time captures with the switch as set
-        return S.build_step(method, size)[2]
+        return S.build_step(method, size, layers)[2]
 
 
 def main():
@@ -58,24 +62,31 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--method", nargs="+", default=["plain_training_layers"], choices=CHOICES)
     p.add_argument("--no-peer", action="store_true", help="skip the compiled plain step")
+    p.add_argument("--cat-layers", type=int, nargs="+", default=None,
+                   help="CAT's mixing layer fixed, one pair of steps per layer given (CAT methods only)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("packed_rows.py: needs a CUDA GPU")
     for size in args.sizes:
         peer = None if args.no_peer else S.build_step("plain_compiled_ro", size)[2]
-        steps = {m: {False: _build(m, size, False), True: _build(m, size, True)} for m in args.method}
-        medians = {m: {"off": [], "on": []} for m in args.method}
+        arms = [(m, None) for m in args.method if not (args.cat_layers and m.startswith("cat"))]
+        arms += [(m, layer) for m in args.method if args.cat_layers and m.startswith("cat") for layer in args.cat_layers]
+        steps = {a: {False: _build(a[0], size, False, a[1] and [a[1]]),
+                     True: _build(a[0], size, True, a[1] and [a[1]])} for a in arms}
+        medians = {a: {"off": [], "on": []} for a in arms}
         peer_ms = []
         for _ in range(args.rounds):
             if peer is not None:
                 peer_ms.append(_time(peer, args.steps, False))
-            for m in args.method:
+            for a in arms:
                 for packed in (False, True):
-                    medians[m]["on" if packed else "off"].append(_time(steps[m][packed], args.steps, packed))
-        for m in args.method:
-            row = {"size": size, "method": m, "median_ms": medians[m]}
+                    medians[a]["on" if packed else "off"].append(_time(steps[a][packed], args.steps, packed))
+        for a in arms:
+            row = {"size": size, "method": a[0], "median_ms": medians[a]}
+            if a[1] is not None:
+                row["cat_layer"] = a[1]
             for packed, name in ((False, "off"), (True, "on")):  # what each arm's steps ran: graphs, or eagerly
-                captured = getattr(steps[m][packed], "captured", None)
+                captured = getattr(steps[a][packed], "captured", None)
                 if captured is not None:
                     row.setdefault("graphs", {})[name] = {"graphs": captured.num_graphs,
                                                           "packed_graphs": captured.num_packed_graphs,
@@ -83,7 +94,7 @@ def main():
             if peer_ms:
                 ref = statistics.median(peer_ms)
                 row["peer_ms"] = peer_ms
-                row["x_peer"] = {k: round(statistics.median(v) / ref, 3) for k, v in medians[m].items()}
+                row["x_peer"] = {k: round(statistics.median(v) / ref, 3) for k, v in medians[a].items()}
             print(json.dumps(row), flush=True)
         del steps, peer
         torch.cuda.empty_cache()

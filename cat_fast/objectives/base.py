@@ -153,9 +153,10 @@ class Objective(Declarations, metaclass=_ObjectiveType):
     # did. A captured step then packs by default ("auto", `cat_fast.step`); an objective without it runs padded
     # whatever PACKED says (`layers.packing.padded`).
     packs_rows = False
-    # Whether a captured step packs its rows by default ("auto"), given `packs_rows`: where packing was measured
-    # faster (benchmarks/RESULTS.md); PACKED = True packs wherever `packs_rows` holds.
-    packs_by_default = True
+    # The fewest rows (batch x length) from which a captured step packs its batch by default ("auto"), given
+    # `packs_rows`; None: `layers.training.PACKED_MIN_ROWS`. Where packing was measured faster
+    # (benchmarks/RESULTS.md); PACKED = True packs wherever `packs_rows` holds.
+    packed_min_rows = None
 
     def packed_rows(self, batch, tensors):
         """The [B, T] boolean rows a packed step computes (`layers.packing.extended`) for the batch and the step

@@ -121,10 +121,11 @@ class CAT(Draws, Objective):
         its loss reads the logits of every position, padding included, which the packed path does not compute."""
         return self.training_layers and self.gs_weight == 0 and self.task.first_token_head
 
-    # Captured CAT runs padded by default: packed, its step takes 5 % less at a fixed mixing layer (64x256), but over
-    # the drawn layers it was not measured faster (benchmarks/RESULTS.md, "Packed CAT steps" and after). PACKED = True
-    # packs it.
-    packs_by_default = False
+    # A captured CAT step packs by default from 8,192 rows: with the mixing layer fixed, the packed step took 5-10 %
+    # less than the padded one at each of the layers 8, 9 and 10 at 64x128, 32x256 and 64x256; at 4,096 rows
+    # (32x128) it took 1-3 % more (benchmarks/RESULTS.md, "Packed CAT by mixing layer"). PACKED = True packs it at
+    # any size.
+    packed_min_rows = 8192
 
     def packed_rows(self, batch, tensors):
         """The [B, T] rows a packed step computes (`layers.packing.extended`), for the planned partners

@@ -33,6 +33,7 @@ def test_one_process_times_the_layers_a_ddp_run_times():
     assert (one["world"], two["world"], two["ddp"], apart["ddp"]) == (1, 2, True, False)
     assert sum(one["timed_layers"].values()) == 30 and len(one["timed_layers"]) == 2
     assert one["timed_layers"] == two["timed_layers"] == apart["timed_layers"]
+    assert one["timed_replays"] == one["captured_graphs"] == 0 and one["packed"] == "auto"  # the CPU: eager steps
 
 
 def test_profile_writes_each_ranks_table_and_timeline(tmp_path):
@@ -55,3 +56,31 @@ def test_no_split_makes_the_optimizer_wait_for_the_last_bucket():
     waits = _row(torchrun, "--steps", "3", "--bucket-mb", "0.01", "--no-split")
     assert split["buckets"] == waits["buckets"] > 1
     assert split["deferred"] > 0 and waits["deferred"] == 0
+
+
+def test_rank_batches_step_one_process_through_each_ranks_batch_in_turn():
+    """``--rank-batches 2``: the one-process baseline steps through the batches ranks 0 and 1 would take (rank 1's
+    is another draw), in turn, so that a packed step's time, which follows its batch's real tokens, is compared over
+    the same data; by default every step takes rank 0's."""
+    import torch
+
+    sys.path.insert(0, ROOT)
+    from benchmarks.tools import ddp_step_bench as bench
+
+    model = bench.make_model(torch.device("cpu"), True)
+    objective = bench.make_objective("erm", model, True, ddp=False)
+    masks = []
+
+    def call(batch, *args):
+        masks.append(batch["attention_mask"])
+        return objective(batch, *args)
+
+    for rank_batches, want in ((2, [0, 1, 0, 1]), (1, [0, 0, 0, 0])):
+        masks.clear()
+        step, _ = bench._training_step(call, objective, model, torch.device("cpu"), 4, 32, False,
+                                       rank_batches=rank_batches)
+        for _ in range(4):
+            step()
+        firsts = [masks[i] for i in (0, 1)]
+        assert rank_batches == 1 or not torch.equal(*firsts)  # two draws
+        assert [next(j for j, m in enumerate(firsts) if torch.equal(m, mask)) for mask in masks] == want

@@ -467,8 +467,9 @@ def _gpu_cat_step(packed, train, autocast, monkeypatch, mask_mode="self", **cat_
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("mask_mode", ["self", "union"])
 def test_gpu_captured_cat_packed_equals_padded(autocast, mask_mode, monkeypatch):
-    """`CapturedStep(CAT)` with ``PACKED = True`` (not by default: `CAT.packs_by_default`) packs the clean forward on
-    the rows CMIX reads (a shorter partner's padding rows too), the CAL and final passes on the same rows. Without dropout, against the
+    """`CapturedStep(CAT)` with ``PACKED = True`` (by default only from `CAT.packed_min_rows` rows) packs the clean
+    forward on the rows CMIX reads (a shorter partner's padding rows too), the CAL and final passes on the same rows.
+    Without dropout, against the
     padded captured step through 8 SGD steps: in fp32 the losses, CRM weights and the weights' updates to fp32
     rounding; in bf16 (variable-length attention, the keys gathered) the losses and weights to bf16 rounding and the
     whole update within 5 % of the padded one's norm."""

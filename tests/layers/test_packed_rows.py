@@ -644,9 +644,9 @@ def test_varlen_attention_of_extended_rows_equals_the_padded_attention(dtype):
 
 def test_which_steps_pack_by_default(monkeypatch):
     """`PACKED = "auto"` (the default): a captured step packs only for an objective that declares `packs_rows` (ERM
-    fast, the bias-model losses with the training layers; not plain ERM, nor CAT, which packs only with True), on CUDA, from `PACKED_MIN_ROWS`
-    rows, and never a batch whose first position is padding; True packs any 2-D-masked batch of such an objective;
-    False none."""
+    fast, the bias-model losses and CAT with the training layers; not plain ERM), on CUDA, from `PACKED_MIN_ROWS`
+    rows (CAT from its own `packed_min_rows`), and never a batch whose first position is padding; True packs any
+    2-D-masked batch of such an objective; False none."""
     from cat_fast import step as step_module
     from cat_fast.objectives import CAT, PoE
 
@@ -656,7 +656,8 @@ def test_which_steps_pack_by_default(monkeypatch):
     assert PoE(model).packs_rows and not PoE(model, training_layers=False).packs_rows
     assert CAT(model).packs_rows and not CAT(model, gs_weight=0.5).packs_rows
     assert not CAT(model, training_layers=False).packs_rows
-    assert not CAT(model).packs_by_default and ERM(model, fast=True).packs_by_default
+    assert step_module._min_rows(CAT(model)) == CAT.packed_min_rows == 8192
+    assert step_module._min_rows(ERM(model, fast=True)) == training_layer.PACKED_MIN_ROWS == 4096
     batch = {"attention_mask": _padding_mask([128, 70, 90, 64] * 8, 128)}  # 32 x 128 = 4,096 rows
     erm = ERM(model, fast=True)
     assert step_module._static_rows(batch, erm) is None  # "auto": CUDA batches only
@@ -686,9 +687,10 @@ def test_which_steps_pack_by_default(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_auto_packs_cuda_batches_from_the_least_row_count():
-    """"auto" on CUDA: a packing objective's batch packs from `PACKED_MIN_ROWS` rows, not below; other objectives
-    never."""
+    """"auto" on CUDA: a packing objective's batch packs from `PACKED_MIN_ROWS` rows, not below, CAT from its own
+    8,192; other objectives never."""
     from cat_fast import step as step_module
+    from cat_fast.objectives import CAT
 
     model = tiny_model("bert", attn="sdpa", num_layers=2)
     erm = ERM(model, fast=True)
@@ -697,6 +699,11 @@ def test_auto_packs_cuda_batches_from_the_least_row_count():
     assert step_module._static_rows(big, erm) is not None
     assert step_module._static_rows(small, erm) is None
     assert step_module._static_rows(big, ERM(model)) is None
+    cat, partner = CAT(model), {"partner": torch.arange(32, device="cuda").roll(1)}
+    assert step_module._static_rows(big, cat, partner) is None  # 4,096 rows: CAT runs padded
+    large = {"attention_mask": _padding_mask([256, 100, 140, 64] * 8, 256).cuda()}  # 8,192 rows
+    rows = step_module._static_rows(large, cat, {"partner": torch.arange(32, device="cuda").roll(1)})
+    assert rows == 6400  # 256 / 140 / 140 / 256 rows per four sequences, in 256-row buckets
     host = {"attention_mask": big["attention_mask"].cpu().pin_memory(), "labels": torch.zeros(32, dtype=torch.long)}
     moved, mask = step_module._on_device(host, torch.device("cuda"))
     assert mask is host["attention_mask"] and all(v.is_cuda for v in moved.values())
