@@ -342,7 +342,7 @@ def bench(method, device, size, tiny, warmup, steps, use_ddp=True, profile=None,
             extra.update(overlap=average.overlap, buckets=len(average.buckets), overlapped=average.overlapped,
                          exchange=average.exchange, deferred=average.deferred,
                          sparse_exchanged=average.sparse_exchanged)
-    if world == 1 and rank_batches > 1:
+    if rank_batches > 1:
         extra["rank_batches"] = rank_batches
     return {"method": method, "world": world, "ddp": wrapped is not None, "size": size, **extra,
             "comm_hook": comm_hook if wrapped is not None else None, "bucket_mb": bucket_mb,
@@ -405,6 +405,8 @@ def main(argv=None):
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     try:
+        if args.rank_batches > 1 and world > 1:
+            parser.error("--rank-batches: a one-process baseline; under torchrun each rank takes its own batch")
         if args.allreduce and world > 1:
             row = allreduce_row(device, 2**16 if args.tiny else 109_483_778)
             if rank == 0:

@@ -65,14 +65,16 @@ def main():
     p.add_argument("--cat-layers", type=int, nargs="+", default=None,
                    help="CAT's mixing layer fixed, one pair of steps per layer given (CAT methods only)")
     args = p.parse_args()
+    if args.cat_layers and not any(m.startswith("cat") for m in args.method):
+        p.error("--cat-layers: expected a CAT method among --method (cat_captured)")
     if not torch.cuda.is_available():
         sys.exit("packed_rows.py: needs a CUDA GPU")
     for size in args.sizes:
         peer = None if args.no_peer else S.build_step("plain_compiled_ro", size)[2]
-        arms = [(m, None) for m in args.method if not (args.cat_layers and m.startswith("cat"))]
-        arms += [(m, layer) for m in args.method if args.cat_layers and m.startswith("cat") for layer in args.cat_layers]
-        steps = {a: {False: _build(a[0], size, False, a[1] and [a[1]]),
-                     True: _build(a[0], size, True, a[1] and [a[1]])} for a in arms}
+        arms = [(m, layer) for m in args.method  # (method, CAT's fixed layer or None: the suite's drawn ones)
+                for layer in (args.cat_layers if args.cat_layers and m.startswith("cat") else [None])]
+        steps = {a: {packed: _build(a[0], size, packed, None if a[1] is None else [a[1]]) for packed in (False, True)}
+                 for a in arms}
         medians = {a: {"off": [], "on": []} for a in arms}
         peer_ms = []
         for _ in range(args.rounds):

@@ -64,7 +64,6 @@ def test_rank_batches_step_one_process_through_each_ranks_batch_in_turn():
     the same data; by default every step takes rank 0's."""
     import torch
 
-    sys.path.insert(0, ROOT)
     from benchmarks.tools import ddp_step_bench as bench
 
     model = bench.make_model(torch.device("cpu"), True)
