@@ -90,13 +90,15 @@ class StepPlan:
     graph is specialised on (CAT's mixing layer); equal keys mean equal states. ``tensors``: this step's own draws
     (partners, λ), static inputs of the graph, copied in before each replay. ``generators``: CUDA generators the
     step switches to inside the graph (registered with it before the capture). ``before_replay``: called on the
-    host before each replay (sets those generators' offsets)."""
+    host before each replay (sets those generators' offsets). ``host``: CPU copies of some of ``tensors`` (CAT's
+    partners), from which the packed row count is read without a host synchronisation (`_static_rows`)."""
 
     key: Hashable = ()
     state: object = None
     tensors: dict = field(default_factory=dict)
     generators: tuple = ()
     before_replay: Optional[Callable[[], None]] = None
+    host: dict = field(default_factory=dict)
 
 
 def _hyper_parameters(optimizer):
@@ -128,14 +130,17 @@ def _min_rows(objective) -> int:
     return training_layers.PACKED_MIN_ROWS if own is None else own
 
 
-def _static_rows(batch, objective, tensors=None, host_mask=None):
+def _static_rows(batch, objective, tensors=None, host_mask=None, host=None):
     """For an objective that declares `packs_rows`, with the training layers' packed path on
     (`layers.training.PACKED`; "auto": a CUDA batch of at least `_min_rows` rows): the real rows of the
     batch's 2-D ``attention_mask`` (or the rows the objective's ``packed_rows(batch, tensors)`` names, for the plan's
     `tensors`: CAT's) rounded up to a bucket (`layers.packing.bucket`), the row count its graph packs; else None.
-    Reading the count is one host synchronisation per step, paid only where the rows are packed, unless the mask's
-    host copy is given (`host_mask`, the batch's mask as it came from the host: `_on_device`), which counts the real
-    tokens where the objective names no rows of its own."""
+    Where the objective also names the rows its layers past a narrowing pack (``narrowed_rows``: CAT's, past the
+    mixing layer), the pair ``(n, n_narrowed)`` of the two counts (`layers.packing.static_rows`), when the second
+    is smaller. Reading the counts is one host synchronisation per step, paid only where the rows are packed,
+    unless the mask's host copy is given (`host_mask`, the batch's mask as it came from the host: `_on_device`):
+    then they are counted on the host, from the real tokens where the objective names no rows of its own, else from
+    the rows it names for `host` (the plan's draws as host tensors, `StepPlan.host`; without them, on the device)."""
     mode = training_layers.packed_mode()
     if not mode or not isinstance(batch, dict):
         return None
@@ -146,15 +151,37 @@ def _static_rows(batch, objective, tensors=None, host_mask=None):
         return None
     if mode == "auto" and not (mask.is_cuda and mask.numel() >= _min_rows(objective)):
         return None
-    rows = objective.packed_rows(batch, tensors or {})
-    if rows is None and host_mask is not None and tuple(host_mask.shape) == tuple(mask.shape):
-        n_real, first_real = int(host_mask.count_nonzero()), bool(host_mask[:, 0].bool().all())
+    on_host = host_mask is not None and tuple(host_mask.shape) == tuple(mask.shape)
+    if on_host and host and HOST_COUNTS:  # the objective's rows for its draws' host copies: no synchronisation
+        counted = _counts(objective, {"attention_mask": host_mask}, host)
+    elif on_host and objective.packed_rows(batch, tensors or {}) is None:  # the real tokens
+        counted = _counts(objective, {"attention_mask": host_mask}, {})
     else:
-        count = mask.count_nonzero() if rows is None else rows.count_nonzero()
-        n_real, first_real = torch.stack([count, mask[:, 0].bool().all()]).tolist()
+        counted = _counts(objective, batch, tensors or {})
+    n_real, first_real, *n_after = counted
     if not first_real:  # a sequence whose first position is padding (left padding) runs padded
         return None
-    return packing.bucket(n_real, mask.numel(), training_layers.PACKED_MIN_PADDING)
+    n = packing.bucket(n_real, mask.numel(), training_layers.PACKED_MIN_PADDING)
+    if n is None or not n_after:
+        return n
+    # the layers past the mixing layer pack the objective's narrowed rows (`layers.packing.narrow`), fewer
+    n_narrow = packing.bucket(n_after[0], mask.numel(), 0.0)
+    return n if n_narrow is None or n_narrow >= n else (n, n_narrow)
+
+
+def _counts(objective, batch, tensors):
+    """``[rows, first position real in every sequence, narrowed rows]`` (the last only where the objective names
+    narrowed rows) as host numbers: the rows the objective's ``packed_rows`` names (or the mask's real tokens),
+    counted where the mask is (a device mask: one synchronisation)."""
+    mask = batch["attention_mask"]
+    rows = objective.packed_rows(batch, tensors)
+    after = None
+    if rows is not None and hasattr(objective, "narrowed_rows"):
+        after = objective.narrowed_rows(batch, tensors)
+    counted = [mask.count_nonzero() if rows is None else rows.count_nonzero(), mask[:, 0].bool().all()]
+    if after is not None:
+        counted.append(after.count_nonzero())
+    return torch.stack(counted).tolist()
 
 
 # PyTorch's optimizers whose update of a parameter reads only that parameter, its gradient and its own state: a step
@@ -162,6 +189,9 @@ def _static_rows(batch, objective, tensors=None, host_mask=None):
 # one step (tests/test_step.py checks it, bit for bit)
 _PER_PARAMETER = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop")
 SPLIT_UPDATE = True  # False: under DDP the optimizer waits for every bucket (for comparisons; `CapturedStep._update`)
+# False: an objective's own packed rows (CAT's) are counted on the device even where the plan has host copies of its
+# draws (one host synchronisation per step; for comparisons, `_static_rows`)
+HOST_COUNTS = True
 
 
 def _splittable(optimizer) -> bool:
@@ -331,7 +361,7 @@ class CapturedStep(cuda_graphs.CachedGraphs):
             return loss, info
         plan = self._plan(batch, args)
         inputs = (batch, args, plan.tensors)
-        rows = _static_rows(batch, self._planner, plan.tensors, host_mask)  # under DDP the objective in a wrapper
+        rows = _static_rows(batch, self._planner, plan.tensors, host_mask, plan.host)  # under DDP: the planner
         sig = self._signature(inputs, plan, rows)
         if (rows is not None and sig not in self.cache.entries
                 and len(self._packed_graphs) >= self.cache.max_graphs // 2):

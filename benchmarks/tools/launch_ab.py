@@ -10,6 +10,11 @@ and warmed up with the setting in force (and timed with it in force too). GPU on
     python benchmarks/tools/launch_ab.py 32x128 64x256 --setting layers.packing.VARLEN --values false true
     python benchmarks/tools/launch_ab.py 32x128 --setting gelu_bias_backward.block_m,gelu_bias_backward.per_sm \
         --values 32,2 16,1
+    python benchmarks/tools/launch_ab.py 64x256 --setting layers.packing.NARROW --values false true \
+        --method cat_captured --cat-layers 8 9 10
+
+``--cat-layers`` fixes CAT's mixing layer, one step per value and layer (a row per layer), so that the values are
+compared at the same layer rather than over drawn ones, whose mix moves a median by more than most differences.
 
 Prints one JSON line per size and method: the median step in ms per value and round, the peer's, and each value's
 median over the rounds as × the peer's median. Each size runs in a process of its own.
@@ -113,7 +118,11 @@ def main():
     p.add_argument("--method", nargs="+", default=["plain_fast_captured"], choices=S.METHODS)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--cat-layers", type=int, nargs="+", default=None,
+                   help="CAT's mixing layer fixed, one step per value and layer given (CAT methods only)")
     args = p.parse_args()
+    if args.cat_layers and not any(m.startswith("cat") for m in args.method):
+        p.error("--cat-layers: expected a CAT method among --method (cat_captured)")
     settings = [_launch(setting) for setting in args.setting.split(",")]
     arms = {text: _values(text, len(settings)) for text in args.values}
     if not torch.cuda.is_available():
@@ -123,24 +132,29 @@ def main():
     values = list(arms)
     for size in args.sizes:
         peer = S.build_step("plain_compiled_ro", size)[2]
+        # (method, CAT's fixed layer or None: the suite's drawn ones)
+        rows = [(m, layer) for m in args.method
+                for layer in (args.cat_layers if args.cat_layers and m.startswith("cat") else [None])]
         steps = {}
-        for m in args.method:
+        for m, layer in rows:
             for v in values:
                 with _set(settings, arms[v]):
-                    steps[m, v] = S.build_step(m, size)[2]
-                    _time(steps[m, v], 3)  # captured with the setting in force
-        peer_ms, medians = [], {(m, v): [] for m in args.method for v in values}
+                    steps[m, layer, v] = S.build_step(m, size, None if layer is None else [layer])[2]
+                    _time(steps[m, layer, v], 3)  # captured with the setting in force
+        peer_ms, medians = [], {key: [] for key in steps}
         for _ in range(args.rounds):
             peer_ms.append(_time(peer, args.steps))
-            for (m, v), step in steps.items():
+            for (m, layer, v), step in steps.items():
                 with _set(settings, arms[v]):
-                    medians[m, v].append(_time(step, args.steps))
+                    medians[m, layer, v].append(_time(step, args.steps))
         ref = statistics.median(peer_ms)
-        for m in args.method:
-            print(json.dumps({"size": size, "method": m, "setting": args.setting, "peer_ms": peer_ms,
-                              "median_ms": {v: medians[m, v] for v in values},
-                              "x_peer": {v: round(statistics.median(medians[m, v]) / ref, 3) for v in values}}),
-                  flush=True)
+        for m, layer in rows:
+            row = {"size": size, "method": m, "setting": args.setting, "peer_ms": peer_ms,
+                   "median_ms": {v: medians[m, layer, v] for v in values},
+                   "x_peer": {v: round(statistics.median(medians[m, layer, v]) / ref, 3) for v in values}}
+            if layer is not None:
+                row["cat_layer"] = layer
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,10 @@ still the mask's real tokens. A padding row so packed is computed as the padded 
 to its sequence's real keys), which CMIX needs where a sample's partner is shorter than it. Every forward of the
 step packs the same rows (the same dropout draws over them), whatever its mask: the counterfactual passes' masks
 (`mask_mode`) only change the keys. Variable-length attention then takes the keys apart from the queries: the key
-and value rows are gathered per call (`Plan.attention_layout`).
+and value rows are gathered per call (`Plan.attention_layout`). ``extended(rows, after)`` with ``narrow()``: the
+layers past CAT's mixing layer pack fewer rows (``after``: the rows of its mixed sequences; `KEYS`, each call's
+real tokens, whose keys are then every packed row and need no gather), under the second count of a
+``static_rows((n, n_after))`` pair; the lent padding rows are needed up to h_m only.
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ from .layout import will_run
 
 __all__ = ["real_rows", "attend", "attention_backward", "scatter", "static_rows", "static_count", "bucket", "BUCKETS",
            "Plan", "plan", "pack", "link", "unpack", "carry", "carried", "carrying", "may_carry", "padded", "refused",
-           "VARLEN", "extended"]
+           "VARLEN", "NARROW", "extended", "narrow", "KEYS"]
 
 _last = threading.local()  # .entry: (weak reference to the mask, its version, (B, T, min_padding, ...), the result,
 # a weak reference to `extended`'s rows or None)
@@ -62,7 +65,9 @@ BUCKETS = 32
 VARLEN = True
 _carry = threading.local()  # .layers: the layers whose output may stay packed (`carrying`), or None
 _refused = threading.local()  # .on: whether `padded` is in force
-_extend = threading.local()  # .rows: the [B, T] rows a plan packs (`extended`), or None
+_extend = threading.local()  # .state: `extended`'s `_Extension`, or None
+# Whether `narrow` takes effect; False packs `extended`'s rows through every layer, for comparisons.
+NARROW = True
 
 
 @contextlib.contextmanager
@@ -76,14 +81,24 @@ def _scoped(store: threading.local, name: str, value):
         setattr(store, name, saved)
 
 
-def static_rows(n: int | None):
-    """Within: `real_rows` returns `n` rows computed on the device (module docstring); None: as outside."""
+def static_rows(n):
+    """Within: `real_rows` returns `n` rows computed on the device (module docstring); None: as outside. `n` may
+    be a pair ``(n, n_narrowed)``: the second is the row count of the plans made after `narrow`."""
+    if n is not None and not (isinstance(n, int) or (isinstance(n, tuple) and len(n) == 2
+                                                      and all(isinstance(c, int) for c in n))):
+        raise ValueError(f"packing.static_rows: expected a row count or a pair of them, got {n!r}")
     return _scoped(_static, "rows", n)
 
 
-def static_count() -> int | None:
-    """`static_rows`'s n where one is set, else None."""
+def static_count():
+    """`static_rows`'s value where one is set (a row count, or a pair of them), else None."""
     return getattr(_static, "rows", None)
+
+
+def _static_counts():
+    """``(n, n_narrowed)`` of `static_rows` (None, None where unset; n twice where one count was given)."""
+    n = static_count()
+    return n if isinstance(n, tuple) else (n, n)
 
 
 def padded(on: bool = True):
@@ -98,13 +113,49 @@ def refused() -> bool:
     return bool(getattr(_refused, "on", False))
 
 
-def extended(rows: torch.Tensor | None):
-    """Within: a plan of a [B, T] batch packs the rows `rows` marks ([B, T] boolean, holding every real token of
-    the masks the layers get), not only the real ones (module docstring); None: as outside."""
+class _Extension:
+    """`extended`'s rows: ``rows`` until `narrow`, then ``after`` (a [B, T] boolean tensor, or `KEYS`)."""
+
+    __slots__ = ("rows", "after", "narrowed")
+
+    def __init__(self, rows, after):
+        self.rows, self.after, self.narrowed = rows, after, False
+
+    def current(self):
+        """The rows a plan packs now: a [B, T] boolean tensor, or None (the mask's real tokens)."""
+        if not self.narrowed:
+            return self.rows
+        return None if self.after is KEYS else self.after
+
+
+# `extended`'s `after` for the layers past the narrowing that pack the real tokens of each call's mask (its keys)
+KEYS = "keys"
+
+
+def _check_rows(name, rows):
     if rows is not None and (not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.dtype != torch.bool):
-        raise ValueError(f"packing.extended: rows must be a [B, T] boolean tensor, got "
+        raise ValueError(f"packing.extended: {name} must be a [B, T] boolean tensor, got "
                          f"{getattr(rows, 'dtype', type(rows).__name__)} of shape {tuple(getattr(rows, 'shape', ()))}")
-    return _scoped(_extend, "rows", rows)
+
+
+def extended(rows: torch.Tensor | None, after=None):
+    """Within: a plan of a [B, T] batch packs the rows `rows` marks ([B, T] boolean, holding every real token of
+    the masks the layers get), not only the real ones (module docstring); None: as outside. `after`: the rows the
+    plans made after `narrow` pack instead (a [B, T] boolean tensor within `rows`, or `KEYS`: each call's real
+    tokens), under the second count of a `static_rows` pair: CAT's layers past the mixing layer, which need the rows
+    of its mixed sequences only. None: `rows` throughout."""
+    _check_rows("rows", rows)
+    if after is not KEYS:
+        _check_rows("after", after)
+    return _scoped(_extend, "state", None if rows is None else _Extension(rows, after))
+
+
+def narrow():
+    """From here to the end of the `extended` block in force, plans pack its ``after`` rows (nothing where there is
+    no such block, or it has no ``after``). CAT calls it where its clean forward reaches the mixing layer."""
+    state = getattr(_extend, "state", None)
+    if NARROW and state is not None and state.after is not None:
+        state.narrowed = True
 
 
 def bucket(n_real: int, total: int, min_padding: float) -> int | None:
@@ -212,8 +263,10 @@ def plan(mask: torch.Tensor | None, B: int, T: int, min_padding: float) -> Plan 
     hold them), or None where it finds none."""
     if mask is None:
         return None
-    n = static_count()
-    rows = getattr(_extend, "rows", None)
+    state = getattr(_extend, "state", None)
+    n_before, n_after = _static_counts()
+    n = n_after if state is not None and state.narrowed else n_before
+    rows = None if state is None else state.current()
     if rows is not None and tuple(rows.shape) != (B, T):
         rows = None
     entry = getattr(_last, "entry", None)
@@ -362,9 +415,39 @@ def attention_backward(out, qkv_leaf, grad_rows, shape, packed: bool, column_sum
     return grad_qkv, sums
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor | None:
+    """`t` [M, D] viewed as rows of 16-byte elements (complex128) where its layout allows it (contiguous rows of a
+    multiple of 16 bytes, 16-byte aligned), else None. PyTorch's index_copy and index_fill compute an index per
+    element: per 16 bytes, 4 (fp32) to 8 (16-bit) times fewer, for the same bytes moved."""
+    if (t.dim() != 2 or not t.is_contiguous() or (t.shape[1] * t.element_size()) % 16
+            or t.data_ptr() % 16 or t.is_complex()):
+        return None
+    return t.view(torch.complex128)
+
+
+def copy_rows_(out: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``out.index_copy_(0, idx, rows)`` ([M, D] and [N, D] of one dtype) by 16-byte elements where both allow it
+    (`_wide`); returns `out`."""
+    wide_out, wide_rows = _wide(out), _wide(rows)
+    if wide_out is not None and wide_rows is not None and rows.dtype == out.dtype:
+        wide_out.index_copy_(0, idx, wide_rows)
+        return out
+    return out.index_copy_(0, idx, rows)
+
+
+def zero_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` [M, D] with its `idx` rows zero (``t.index_fill(0, idx, 0)``, by 16-byte elements where the
+    layout allows it: `_wide`)."""
+    out = t.clone(memory_format=torch.contiguous_format)
+    wide = _wide(out)
+    (wide if wide is not None else out).index_fill_(0, idx, 0)
+    return out
+
+
 def scatter(full: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """A copy of `full` [B·T, D] in `rows`' dtype with its `idx` rows replaced by `rows` [N, D]."""
-    return full.to(rows.dtype).index_copy(0, idx, rows)
+    out = full.to(rows.dtype, memory_format=torch.contiguous_format, copy=True)
+    return copy_rows_(out, idx, rows.contiguous())
 
 
 class _Pack(torch.autograd.Function):
@@ -384,7 +467,7 @@ class _Pack(torch.autograd.Function):
         full, ctx.unpacked = ctx.unpacked, None
         if full is None:
             full = grad.new_zeros(ctx.shape[:-1].numel(), grad.shape[-1])
-        return full.index_copy_(0, idx, grad.to(full.dtype)).view(ctx.shape), None
+        return copy_rows_(full, idx, grad.to(full.dtype).contiguous()).view(ctx.shape), None
 
 
 class _Unpack(torch.autograd.Function):
@@ -410,7 +493,7 @@ class _Unpack(torch.autograd.Function):
             else:
                 link.unpacked.add_(flat.to(ctx.dtype))
         elif ctx.needs_input_grad[1]:
-            grad_full = flat.index_fill(0, idx, 0).view(grad.shape).to(ctx.dtype)
+            grad_full = zero_rows(flat, idx).view(grad.shape).to(ctx.dtype)
         return flat.index_select(0, idx), grad_full, None, None
 
 

@@ -50,10 +50,11 @@ class CAT(Draws, Objective):
     where the head reads nothing else (§1.6); ``fast_resume`` — the counterfactual passes run `layers.resumed`;
     ``training_layers`` — the clean forward runs `layers.training` (off with ``gs_weight > 0``).
 
-    Randomness: ``generator=None`` draws λ and partners on the model's device from the global RNG; a CPU
-    ``torch.Generator`` makes every draw reproducible on any device. ``info`` holds detached 0-d tensors
-    (``erm_loss``, ``crm_loss``, ``lambda_before``, ``lambda_after``, ``crm_weight_mean``, ``cal_objective``,
-    ``layer``, ``cat_active``, and ``gs_loss`` with GS): no host synchronisation inside the step.
+    Randomness: ``generator=None`` draws the mixing layer and the partners from the global CPU RNG and λ from the
+    global RNG of the model's device; a CPU ``torch.Generator`` makes every draw reproducible on any device.
+    ``info`` holds detached 0-d tensors (``erm_loss``, ``crm_loss``, ``lambda_before``, ``lambda_after``,
+    ``crm_weight_mean``, ``cal_objective``, ``layer``, ``cat_active``, and ``gs_loss`` with GS): no host
+    synchronisation inside the step.
     """
 
     config = CATConfig  # its options (`cat_options`)
@@ -117,7 +118,9 @@ class CAT(Draws, Objective):
     def packs_rows(self) -> bool:
         """With the training layers, without GS and for a head that reads the first token (`Objective.packs_rows`):
         CMIX mixes h_m row by row with the partner's, so a partner shorter than its sample lends the padding rows of
-        its h_m; the step packs those rows too (`packed_rows`), computed as the padded path computes them. Not QA:
+        its h_m; the step packs those rows too (`packed_rows`), computed as the padded path computes them, up to h_m:
+        layers m+1..L of the clean forward and of every counterfactual pass pack the mixed sequences' rows only
+        (`narrowed_rows`; self: the real ones, whose keys need no gather). Not QA:
         its loss reads the logits of every position, padding included, which the packed path does not compute."""
         return self.training_layers and self.gs_weight == 0 and self.task.first_token_head
 
@@ -142,6 +145,19 @@ class CAT(Draws, Objective):
         lent.index_add_(0, partner, mixed.to(torch.int32))
         return real | mixed | (lent > 0)
 
+    def narrowed_rows(self, batch, tensors):
+        """The [B, T] rows the layers past the mixing layer pack (`layers.packing.narrow`): the real tokens and
+        the positions each mixed sequence keeps (`mask_mode`): the padding rows a partner lends to CMIX are needed
+        up to h_m only. None where `packed_rows` is."""
+        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+        partner = tensors.get("partner") if isinstance(tensors, dict) else None
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or partner is None:
+            return None
+        real = mask != 0
+        if self.mask_mode == "self":
+            return real
+        return real | mix_mask(real, partner.to(real.device), self.mask_mode)
+
     # ----------------------------------------------------------------- public API
     def capture_key(self, batch, *args):
         """Not defined for CAT: its key depends on the step's draws, which `plan_step` makes."""
@@ -162,13 +178,14 @@ class CAT(Draws, Objective):
             return StepPlan(key=("erm",), state=None)
         m = self._draw_layer()
         B, device, param_dtype = self._batch_size(batch)
-        partner = self._draw_partner(B, device)
+        host_partner = self._draw_host_partner(B)
+        partner = self._to(host_partner, device)
         lam0 = self._draw_lambda(B, device, torch.promote_types(param_dtype, torch.float32))
         rng = None
         if device.type == "cuda" and self.model.training:
             rng = models.PassGenerators.for_batch(self._pass_rng, batch, device, self.adv_steps + 1, m)
         return StepPlan(key=("cat", m), state=(m, rng), tensors={"partner": partner, "lam0": lam0},
-                        **(rng.plan_fields() if rng is not None else {}))
+                        host={"partner": host_partner}, **(rng.plan_fields() if rng is not None else {}))
 
     def planned_step(self, plan, batch, *args):
         """``(loss, info)`` of the step `plan` describes (`plan_step`), eagerly or inside a CUDA-graph capture: the
@@ -235,7 +252,11 @@ class CAT(Draws, Objective):
         # the rows CMIX reads, only where the step packs (not in the padded graphs and eager steps of "auto")
         packs = self.packs_rows and (training_layers.packed_mode() is True or packing.static_count() is not None)
         rows = self.packed_rows(batch, {"partner": partner}) if packs else None
-        with packing.extended(rows):
+        # past the mixing layer, the rows of the mixed sequences only (self: each call's real tokens, the keys)
+        after = None
+        if rows is not None:
+            after = packing.KEYS if self.mask_mode == "self" else self.narrowed_rows(batch, {"partner": partner})
+        with packing.extended(rows, after=after):
             return self._extended_step_losses(batch, plan, m, rng, partner, lam0, prune, B, device, rows is not None)
 
     def _extended_step_losses(self, batch, plan, m, rng, partner, lam0, prune, B, device, extended):
@@ -252,6 +273,8 @@ class CAT(Draws, Objective):
                 early["replayed"] = self.graphs.run_captured(cap, h_m, lam0, partner, batch["labels"], None)
 
         on_hidden = replay_early if use_graphs and self.task.targets_before_forward else None
+        if extended:  # layers m+1..L of every pass pack the mixed sequences' rows only (`narrowed_rows`)
+            on_hidden = lambda cap: packing.narrow()  # noqa: E731
         cap = models.capture(self.model, batch, m, first_token=prune, on_hidden=on_hidden, rng=not capturing,
                              training_layers=self.training_layers and self.gs_weight == 0)
         if rng is not None and not capturing:

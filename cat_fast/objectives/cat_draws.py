@@ -10,8 +10,9 @@ __all__ = ["Draws"]
 
 class Draws:
     """`CAT`'s draws: a CPU generator (``generator``, ``layer_generator`` for the layer) makes them reproducible;
-    without one they come from the global RNG on the model's device (λ's Beta concentrations are kept per shape in
-    ``_concentration``)."""
+    without one the layer and the partners come from the global CPU RNG and λ from the global RNG of the model's
+    device (λ's Beta concentrations are kept per shape in ``_concentration``). The partners are drawn on the host
+    (`_draw_host_partner`), where a captured step counts its packed rows from them without a synchronisation."""
 
     def _draw_layer(self):
         if len(self.layers) == 1:
@@ -20,15 +21,22 @@ class Draws:
         idx = torch.randint(len(self.layers), (1,), generator=gen)  # CPU: no device sync
         return self.layers[int(idx)]
 
-    def _draw_partner(self, B, device):
-        gen = self.generator
+    @staticmethod
+    def _to(t, device):
+        """`t` (a CPU tensor) on `device`; to a GPU from pinned memory, so that the copy does not wait for the GPU's
+        queued work (a pageable one synchronises the stream first)."""
+        if device.type != "cuda":
+            return t.to(device)
+        return t.pin_memory().to(device, non_blocking=True)
+
+    def _draw_host_partner(self, B):
+        """The partners of a batch of `B`, a CPU int64 tensor: a permutation, or `B` draws with replacement."""
         if self.partner == "permutation":
-            if gen is not None:
-                return torch.randperm(B, generator=gen).to(device, non_blocking=True)
-            return torch.randperm(B, device=device)
-        if gen is not None:
-            return torch.randint(B, (B,), generator=gen).to(device, non_blocking=True)
-        return torch.randint(B, (B,), device=device)
+            return torch.randperm(B, generator=self.generator)
+        return torch.randint(B, (B,), generator=self.generator)
+
+    def _draw_partner(self, B, device):
+        return self._to(self._draw_host_partner(B), device)
 
     def _draw_lambda(self, B, device, dtype):
         if self.generator is None:
@@ -46,4 +54,4 @@ class Draws:
             torch.default_generator.manual_seed(seed)
             lam = torch.distributions.Beta(torch.full((B,), self.alpha, dtype=dtype),
                                            torch.full((B,), self.beta, dtype=dtype)).sample()
-        return lam.to(device, non_blocking=True)
+        return self._to(lam, device)

@@ -88,3 +88,12 @@ def test_each_size_runs_in_a_process_of_its_own(tmp_path):
     with pytest.raises(SystemExit, match="tool.py: the run at 9x9 failed"):
         each_size_apart(str(script), ["8x128", "9x9", "64x256"], ["8x128", "9x9", "64x256", str(log)])
     assert log.read_text().splitlines()[-2:] == ["8x128", "9x9"]  # stopped at the failing size
+
+
+def test_cat_layers_need_a_cat_method(monkeypatch, capsys):
+    import sys
+    monkeypatch.setattr(sys, "argv", ["launch_ab.py", "8x128", "--setting", "layers.packing.NARROW", "--values",
+                                      "false", "true", "--cat-layers", "9"])
+    with pytest.raises(SystemExit):
+        launch_ab.main()
+    assert "--cat-layers: expected a CAT method" in capsys.readouterr().err

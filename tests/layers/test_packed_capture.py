@@ -2,6 +2,7 @@
 (`layers.training.PACKED`): the rows stay packed from layer to layer around the capture's own hooks, h_m is their
 unpacked form, a resumed pass packs as the clean forward did (the same dropout draws), and first-order gradient
 supervision at the embedding output runs packed with the values and gradients of the padded path."""
+import contextlib
 import math
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from cat_fast import models
+from cat_fast.layers import packing
 from cat_fast.layers import training as training_layer
 from cat_fast.objectives import CAT, ERM, GradientSupervision
 from tests.conftest import tiny_batch, tiny_model
@@ -16,9 +18,9 @@ from tests.conftest import tiny_batch, tiny_model
 PAIRS = torch.tensor([1, 0, 3, 2])
 
 
-def _batch():
-    batch = tiny_batch("bert", batch=4, length=12)
-    batch["attention_mask"] = (torch.arange(12) < torch.tensor([12, 5, 8, 3])[:, None]).long()
+def _batch(length=12):
+    batch = tiny_batch("bert", batch=4, length=length)
+    batch["attention_mask"] = (torch.arange(length) < torch.tensor([12, 5, 8, 3])[:, None]).long()
     batch["input_ids"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, 0)
     batch["labels"] = torch.tensor([0, 1, 2, 0])
     return batch
@@ -296,6 +298,64 @@ def test_cat_packed_without_the_partners_rows_differs(monkeypatch):
         _assert_same_cat(got, want)
 
 
+@pytest.mark.parametrize("mask_mode, narrowed", [("self", 28), ("union", 37)])
+def test_cat_packs_fewer_rows_past_the_mixing_layer(mask_mode, narrowed, monkeypatch):
+    """The padding rows a partner lends to CMIX are packed up to h_m only: the clean forward packs them from its
+    first layer, then layer m+1 of the clean forward and of every pass packs the mixed sequences' rows (self: the
+    real ones, 28; union: each sample's and its partner's, 37), and the step equals the padded one."""
+    model = _model(train=True)
+    batch = _batch(16)  # lengths 12, 5, 8, 3 of 16: padding enough for the union's 44 rows to pack
+    monkeypatch.setattr(CAT, "_draw_partner", lambda self, B, device: torch.tensor([3, 2, 0, 1]))
+    want = _cat_grads(model, batch, mask_mode=mask_mode, cuda_graph=False)
+    monkeypatch.setattr(training_layer, "PACKED", True)
+    counts = []
+    original = packing.pack
+    monkeypatch.setattr(packing, "pack", lambda hidden, plan: counts.append(plan.idx.numel()) or original(hidden, plan))
+    got = _cat_grads(model, batch, mask_mode=mask_mode, cuda_graph=False)
+    extended = {"self": 12 + 5 + 8 + 12, "union": 12 + 8 + 12 + 12}[mask_mode]  # `test_cat_packed_rows_hold_...`
+    assert counts == [extended] + [narrowed] * 4  # the clean forward, then its layer 3 and each of the three passes'
+    _assert_same_cat(got, want)
+
+
+def test_cat_without_narrowing_packs_the_lent_rows_throughout(monkeypatch):
+    """``packing.NARROW = False`` (for comparisons): every layer of every pass packs the extended rows, and the
+    step still equals the padded one."""
+    model = _model(train=True)
+    batch = _batch(16)
+    monkeypatch.setattr(CAT, "_draw_partner", lambda self, B, device: torch.tensor([3, 2, 0, 1]))
+    want = _cat_grads(model, batch, cuda_graph=False)
+    monkeypatch.setattr(training_layer, "PACKED", True)
+    monkeypatch.setattr(packing, "NARROW", False)
+    counts = []
+    original = packing.pack
+    monkeypatch.setattr(packing, "pack", lambda hidden, plan: counts.append(plan.idx.numel()) or original(hidden, plan))
+    got = _cat_grads(model, batch, cuda_graph=False)
+    assert counts == [37] * 5
+    _assert_same_cat(got, want)
+
+
+def test_cat_narrowed_before_the_mixing_layer_differs(monkeypatch):
+    """The check above can fail: narrowing from the first layer (the lent padding rows of h_m then not computed)
+    moves CAT's step away from the padded one."""
+    model = _model(train=True)
+    batch = _batch()
+    monkeypatch.setattr(CAT, "_draw_partner", lambda self, B, device: torch.tensor([3, 2, 0, 1]))
+    want = _cat_grads(model, batch, cuda_graph=False)
+    monkeypatch.setattr(training_layer, "PACKED", True)
+    original = packing.extended
+
+    @contextlib.contextmanager
+    def early(rows, after=None):
+        with original(rows, after=after):
+            packing.narrow()
+            yield
+
+    monkeypatch.setattr(packing, "extended", early)
+    got = _cat_grads(model, batch, cuda_graph=False)
+    with pytest.raises(AssertionError):
+        _assert_same_cat(got, want)
+
+
 def test_cat_packed_with_dropout_draws_alike_in_its_passes(monkeypatch, pack_calls):
     """In train mode with dropout, a packed CAT step's counterfactual passes draw the clean forward's masks: at
     λ = 0 (α tiny, no CAL step) the counterfactual logits are the clean ones, so every CRM weight is 1."""
@@ -344,6 +404,24 @@ def _gpu_batches():
         batch["attention_mask"] = (torch.arange(40) < torch.tensor(lengths[i % 2])[:, None]).long()
         batch["labels"] = torch.tensor([0, 1, 2, 0])
         yield {k: v.cuda() for k, v in batch.items()}
+
+
+def _steps_given(step, host, before=None):
+    """The losses of `step` over `_gpu_batches`, each batch given on the device or, with `host`, as pinned CPU
+    tensors, with no host synchronisation allowed from the fifth step on (both signatures captured by then);
+    ``before(i)`` runs before step i."""
+    losses = []
+    for i, batch in enumerate(_gpu_batches()):
+        if before is not None:
+            before(i)
+        if host:
+            batch = {k: v.cpu().pin_memory() for k, v in batch.items()}
+        torch.cuda.set_sync_debug_mode("error" if host and i >= 4 else 0)
+        try:
+            losses.append(step(batch)[0])
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return losses
 
 
 def _gpu_gs_step(packed, train, autocast, monkeypatch, difference="central", representation=0):
@@ -400,27 +478,44 @@ def test_gpu_a_batch_given_on_the_host_steps_as_on_the_device_without_a_synchron
         model, _, opt = _gpu_model("auto", train, monkeypatch)
         torch.cuda.manual_seed(0)
         step = CapturedStep(ERM(model, fast=True), opt, warmup_steps=1)
-        losses, batches = [], list(_gpu_batches())
-        for i, batch in enumerate(batches):
-            if host:
-                batch = {k: v.cpu().pin_memory() for k, v in batch.items()}
-            torch.cuda.set_sync_debug_mode("error" if host and i >= 4 else 0)  # both signatures captured by then
-            try:
-                losses.append(step(batch)[0])
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
+        losses = _steps_given(step, host)
         results[host] = (losses, len(step._packed_graphs), step.num_replays,
                          [p.detach().clone() for p in model.parameters()])
         if not host:  # the device batch's count is read from the device
             torch.cuda.set_sync_debug_mode("error")
             try:
                 with pytest.raises(RuntimeError, match="synchroniz"):
-                    step(batches[0])
+                    step(next(_gpu_batches()))
             finally:
                 torch.cuda.set_sync_debug_mode(0)
     (losses, graphs, replays, weights), (want_losses, want_graphs, want_replays, want_weights) = (
         results[True], results[False])
     assert graphs == want_graphs == 2 and replays == want_replays >= 4
+    assert all(torch.equal(a, b) for a, b in zip(losses, want_losses))
+    assert all(torch.equal(a, b) for a, b in zip(weights, want_weights))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_gpu_captured_cat_counts_its_packed_rows_on_the_host(train, monkeypatch):
+    """A captured packed CAT step given pinned CPU batches reads its row counts (the rows its partners lend, and
+    the narrowed ones) from the host mask and the partners' host copy (`StepPlan.host`): its replays make no host
+    synchronisation, and its losses and weights are those of the same batches given on the device, bit for bit."""
+    from cat_fast.step import CapturedStep
+
+    results = {}
+    for host in (False, True):
+        model, _, opt = _gpu_model(True, train, monkeypatch)
+        torch.cuda.manual_seed(0)
+        cat = CAT(model, layers=[2], adv_steps=2, generator=torch.Generator().manual_seed(0))
+        step = CapturedStep(cat, opt, warmup_steps=1)
+        # the draws repeat with the batch shape: two signatures
+        losses = _steps_given(step, host, before=lambda i: cat.generator.manual_seed(i % 2))
+        results[host] = (losses, step._packed_graphs, step.num_replays, [p.detach().clone() for p in model.parameters()])
+    (losses, graphs, replays, weights), (want_losses, want_graphs, want_replays, want_weights) = (
+        results[True], results[False])
+    assert len(graphs) == len(want_graphs) == 2 and replays == want_replays >= 4
+    assert any("('rows', (" in repr(sig) for sig in graphs)  # the narrowed count too
     assert all(torch.equal(a, b) for a, b in zip(losses, want_losses))
     assert all(torch.equal(a, b) for a, b in zip(weights, want_weights))
 
@@ -460,7 +555,7 @@ def _gpu_cat_step(packed, train, autocast, monkeypatch, mask_mode="self", **cat_
         weights.append(float(info["crm_weight_mean"]))
         norms.append(float(step.last_grad_norm))
     updates = {n: p.detach() - start[n] for n, p in model.named_parameters()}
-    return losses, weights, updates, norms, len(step._packed_graphs)
+    return losses, weights, updates, norms, step._packed_graphs
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -475,7 +570,9 @@ def test_gpu_captured_cat_packed_equals_padded(autocast, mask_mode, monkeypatch)
     whole update within 5 % of the padded one's norm."""
     (losses, weights, updates, _, graphs), (want_losses, want_weights, want_updates, _, want_graphs) = (
         _gpu_cat_step(packed, False, autocast, monkeypatch, mask_mode) for packed in (True, False))
-    assert graphs >= 1 and want_graphs == 0  # union: a batch whose rows leave too little padding runs padded
+    assert len(graphs) >= 1 and len(want_graphs) == 0  # union: a batch whose rows leave too little padding runs padded
+    if mask_mode == "self":  # the layers past the mixing layer pack fewer rows: the graphs' row counts are pairs
+        assert any("('rows', (" in repr(sig) for sig in graphs), graphs
     tol = dict(rtol=1e-4, atol=1e-5) if autocast is None else dict(rtol=3e-2, atol=3e-3)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), **tol)
     torch.testing.assert_close(torch.tensor(weights), torch.tensor(want_weights), **tol)
@@ -495,7 +592,7 @@ def test_gpu_captured_packed_cat_passes_redraw_the_clean_dropout(monkeypatch):
     near_zero = dict(adv_steps=0, alpha=1e-6, beta=1e6)
     losses, weights, _, norms, graphs = _gpu_cat_step(True, True, None, monkeypatch, **near_zero)
     _, want_weights, _, _, _ = _gpu_cat_step(False, True, None, monkeypatch, **near_zero)
-    assert graphs == 2
+    assert len(graphs) == 2
     assert all(map(math.isfinite, losses + norms))
     torch.testing.assert_close(torch.tensor(want_weights, dtype=torch.float64), torch.ones(8, dtype=torch.float64), rtol=0, atol=1e-6)
     torch.testing.assert_close(torch.tensor(weights, dtype=torch.float64), torch.ones(8, dtype=torch.float64), rtol=0, atol=1e-6)

@@ -669,7 +669,17 @@ def test_which_steps_pack_by_default(monkeypatch):
     cat = CAT(model)  # True packs CAT: the rows CMIX reads, for the plan's partners
     assert step_module._static_rows(batch, cat, {"partner": torch.arange(32)}) == want  # its own partner: the real rows
     lent = step_module._static_rows(batch, cat, {"partner": torch.arange(32).roll(1)})
-    assert lent == 3584  # 128 / 90 / 90 / 128 rows per four sequences (real: 128 / 70 / 90 / 64), in 128-row buckets
+    # 128 / 90 / 90 / 128 rows per four sequences (real: 128 / 70 / 90 / 64), in 128-row buckets; past the mixing
+    # layer, the real rows (mask_mode "self": the mixed sequences keep their own)
+    assert lent == (3584, want)
+    union = CAT(model, mask_mode="union")  # past the mixing layer, real | mixed: 128 / 128 / 90 / 90
+    real = batch["attention_mask"] != 0
+    rolled = {"partner": torch.arange(32).roll(1)}
+    assert union.narrowed_rows(batch, rolled).sum(1)[:4].tolist() == [128, 128, 90, 90]
+    assert union.narrowed_rows(batch, rolled).equal(real | real[rolled["partner"]])
+    assert step_module._static_rows(batch, union, {"partner": torch.arange(32)}) == want  # no fewer rows: one count
+    assert CAT(model, mask_mode="intersection").narrowed_rows(batch, {"partner": torch.arange(32)}).equal(
+        batch["attention_mask"] != 0)
     left = {"attention_mask": batch["attention_mask"].flip(1)}
     assert step_module._static_rows(left, erm) is None
     # the count read from the batch's host mask (a batch the step moved: `_on_device`), the same buckets
@@ -678,6 +688,11 @@ def test_which_steps_pack_by_default(monkeypatch):
     assert step_module._static_rows(left, erm, None, left["attention_mask"].clone()) is None
     assert step_module._static_rows(batch, erm, None, host[:8]) == want  # not the batch's shape: its own mask read
     assert step_module._static_rows(batch, cat, {"partner": torch.arange(32).roll(1)}, host) == lent  # CAT: its rows
+    # with the plan's host copies (`StepPlan.host`) CAT's rows are counted from those, on the host
+    assert step_module._static_rows(batch, cat, {"partner": torch.arange(32)}, host,
+                                    {"partner": torch.arange(32).roll(1)}) == lent
+    assert step_module._static_rows(batch, cat, {"partner": torch.arange(32).roll(1)}, None,
+                                    {"partner": torch.arange(32)}) == lent  # no host mask: the device's rows
     assert step_module._static_rows(batch, erm, None, torch.ones_like(host)) is None  # the host mask is what counts
     cpu = {"attention_mask": host, "labels": torch.zeros(32)}
     assert step_module._on_device(cpu, torch.device("cpu")) == (cpu, None)  # moved to CUDA only
@@ -703,7 +718,9 @@ def test_auto_packs_cuda_batches_from_the_least_row_count():
     assert step_module._static_rows(big, cat, partner) is None  # 4,096 rows: CAT runs padded
     large = {"attention_mask": _padding_mask([256, 100, 140, 64] * 8, 256).cuda()}  # 8,192 rows
     rows = step_module._static_rows(large, cat, {"partner": torch.arange(32, device="cuda").roll(1)})
-    assert rows == 6400  # 256 / 140 / 140 / 256 rows per four sequences, in 256-row buckets
+    # 256 / 140 / 140 / 256 rows per four sequences, in 256-row buckets; past the mixing layer the real ones
+    # (256 / 100 / 140 / 64: 4,480, to 4,608)
+    assert rows == (6400, 4608)
     host = {"attention_mask": big["attention_mask"].cpu().pin_memory(), "labels": torch.zeros(32, dtype=torch.long)}
     moved, mask = step_module._on_device(host, torch.device("cuda"))
     assert mask is host["attention_mask"] and all(v.is_cuda for v in moved.values())
@@ -750,3 +767,30 @@ def test_a_packed_switch_of_another_value_is_refused(monkeypatch):
              "on", monkeypatch)
     with pytest.raises(ValueError, match="PACKED"):
         step_module._static_rows({"attention_mask": _padding_mask([9, 4], 9)}, None)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [32, 6, 5])  # 16-byte rows (wide copies) for every dtype at 32; 6, 5: not all
+def test_row_copies_equal_index_copy_and_index_fill(device, dtype, width):
+    """`packing.copy_rows_`, `zero_rows` and `scatter`, which copy rows by 16-byte elements where the rows allow it,
+    equal PyTorch's index_copy / index_fill; a strided `rows` and an unaligned `out` take PyTorch's own."""
+    g = torch.Generator().manual_seed(width)
+    full = torch.randn(40, width, generator=g).to(device, dtype)
+    rows = torch.randn(9, width, generator=g).to(device, dtype)
+    idx = torch.randperm(40, generator=g)[:9].to(device)
+    want = full.index_copy(0, idx, rows)
+    assert torch.equal(packing.copy_rows_(full.clone(), idx, rows), want)
+    assert torch.equal(packing.scatter(full, idx, rows), want)
+    assert torch.equal(packing.zero_rows(full, idx), full.index_fill(0, idx, 0))
+    strided = torch.randn(9, 2 * width, generator=g).to(device, dtype)[:, ::2]
+    assert torch.equal(packing.copy_rows_(full.clone(), idx, strided), full.index_copy(0, idx, strided))
+    base = torch.randn(40 * width + 1, generator=g).to(device, dtype)
+    unaligned = base[1:].view(40, width)  # one element past an aligned start
+    want = unaligned.index_copy(0, idx, rows)
+    assert packing._wide(unaligned) is None
+    assert torch.equal(packing.copy_rows_(unaligned, idx, rows), want)
+    assert packing.scatter(full.float(), idx, rows).dtype == dtype  # `full` taken in the rows' dtype
+    wide = packing._wide(full)
+    assert (wide is not None) == (width * full.element_size() % 16 == 0)
