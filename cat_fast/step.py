@@ -175,9 +175,8 @@ def _counts(objective, batch, tensors):
     counted where the mask is (a device mask: one synchronisation)."""
     mask = batch["attention_mask"]
     rows = objective.packed_rows(batch, tensors)
-    after = None
-    if rows is not None and hasattr(objective, "narrowed_rows"):
-        after = objective.narrowed_rows(batch, tensors)
+    narrowed = getattr(objective, "narrowed_rows", None)  # `Objective.narrowed_rows`
+    after = None if rows is None or narrowed is None else narrowed(batch, tensors)
     counted = [mask.count_nonzero() if rows is None else rows.count_nonzero(), mask[:, 0].bool().all()]
     if after is not None:
         counted.append(after.count_nonzero())

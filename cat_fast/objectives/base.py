@@ -163,6 +163,11 @@ class Objective(Declarations, metaclass=_ObjectiveType):
         plan's `tensors`, where they are more than the real tokens (CAT's); None: the real tokens."""
         return None
 
+    def narrowed_rows(self, batch, tensors):
+        """The [B, T] boolean rows, within `packed_rows`, that the layers past a narrowing pack
+        (`layers.packing.narrow`: CAT's layers past its mixing layer); None: no narrowing."""
+        return None
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         for name in ("__call__", "plan_step"):  # every entry point of a step checks its batch first

@@ -665,6 +665,7 @@ def test_which_steps_pack_by_default(monkeypatch):
     n_real = int(batch["attention_mask"].sum())
     want = packing.bucket(n_real, 4096, training_layer.PACKED_MIN_PADDING)
     assert want is not None and step_module._static_rows(batch, erm) == want
+    assert erm.packed_rows(batch, {}) is None and erm.narrowed_rows(batch, {}) is None  # `Objective`'s: the real rows
     assert step_module._static_rows(batch, ERM(model)) is None  # runs padded (`packing.padded`)
     cat = CAT(model)  # True packs CAT: the rows CMIX reads, for the plan's partners
     assert step_module._static_rows(batch, cat, {"partner": torch.arange(32)}) == want  # its own partner: the real rows
