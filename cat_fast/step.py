@@ -40,7 +40,8 @@ batch with a 2-D ``attention_mask`` adds its real-token count, rounded up to a 3
 flash attention, unpacked before the last layers). Reading the count is one host synchronisation per step, except
 from a batch given on the host: a dict of CPU tensors (pinned by a ``DataLoader(..., pin_memory=True)``: copied
 without a synchronisation) is moved to the parameters' device by the step, and its count read from its host mask
-(for an objective whose rows are the real tokens; CAT's rows depend on its partners, drawn on the device). The
+(CAT's rows depend on its partners: counted from their host copy, `StepPlan.host`; CAT's graphs are keyed by the
+pair of its row counts, before and past the mixing layer, `layers.packing.narrow`). The
 signature's eager warm-up steps pack the same rows, so the offsets at which its passes redraw the clean forward's
 dropout (`models.PassGenerators`) are measured on packed steps. A batch whose first position is padding (left
 padding) runs padded, and so does a new row count once packed graphs hold half of ``max_graphs``.
