@@ -154,12 +154,11 @@ def _static_rows(batch, objective, tensors=None, host_mask=None, host=None):
         return None
     on_host = host_mask is not None and tuple(host_mask.shape) == tuple(mask.shape)
     if on_host and host and HOST_COUNTS:  # the objective's rows for its draws' host copies: no synchronisation
-        counted = _counts(objective, {"attention_mask": host_mask}, host)
-    elif on_host and objective.packed_rows(batch, tensors or {}) is None:  # the real tokens
-        counted = _counts(objective, {"attention_mask": host_mask}, {})
-    else:
-        counted = _counts(objective, batch, tensors or {})
-    n_real, first_real, *n_after = counted
+        batch, tensors = {"attention_mask": host_mask}, host
+    rows = objective.packed_rows(batch, tensors or {})
+    if rows is None and on_host:  # the real tokens, counted from the host mask
+        batch = {"attention_mask": host_mask}
+    n_real, first_real, *n_after = _counts(objective, batch, tensors or {}, rows)
     if not first_real:  # a sequence whose first position is padding (left padding) runs padded
         return None
     n = packing.bucket(n_real, mask.numel(), training_layers.PACKED_MIN_PADDING)
@@ -170,12 +169,11 @@ def _static_rows(batch, objective, tensors=None, host_mask=None, host=None):
     return n if n_narrow is None or n_narrow >= n else (n, n_narrow)
 
 
-def _counts(objective, batch, tensors):
+def _counts(objective, batch, tensors, rows):
     """``[rows, first position real in every sequence, narrowed rows]`` (the last only where the objective names
-    narrowed rows) as host numbers: the rows the objective's ``packed_rows`` names (or the mask's real tokens),
-    counted where the mask is (a device mask: one synchronisation)."""
+    narrowed rows) as host numbers: `rows` (the objective's ``packed_rows`` for `batch` and `tensors`; None: the
+    mask's real tokens), counted where they are (on the device: one synchronisation)."""
     mask = batch["attention_mask"]
-    rows = objective.packed_rows(batch, tensors)
     narrowed = getattr(objective, "narrowed_rows", None)  # `Objective.narrowed_rows`
     after = None if rows is None or narrowed is None else narrowed(batch, tensors)
     counted = [mask.count_nonzero() if rows is None else rows.count_nonzero(), mask[:, 0].bool().all()]

@@ -134,13 +134,10 @@ class CAT(Draws, Objective):
         """The [B, T] rows a packed step computes (`layers.packing.extended`), for the planned partners
         (``tensors["partner"]``): each sample's real tokens, the positions its mixed sequence keeps (`mask_mode`)
         and those of every mixed sequence it is the partner of. None without a 2-D attention mask."""
-        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
-        partner = tensors.get("partner") if isinstance(tensors, dict) else None
-        if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or partner is None:
+        found = self._real_and_mixed(batch, tensors)
+        if found is None:
             return None
-        real = mask != 0
-        partner = partner.to(real.device)
-        mixed = mix_mask(real, partner, self.mask_mode)
+        real, partner, mixed = found
         lent = torch.zeros(real.shape, device=real.device, dtype=torch.int32)
         lent.index_add_(0, partner, mixed.to(torch.int32))
         return real | mixed | (lent > 0)
@@ -149,14 +146,19 @@ class CAT(Draws, Objective):
         """The [B, T] rows the layers past the mixing layer pack (`layers.packing.narrow`): the real tokens and
         the positions each mixed sequence keeps (`mask_mode`): the padding rows a partner lends to CMIX are needed
         up to h_m only. None where `packed_rows` is."""
+        found = self._real_and_mixed(batch, tensors)
+        return None if found is None else found[0] | found[2]
+
+    def _real_and_mixed(self, batch, tensors):
+        """``(real tokens, partners, positions each mixed sequence keeps)`` ([B, T] boolean, [B] on the mask's
+        device, [B, T] boolean) for the batch's 2-D attention mask and ``tensors["partner"]``, else None."""
         mask = batch.get("attention_mask") if isinstance(batch, dict) else None
         partner = tensors.get("partner") if isinstance(tensors, dict) else None
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or partner is None:
             return None
         real = mask != 0
-        if self.mask_mode == "self":
-            return real
-        return real | mix_mask(real, partner.to(real.device), self.mask_mode)
+        partner = partner.to(real.device)
+        return real, partner, mix_mask(real, partner, self.mask_mode)
 
     # ----------------------------------------------------------------- public API
     def capture_key(self, batch, *args):
