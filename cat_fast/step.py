@@ -33,7 +33,7 @@ Signatures beyond ``max_graphs`` run eagerly (pad batches to a few lengths: `cat
 
 Padding-free graphs (`cat_fast.layers.training.PACKED`; by default "auto": on CUDA, for an objective that declares
 `packs_rows` — ERM(fast=True), the bias-model losses, GS on the pooled vector or first order at the embeddings, CAT
-— and batches of at least ``PACKED_MIN_ROWS`` rows, or the objective's own ``packed_min_rows``: CAT's 8,192): a
+— and batches of at least ``PACKED_MIN_ROWS`` rows, or the objective's own ``packed_min_rows``: CAT's 8,192 where its lent rows take a gradient): a
 batch with a 2-D ``attention_mask`` adds its real-token count, rounded up to a 32nd of its rows
 (`layers.packing.bucket`), to the signature, and its graph runs the encoder on that many packed rows
 (`layers.packing.static_rows`: the rows packed once, handed from layer to layer packed, attended by variable-length
@@ -138,7 +138,9 @@ def _static_rows(batch, objective, tensors=None, host_mask=None, host=None):
     `tensors`: CAT's) rounded up to a bucket (`layers.packing.bucket`), the row count its graph packs; else None.
     Where the objective also names the rows its layers past a narrowing pack (``narrowed_rows``: CAT's, past the
     mixing layer), the pair ``(n, n_narrowed)`` of the two counts (`layers.packing.static_rows`), when the second
-    is smaller. Reading the counts is one host synchronisation per step, paid only where the rows are packed,
+    is smaller; where it carries the rows it names beyond the real tokens apart (``lent_rows_apart``), the triple
+    ``(n, n_narrowed, n_lent)``: the real tokens up to the narrowing, its narrowed rows, the lent rows
+    (`layers.packing.lent_bucket`). Reading the counts is one host synchronisation per step, paid only where the rows are packed,
     unless the mask's host copy is given (`host_mask`, the batch's mask as it came from the host: `_on_device`):
     then they are counted on the host, from the real tokens where the objective names no rows of its own, else from
     the rows it names for `host` (the plan's draws as host tensors, `StepPlan.host`; without them, on the device)."""
@@ -158,27 +160,39 @@ def _static_rows(batch, objective, tensors=None, host_mask=None, host=None):
     rows = objective.packed_rows(batch, tensors or {})
     if rows is None and on_host:  # the real tokens, counted from the host mask
         batch = {"attention_mask": host_mask}
-    n_real, first_real, *n_after = _counts(objective, batch, tensors or {}, rows)
+    apart = rows is not None and getattr(objective, "lent_rows_apart", False)  # `Objective.lent_rows_apart`
+    n_rows, first_real, *more = _counts(objective, batch, tensors or {}, rows, apart)
     if not first_real:  # a sequence whose first position is padding (left padding) runs padded
         return None
-    n = packing.bucket(n_real, mask.numel(), training_layers.PACKED_MIN_PADDING)
-    if n is None or not n_after:
+    total = mask.numel()
+    if apart:  # the real tokens up to the narrowing, the objective's narrowed rows past it, and the lent rows apart
+        n_after, n_real = more if len(more) == 2 else (more[0], more[0])
+        n = packing.bucket(n_real, total, training_layers.PACKED_MIN_PADDING)
+        if n is None:
+            return None
+        n_narrow = packing.bucket(n_after, total, 0.0)
+        return (n, n if n_narrow is None else n_narrow, packing.lent_bucket(n_rows - n_real, total))
+    n = packing.bucket(n_rows, total, training_layers.PACKED_MIN_PADDING)
+    if n is None or not more:
         return n
     # the layers past the mixing layer pack the objective's narrowed rows (`layers.packing.narrow`), fewer
-    n_narrow = packing.bucket(n_after[0], mask.numel(), 0.0)
+    n_narrow = packing.bucket(more[0], total, 0.0)
     return n if n_narrow is None or n_narrow >= n else (n, n_narrow)
 
 
-def _counts(objective, batch, tensors, rows):
-    """``[rows, first position real in every sequence, narrowed rows]`` (the last only where the objective names
-    narrowed rows) as host numbers: `rows` (the objective's ``packed_rows`` for `batch` and `tensors`; None: the
-    mask's real tokens), counted where they are (on the device: one synchronisation)."""
+def _counts(objective, batch, tensors, rows, real=False):
+    """``[rows, first position real in every sequence, narrowed rows, real tokens]`` as host numbers (the narrowed
+    rows only where the objective names them, the real tokens only with `real`): `rows` (the objective's
+    ``packed_rows`` for `batch` and `tensors`; None: the mask's real tokens), counted where they are (on the device:
+    one synchronisation)."""
     mask = batch["attention_mask"]
     narrowed = getattr(objective, "narrowed_rows", None)  # `Objective.narrowed_rows`
     after = None if rows is None or narrowed is None else narrowed(batch, tensors)
     counted = [mask.count_nonzero() if rows is None else rows.count_nonzero(), mask[:, 0].bool().all()]
     if after is not None:
         counted.append(after.count_nonzero())
+    if real:
+        counted.append(mask.count_nonzero())
     return torch.stack(counted).tolist()
 
 

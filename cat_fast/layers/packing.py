@@ -35,6 +35,14 @@ and value rows are gathered per call (`Plan.attention_layout`). ``extended(rows,
 layers past CAT's mixing layer pack fewer rows (``after``: the rows of its mixed sequences; `KEYS`, each call's
 real tokens, whose keys are then every packed row and need no gather), under the second count of a
 ``static_rows((n, n_after))`` pair; the lent padding rows are needed up to h_m only.
+
+Lent rows apart (``lent(rows)``, `LENT`): where those padding rows take no gradient (CAT with its CRM weight
+detached), the layers up to the narrowing pack the real rows only, as a plain step does, and each packed layer also
+carries the lent rows forward without autograd (`layers.training`): their query attends to its sequence's keys (the
+real rows' keys and values the layer computed), the rest of the layer row by row, as the padded path computes a
+padding row. At the narrowing, `lent_rows` hands them over and `with_lent` writes them into a detached copy of h_m.
+A static count's third number (``static_rows((n, n_after, n_lent))``) is their count in a graph: the lent rows
+first, then rows whose results go to a scratch row nobody reads.
 """
 from __future__ import annotations
 
@@ -51,7 +59,8 @@ from .layout import will_run
 
 __all__ = ["real_rows", "attend", "attention_backward", "scatter", "static_rows", "static_count", "bucket", "BUCKETS",
            "Plan", "plan", "pack", "link", "unpack", "carry", "carried", "carrying", "may_carry", "padded", "refused",
-           "VARLEN", "NARROW", "extended", "narrow", "KEYS"]
+           "VARLEN", "NARROW", "extended", "narrow", "KEYS", "LENT", "lent", "lent_state", "lent_rows", "with_lent",
+           "lent_bucket", "LENT_BUCKETS"]
 
 _last = threading.local()  # .entry: (weak reference to the mask, its version, (B, T, min_padding, ...), the result,
 # a weak reference to `extended`'s rows or None)
@@ -68,6 +77,10 @@ _refused = threading.local()  # .on: whether `padded` is in force
 _extend = threading.local()  # .state: `extended`'s `_Extension`, or None
 # Whether `narrow` takes effect; False packs `extended`'s rows through every layer, for comparisons.
 NARROW = True
+# Whether a step whose lent rows take no gradient computes them apart, forward only (`lent`, module docstring); False
+# packs them with the real rows up to the narrowing, for comparisons.
+LENT = True
+_lent = threading.local()  # .state: `lent`'s `_Lent`, or None
 
 
 @contextlib.contextmanager
@@ -83,10 +96,11 @@ def _scoped(store: threading.local, name: str, value):
 
 def static_rows(n):
     """Within: `real_rows` returns `n` rows computed on the device (module docstring); None: as outside. `n` may
-    be a pair ``(n, n_narrowed)``: the second is the row count of the plans made after `narrow`."""
-    if n is not None and not (isinstance(n, int) or (isinstance(n, tuple) and len(n) == 2
-                                                      and all(isinstance(c, int) for c in n))):
-        raise ValueError(f"packing.static_rows: expected a row count or a pair of them, got {n!r}")
+    be a pair ``(n, n_narrowed)``: the second is the row count of the plans made after `narrow`; or a triple
+    ``(n, n_narrowed, n_lent)``: the third is `lent`'s row count."""
+    if n is not None and not (isinstance(n, int) or (isinstance(n, tuple) and len(n) in (2, 3)
+                                                      and all(isinstance(c, int) and c >= 0 for c in n))):
+        raise ValueError(f"packing.static_rows: expected a row count, or a pair or triple of them, got {n!r}")
     return _scoped(_static, "rows", n)
 
 
@@ -98,7 +112,7 @@ def static_count():
 def _static_counts():
     """``(n, n_narrowed)`` of `static_rows` (None, None where unset; n twice where one count was given)."""
     n = static_count()
-    return n if isinstance(n, tuple) else (n, n)
+    return n[:2] if isinstance(n, tuple) else (n, n)
 
 
 def padded(on: bool = True):
@@ -123,9 +137,8 @@ class _Extension:
 
     def current(self):
         """The rows a plan packs now: a [B, T] boolean tensor, or None (the mask's real tokens)."""
-        if not self.narrowed:
-            return self.rows
-        return None if self.after is KEYS else self.after
+        rows = self.after if self.narrowed else self.rows
+        return None if rows is KEYS else rows
 
 
 # `extended`'s `after` for the layers past the narrowing that pack the real tokens of each call's mask (its keys)
@@ -133,14 +146,15 @@ KEYS = "keys"
 
 
 def _check_rows(name, rows):
-    if rows is not None and (not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.dtype != torch.bool):
+    if rows is not None and rows is not KEYS and (not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.dtype != torch.bool):
         raise ValueError(f"packing.extended: {name} must be a [B, T] boolean tensor, got "
                          f"{getattr(rows, 'dtype', type(rows).__name__)} of shape {tuple(getattr(rows, 'shape', ()))}")
 
 
 def extended(rows: torch.Tensor | None, after=None):
     """Within: a plan of a [B, T] batch packs the rows `rows` marks ([B, T] boolean, holding every real token of
-    the masks the layers get), not only the real ones (module docstring); None: as outside. `after`: the rows the
+    the masks the layers get; or `KEYS`, the real tokens, where only `after` differs from them), not only the real
+    ones (module docstring); None: as outside. `after`: the rows the
     plans made after `narrow` pack instead (a [B, T] boolean tensor within `rows`, or `KEYS`: each call's real
     tokens), under the second count of a `static_rows` pair: CAT's layers past the mixing layer, which need the rows
     of its mixed sequences only. None: `rows` throughout."""
@@ -156,6 +170,99 @@ def narrow():
     state = getattr(_extend, "state", None)
     if NARROW and state is not None and state.after is not None:
         state.narrowed = True
+
+
+class _Lent:
+    """`lent`'s state: `mask`, the [B, T] rows lent; `idx`, the rows carried (the lent ones ascending, then with a
+    static count rows of no use); `dest`, where each is written back (its row, or B·T: a scratch row); `cu`, int32
+    offsets of each sequence's lent rows, for the attention; `x` and `x16`, their hidden rows so far and a 16-bit
+    copy of them (None before the first packed layer); `done`, set by `lent_rows`; `broken`, set by a layer that
+    could not carry them."""
+
+    __slots__ = ("mask", "idx", "dest", "cu", "x", "x16", "done", "broken")
+
+    def __init__(self, mask, idx, dest):
+        self.mask, self.idx, self.dest = mask, idx, dest
+        counts = mask.sum(1, dtype=torch.int32)
+        self.cu = torch.cat([counts.new_zeros(1), counts.cumsum(0, dtype=torch.int32)])
+        self.x = self.x16 = None
+        self.done = self.broken = False
+
+    def active(self) -> bool:
+        """Whether a packed layer now carries the rows on (started, not yet handed over)."""
+        return self.x is not None and not self.done
+
+
+# The lent rows' static count is rounded up to a multiple of 1/LENT_BUCKETS of the batch's rows: their number
+# follows each step's partner draw (a sum of positive length differences), so finer buckets multiply the graphs, the
+# more so under DDP, where a graph is keyed by every rank's counts (32nds gave 3-4 counts a layer at 32x128).
+LENT_BUCKETS = 16
+
+
+def lent_bucket(n_lent: int, total: int) -> int:
+    """`n_lent` lent rows rounded up to a multiple of ``ceil(total / LENT_BUCKETS)`` (0 stays 0): `lent`'s static
+    count."""
+    if n_lent <= 0:
+        return 0
+    step = math.ceil(total / LENT_BUCKETS)
+    return min(total, math.ceil(n_lent / step) * step)
+
+
+def lent(rows: torch.Tensor | None):
+    """Within: the packed layers up to the narrowing carry the rows `rows` marks ([B, T] boolean: padding rows only)
+    forward without autograd (module docstring), and `lent_rows` hands them over; None, or no row marked: nothing.
+    Under a `static_rows` triple, its third number of rows (at least those marked: asserted on the device); else
+    the marked rows (one host synchronisation)."""
+    _check_rows("rows", rows)
+    if rows is None or rows is KEYS:
+        return _scoped(_lent, "state", None)
+    flat = rows.reshape(-1)
+    n = static_count()
+    if isinstance(n, tuple) and len(n) == 3:
+        n = n[2]
+        torch._assert_async(flat.sum() <= n)
+        if n == 0:
+            return _scoped(_lent, "state", None)
+        idx = torch.sort((~flat).to(torch.uint8), stable=True).indices[:n]
+        used = torch.arange(n, device=flat.device) < flat.sum()
+        dest = torch.where(used, idx, flat.numel())
+    else:
+        idx = flat.nonzero().squeeze(1)
+        if idx.numel() == 0:
+            return _scoped(_lent, "state", None)
+        dest = idx
+    return _scoped(_lent, "state", _Lent(rows, idx, dest))
+
+
+def lent_state():
+    """`lent`'s state in force (`_Lent`), or None."""
+    return getattr(_lent, "state", None)
+
+
+def lent_rows():
+    """``(dest, rows)``: the lent rows' hidden states as the packed layers left them and where each goes
+    (`with_lent`), or None where no layer carried them (none packed: the padded path computed them in place). Marks
+    them handed over: later layers do not carry them. A forward in which a layer could not carry them raises."""
+    state = lent_state()
+    if state is None or state.done:
+        return None
+    state.done = True
+    if state.broken:
+        raise RuntimeError("packing.lent: a layer up to the narrowing did not run packed, so the lent padding rows "
+                           "were not carried through it (run with packing.LENT = False)")
+    if state.x is None:
+        return None
+    return state.dest, state.x
+
+
+def with_lent(hidden: torch.Tensor, dest: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """A copy of `hidden` [B, T, D] with the rows of `lent_rows` written in (their dtype cast to hidden's); rows
+    bound for the scratch row B·T go nowhere."""
+    B, T, D = hidden.shape
+    out = hidden.new_empty(B * T + 1, D)
+    out[:B * T].copy_(hidden.detach().reshape(B * T, D))
+    copy_rows_(out, dest, rows.to(hidden.dtype))
+    return out[:B * T].view(B, T, D)
 
 
 def bucket(n_real: int, total: int, min_padding: float) -> int | None:

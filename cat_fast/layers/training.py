@@ -30,7 +30,9 @@ rows padding; eagerly (a host synchronisation) or, in a captured step (`Captured
 graph, the step's real rows rounded up to a 32nd of its rows (`packing.static_rows`, `packing.bucket`; the extra rows
 are padding rows, which attend among themselves). Within a forward that allows it (`packing.carrying`:
 `models.first_token_forward`, `models.capture` and `models.resume`) a layer hands its packed rows to the next
-(`packing.carry`), so the rows are packed once and unpacked once, before the last two layers.
+(`packing.carry`), so the rows are packed once and unpacked once, before the last two layers. Within `packing.lent`
+(CAT's padding rows lent to CMIX, which take no gradient) each packed layer up to the narrowing also carries those
+rows forward without autograd: their query attends to their sequence's keys, the rest of the layer row by row.
 The unpacked output's padding rows are then the first packed layer's input rows there (finite values for a consumer
 that reads them; the padded path computes attention outputs there, which a key-padding mask keeps from every real
 row), and the input gradient there is the output gradient there (the derivative of that copy: zero in a model, where
@@ -184,11 +186,14 @@ def forward(layer: nn.Module, args, kwargs, packed_only: bool = False) -> torch.
     if dtype is None or (grad and not (hidden.requires_grad or any(p.requires_grad for p in params))):
         return None
     edits = interventions.active(layer)
+    lent = packing.lent_state()
     if edits:
         if packed_only:  # `layers.resumed` composes the edits, in the padded layout as here
             return None
         if carried is not None:
             hidden = packing.unpack(hidden, *carried)
+        if lent is not None and lent.active():
+            lent.broken = True
         return _composed(layer, hidden, mask, dtype, edits)
     packed = carried[0] if carried is not None else _packed_plan(hidden, mask)
     if packed_only and packed is None:
@@ -197,9 +202,13 @@ def forward(layer: nn.Module, args, kwargs, packed_only: bool = False) -> torch.
         full, rows, link = carried[1], hidden, carried[2]
     else:
         if packed is None:
+            if lent is not None and lent.active():
+                lent.broken = True
             return _TrainingLayer.apply(hidden, mask, None, layer, dtype, *params)
         full, rows = hidden, packing.pack(hidden, packed)
         link = packing.link(rows)
+        if lent is not None and lent.x is None and not lent.done:  # the lent rows start from the first packed input
+            lent.x = full.detach().reshape(-1, full.shape[-1]).index_select(0, lent.idx)
     y = _TrainingLayer.apply(rows, mask, packed, layer, dtype, *params)
     if packing.may_carry(layer):
         return packing.carry(y, packed, full, link)
@@ -299,6 +308,47 @@ def norm_backward(rln, grad_y, branch, residual, weight, mean, rstd, keep, p, ne
             grad_branch_bias if need[0] else None)
 
 
+def _lent_forward(lent, layer, packed, mask, qkv, w16, fused, dtype, norms, dims):
+    """`packing.lent`'s rows through `layer`, without autograd: their query projected, attending to their
+    sequence's keys (the keys and values `qkv` the layer computed over the packed real rows), then the attention
+    output, dropouts, residual adds, LayerNorms and feed-forward block row by row, as this layer's forward computes
+    a row (and the padded path a padding row)."""
+    g1, be1, g2, be2 = norms
+    B, T, heads, width, p_attn, scale, p1, p2, approximate = dims
+    sa, so, inter, out = bert_parts(layer)
+    D = heads * width
+    x = lent.x
+    x16 = lent.x16 if lent.x16 is not None else x.to(dtype)
+    q = torch.addmm(w16.qkv_bias[:D], x16, w16.qkv[:D].t())
+    if packing.varlen_applies(qkv, width):
+        k, v = (qkv[:, i * D:(i + 1) * D].view(-1, heads, width) for i in (1, 2))
+        cu_k = packed.offsets()[0][:B + 1]  # each sequence's real rows
+        context = torch.ops.aten._flash_attention_forward(
+            q.view(-1, heads, width), k, v, lent.cu, cu_k, T, T, p_attn, False, False, scale=scale)[0].view(-1, D)
+    else:  # the padded layout: the lent queries at their rows, the keys and values of the packed rows
+        full_q = q.new_zeros(B * T + 1, D).index_copy_(0, lent.dest, q)[:B * T]
+        kv = qkv.new_zeros(B * T, 2 * D).index_copy_(0, packed.idx, qkv[:, D:])
+        q4, k4, v4 = (t.reshape(B, T, heads, width).transpose(1, 2) for t in (full_q, kv[:, :D], kv[:, D:]))
+        context = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=sdpa_mask(mask, dtype), dropout_p=p_attn,
+                                                 scale=scale)
+        context = context.transpose(1, 2).reshape(B * T, D).index_select(0, lent.idx)
+    a, _ = dropout(torch.addmm(w16.attention_output_bias, context, w16.attention_output.t()), p1)
+    if fused:
+        h1, h1_16, _, _ = fused[0].forward(a, x, g1, be1, so.LayerNorm.eps, out16_dtype=dtype)
+    else:
+        h1 = torch.native_layer_norm(a + x, (D,), g1, be1, so.LayerNorm.eps)[0]
+        h1_16 = h1.to(dtype)
+    inner = torch.addmm(w16.intermediate_bias, h1_16, w16.intermediate.t())
+    activated = (F.gelu(inner, approximate=approximate) if approximate is not None
+                 else inter.intermediate_act_fn(inner))
+    o, _ = dropout(torch.addmm(w16.output_bias, activated, w16.output.t()), p2)
+    if fused:
+        y, y16, _, _ = fused[0].forward(o, h1, g2, be2, out.LayerNorm.eps, out16_dtype=dtype)
+    else:
+        y, y16 = torch.native_layer_norm(o + h1, (D,), g2, be2, out.LayerNorm.eps)[0], None
+    lent.x, lent.x16 = y, y16
+
+
 class _TrainingLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, mask, packed, layer, dtype, *params):
@@ -347,6 +397,10 @@ class _TrainingLayer(torch.autograd.Function):
                 s2 = o + h1
                 y, mean2, rstd2 = torch.native_layer_norm(s2, (D,), g2, be2, out.LayerNorm.eps)
                 second_sum = dict(s2=s2)
+            lent = packing.lent_state() if packed is not None else None
+            if lent is not None and lent.active():  # the lent rows through this layer (`packing.lent`)
+                _lent_forward(lent, layer, packed, mask, qkv, w16, fused, dtype, (g1, be1, g2, be2),
+                              (B, T, heads, width, p_attn, sa.scaling, p1, p2, approximate))
         saved = dict(x16=x16, w_qkv=w_qkv, qkv_leaf=qkv_leaf, context=context, rows=rows, wo16=wo16, keep1=keep1,
                      **first_sum, mean1=mean1, rstd1=rstd1, h1_16=h1_16, wi16=wi16, inner=inner,
                      activated=activated, wo2_16=wo2_16, keep2=keep2, **second_sum, mean2=mean2, rstd2=rstd2, g1=g1,

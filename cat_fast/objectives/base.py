@@ -168,6 +168,10 @@ class Objective(Declarations, metaclass=_ObjectiveType):
         (`layers.packing.narrow`: CAT's layers past its mixing layer); None: no narrowing."""
         return None
 
+    # Whether the rows of `packed_rows` that are no real token take no gradient, so that a packed step carries them
+    # apart, forward only, up to the narrowing (`layers.packing.lent`), its layers packing the real tokens there.
+    lent_rows_apart = False
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         for name in ("__call__", "plan_step"):  # every entry point of a step checks its batch first

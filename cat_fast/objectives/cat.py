@@ -124,11 +124,15 @@ class CAT(Draws, Objective):
         its loss reads the logits of every position, padding included, which the packed path does not compute."""
         return self.training_layers and self.gs_weight == 0 and self.task.first_token_head
 
-    # A captured CAT step packs by default from 8,192 rows: with the mixing layer fixed, the packed step took 5-10 %
-    # less than the padded one at each of the layers 8, 9 and 10 at 64x128, 32x256 and 64x256; at 4,096 rows
-    # (32x128) it took 1-3 % more (benchmarks/RESULTS.md, "Packed CAT by mixing layer"). PACKED = True packs it at
-    # any size.
-    packed_min_rows = 8192
+    @property
+    def packed_min_rows(self) -> int | None:
+        """The fewest rows from which a captured step packs by default (`Objective.packed_min_rows`): the default
+        4,096 where the lent rows are carried apart (`lent_rows_apart`), 8,192 where they are packed with the real
+        ones. With the mixing layer fixed, at 32x128 (4,096 rows) the packed step took 4-8 % less than the padded
+        one at each of the layers 8, 9 and 10 with the lent rows apart, 1-3 % more with them packed; from 8,192 rows
+        it took 5-10 % less either way (benchmarks/RESULTS.md, "Packed CAT by mixing layer" and "Packed CAT: the
+        lent rows carried apart"). PACKED = True packs it at any size."""
+        return None if self.lent_rows_apart else 8192
 
     def packed_rows(self, batch, tensors):
         """The [B, T] rows a packed step computes (`layers.packing.extended`), for the planned partners
@@ -141,6 +145,14 @@ class CAT(Draws, Objective):
         lent = torch.zeros(real.shape, device=real.device, dtype=torch.int32)
         lent.index_add_(0, partner, mixed.to(torch.int32))
         return real | mixed | (lent > 0)
+
+    @property
+    def lent_rows_apart(self) -> bool:
+        """With the CRM weight detached the padding rows partners lend to CMIX take no gradient: a packed step's
+        layers up to h_m pack the real tokens only and carry the lent rows apart, forward only
+        (`layers.packing.lent`, `Objective.lent_rows_apart`); `layers.packing.LENT = False` or ``NARROW = False``
+        packs them with the real ones, for comparisons."""
+        return self.detach_weight and packing.LENT and packing.NARROW
 
     def narrowed_rows(self, batch, tensors):
         """The [B, T] rows the layers past the mixing layer pack (`layers.packing.narrow`): the real tokens and
@@ -255,11 +267,15 @@ class CAT(Draws, Objective):
         packs = self.packs_rows and (training_layers.packed_mode() is True or packing.static_count() is not None)
         rows = self.packed_rows(batch, {"partner": partner}) if packs else None
         # past the mixing layer, the rows of the mixed sequences only (self: each call's real tokens, the keys)
-        after = None
-        if rows is not None:
+        after = lent = None
+        extended = rows is not None
+        if extended:
             after = packing.KEYS if self.mask_mode == "self" else self.narrowed_rows(batch, {"partner": partner})
-        with packing.extended(rows, after=after):
-            return self._extended_step_losses(batch, plan, m, rng, partner, lam0, prune, B, device, rows is not None)
+            if self.lent_rows_apart:  # up to h_m the real tokens packed, the lent rows carried apart
+                lent = rows & (batch["attention_mask"] == 0).to(rows.device)
+                rows = packing.KEYS
+        with packing.extended(rows, after=after), packing.lent(lent):
+            return self._extended_step_losses(batch, plan, m, rng, partner, lam0, prune, B, device, extended)
 
     def _extended_step_losses(self, batch, plan, m, rng, partner, lam0, prune, B, device, extended):
         capturing = plan is not None and rng is not None and torch.cuda.is_current_stream_capturing()
@@ -276,7 +292,10 @@ class CAT(Draws, Objective):
 
         on_hidden = replay_early if use_graphs and self.task.targets_before_forward else None
         if extended:  # layers m+1..L of every pass pack the mixed sequences' rows only (`narrowed_rows`)
-            on_hidden = lambda cap: packing.narrow()  # noqa: E731
+
+            def on_hidden(cap):
+                early["lent"] = packing.lent_rows()  # the lent rows of h_m, where carried apart
+                packing.narrow()
         cap = models.capture(self.model, batch, m, first_token=prune, on_hidden=on_hidden, rng=not capturing,
                              training_layers=self.training_layers and self.gs_weight == 0)
         if rng is not None and not capturing:
@@ -298,7 +317,9 @@ class CAT(Draws, Objective):
         if replayed is not None:
             lam, cf_logits = replayed
         else:
-            lam, cf_logits = self._cal(cap, lam0, partner, mask, allow, targets, rng if capturing else None)
+            lent = early.get("lent")
+            h_det = packing.with_lent(h, *lent) if lent is not None else h.detach()
+            lam, cf_logits = self._cal(cap, lam0, partner, mask, allow, targets, rng if capturing else None, h_det)
 
         erm = self.task.erm(logits, targets)
         crm = self.task.crm(logits, cf_logits, targets, a1=self.a1, a2=self.a2, detach_weight=self.detach_weight)
@@ -322,11 +343,12 @@ class CAT(Draws, Objective):
             cf = crm + self.gs_weight * gs
         return erm, cf, info
 
-    def _cal(self, cap, lam0, partner, mask, allow, targets, rng):
+    def _cal(self, cap, lam0, partner, mask, allow, targets, rng, h_det=None):
         """``(λ, counterfactual logits)`` without CUDA graphs: CAL's ascent steps on λ from `lam0`, then the final
-        counterfactual pass on the optimised λ. `rng`: the plan's generators inside a whole-step capture (`_pass`)."""
+        counterfactual pass on the optimised λ. `rng`: the plan's generators inside a whole-step capture (`_pass`).
+        `h_det`: h_m detached (None: ``cap.hidden.detach()``), with the lent rows carried apart written in."""
         h = cap.hidden
-        h_det = h.detach()
+        h_det = h.detach() if h_det is None else h_det
         # CAL: ascent on λ only; h_m detached, parameters untouched.
         lam = lam0.clone()
         for k in range(self.adv_steps):

@@ -298,23 +298,65 @@ def test_cat_packed_without_the_partners_rows_differs(monkeypatch):
         _assert_same_cat(got, want)
 
 
+@pytest.mark.parametrize("lent", [True, False], ids=["apart", "packed"])
 @pytest.mark.parametrize("mask_mode, narrowed", [("self", 28), ("union", 37)])
-def test_cat_packs_fewer_rows_past_the_mixing_layer(mask_mode, narrowed, monkeypatch):
-    """The padding rows a partner lends to CMIX are packed up to h_m only: the clean forward packs them from its
-    first layer, then layer m+1 of the clean forward and of every pass packs the mixed sequences' rows (self: the
+def test_cat_packs_fewer_rows_past_the_mixing_layer(mask_mode, narrowed, lent, monkeypatch):
+    """The padding rows a partner lends to CMIX are computed up to h_m only: carried apart, forward only, beside the
+    clean forward's real rows (28; `packing.lent`, the default), or with ``LENT = False`` packed with them from the
+    first layer; then layer m+1 of the clean forward and of every pass packs the mixed sequences' rows (self: the
     real ones, 28; union: each sample's and its partner's, 37), and the step equals the padded one."""
     model = _model(train=True)
     batch = _batch(16)  # lengths 12, 5, 8, 3 of 16: padding enough for the union's 44 rows to pack
     monkeypatch.setattr(CAT, "_draw_partner", lambda self, B, device: torch.tensor([3, 2, 0, 1]))
     want = _cat_grads(model, batch, mask_mode=mask_mode, cuda_graph=False)
     monkeypatch.setattr(training_layer, "PACKED", True)
-    counts = []
-    original = packing.pack
+    monkeypatch.setattr(packing, "LENT", lent)
+    counts, carried = [], []
+    original, lent_forward = packing.pack, training_layer._lent_forward
     monkeypatch.setattr(packing, "pack", lambda hidden, plan: counts.append(plan.idx.numel()) or original(hidden, plan))
+    monkeypatch.setattr(training_layer, "_lent_forward",
+                        lambda state, *a: carried.append(state.idx.numel()) or lent_forward(state, *a))
     got = _cat_grads(model, batch, mask_mode=mask_mode, cuda_graph=False)
     extended = {"self": 12 + 5 + 8 + 12, "union": 12 + 8 + 12 + 12}[mask_mode]  # `test_cat_packed_rows_hold_...`
-    assert counts == [extended] + [narrowed] * 4  # the clean forward, then its layer 3 and each of the three passes'
+    # the clean forward, then its layer 3 and each of the three passes'
+    assert counts == [28 if lent else extended] + [narrowed] * 4
+    assert carried == ([extended - 28] * 2 if lent else [])  # the lent rows through layers 1 and 2
     _assert_same_cat(got, want)
+
+
+def test_cat_lent_rows_left_uncarried_differ(monkeypatch):
+    """The checks above can fail: lent rows not carried through the layers (left as the embeddings' rows) move
+    CAT's step away from the padded one."""
+    model = _model(train=True)
+    batch = _batch(16)
+    monkeypatch.setattr(CAT, "_draw_partner", lambda self, B, device: torch.tensor([3, 2, 0, 1]))
+    want = _cat_grads(model, batch, cuda_graph=False)
+    monkeypatch.setattr(training_layer, "PACKED", True)
+    monkeypatch.setattr(training_layer, "_lent_forward", lambda *a: None)
+    got = _cat_grads(model, batch, cuda_graph=False)
+    with pytest.raises(AssertionError):
+        _assert_same_cat(got, want)
+
+
+def test_cat_lent_rows_under_a_static_count(monkeypatch):
+    """Under a static count (`packing.static_rows((n, n_after, n_lent))`, as a captured step sets it) the lent rows
+    are carried with spare rows after them, whose results go to a scratch row: the step equals the padded one. A
+    count below the lent rows fails loudly (the device-side assertion)."""
+    model = _model(train=True)
+    batch = _batch(16)
+    monkeypatch.setattr(CAT, "_draw_partner", lambda self, B, device: torch.tensor([3, 2, 0, 1]))
+    want = _cat_grads(model, batch, cuda_graph=False)
+    monkeypatch.setattr(training_layer, "PACKED", True)
+    carried = []
+    lent_forward = training_layer._lent_forward
+    monkeypatch.setattr(training_layer, "_lent_forward",
+                        lambda state, *a: carried.append(state.idx.numel()) or lent_forward(state, *a))
+    with packing.static_rows((32, 32, 20)):  # 28 real rows, 9 lent
+        got = _cat_grads(model, batch, cuda_graph=False)
+    assert carried == [20, 20]
+    _assert_same_cat(got, want)
+    with packing.static_rows((32, 32, 8)), pytest.raises(RuntimeError):
+        _cat_grads(model, batch, cuda_graph=False)
 
 
 def test_cat_without_narrowing_packs_the_lent_rows_throughout(monkeypatch):
@@ -342,6 +384,7 @@ def test_cat_narrowed_before_the_mixing_layer_differs(monkeypatch):
     monkeypatch.setattr(CAT, "_draw_partner", lambda self, B, device: torch.tensor([3, 2, 0, 1]))
     want = _cat_grads(model, batch, cuda_graph=False)
     monkeypatch.setattr(training_layer, "PACKED", True)
+    monkeypatch.setattr(packing, "LENT", False)  # the lent rows packed with the real ones, up to the narrowing
     original = packing.extended
 
     @contextlib.contextmanager

@@ -656,7 +656,9 @@ def test_which_steps_pack_by_default(monkeypatch):
     assert PoE(model).packs_rows and not PoE(model, training_layers=False).packs_rows
     assert CAT(model).packs_rows and not CAT(model, gs_weight=0.5).packs_rows
     assert not CAT(model, training_layers=False).packs_rows
-    assert step_module._min_rows(CAT(model)) == CAT.packed_min_rows == 8192
+    # CAT from the default 4,096 rows with its lent rows carried apart, from 8,192 where they take a gradient
+    assert CAT(model).packed_min_rows is None and step_module._min_rows(CAT(model)) == 4096
+    assert step_module._min_rows(CAT(model, detach_weight=False)) == 8192
     assert step_module._min_rows(ERM(model, fast=True)) == training_layer.PACKED_MIN_ROWS == 4096
     batch = {"attention_mask": _padding_mask([128, 70, 90, 64] * 8, 128)}  # 32 x 128 = 4,096 rows
     erm = ERM(model, fast=True)
@@ -668,17 +670,26 @@ def test_which_steps_pack_by_default(monkeypatch):
     assert erm.packed_rows(batch, {}) is None and erm.narrowed_rows(batch, {}) is None  # `Objective`'s: the real rows
     assert step_module._static_rows(batch, ERM(model)) is None  # runs padded (`packing.padded`)
     cat = CAT(model)  # True packs CAT: the rows CMIX reads, for the plan's partners
-    assert step_module._static_rows(batch, cat, {"partner": torch.arange(32)}) == want  # its own partner: the real rows
+    # the real rows up to the mixing layer and past it, the padding rows partners lend carried apart (none here)
+    assert step_module._static_rows(batch, cat, {"partner": torch.arange(32)}) == (want, want, 0)
     lent = step_module._static_rows(batch, cat, {"partner": torch.arange(32).roll(1)})
-    # 128 / 90 / 90 / 128 rows per four sequences (real: 128 / 70 / 90 / 64), in 128-row buckets; past the mixing
-    # layer, the real rows (mask_mode "self": the mixed sequences keep their own)
-    assert lent == (3584, want)
+    # 128 / 90 / 90 / 128 rows per four sequences (real: 128 / 70 / 90 / 64): 84 lent per four, 672, to 768 in
+    # 256-row buckets; past the mixing layer, the real rows (mask_mode "self": the mixed sequences keep their own)
+    assert lent == (want, want, 768)
+    assert [packing.lent_bucket(n, 4096) for n in (0, 1, 256, 257)] == [0, 256, 256, 512]
+    monkeypatch.setattr(packing, "LENT", False)  # the lent rows packed with the real ones up to the mixing layer
+    assert step_module._static_rows(batch, cat, {"partner": torch.arange(32).roll(1)}) == (3584, want)
+    assert step_module._static_rows(batch, cat, {"partner": torch.arange(32)}) == want  # its own partner: the real rows
+    monkeypatch.setattr(packing, "LENT", True)
+    assert not CAT(model, detach_weight=False).lent_rows_apart  # the lent rows take a gradient: packed with the rest
+    assert step_module._static_rows(batch, CAT(model, detach_weight=False), {"partner": torch.arange(32).roll(1)}) == (
+        3584, want)
     union = CAT(model, mask_mode="union")  # past the mixing layer, real | mixed: 128 / 128 / 90 / 90
     real = batch["attention_mask"] != 0
     rolled = {"partner": torch.arange(32).roll(1)}
     assert union.narrowed_rows(batch, rolled).sum(1)[:4].tolist() == [128, 128, 90, 90]
     assert union.narrowed_rows(batch, rolled).equal(real | real[rolled["partner"]])
-    assert step_module._static_rows(batch, union, {"partner": torch.arange(32)}) == want  # no fewer rows: one count
+    assert step_module._static_rows(batch, union, {"partner": torch.arange(32)}) == (want, want, 0)
     assert CAT(model, mask_mode="intersection").narrowed_rows(batch, {"partner": torch.arange(32)}).equal(
         batch["attention_mask"] != 0)
     left = {"attention_mask": batch["attention_mask"].flip(1)}
@@ -703,8 +714,8 @@ def test_which_steps_pack_by_default(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_auto_packs_cuda_batches_from_the_least_row_count():
-    """"auto" on CUDA: a packing objective's batch packs from `PACKED_MIN_ROWS` rows, not below, CAT from its own
-    8,192; other objectives never."""
+    """"auto" on CUDA: a packing objective's batch packs from `PACKED_MIN_ROWS` rows, not below (CAT too with its
+    lent rows carried apart; from 8,192 where they take a gradient); other objectives never."""
     from cat_fast import step as step_module
     from cat_fast.objectives import CAT
 
@@ -716,12 +727,16 @@ def test_auto_packs_cuda_batches_from_the_least_row_count():
     assert step_module._static_rows(small, erm) is None
     assert step_module._static_rows(big, ERM(model)) is None
     cat, partner = CAT(model), {"partner": torch.arange(32, device="cuda").roll(1)}
-    assert step_module._static_rows(big, cat, partner) is None  # 4,096 rows: CAT runs padded
+    # 4,096 rows: CAT packs its real rows (2,816), its lent ones apart (672, to 768 in 256-row buckets); with them
+    # packed, it runs padded
+    assert step_module._static_rows(big, cat, partner) == (2816, 2816, 768)
+    assert step_module._static_rows(big, CAT(model, detach_weight=False), partner) is None
+    assert step_module._static_rows(small, cat, partner) is None  # 1,024 rows
     large = {"attention_mask": _padding_mask([256, 100, 140, 64] * 8, 256).cuda()}  # 8,192 rows
     rows = step_module._static_rows(large, cat, {"partner": torch.arange(32, device="cuda").roll(1)})
-    # 256 / 140 / 140 / 256 rows per four sequences, in 256-row buckets; past the mixing layer the real ones
-    # (256 / 100 / 140 / 64: 4,480, to 4,608)
-    assert rows == (6400, 4608)
+    # real: 256 / 100 / 140 / 64 (4,480, to 4,608 in 256-row buckets) up to the mixing layer and past it; lent:
+    # 256 / 140 / 140 / 256 rows per four sequences less the real ones (1,856, to 2,048 in 512-row buckets)
+    assert rows == (4608, 4608, 2048)
     host = {"attention_mask": big["attention_mask"].cpu().pin_memory(), "labels": torch.zeros(32, dtype=torch.long)}
     moved, mask = step_module._on_device(host, torch.device("cuda"))
     assert mask is host["attention_mask"] and all(v.is_cuda for v in moved.values())
