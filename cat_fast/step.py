@@ -33,9 +33,9 @@ Signatures beyond ``max_graphs`` run eagerly (pad batches to a few lengths: `cat
 
 Padding-free graphs (`cat_fast.layers.training.PACKED`; by default "auto": on CUDA, for an objective that declares
 `packs_rows` — ERM(fast=True), the bias-model losses, GS on the pooled vector or first order at the embeddings, CAT
-— and batches of at least ``PACKED_MIN_ROWS`` rows, or the objective's own ``packed_min_rows``: CAT's 8,192 where its lent rows take a gradient): a
-batch with a 2-D ``attention_mask`` adds its real-token count, rounded up to a 32nd of its rows
-(`layers.packing.bucket`), to the signature, and its graph runs the encoder on that many packed rows
+— and batches of at least ``PACKED_MIN_ROWS`` rows, or the objective's own ``packed_min_rows``: CAT's 8,192 where
+its lent rows take a gradient): a batch with a 2-D ``attention_mask`` adds its real-token count, rounded up to a 32nd
+of its rows (`layers.packing.bucket`), to the signature, and its graph runs the encoder on that many packed rows
 (`layers.packing.static_rows`: the rows packed once, handed from layer to layer packed, attended by variable-length
 flash attention, unpacked before the last layers). Reading the count is one host synchronisation per step, except
 from a batch given on the host: a dict of CPU tensors (pinned by a ``DataLoader(..., pin_memory=True)``: copied
@@ -140,10 +140,11 @@ def _static_rows(batch, objective, tensors=None, host_mask=None, host=None):
     mixing layer), the pair ``(n, n_narrowed)`` of the two counts (`layers.packing.static_rows`), when the second
     is smaller; where it carries the rows it names beyond the real tokens apart (``lent_rows_apart``), the triple
     ``(n, n_narrowed, n_lent)``: the real tokens up to the narrowing, its narrowed rows, the lent rows
-    (`layers.packing.lent_bucket`). Reading the counts is one host synchronisation per step, paid only where the rows are packed,
-    unless the mask's host copy is given (`host_mask`, the batch's mask as it came from the host: `_on_device`):
-    then they are counted on the host, from the real tokens where the objective names no rows of its own, else from
-    the rows it names for `host` (the plan's draws as host tensors, `StepPlan.host`; without them, on the device)."""
+    (`layers.packing.lent_bucket`). Reading the counts is one host synchronisation per step, paid only where the
+    rows are packed, unless the mask's host copy is given (`host_mask`, the batch's mask as it came from the host:
+    `_on_device`): then they are counted on the host, from the real tokens where the objective names no rows of its
+    own, else from the rows it names for `host` (the plan's draws as host tensors, `StepPlan.host`; without them, on
+    the device)."""
     mode = training_layers.packed_mode()
     if not mode or not isinstance(batch, dict):
         return None

@@ -64,7 +64,7 @@ def _products(n, b, D, inner, heads_width):
 
 def _matmul_ms(m, k, n, kind, reps):
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    if kind == "dw":  # gradientᵀ @ input, as the training layer's backward: [k_out, N] (a transposed view) @ [N, k_in]
+    if kind == "dw":  # gradientᵀ @ input, as the training layer's backward: [k_out, N] (transposed view) @ [N, k_in]
         a = torch.randn(k, m, device="cuda", dtype=torch.bfloat16).t()
         b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
         return _time(lambda: torch.mm(a, b, out_dtype=torch.float32), reps)

@@ -145,9 +145,11 @@ class _Extension:
 KEYS = "keys"
 
 
-def _check_rows(name, rows):
-    if rows is not None and rows is not KEYS and (not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.dtype != torch.bool):
-        raise ValueError(f"packing.extended: {name} must be a [B, T] boolean tensor, got "
+def _check_rows(name, rows, where="extended"):
+    if rows is None or rows is KEYS:
+        return
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.dtype != torch.bool:
+        raise ValueError(f"packing.{where}: {name} must be a [B, T] boolean tensor, got "
                          f"{getattr(rows, 'dtype', type(rows).__name__)} of shape {tuple(getattr(rows, 'shape', ()))}")
 
 
@@ -213,7 +215,7 @@ def lent(rows: torch.Tensor | None):
     forward without autograd (module docstring), and `lent_rows` hands them over; None, or no row marked: nothing.
     Under a `static_rows` triple, its third number of rows (at least those marked: asserted on the device); else
     the marked rows (one host synchronisation)."""
-    _check_rows("rows", rows)
+    _check_rows("rows", rows, "lent")
     if rows is None or rows is KEYS:
         return _scoped(_lent, "state", None)
     flat = rows.reshape(-1)

@@ -371,6 +371,41 @@ def test_the_attention_layout_of_extended_rows():
         packing.extended(real.long())
 
 
+def test_lent_rows_their_layout_and_bad_arguments():
+    """`packing.lent`: the rows marked, their offsets per sequence and where each is written back; under a static
+    triple the spare rows after them go to the scratch row B·T, which `with_lent` drops; `lent_rows` hands them over
+    once; a wrong argument raises naming it."""
+    lent = torch.zeros(3, 4, dtype=torch.bool)
+    lent[0, 3] = lent[2, 1] = lent[2, 2] = True
+    with packing.lent(lent):
+        state = packing.lent_state()
+        assert state.idx.tolist() == state.dest.tolist() == [3, 9, 10] and state.cu.tolist() == [0, 1, 1, 3]
+        assert packing.lent_rows() is None and state.done  # no layer carried them: the padded path computed them
+    with packing.static_rows((8, 8, 5)), packing.lent(lent):
+        state = packing.lent_state()
+        assert state.idx[:3].tolist() == [3, 9, 10] and state.dest.tolist() == [3, 9, 10, 12, 12]
+        state.x = torch.arange(5.0).repeat_interleave(2).view(5, 2) + 1
+        dest, rows = packing.lent_rows()
+        assert packing.lent_rows() is None  # handed over once
+        hidden = torch.zeros(3, 4, 2, requires_grad=True)
+        out = packing.with_lent(hidden, dest, rows)
+        assert not out.requires_grad and out.shape == (3, 4, 2)
+        assert out[0, 3].tolist() == [1, 1] and out[2, 1].tolist() == [2, 2] and out[2, 2].tolist() == [3, 3]
+        assert out.sum() == 12  # the spare rows 4 and 5 written nowhere
+    with packing.static_rows((8, 8, 0)), packing.lent(torch.zeros(3, 4, dtype=torch.bool)):
+        assert packing.lent_state() is None  # no row lent
+    with packing.lent(lent):
+        packing.lent_state().x, packing.lent_state().broken = torch.zeros(3, 2), True
+        with pytest.raises(RuntimeError, match="did not run packed"):
+            packing.lent_rows()
+    with pytest.raises(ValueError, match=r"packing.lent: rows must be a \[B, T\] boolean tensor"):
+        packing.lent(lent.long())
+    with pytest.raises(ValueError, match="packing.static_rows: expected a row count, or a pair or triple"):
+        packing.static_rows((8, 8, -1))
+    with pytest.raises(ValueError, match="packing.static_rows"):
+        packing.static_rows((8, 8, 4, 4))
+
+
 @pytest.mark.parametrize("train", [False, True])
 def test_erm_fast_step_with_packed_layers(train, monkeypatch, packed_runs):
     """ERM(fast=True): eval mode, the same loss and gradients; train mode (dropout), both finite, of one shape."""
