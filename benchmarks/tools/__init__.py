@@ -1,4 +1,5 @@
 """Diagnostic and timing tools of the benchmark suite (each file's docstring says how to run it)."""
+import argparse
 import os
 import subprocess
 import sys
@@ -17,3 +18,12 @@ def each_size_apart(script: str, sizes, argv) -> bool:
         if subprocess.run([sys.executable, os.path.abspath(script), size, *rest]).returncode:
             sys.exit(f"{os.path.basename(script)}: the run at {size} failed")
     return True
+
+
+def size_arg(text: str) -> str:
+    """An argparse type: `text` when it is a batch size ``BxT`` of positive integers, else argparse's one-line error
+    (exit 2)."""
+    parts = text.split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected BxT with positive integers, e.g. 8x128, got {text!r}")
+    return text

@@ -19,6 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
+from benchmarks.tools import size_arg  # noqa: E402
 from benchmarks.tools.row_kernels import graph_time_us  # noqa: E402
 from cat_fast.kernels.triton import first_row_attention as kernels  # noqa: E402
 from cat_fast.layers import attention  # noqa: E402
@@ -36,16 +37,9 @@ def composition(q, k, v, bias, keep, p, scale):
     return (probs.to(q.dtype) @ vh).transpose(1, 2).reshape(B, 1, HD)
 
 
-def _size(text):
-    parts = text.split("x")
-    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"expected BxT with positive integers, e.g. 8x128, got {text!r}")
-    return text
-
-
 def _parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", nargs="+", default=["8x128", "32x128", "64x256"], type=_size,
+    parser.add_argument("--sizes", nargs="+", default=["8x128", "32x128", "64x256"], type=size_arg,
                         help="batch x length, e.g. 8x128")
     parser.add_argument("--peak-tbs", type=float, default=4.8)
     parser.add_argument("--sweep", action="store_true")

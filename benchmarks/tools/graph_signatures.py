@@ -17,6 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
+from benchmarks.tools import size_arg  # noqa: E402
 
 
 def signatures(size: str, lent_buckets: int, steps: int, ranks: int, layers: int) -> dict:
@@ -59,13 +60,19 @@ def signatures(size: str, lent_buckets: int, steps: int, ranks: int, layers: int
             "lent_counts": sorted(lent)}
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("sizes", nargs="+", help="BxT, e.g. 32x128")
-    parser.add_argument("--lent-buckets", type=int, nargs="+", default=[16])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=3, help="how many mixing layers CAT draws from")
+    parser.add_argument("sizes", nargs="+", type=size_arg, help="BxT, e.g. 32x128")
+    parser.add_argument("--lent-buckets", type=_positive, nargs="+", default=[16])
+    parser.add_argument("--steps", type=_positive, default=300)
+    parser.add_argument("--ranks", type=_positive, default=2)
+    parser.add_argument("--layers", type=_positive, default=3, help="how many mixing layers CAT draws from")
     args = parser.parse_args(argv)
     for size in args.sizes:
         for buckets in args.lent_buckets:

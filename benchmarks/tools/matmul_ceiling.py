@@ -11,36 +11,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
+from benchmarks.tools import size_arg  # noqa: E402
+
 
 def _time(fn, reps: int) -> float:
-    """GPU ms of one call of `fn`: `reps` calls captured back to back in one CUDA graph (no launch or host time
-    between the kernels, as in a captured step), the median of 5 timed replays divided by `reps`."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up outside the capture (workspaces, autotuning)
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    times.sort()
-    return times[len(times) // 2]
+    """GPU ms of one call of `fn`: `reps` calls back to back in one CUDA graph (no launch or host time between the
+    kernels, as in a captured step), the median of 7 replays (`row_kernels.graph_time_us`)."""
+    from benchmarks.tools.row_kernels import graph_time_us
+
+    return graph_time_us(fn, calls=reps) / 1e3
 
 
 def _products(n, b, D, inner, heads_width):
@@ -146,7 +131,7 @@ def ceiling(size: str, peak: float, reps: int) -> dict:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("sizes", nargs="+", help="BxT, e.g. 64x256")
+    parser.add_argument("sizes", nargs="+", type=size_arg, help="BxT, e.g. 64x256")
     parser.add_argument("--peak", type=float, default=989.0, help="the GPU's dense bf16 matmul peak, TFLOP/s")
     parser.add_argument("--reps", type=int, default=30)
     args = parser.parse_args(argv)

@@ -23,8 +23,8 @@ from cat_fast.kernels.triton import residual_layer_norm as rln  # noqa: E402
 CALLS = 20
 
 
-def graph_time_us(fn):
-    """µs per call of `fn()` (no arguments), CALLS calls captured in one CUDA graph, median of 7 replays."""
+def graph_time_us(fn, calls=CALLS):
+    """µs per call of `fn()` (no arguments), `calls` calls captured in one CUDA graph, median of 7 replays."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -33,7 +33,7 @@ def graph_time_us(fn):
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(CALLS):
+        for _ in range(calls):
             fn()
     graph.replay()
     torch.cuda.synchronize()
@@ -44,7 +44,7 @@ def graph_time_us(fn):
         graph.replay()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
+        times.append(start.elapsed_time(end) * 1e3 / calls)
     del graph
     return statistics.median(times)
 

@@ -175,16 +175,17 @@ def narrow():
 
 
 class _Lent:
-    """`lent`'s state: `mask`, the [B, T] rows lent; `idx`, the rows carried (the lent ones ascending, then with a
+    """`lent`'s state: `idx`, the rows carried (the lent ones ascending, then with a
     static count rows of no use); `dest`, where each is written back (its row, or B·T: a scratch row); `cu`, int32
     offsets of each sequence's lent rows, for the attention; `x` and `x16`, their hidden rows so far and a 16-bit
     copy of them (None before the first packed layer); `done`, set by `lent_rows`; `broken`, set by a layer that
     could not carry them."""
 
-    __slots__ = ("mask", "idx", "dest", "cu", "x", "x16", "done", "broken")
+    __slots__ = ("idx", "dest", "cu", "x", "x16", "done", "broken")
 
     def __init__(self, mask, idx, dest):
-        self.mask, self.idx, self.dest = mask, idx, dest
+        """`mask`: the [B, T] rows lent; `idx` and `dest` as above."""
+        self.idx, self.dest = idx, dest
         counts = mask.sum(1, dtype=torch.int32)
         self.cu = torch.cat([counts.new_zeros(1), counts.cumsum(0, dtype=torch.int32)])
         self.x = self.x16 = None
@@ -221,12 +222,12 @@ def lent(rows: torch.Tensor | None):
     flat = rows.reshape(-1)
     n = static_count()
     if isinstance(n, tuple) and len(n) == 3:
-        n = n[2]
-        torch._assert_async(flat.sum() <= n)
+        n, count = n[2], flat.sum()
+        torch._assert_async(count <= n)
         if n == 0:
             return _scoped(_lent, "state", None)
         idx = torch.sort((~flat).to(torch.uint8), stable=True).indices[:n]
-        used = torch.arange(n, device=flat.device) < flat.sum()
+        used = torch.arange(n, device=flat.device) < count
         dest = torch.where(used, idx, flat.numel())
     else:
         idx = flat.nonzero().squeeze(1)

@@ -316,8 +316,9 @@ def _lent_forward(lent, layer, packed, mask, qkv, w16, fused, dtype, norms, dims
     g1, be1, g2, be2 = norms
     B, T, heads, width, p_attn, scale, p1, p2, approximate = dims
     sa, so, inter, out = bert_parts(layer)
-    D = heads * width
+    D = heads * width  # the attention's width; the LayerNorms normalise the hidden width, x's
     x = lent.x
+    hidden = x.shape[-1]
     x16 = lent.x16 if lent.x16 is not None else x.to(dtype)
     q = torch.addmm(w16.qkv_bias[:D], x16, w16.qkv[:D].t())
     if packing.varlen_applies(qkv, width):
@@ -336,7 +337,7 @@ def _lent_forward(lent, layer, packed, mask, qkv, w16, fused, dtype, norms, dims
     if fused:
         h1, h1_16, _, _ = fused[0].forward(a, x, g1, be1, so.LayerNorm.eps, out16_dtype=dtype)
     else:
-        h1 = torch.native_layer_norm(a + x, (D,), g1, be1, so.LayerNorm.eps)[0]
+        h1 = torch.native_layer_norm(a + x, (hidden,), g1, be1, so.LayerNorm.eps)[0]
         h1_16 = h1.to(dtype)
     inner = torch.addmm(w16.intermediate_bias, h1_16, w16.intermediate.t())
     activated = (F.gelu(inner, approximate=approximate) if approximate is not None
@@ -345,7 +346,7 @@ def _lent_forward(lent, layer, packed, mask, qkv, w16, fused, dtype, norms, dims
     if fused:
         y, y16, _, _ = fused[0].forward(o, h1, g2, be2, out.LayerNorm.eps, out16_dtype=dtype)
     else:
-        y, y16 = torch.native_layer_norm(o + h1, (D,), g2, be2, out.LayerNorm.eps)[0], None
+        y, y16 = torch.native_layer_norm(o + h1, (hidden,), g2, be2, out.LayerNorm.eps)[0], None
     lent.x, lent.x16 = y, y16
 
 
