@@ -17,6 +17,9 @@ are the Trainer's. What they add:
 * A non-finite loss stops training with `NonFiniteLossError` naming the step and the term (``check_finite``; one
   host sync per step) before the optimizer applies it.
 * The objective's loss is a per-batch mean: the Trainer divides it by the accumulation steps.
+* Several GPUs visible outside torchrun: the Trainer would wrap the model in DataParallel, which the objectives
+  would bypass; training runs on one GPU instead (``args`` set to one, the batch size per device kept), with one
+  `SingleGPUWarning` naming the torchrun command that trains on all of them.
 * Under torchrun the Trainer wraps the model in DistributedDataParallel; the objective then runs inside that DDP
   module's forward (`cat_fast.distributed.DistributedObjective`), so DDP averages the gradients of its loss once per
   step. Each rank's batches are its share of the batch stream (whole groups: accelerate deals out whole batches),
@@ -77,9 +80,19 @@ from .step_graphs import (
 )
 from .trainer_checkpoints import OBJECTIVE_STATE, TrainerCheckpoints
 
-__all__ = ["ObjectiveTrainer", "CATTrainer", "GSTrainer", "NonFiniteLossError", "StepGraphsError", "StepGraphsWarning",
-           "OBJECTIVE_STATE"]
+__all__ = ["ObjectiveTrainer", "CATTrainer", "GSTrainer", "NonFiniteLossError", "SingleGPUWarning", "StepGraphsError",
+           "StepGraphsWarning", "OBJECTIVE_STATE"]
 
+
+
+class SingleGPUWarning(UserWarning):
+    """`ObjectiveTrainer` trains on one of the several GPUs visible outside torchrun (``gpus``: how many)."""
+
+    def __init__(self, gpus: int):
+        super().__init__(f"ObjectiveTrainer: {gpus} GPUs are visible outside torchrun; training runs on one "
+                         f"(cat_fast's objectives do not run under DataParallel): torchrun --nproc_per_node {gpus} ... "
+                         "trains on all of them")
+        self.gpus = gpus
 
 
 class ObjectiveTrainer(StepGraphs, TrainerCheckpoints, Trainer):
@@ -101,6 +114,7 @@ class ObjectiveTrainer(StepGraphs, TrainerCheckpoints, Trainer):
         self._eager_step = None  # the optimizer's own step, replaced while steps are captured
         self.checkpoint_extras = []  # callables(folder) writing more state into each checkpoint before it is sealed
         super().__init__(*args, **kwargs)
+        self._one_gpu_outside_torchrun()
         from ..data import IntegerGroupIds
 
         self.data_collator = IntegerGroupIds(self.data_collator)  # string (any hashable) pair_group ids collate
@@ -129,6 +143,18 @@ class ObjectiveTrainer(StepGraphs, TrainerCheckpoints, Trainer):
         self._warned_no_pairs = False
         self._distributed = None  # the DistributedObjective, made on the first step under DDP
         self._objective_loaded = False  # a resumed run: each rank's generator comes from the checkpoint
+
+    def _one_gpu_outside_torchrun(self):
+        """Several GPUs without torchrun (`transformers.TrainingArguments.n_gpu` > 1, not distributed): the Trainer
+        would run the model under `torch.nn.DataParallel`, which an objective's passes bypass (it calls the model's
+        modules itself); one GPU trains instead, at the batch size per device, with one warning."""
+        from transformers.training_args import ParallelMode
+
+        n = self.args.n_gpu
+        if n > 1 and self.args.parallel_mode == ParallelMode.NOT_DISTRIBUTED:
+            warnings.warn(SingleGPUWarning(n), stacklevel=3)
+            self.args._n_gpu = 1
+            self._train_batch_size = self.args.train_batch_size
 
     def train(self, *args, **kwargs):
         try:

@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 
 from ..ops.fused import fused_kernels
 
-__all__ = ["first_row", "fused_first_row", "score_bias", "keep_mask", "FUSED"]
+__all__ = ["first_row", "first_row_packed", "fused_first_row", "fused_first_row_packed", "score_bias", "keep_mask", "FUSED"]
 
 # Whether CUDA passes use the fused kernel (module docstring); off: SDPA.
 FUSED = True
@@ -42,14 +42,14 @@ class _FirstRow(torch.autograd.Function):
     the keys and values (one ``[B, T, 2*H*D]`` gradient for a packed kv). Not twice differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, keep, heads, scale, inv_keep):
+    def forward(ctx, q, k, v, bias, keep, heads, scale, inv_keep, rows=None):
         kernels = fused_kernels("first_row_attention")
         packed = v is None
         if packed:
             k, v = _split(k, q.shape[-1])
-        out, saved = kernels.forward(q, k, v, bias, keep, heads, scale, inv_keep)
+        out, saved = kernels.forward(q, k, v, bias, keep, heads, scale, inv_keep, rows)
         ctx.save_for_backward(q, k, v, keep, *saved)
-        ctx.heads, ctx.scale, ctx.inv_keep, ctx.packed = heads, scale, inv_keep, packed
+        ctx.heads, ctx.scale, ctx.inv_keep, ctx.packed, ctx.rows = heads, scale, inv_keep, packed, rows
         return out
 
     @staticmethod
@@ -59,13 +59,15 @@ class _FirstRow(torch.autograd.Function):
         kernels = fused_kernels("first_row_attention")
         dk = dv = grad_kv = None
         if ctx.packed:
-            B, T, HD = k.shape
-            grad_kv = torch.empty(B, T, 2 * HD, device=k.device, dtype=k.dtype)
+            HD = k.shape[-1]
+            new = torch.empty if ctx.rows is None else torch.zeros  # packed rows: the kernel writes the keys' only
+            grad_kv = new(*k.shape[:-1], 2 * HD, device=k.device, dtype=k.dtype)
             dk, dv = grad_kv[..., :HD], grad_kv[..., HD:]
-        dq, dk, dv = kernels.backward(grad, q, k, v, keep, saved, ctx.heads, ctx.scale, ctx.inv_keep, dk, dv)
+        dq, dk, dv = kernels.backward(grad, q, k, v, keep, saved, ctx.heads, ctx.scale, ctx.inv_keep, dk, dv,
+                                      ctx.rows)
         if ctx.packed:
-            return dq, grad_kv, None, None, None, None, None, None
-        return dq, dk, dv, None, None, None, None, None
+            return dq, grad_kv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def score_bias(mask, B, H, T, device):
@@ -142,6 +144,52 @@ def first_row(q, keys_values, mask, heads: int, dropout_p: float, scale: float):
         return _sdpa(q, k, v, mask, heads, dropout_p, scale)
     return fused_first_row(q, keys_values, bias, heads, keep_mask(B, heads, T, q.device, dropout_p), scale,
                            dropout_p)
+
+
+def _checked_packed(q, keys_values, rows, heads, real=None):
+    B, HD = q.shape[0], q.shape[-1]
+    seq, key_rows, positions, T = rows
+    if (q.dim() != 3 or q.shape[1] != 1 or B == 0 or keys_values.dim() != 2 or keys_values.shape[0] == 0
+            or keys_values.shape[1] != 2 * HD or HD % heads or seq.shape != (B + 1,)
+            or positions.shape != (keys_values.shape[0],) or (real is not None and real.shape != (B, T))):
+        raise ValueError(f"first_row_packed: expected q [B, 1, H*D] (B >= 1), keys_values [N, 2*H*D] (N >= 1), "
+                         f"seq [B+1], positions [N] and real [B, T] with H = heads = {heads}, got q {tuple(q.shape)}, "
+                         f"keys_values {tuple(keys_values.shape)}, seq {tuple(seq.shape)}, positions "
+                         f"{tuple(positions.shape)}, real {None if real is None else tuple(real.shape)}, T = {T}")
+    if q.stride(-1) != 1 or keys_values.stride(-1) != 1:
+        raise ValueError("q, keys_values: expected unit column strides")
+    if q.dtype != keys_values.dtype or q.dtype not in _DTYPES:
+        raise ValueError(f"q, keys_values: expected one floating dtype, got {q.dtype}, {keys_values.dtype}")
+
+
+def first_row_packed(q, keys_values, rows, real, heads: int, dropout_p: float, scale: float):
+    """`first_row` over packed keys: `keys_values` ``[N, 2*H*D]`` (keys then values) of the packed rows of the B
+    sequences whose queries `q` ``[B, 1, H*D]`` are; `rows` = ``(seq, key_rows, positions, T)`` as
+    `kernels.triton.first_row_attention` takes them (`layers.packing.Plan.first_row_keys`); `real` the ``[B, T]``
+    key mask of the padded layout. The kernel where `first_row` runs it (drawing the same keep mask: the padded
+    call's draws for the same keys); elsewhere the keys and values put back in a zero ``[B, T, 2*H*D]`` layout
+    and `first_row` over it with `real` as the mask. Not twice differentiable on the kernel path."""
+    _checked_packed(q, keys_values, rows, heads, real)
+    B, HD, T, positions = q.shape[0], q.shape[-1], rows[3], rows[2]
+    autocast_keeps = (not torch.is_autocast_enabled("cuda")
+                      or q.dtype in (torch.get_autocast_dtype("cuda"), torch.float64))
+    fused = (FUSED and q.is_cuda and autocast_keeps and 0.0 <= dropout_p < 1.0
+             and fused_kernels("first_row_attention") is not None)  # shapes, dtypes, strides: checked above
+    if not fused:
+        full = keys_values.new_zeros(B * T, 2 * HD).index_copy(0, positions, keys_values).view(B, T, 2 * HD)
+        return first_row(q, full, real.view(B, 1, 1, T), heads, dropout_p, scale)
+    return fused_first_row_packed(q, keys_values, rows, heads, keep_mask(B, heads, T, q.device, dropout_p), scale,
+                                  dropout_p)
+
+
+def fused_first_row_packed(q, keys_values, rows, heads: int, keep, scale: float, dropout_p: float = 0.0):
+    """The kernel path of `first_row_packed`, on any device Triton runs on (the interpreter on the CPU): `keep` None
+    or a ``[B, H, T]`` keep mask over the padded layout's positions (nonzero = kept)."""
+    _checked_packed(q, keys_values, rows, heads)
+    B, T = q.shape[0], rows[3]
+    if keep is not None:
+        keep = keep.reshape(B, heads, T).to(torch.uint8).contiguous()
+    return _FirstRow.apply(q, keys_values, None, None, keep, heads, scale, 1.0 / (1.0 - dropout_p), rows)
 
 
 def keep_mask(B: int, heads: int, T: int, device, dropout_p: float):

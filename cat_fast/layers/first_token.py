@@ -27,6 +27,13 @@ the attention by the first-row kernel, the row's residual add + dropout + LayerN
 fp32 (no per-weight casts and casts back, no zero-filled input gradient for row 0). The same values to 16-bit
 rounding and the same dropout draws as the modules (the attention's keep mask drawn as `attention.first_row`
 draws it, then the two hidden dropouts by `torch.native_dropout` over the row's [B, D] elements).
+
+Packed rows. Where the layer before hands on its packed rows (`layers.packing.carry`: the padding-free layers of a
+training forward or a resumed pass), every path above runs on them (`PACKED`): keys and values of the N real rows
+only, row 0 of each sequence read where it is packed, the attention over each sequence's keys by the first-row
+kernel's packed form (`attention.first_row_packed`; elsewhere the keys put back in the padded layout and SDPA), the
+input gradient as packed rows. The same values and dropout draws as on the padded rows (the keep mask is read at the
+keys' padded positions). A whole [B, T, D] output gets its rows 1.. by unpacking the input rows (detached).
 """
 from __future__ import annotations
 
@@ -35,10 +42,10 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..ops.fused import fused_kernels
-from . import attention, casts, interventions, layout, training
+from . import attention, casts, interventions, layout, packing, training
 from .layout import bert_parts, copy16, dropout, dropout_p
 
-__all__ = ["supported", "forward", "INPUT_ONLY_KEY_VALUE", "TRAINING_ROW"]
+__all__ = ["supported", "forward", "INPUT_ONLY_KEY_VALUE", "TRAINING_ROW", "PACKED"]
 
 _ATTENTION = ("sdpa", "eager")
 
@@ -47,6 +54,9 @@ INPUT_ONLY_KEY_VALUE = True
 # Whether passes that take parameter gradients run as one autograd node where they can (module docstring); False:
 # the layer's own modules, for comparisons.
 TRAINING_ROW = True
+# Whether a call on packed rows (`layers.packing.carried`) runs on them (module docstring); False: they are unpacked
+# first, for comparisons.
+PACKED = True
 
 
 class _KeyValueFirst(torch.autograd.Function):
@@ -55,22 +65,29 @@ class _KeyValueFirst(torch.autograd.Function):
     with row 0's gradient added in place."""
 
     @staticmethod
-    def forward(ctx, x, dtype, w_kv, b_kv):
-        B, T, D = x.shape
-        x16 = layout.copy16(x, dtype).reshape(B * T, D)
-        kv = torch.addmm(b_kv, x16, w_kv.t()).view(B, T, w_kv.shape[0])
-        ctx.save_for_backward(w_kv)
+    def forward(ctx, x, dtype, w_kv, b_kv, starts=None):
+        D = x.shape[-1]
+        x16 = layout.copy16(x, dtype).reshape(-1, D)
+        kv = torch.addmm(b_kv, x16, w_kv.t())
+        ctx.save_for_backward(w_kv, starts)
         ctx.x_dtype, ctx.x_shape = x.dtype, x.shape
-        return kv, x[:, :1].clone()
+        if starts is None:
+            B, T, _ = x.shape
+            return kv.view(B, T, -1), x[:, :1].clone()
+        return kv, x.reshape(-1, D).index_select(0, starts).unsqueeze(1)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_kv, grad_first):  # both materialized (zeros where unused)
-        (w_kv,) = ctx.saved_tensors
+        w_kv, starts = ctx.saved_tensors
         acc = torch.promote_types(ctx.x_dtype, torch.float32)
-        grad_x = layout.mm_at(grad_kv.reshape(-1, grad_kv.shape[-1]), w_kv, acc).view(ctx.x_shape)
-        grad_x[:, :1] += grad_first.to(acc)
-        return grad_x.to(ctx.x_dtype), None, None, None
+        grad_x = layout.mm_at(grad_kv.reshape(-1, grad_kv.shape[-1]), w_kv, acc)
+        if starts is None:
+            grad_x = grad_x.view(ctx.x_shape)
+            grad_x[:, :1] += grad_first.to(acc)
+        else:
+            grad_x.index_add_(0, starts, grad_first.reshape(-1, grad_x.shape[-1]).to(acc))
+        return grad_x.view(ctx.x_shape).to(ctx.x_dtype), None, None, None, None
 
 
 def _key_value_weights(layer, parts, x):
@@ -120,10 +137,16 @@ def forward(layer: nn.Module, args, kwargs, fill: float | None = None, row_only:
     parts = layout.pieces(layer)
     if parts is None or not _layout_ok(parts):
         return None
-    found = layout.call_arguments(args, kwargs)
+    hidden_in = args[0] if args else kwargs.get("hidden_states")
+    carried = packing.carried(hidden_in)  # the layer before's packed rows (`packing.carry`)
+    found = layout.call_arguments(args, kwargs, None if carried is None else carried[0].T)
     if found is None:
         return None
     x, mask = found
+    if carried is not None:
+        if PACKED and not interventions.active(layer):
+            return _packed(layer, parts, x, mask, carried, fill, row_only, input_only)
+        x = packing.unpack(x, *carried)
     heads = parts.heads
     if not input_only:
         row = _training_row(layer, x, mask)
@@ -151,6 +174,38 @@ def forward(layer: nn.Module, args, kwargs, fill: float | None = None, row_only:
     return _with_rest(row, x, fill)
 
 
+def _packed(layer, parts, x, mask, carried, fill, row_only, input_only):
+    """`forward` on the packed rows ``x`` [1, N, D] the layer before handed on (`packing.carried`): keys and values of
+    the N rows, row 0 of each sequence read where it is packed, the attention over each sequence's keys
+    (`attention.first_row_packed`), and for a whole [B, T, D] output the rows 1.. unpacked from x (detached) or
+    `fill`. The same values and dropout draws as the padded call."""
+    plan, full, _ = carried
+    keys, starts = plan.first_row_keys()
+    row = None
+    if not input_only:
+        row = _training_row(layer, x, mask, (plan, keys, starts))
+    if row is None:
+        fast = _key_value_weights(layer, parts, x) if input_only else None
+        if fast is not None:
+            dtype, w_kv, b_kv = fast
+            with torch.autocast(x.device.type, enabled=False):
+                keys_values, first = _KeyValueFirst.apply(x, dtype, w_kv, b_kv, starts)
+        else:
+            flat = x.reshape(-1, x.shape[-1])
+            first = flat.index_select(0, starts).unsqueeze(1)
+            keys_values = torch.cat([parts.key(flat), parts.value(flat)], -1)
+        q = parts.query(first)
+        a = parts.attention
+        context = attention.first_row_packed(q, keys_values.to(q.dtype), keys, plan.real, parts.heads,
+                                             a.dropout.p if a.training else 0.0, a.scaling)
+        row = parts.finish(context, first)
+    if row_only:
+        return row
+    if fill is not None:
+        return torch.cat([row, torch.full_like(full[:, 1:], fill).to(row.dtype)], dim=1)
+    return _with_rest(row, packing.unpack(x.detach(), plan, full.detach()), None)
+
+
 def _first_row_mask(mask, dtype):
     """Row 0's query row of a 4-D attention mask (None stays None), a float mask in the attention's `dtype`."""
     if mask is not None and mask.shape[-2] != 1:
@@ -175,8 +230,9 @@ def _row_kernels(x, dtype, layer_norm_dtype):
     return None if attend is None else (*fused, attend)
 
 
-def _training_row(layer, x, mask):
-    """Row 0 of the layer's output ([B, 1, D]) by `_TrainingRow` where it applies (module docstring), else None."""
+def _training_row(layer, x, mask, packed=None):
+    """Row 0 of the layer's output ([B, 1, D]) by `_TrainingRow` where it applies (module docstring), else None.
+    `packed`: ``(plan, keys, starts)`` where x is packed rows [1, N, D] (`_packed`)."""
     if TRAINING_ROW is not True and TRAINING_ROW is not False:
         raise ValueError(f"cat_fast.layers.first_token.TRAINING_ROW: expected True or False, got {TRAINING_ROW!r}")
     if not (TRAINING_ROW and torch.is_grad_enabled()) or not isinstance(x, torch.Tensor) or x.dim() != 3:
@@ -197,12 +253,15 @@ def _training_row(layer, x, mask):
     kernels = _row_kernels(x, dtype, params[8].dtype)
     if kernels is None:
         return None
-    B, T, _ = x.shape
-    bias = attention.score_bias(_first_row_mask(mask, dtype), B, sa.num_attention_heads, T, x.device)
-    if bias is False:
-        return None
+    if packed is not None:
+        bias, packed = None, packed[1:]
+    else:
+        B, T, _ = x.shape
+        bias = attention.score_bias(_first_row_mask(mask, dtype), B, sa.num_attention_heads, T, x.device)
+        if bias is False:
+            return None
     with torch.autocast(x.device.type, enabled=False):
-        return _TrainingRow.apply(x, bias, layer, dtype, kernels, *params)
+        return _TrainingRow.apply(x, bias, packed, layer, dtype, kernels, *params)
 
 
 def _dropout(x, p):
@@ -213,30 +272,40 @@ def _dropout(x, p):
 
 
 class _TrainingRow(torch.autograd.Function):
-    """Row 0 of a Bert-layout layer's output, [B, 1, D] fp32, from its input x [B, T, D] (module docstring):
-    differentiable w.r.t. x and the sixteen parameters (`layers.training`'s order); not twice differentiable."""
+    """Row 0 of a Bert-layout layer's output, [B, 1, D] fp32, from its input x [B, T, D], or with `packed` =
+    ``(keys, starts)`` (`_packed`) from packed rows x [1, N, D] (module docstring): differentiable w.r.t. x and
+    the sixteen parameters (`layers.training`'s order); not twice differentiable."""
 
     @staticmethod
-    def forward(ctx, x, bias, layer, dtype, kernels, *params):
+    def forward(ctx, x, bias, packed, layer, dtype, kernels, *params):
         wq, bq, wk, bk, wv, bv, wo, bo, g1, be1, wi, bi, wo2, bo2, g2, be2 = params
         rln, _, _, attend = kernels
         sa, so, inter, out = bert_parts(layer)
-        B, T, D = x.shape
+        D = x.shape[-1]
         heads, HD = sa.num_attention_heads, wq.shape[0]
         p_attn = sa.dropout.p if sa.training else 0.0
         p1, p2 = dropout_p(so.dropout), dropout_p(out.dropout)
         w16 = casts.weights(layer, (wq, wk, wv, bq, bk, bv, wo, bo, wi, bi, wo2, bo2), dtype)
-        x16 = copy16(x, dtype).reshape(B * T, D)
-        first16 = x16.view(B, T, D)[:, 0]  # row 0 of each sequence (strided)
-        kv = torch.addmm(w16.qkv_bias[HD:], x16, w16.qkv[HD:].t()).view(B, T, -1)
+        x16 = copy16(x, dtype).reshape(-1, D)
+        kv = torch.addmm(w16.qkv_bias[HD:], x16, w16.qkv[HD:].t())
+        if packed is None:  # x [B, T, D]
+            B, T, _ = x.shape
+            rows = starts = None
+            first16 = x16.view(B, T, D)[:, 0]  # row 0 of each sequence (strided)
+            kv = kv.view(B, T, -1)
+            residual = x[:, 0].contiguous()  # saved: not a view that would keep the whole input alive
+        else:  # x [1, N, D], the packed rows; row 0 of sequence b at starts[b]
+            rows, starts = packed
+            B, T = starts.numel(), rows[3]
+            first16 = x16.index_select(0, starts)
+            residual = x.reshape(-1, D).index_select(0, starts)
         q = torch.addmm(w16.qkv_bias[:HD], first16, w16.qkv[:HD].t()).view(B, 1, HD)
         k, v = kv[..., :HD], kv[..., HD:]
         keep = attention.keep_mask(B, heads, T, x.device, p_attn)  # as `attention.first_row` draws it
         inv_keep = 1.0 / (1.0 - p_attn)
-        context, attended = attend.forward(q, k, v, bias, keep, heads, sa.scaling, inv_keep)
+        context, attended = attend.forward(q, k, v, bias, keep, heads, sa.scaling, inv_keep, rows)
         context = context.view(B, HD)
         a, keep1 = _dropout(torch.addmm(w16.attention_output_bias, context, w16.attention_output.t()), p1)
-        residual = x[:, 0].contiguous()  # saved: not a view that would keep the whole input alive
         h1, h1_16, mean1, rstd1 = rln.forward(a, residual, g1, be1, so.LayerNorm.eps, out16_dtype=dtype)
         inner = torch.addmm(w16.intermediate_bias, h1_16, w16.intermediate.t())
         activated = torch.nn.functional.gelu(inner)
@@ -245,10 +314,10 @@ class _TrainingRow(torch.autograd.Function):
         saved = dict(x16=x16, q=q, kv=kv, keep=keep, context=context, a=a, keep1=keep1, residual=residual,
                      mean1=mean1, rstd1=rstd1, h1=h1, h1_16=h1_16, inner=inner, activated=activated, o=o,
                      keep2=keep2, mean2=mean2, rstd2=rstd2, g1=g1, g2=g2, w_qkv=w16.qkv, wo16=w16.attention_output,
-                     wi16=w16.intermediate, wo2_16=w16.output)
+                     wi16=w16.intermediate, wo2_16=w16.output, first16=first16, starts=starts)
         ctx.save_for_backward(*saved.values(), *attended)
         ctx.names = tuple(saved)
-        ctx.kernels, ctx.params = kernels, params
+        ctx.kernels, ctx.params, ctx.rows, ctx.x_shape = kernels, params, rows, x.shape
         ctx.shapes = (B, T, D, heads, HD, p1, p2, sa.scaling, inv_keep, wq.dtype, (wq.shape[0], wk.shape[0],
                                                                                   wv.shape[0]))
         return y.view(B, 1, D)
@@ -261,7 +330,7 @@ class _TrainingRow(torch.autograd.Function):
         attended = tensors[len(ctx.names):]
         B, T, D, heads, HD, p1, p2, scale, inv_keep, p_dtype, qkv_sizes = ctx.shapes
         rln, gelu, sums, attend = ctx.kernels
-        need = training.wanted(ctx.needs_input_grad[5:], ctx.params)
+        need = training.wanted(ctx.needs_input_grad[6:], ctx.params)
         with torch.autocast(grad_y.device.type, enabled=False):
             grad_s2, grad_o, grad_g2, grad_be2, grad_bo2 = training.norm_backward(
                 rln, grad_y.reshape(B, D), t["o"], t["h1"], t["g2"], t["mean2"], t["rstd2"], t["keep2"], p2,
@@ -273,14 +342,13 @@ class _TrainingRow(torch.autograd.Function):
             grad_s1, grad_a, grad_g1, grad_be1, grad_bo = training.norm_backward(
                 rln, grad_h1, t["a"], t["residual"], t["g1"], t["mean1"], t["rstd1"], t["keep1"], p1, need[7:10])
             grad_wo = training.weight_grad(grad_a, t["context"], p_dtype) if need[6] else None
-            kv = t["kv"]
-            grad_kv = torch.empty_like(kv)
+            kv, rows = t["kv"], ctx.rows
+            grad_kv = torch.empty_like(kv) if rows is None else torch.zeros_like(kv)  # packed: keys' rows written
             dq, _, _ = attend.backward(torch.mm(grad_a, t["wo16"]).view(B, 1, HD), t["q"], kv[..., :HD],
                                        kv[..., HD:], t["keep"], attended, heads, scale, inv_keep, grad_kv[..., :HD],
-                                       grad_kv[..., HD:])
-            dq, grad_kv = dq.view(B, HD), grad_kv.view(B * T, -1)
-            x16, w_qkv = t["x16"], t["w_qkv"]
-            first16 = x16.view(B, T, D)[:, 0]
+                                       grad_kv[..., HD:], rows)
+            dq, grad_kv = dq.view(B, HD), grad_kv.view(-1, kv.shape[-1])
+            x16, w_qkv, first16 = t["x16"], t["w_qkv"], t["first16"]
             wq_wk_wv = bq_bk_bv = (None,) * 3  # the query's from row 0, the keys' and values' from every row
             if any(need[0:6:2]):
                 wq_wk_wv = (training.weight_grad(dq, first16, p_dtype),
@@ -290,8 +358,13 @@ class _TrainingRow(torch.autograd.Function):
                             *sums.column_sums(grad_kv.unsqueeze(0), grad_kv.shape[1])[0].split(qkv_sizes[1:]))
             grad_x = None
             if ctx.needs_input_grad[0]:
-                grad_x = layout.mm_at(grad_kv, w_qkv[HD:], torch.float32).view(B, T, D)
-                grad_x[:, 0] += training.mm_into(grad_s1, dq, w_qkv[:HD])
+                grad_x = layout.mm_at(grad_kv, w_qkv[HD:], torch.float32)
+                grad_first = training.mm_into(grad_s1, dq, w_qkv[:HD])
+                if rows is None:
+                    grad_x = grad_x.view(B, T, D)
+                    grad_x[:, 0] += grad_first
+                else:
+                    grad_x = grad_x.index_add_(0, t["starts"], grad_first).view(ctx.x_shape)
         grads_qkv = training.qkv_grads(need, wq_wk_wv, bq_bk_bv)
-        return (grad_x, None, None, None, None, *grads_qkv, grad_wo, grad_bo, grad_g1, grad_be1, grad_wi, grad_bi,
+        return (grad_x, None, None, None, None, None, *grads_qkv, grad_wo, grad_bo, grad_g1, grad_be1, grad_wi, grad_bi,
                 grad_wo2, grad_bo2, grad_g2, grad_be2)

@@ -304,11 +304,11 @@ class Plan:
     keys), `rows`, the [B, T] rows packed (`real` itself, or `extended`'s rows), and `static`, `static_rows`'s n or
     None. Made once per mask (`real_rows`'s memo), shared by the layers of a forward."""
 
-    __slots__ = ("idx", "B", "T", "real", "rows", "static", "_offsets", "_sources")
+    __slots__ = ("idx", "B", "T", "real", "rows", "static", "_offsets", "_sources", "_first")
 
     def __init__(self, idx, B, T, real, static, rows=None):
         self.idx, self.B, self.T, self.real, self.static, self._offsets = idx, B, T, real, static, None
-        self._sources = None
+        self._sources = self._first = None
         self.rows = real if rows is None else rows
 
     def offsets(self):
@@ -336,6 +336,18 @@ class Plan:
                 order = torch.where(key, 0, torch.where(packed, 2, 1)).to(torch.uint8)
                 self._offsets = (cu_q, self.T, cu_k, torch.sort(order, stable=True).indices)
         return self._offsets
+
+    def first_row_keys(self):
+        """``((seq, key_rows, positions, T), starts)`` for attention of each sequence's row 0 over its keys
+        (`layers.attention.first_row_packed`): the int32 offsets of the B sequences' keys (B + 1) among the packed
+        rows, or where `extended` rows are packed among the gathered keys (`attention_layout`'s key order, then
+        `key_rows`), each packed row's index in the padded [B·T] layout (`idx`), T, and the packed row of each
+        sequence's first token (int64 [B]). On the device."""
+        if self._first is None:
+            cu_q, T, cu_k, key_rows = self.attention_layout()
+            B = self.B
+            self._first = (cu_k[:B + 1], key_rows, self.idx, T), cu_q[:B].long()
+        return self._first
 
     def key_sources(self):
         """Where each packed row's key is among `attention_layout`'s gathered keys (int64 [N]: the inverse of its

@@ -188,7 +188,7 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
     (`layers.training.PACKED`), as the clean forward's training layers did. ``training_layers=True`` (without
     ``input_grad_only``): layers ``m+1..L`` run `layers.training` where it supports them (the same values, dropout
     draws and gradients, parameters included; no double backward through them). Packed rows stay packed from layer
-    to layer up to the last two (`layers.packing.carrying`), as in `capture`, where h_m is their unpacked form.
+    to layer up to the last (`layers.packing.carrying`), as in `capture`, where h_m is their unpacked form.
     ``repeat=K``: `h_tilde` stacks K variants of ``h_m`` along the batch (``[K·B, ...]``, variant k in rows
     ``k·B .. k·B+B−1``); the batch's inputs are tiled to match, so one pass runs K edited copies of the batch
     (`cat_fast.analysis.mediation`). Eval mode only.

@@ -37,9 +37,9 @@ def training_layers(model, st, inputs, enabled, carry: bool = False, own_hooks=(
     (a first-token last layer, patched inside this, falls back to this). Off when the call asks for hidden states
     or attentions.
 
-    `carry`: with the packed path on (`layers.training.PACKED`), the layers before the last two hand their outputs
-    on packed (`layers.packing.carry`: the real rows only, packed once per forward and unpacked once, before the
-    last layer) where nothing else can read them: no forward hooks on the layers but the caller's `own_hooks` (their
+    `carry`: with the packed path on (`layers.training.PACKED`), the layers before the last hand their outputs
+    on packed (`layers.packing.carry`: the real rows only, packed once per forward and unpacked once, by the last
+    layer, which a first-token last layer reads packed) where nothing else can read them: no forward hooks on the layers but the caller's `own_hooks` (their
     handles' ids: hooks that take packed outputs, as `capture`'s), no gradient checkpointing. A layer that cannot run
     packed gets its input unpacked."""
     if not enabled or wants_all_outputs(model, inputs) or _LAYER_FORMAT.get(model) is False:
@@ -98,17 +98,17 @@ def _rows(inputs) -> int | None:
 
 
 def carry_set(model, st, modules, own_hooks=()):
-    """The layers of `modules` (consecutive encoder layers, the model's last two at their end) whose outputs may stay
-    packed for the next (`layers.packing.carrying`): all but the last two, where the packed path is on, no hooks on
+    """The layers of `modules` (consecutive encoder layers, the model's last at their end) whose outputs may stay
+    packed for the next (`layers.packing.carrying`): all but the last, where the packed path is on, no hooks on
     the layers (or global ones) would read them but those whose handle ids are in `own_hooks`, and no gradient
     checkpointing; else None."""
     mm = nn.modules.module
     own = frozenset(own_hooks)
-    ok = (layers.training.packed_mode() and len(modules) > 2 and _format_known(model)
+    ok = (layers.training.packed_mode() and len(modules) > 1 and _format_known(model)
           and not (mm._global_forward_hooks or mm._global_forward_pre_hooks)
           and not any(set(m._forward_hooks).union(m._forward_pre_hooks) - own for m in modules)
           and not any(getattr(m, "gradient_checkpointing", False) is True for m in st.checkpoint_flags))
-    return frozenset(modules[:-2]) if ok else None
+    return frozenset(modules[:-1]) if ok else None
 
 
 def _format_known(model) -> bool:
@@ -141,7 +141,7 @@ def last_layer_first_token(model, st, inputs, enabled):
 
     def forward(*args, **kwargs):
         row = layers.first_token.forward(mod, args, kwargs)
-        return orig(*args, **kwargs) if row is None else formatted(fmt, row)
+        return orig(*unpacked(args), **unpacked(kwargs)) if row is None else formatted(fmt, row)
 
     saved = patch_forward(mod, forward)
     try:

@@ -283,3 +283,23 @@ def test_the_objective_runs_under_the_trainers_mixed_precision(tmp_path):
                           save_strategy="no", report_to=[], use_cpu=True, seed=0, bf16=True)
     ObjectiveTrainer(model=model, args=a, train_dataset=tiny_dataset(), objective=Probe(model)).train()
     assert seen == [True, True]
+
+
+def test_several_gpus_outside_torchrun_train_on_one(tmp_path):
+    """Several GPUs visible without torchrun (`TrainingArguments.n_gpu` > 1, here set by hand on the CPU): the
+    Trainer would wrap the model in DataParallel, which the objective bypasses; one device trains instead, at the
+    batch size per device, with one warning naming the torchrun command."""
+    from cat_fast.integrations import ObjectiveTrainer, SingleGPUWarning
+
+    a = args(tmp_path)
+    assert a.n_gpu == 0  # the devices set up (the CPU), then two GPUs claimed
+    a._n_gpu = 2
+    assert a.train_batch_size == 16
+    model = tiny_model("bert", num_labels=2).train()
+    with pytest.warns(SingleGPUWarning, match=r"2 GPUs are visible outside torchrun; training runs on one .*"
+                                              r"torchrun --nproc_per_node 2"):
+        trainer = ObjectiveTrainer(model=model, args=a, train_dataset=tiny_dataset(), objective="erm")
+    assert trainer.args.n_gpu == 1 and trainer._train_batch_size == 8
+    trainer.train()
+    assert not isinstance(trainer.model_wrapped, torch.nn.DataParallel)
+    assert len([h for h in trainer.state.log_history if "loss" in h]) == 3

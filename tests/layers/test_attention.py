@@ -138,6 +138,97 @@ def test_all_padding_rows_and_non_contiguous_inputs(mask_kind):
         assert got[1].isfinite().all() and not got[1].eq(0).all()
 
 
+def _packed_keys(lengths, T, heads, D, dtype=torch.float64, device=DEVICE, extra=0, extended=0, holes=False, seed=0):
+    """Packed keys as `layers.packing.Plan` lays them out: ``(q, kv [N, 2*H*D], rows, real, idx)``, the B sequences'
+    keys (a prefix of `lengths`, or with `holes` every third position after the first left out), `extended` more
+    packed non-key rows after each sequence's keys (CMIX's lent rows: the gathered key order), `extra` rows of a
+    static count after them."""
+    from cat_fast.layers import packing
+
+    B = len(lengths)
+    pos = torch.arange(T)
+    real = pos < torch.tensor(lengths)[:, None]
+    if holes:
+        real &= (pos % 3 != 2)
+    picked = real | (pos < torch.tensor(lengths)[:, None] + extended) if extended else real
+    idx = picked.reshape(-1).nonzero().squeeze(1)
+    static = None
+    if extra:
+        static = idx.numel() + extra
+        idx = torch.cat([idx, (~picked).reshape(-1).nonzero().squeeze(1)[:extra]])
+    plan = packing.Plan(idx.to(device), B, T, real.to(device), static, picked.to(device) if extended else None)
+    rows, starts = plan.first_row_keys()
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, 1, heads * D, generator=g, dtype=dtype).to(device)
+    kv = torch.randn(idx.numel(), 2 * heads * D, generator=g, dtype=dtype).to(device)
+    assert torch.equal(idx[starts.cpu()], torch.arange(B) * T)  # each sequence's row 0 where it is packed
+    return q, kv, rows, real.to(device), idx.to(device)
+
+
+def _packed_reference(q, kv, real, idx, heads, keep, scale, p):
+    """The composition over the keys and values put back in the padded layout (zeros elsewhere), padding masked."""
+    B, T = real.shape
+    HD = q.shape[-1]
+    full = kv.new_zeros(B * T, 2 * HD).index_copy(0, idx, kv).view(B, T, 2 * HD)
+    bias = torch.zeros(B, 1, T, dtype=kv.dtype, device=kv.device).masked_fill(~real[:, None], float("-inf"))
+    return _reference(q, full[..., :HD], full[..., HD:], bias, heads, keep, scale, p)
+
+
+@needs_kernel
+@pytest.mark.parametrize("lengths,T", [([7, 3, 11], 11), ([1], 4), ([5, 1, 1, 9], 9), ([40, 130], 130)])
+@pytest.mark.parametrize("layout", ["keys", "holes", "extended", "static"])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_packed_keys_match_the_composition_in_float64(lengths, T, layout, p):
+    """Keys read from packed rows (`first_row_packed`'s kernel): the output and the gradients of the query and of
+    every packed row (zero on rows that are no key) equal the composition over the padded layout; the keep mask is
+    read at the keys' padded positions."""
+    heads, D = 2, 8
+    q, kv, rows, real, idx = _packed_keys(lengths, T, heads, D, holes=layout == "holes",
+                                          extended=2 if layout == "extended" else 0,
+                                          extra=5 if layout == "static" else 0, seed=len(lengths) * T)
+    assert (rows[1] is not None) == (layout == "extended")
+    q.requires_grad_(True), kv.requires_grad_(True)
+    keep = None
+    if p:
+        keep = torch.rand(len(lengths), heads, T, generator=torch.Generator().manual_seed(5)).ge(p).to(DEVICE)
+    got = attention.fused_first_row_packed(q, kv, rows, heads, keep, D ** -0.5, p)
+    want = _packed_reference(q, kv, real, idx, heads, keep, D ** -0.5, p)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    (dq, dkv), (wq, wkv) = _grads(got, (q, kv)), _grads(want, (q, kv))
+    torch.testing.assert_close(dq, wq, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dkv, wkv, rtol=1e-12, atol=1e-12)
+    keys = real.reshape(-1)[idx]
+    assert dkv[~keys].eq(0).all() and dkv[keys].ne(0).any()
+
+
+@needs_kernel
+def test_packed_keys_gradcheck_with_dropout():
+    heads, D = 2, 3
+    q, kv, rows, _, _ = _packed_keys([4, 2, 5], 5, heads, D, extended=1, extra=2, seed=3)
+    keep = torch.rand(3, heads, 5, generator=torch.Generator().manual_seed(2)).ge(0.3).to(DEVICE)
+    fn = lambda q, kv: attention.fused_first_row_packed(q, kv, rows, heads, keep, 0.7, 0.3)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q.requires_grad_(True), kv.requires_grad_(True)), eps=1e-6, atol=1e-9)
+
+
+def test_packed_keys_off_the_kernel_put_them_back_and_run_first_row():
+    """The dispatcher off the kernel (the CPU): the keys and values put back in the padded layout and `first_row`
+    over it, real keys only; bad shapes are refused naming the function and what it expects."""
+    q, kv, rows, real, idx = _packed_keys([6, 2, 4], 6, 3, 4, device="cpu", extended=1, seed=4)
+    q.requires_grad_(True), kv.requires_grad_(True)
+    got = attention.first_row_packed(q, kv, rows, real, 3, 0.0, 0.5)
+    want = _packed_reference(q, kv, real, idx, 3, None, 0.5, 0.0)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(_grads(got, (q, kv)), _grads(want, (q, kv))):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"first_row_packed: expected q \[B, 1, H\*D\] \(B >= 1\), keys_values "
+                                         r"\[N, 2\*H\*D\]"):
+        attention.first_row_packed(q, kv[:, :-1], rows, real, 3, 0.0, 0.5)
+    with pytest.raises(ValueError, match=r"real \(3, 5\)"):
+        attention.first_row_packed(q, kv, rows, real[:, :5], 3, 0.0, 0.5)
+    with pytest.raises(ValueError, match="expected one floating dtype"):
+        attention.first_row_packed(q.float(), kv, rows, real, 3, 0.0, 0.5)
+
+
 def test_the_dispatcher_is_sdpa_where_the_kernel_does_not_run():
     # CPU (or a mask the kernel does not take): the SDPA call itself, bit for bit
     q, k, v = _inputs(2, 9, 3, 4, device="cpu")

@@ -214,6 +214,16 @@ def test_training_row_stays_off_where_it_does_not_apply(monkeypatch):
     assert calls == [1]
 
 
+def _agree_in_fp32(layer, grads, want_grads, tol):
+    """The input's and the layer's parameters' gradients (fp32) agree to `tol` of each one's largest value."""
+    names = ["input"] + [n for n, _ in layer.named_parameters()]
+    assert len(grads) <= len(names) and len(grads) == len(want_grads)
+    for name, a, b in zip(names, grads, want_grads):
+        assert a.dtype == b.dtype == torch.float32, name
+        if not name.endswith("key.bias"):  # exactly 0 in exact arithmetic: rounding noise on both sides
+            assert (a - b).abs().max() <= tol * b.abs().max().clamp_min(1e-6), name
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_training_row_matches_the_modules_to_16_bit_rounding(monkeypatch):
     """bf16 autocast on CUDA (the row's own conditions, from any row count), attention and hidden dropout in train
@@ -232,11 +242,7 @@ def test_cuda_training_row_matches_the_modules_to_16_bit_rounding(monkeypatch):
         other, _ = _training_pass(layer, x, mask, g, True, monkeypatch, seed=4)
     assert calls == [1, 1]
     torch.testing.assert_close(got[:, 0], want[:, 0], rtol=3e-2, atol=3e-2)
-    names = ["input"] + [n for n, _ in layer.named_parameters()]
-    for name, a, b in zip(names, grads, want_grads):
-        assert a.dtype == b.dtype == torch.float32, name
-        if not name.endswith("key.bias"):  # exactly 0 in exact arithmetic: rounding noise on both sides
-            assert (a - b).abs().max() <= 3e-2 * b.abs().max().clamp_min(1e-6), name
+    _agree_in_fp32(layer, grads, want_grads, 3e-2)
     assert (other[:, 0] - want[:, 0]).abs().max() > 3e-2  # other draws: beyond the tolerance above
 
 
@@ -246,3 +252,102 @@ def test_training_row_switch_must_be_a_bool(monkeypatch):
     monkeypatch.setattr(first_token, "TRAINING_ROW", "off")
     with pytest.raises(ValueError, match="TRAINING_ROW: expected True or False, got 'off'"):
         first_token.forward(layer, (x.requires_grad_(True), mask), {})
+
+
+def _packed_pass(layer, x, mask, g, packed, monkeypatch, seed=3, input_only=False, row_only=False, fill=None):
+    """(output, gradients of the input and, unless `input_only`, of every parameter) of the first-token layer on
+    `x`'s rows, packed as the layer before hands them on (`packing.carry`) or padded, with the
+    `attention.first_row_packed` calls."""
+    from cat_fast.layers import attention, packing
+
+    calls = []
+    real = attention.first_row_packed
+    monkeypatch.setattr(attention, "first_row_packed", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(seed)
+    t = x.detach().requires_grad_(True)
+    arg = t
+    if packed:
+        B, T, _ = x.shape
+        plan = packing.plan(mask, B, T, 0.0)
+        rows = packing.pack(t, plan)
+        arg = packing.carry(rows, plan, t, packing.link(rows))
+    out = first_token.forward(layer, (arg, mask), {}, fill, row_only, input_only)
+    assert out is not None and out.shape == (x.shape[0], 1 if row_only else x.shape[1], x.shape[2])
+    inputs = [t] if input_only else [t, *layer.parameters()]
+    return out, torch.autograd.grad(out, inputs, g[:, :out.shape[1]]), calls
+
+
+@pytest.mark.parametrize("path", ["modules", "input_only", "training_row"])
+@pytest.mark.parametrize("lengths", [[9, 4, 6, 3], [1], [9, 1, 9]], ids=["padded", "one_token", "full_rows"])
+def test_packed_rows_equal_the_padded_rows(path, lengths, monkeypatch):
+    """The layer on the packed rows the layer before hands on (the modules, the one-matmul keys and values of an
+    input-only pass, and the training row under the interpreter) against the same path on the padded rows, in
+    train mode with attention and hidden dropout (the same draws): row 0, rows 1.. (the input's), and the input
+    (zero on its padding rows) and every parameter gradient to fp32 rounding; the attention read the packed keys."""
+    layer = _first_token_layer(hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.3)
+    x, mask, g = _padded(lengths, 9, layer.attention.self.all_head_size)
+    monkeypatch.setattr(first_token, "TRAINING_ROW", path == "training_row")
+    monkeypatch.setattr(first_token, "INPUT_ONLY_KEY_VALUE", path == "input_only")
+    if path == "training_row":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("runs the row's kernels on the CPU under the Triton interpreter")
+        row_calls = _row_calls(monkeypatch, on_cpu=True)
+    kv_calls = _count(monkeypatch)
+    io = path == "input_only"
+    want, want_grads, _ = _packed_pass(layer, x, mask, g, False, monkeypatch, input_only=io)
+    got, grads, calls = _packed_pass(layer, x, mask, g, True, monkeypatch, input_only=io)
+    assert kv_calls == ([1, 1] if io else [])
+    if path == "training_row":
+        assert row_calls == [1, 1]
+    else:
+        assert calls == [1]  # the row's kernel reads the packed keys itself
+    torch.testing.assert_close(got[:, 0], want[:, 0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[:, 1:], x[:, 1:])
+    assert len(grads) == len(want_grads) == (1 if io else 1 + len(list(layer.parameters())))
+    for a, b in zip(grads, want_grads):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max().clamp_min(1.0)
+    real = mask[:, 0, 0]  # True: a real key
+    assert grads[0][~real].eq(0).all() and grads[0][real].ne(0).any()
+
+
+def test_packed_rows_one_row_or_filled_and_unpacked_where_edited(monkeypatch):
+    """``row_only`` hands the row alone, `fill` the constant in rows 1..; an intervention on the layer gets the
+    rows unpacked and runs as on padded rows."""
+    from cat_fast.layers import interventions
+
+    layer = _first_token_layer()
+    layer.eval()
+    x, mask, g = _padded([9, 4, 6], 9, layer.attention.self.all_head_size)
+    want, _, _ = _packed_pass(layer, x, mask, g, False, monkeypatch)
+    got, _, _ = _packed_pass(layer, x, mask, g, True, monkeypatch, row_only=True)
+    torch.testing.assert_close(got, want[:, :1], rtol=1e-6, atol=1e-6)
+    got, _, _ = _packed_pass(layer, x, mask, g, True, monkeypatch, fill=2.5)
+    torch.testing.assert_close(got[:, 0], want[:, 0], rtol=1e-6, atol=1e-6)
+    assert got[:, 1:].eq(2.5).all()
+    with interventions.intervene(layer, "value", lambda v: v * 0.5):
+        want, want_grads, _ = _packed_pass(layer, x, mask, g, False, monkeypatch)
+        got, grads, calls = _packed_pass(layer, x, mask, g, True, monkeypatch)
+    assert calls == []  # unpacked: the padded path, with the edit
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("input_only", [False, True], ids=["training_row", "input_only"])
+def test_cuda_packed_rows_equal_the_padded_rows_to_16_bit_rounding(input_only, monkeypatch):
+    """bf16 autocast on CUDA with attention and hidden dropout: the training row (or an input-only pass's keys and
+    values in one matmul) on packed rows, its attention by the packed first-row kernel, against the padded rows:
+    the same draws, so row 0 and every gradient agree to bf16 rounding."""
+    from cat_fast.layers import training as training_layer
+
+    monkeypatch.setattr(training_layer, "FUSED_MIN_ROWS", 0)
+    layer = _first_token_layer("cuda", hidden_size=64, num_attention_heads=4, intermediate_size=256,
+                               hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.2)
+    x, mask, g = _padded([40, 17, 25, 9, 33, 40, 1], 40, 64, "cuda")
+    row_calls = _row_calls(monkeypatch)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want, want_grads, _ = _packed_pass(layer, x, mask, g, False, monkeypatch, input_only=input_only)
+        got, grads, _ = _packed_pass(layer, x, mask, g, True, monkeypatch, input_only=input_only)
+    assert row_calls == ([] if input_only else [1, 1])
+    torch.testing.assert_close(got[:, 0], want[:, 0], rtol=2e-2, atol=2e-2)
+    _agree_in_fp32(layer, grads, want_grads, 2e-2)

@@ -53,7 +53,7 @@ def _capture_and_resume(model, batch, m, seed=3):
 def test_capture_at_a_layer_and_resume_packed_equal_padded(m, monkeypatch, pack_calls):
     """Eval mode, five layers (the last one a training layer too): h_m, the clean and resumed logits, and the
     gradients w.r.t. the embeddings' output, the edit and every parameter equal the padded path's in float64. The
-    rows are packed at the first layer and handed on up to the last two layers, which pack their own; the capture
+    rows are packed at the first layer and handed on up to the last layer, which unpacks its output; the capture
     unpacks h_m where it is packed (m > 0), and layer m+1 packs it again; the resumed pass packs at layer m+1."""
     model = _model()
     batch = _batch()
@@ -64,8 +64,8 @@ def test_capture_at_a_layer_and_resume_packed_equal_padded(m, monkeypatch, pack_
         pack_calls.clear()
         results[packed] = _capture_and_resume(model, batch, m)
         if packed:
-            clean = ["pack", "unpack"] * (2 if m == 0 else 3)
-            resumed = ["pack", "unpack"] * 2
+            clean = ["pack", "unpack"] * (1 if m == 0 else 2)
+            resumed = ["pack", "unpack"]
             assert pack_calls == clean + resumed
     real = batch["attention_mask"].bool()
     # h_m's padding rows: the first packed layer's input rows (the embeddings' output) in the packed path
@@ -127,7 +127,7 @@ def test_an_input_gradient_only_resume_of_a_packed_capture_redraws_its_dropout(g
     h = cap.hidden.detach().requires_grad_(grad)
     with torch.set_grad_enabled(grad):
         out = models.logits_of(models.resume(model, cap, h, input_grad_only=True))
-    assert pack_calls == ["pack", "unpack"] * 2
+    assert pack_calls == ["pack", "unpack"]  # packed at layer 3, unpacked by the last layer
     torch.testing.assert_close(out, models.logits_of(cap.outputs), rtol=0, atol=0)
     if grad:
         (g,) = torch.autograd.grad(out[:, 1].sum(), h)
@@ -167,8 +167,8 @@ def _gs_grads(model, batch, representation=0, low_memory=False, **kw):
 @pytest.mark.parametrize("low_memory", [False, True], ids=["graphs", "low_memory"])
 @pytest.mark.parametrize("difference", ["forward", "central"])
 def test_first_order_gs_packed_equals_padded(difference, low_memory, representation, monkeypatch, pack_calls):
-    """First-order GS: with the rows packed (the clean forward and each perturbed pass packed once and unpacked once,
-    with ``low_memory`` inside the backward) the loss, the GS term and every parameter gradient are the padded
+    """First-order GS: with the rows packed (the clean forward and each perturbed pass packed once, the clean forward
+    unpacked once; with ``low_memory`` inside the backward) the loss, the GS term and every parameter gradient are the padded
     path's in float64."""
     model = _model()
     batch = _batch()
@@ -179,8 +179,10 @@ def test_first_order_gs_packed_equals_padded(difference, low_memory, representat
         monkeypatch.setattr(training_layer, "PACKED", packed)
         pack_calls.clear()
         results[packed] = _gs_grads(model, batch, **kw)
-        passes = 0 if representation == "pooled" else 1 + (2 if difference == "central" else 1)
-        assert pack_calls == (["pack", "unpack"] * max(passes, 1) if packed else [])
+        perturbed = 0 if representation == "pooled" else (2 if difference == "central" else 1)
+        # the clean forward unpacks its last layer's whole output; a perturbed pass's first-token last layer hands
+        # the head its row 0 from the packed rows
+        assert pack_calls == (["pack", "unpack"] + ["pack"] * perturbed if packed else [])
     (loss, gs, grads), (want_loss, want_gs, want) = results[True], results[False]
     torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(gs, want_gs, rtol=1e-12, atol=1e-12)
