@@ -37,11 +37,12 @@ Padding-free graphs (`cat_fast.layers.training.PACKED`; by default "auto": on CU
 its lent rows take a gradient): a batch with a 2-D ``attention_mask`` adds its real-token count, rounded up to a 32nd
 of its rows (`layers.packing.bucket`), to the signature, and its graph runs the encoder on that many packed rows
 (`layers.packing.static_rows`: the rows packed once, handed from layer to layer packed, attended by variable-length
-flash attention, unpacked before the last layers). Reading the count is one host synchronisation per step, except
-from a batch given on the host: a dict of CPU tensors (pinned by a ``DataLoader(..., pin_memory=True)``: copied
-without a synchronisation) is moved to the parameters' device by the step, and its count read from its host mask
-(CAT's rows depend on its partners: counted from their host copy, `StepPlan.host`; CAT's graphs are keyed by the
-pair of its row counts, before and past the mixing layer, `layers.packing.narrow`). The
+flash attention, read packed by a first-token last layer, unpacked once). Reading the count is one host
+synchronisation per step, except from a batch given on the host: a dict of CPU tensors (pinned by a
+``DataLoader(..., pin_memory=True)``: copied without a synchronisation) is moved to the parameters' device by the
+step, and its count read from its host mask (CAT's rows depend on its partners: counted from their host copy,
+`StepPlan.host`; CAT's graphs are keyed by the pair of its row counts, before and past the mixing layer,
+`layers.packing.narrow`). The
 signature's eager warm-up steps pack the same rows, so the offsets at which its passes redraw the clean forward's
 dropout (`models.PassGenerators`) are measured on packed steps. A batch whose first position is padding (left
 padding) runs padded, and so does a new row count once packed graphs hold half of ``max_graphs``.

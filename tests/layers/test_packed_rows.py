@@ -202,20 +202,29 @@ def _first_token_step(model, batch, seed=5):
     return logits, grads[0], grads[1:]
 
 
-def _compare_first_token(model, batch, monkeypatch, packed_runs, pack_calls, want_calls, want_runs=None):
+def _compare_first_token(model, batch, monkeypatch, packed_runs, pack_calls, want_calls, want_runs=None,
+                         last_packed=True):
     """A first-token forward with the packed path against the padded one: logits, the embeddings' output gradient
     (zero on padding rows in both where the head reads real rows only) and every parameter gradient in float64;
     `want_calls`: the pack / unpack calls of the packed forward; `want_runs`: how many layers attend (packed in the
-    packed forward)."""
+    packed forward); `last_packed`: whether the packed forward's last layer reads the packed rows (where any are)."""
+    from cat_fast.layers import attention
+
     real = batch["attention_mask"].bool()
     _first_token_step(model, batch)  # the layers' output format recorded
+    first_rows = []
+    original = attention.first_row_packed
+    monkeypatch.setattr(attention, "first_row_packed", lambda *a: first_rows.append(1) or original(*a))
     results = {}
     for packed in (False, True):
         monkeypatch.setattr(training_layer, "PACKED", packed)
         pack_calls.clear()
         packed_runs.clear()
+        first_rows.clear()
         results[packed] = _first_token_step(model, batch)
         assert pack_calls == (want_calls if packed else [])
+        # the first-token last layer reads the packed rows (its attention over each sequence's packed keys)
+        assert first_rows == ([1] if packed and want_calls and last_packed else [])
         if want_runs is not None:
             assert packed_runs == [packed] * want_runs
     (logits, grad_emb, grads), (want_logits, want_emb, want) = results[True], results[False]
@@ -233,7 +242,7 @@ def _compare_first_token(model, batch, monkeypatch, packed_runs, pack_calls, wan
 def test_first_token_forward_with_packed_layers_equals_padded(monkeypatch, packed_runs, pack_calls):
     """Eval mode: the same logits and parameter gradients; in both, the gradient w.r.t. every padding row of the
     embeddings' output is exactly zero (nothing the loss reads depends on padding rows). Layers 0 and 1 attend
-    packed; the last runs for the first token."""
+    packed; the last runs for the first token, on the packed rows."""
     model = tiny_model("bert", attn="sdpa", dtype=torch.float64, num_layers=3).eval()
     _compare_first_token(model, _model_batch(), monkeypatch, packed_runs, pack_calls, ["pack", "unpack"],
                          want_runs=2)
@@ -241,9 +250,10 @@ def test_first_token_forward_with_packed_layers_equals_padded(monkeypatch, packe
 
 @pytest.mark.parametrize("padding", ["right", "left", "all_padding_but_one"])
 def test_packed_rows_stay_packed_between_layers(padding, monkeypatch, packed_runs, pack_calls):
-    """Five layers in a first-token forward: the rows are packed once (layer 0) and unpacked once (after layer 3,
-    before the last layer), not per layer; logits and every gradient equal the padded path's in float64. Left
-    padding (a first position that is padding, which the head reads) runs the padded path."""
+    """Five layers in a first-token forward: the rows are packed once (layer 0) and unpacked once (by the last,
+    first-token layer, which reads them packed and unpacks its input's rows for its output's rows 1..), not per
+    layer; logits and every gradient equal the padded path's in float64. Left padding (a first position that is
+    padding, which the head reads) runs the padded path."""
     model = tiny_model("bert", attn="sdpa", dtype=torch.float64, num_layers=5).eval()
     batch = _model_batch()
     if padding == "left":
@@ -261,7 +271,8 @@ def test_a_layer_with_a_hook_keeps_every_layer_unpacked(monkeypatch, packed_runs
     seen = []
     models.structure(model).layer_modules[2].register_forward_hook(
         lambda m, i, o: seen.append((o[0] if isinstance(o, tuple) else o).shape))
-    _compare_first_token(model, _model_batch(), monkeypatch, packed_runs, pack_calls, ["pack", "unpack"] * 4)
+    _compare_first_token(model, _model_batch(), monkeypatch, packed_runs, pack_calls, ["pack", "unpack"] * 4,
+                         last_packed=False)
     assert set(seen) == {torch.Size([4, 12, D])}
 
 
