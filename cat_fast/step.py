@@ -77,7 +77,7 @@ from . import graphs as cuda_graphs
 from .layers import packing
 from .layers import training as training_layers
 
-__all__ = ["CapturedStep", "NotCapturable", "StepPlan"]
+__all__ = ["CapturedStep", "NotCapturable", "StepPlan", "static_row_counts"]
 
 
 class NotCapturable(RuntimeError):
@@ -93,7 +93,7 @@ class StepPlan:
     (partners, λ), static inputs of the graph, copied in before each replay. ``generators``: CUDA generators the
     step switches to inside the graph (registered with it before the capture). ``before_replay``: called on the
     host before each replay (sets those generators' offsets). ``host``: CPU copies of some of ``tensors`` (CAT's
-    partners), from which the packed row count is read without a host synchronisation (`_static_rows`)."""
+    partners), from which the packed row count is read without a host synchronisation (`static_row_counts`)."""
 
     key: Hashable = ()
     state: object = None
@@ -132,7 +132,7 @@ def _min_rows(objective) -> int:
     return training_layers.PACKED_MIN_ROWS if own is None else own
 
 
-def _static_rows(batch, objective, tensors=None, host_mask=None, host=None):
+def static_row_counts(batch, objective, tensors=None, host_mask=None, host=None):
     """For an objective that declares `packs_rows`, with the training layers' packed path on
     (`layers.training.PACKED`; "auto": a CUDA batch of at least `_min_rows` rows): the real rows of the
     batch's 2-D ``attention_mask`` (or the rows the objective's ``packed_rows(batch, tensors)`` names, for the plan's
@@ -204,7 +204,7 @@ def _counts(objective, batch, tensors, rows, real=False):
 _PER_PARAMETER = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop")
 SPLIT_UPDATE = True  # False: under DDP the optimizer waits for every bucket (for comparisons; `CapturedStep._update`)
 # False: an objective's own packed rows (CAT's) are counted on the device even where the plan has host copies of its
-# draws (one host synchronisation per step; for comparisons, `_static_rows`)
+# draws (one host synchronisation per step; for comparisons, `static_row_counts`)
 HOST_COUNTS = True
 
 
@@ -260,7 +260,7 @@ class CapturedStep(cuda_graphs.CachedGraphs):
         if graphs:
             self._check_optimizer()
         self._ddp = None  # under DDP: `step_ddp.DDPStep` (plans outside DDP's forward, averaging, lockstep)
-        self._packed_graphs = set()  # the signatures captured with packed rows (`_static_rows`)
+        self._packed_graphs = set()  # the signatures captured with packed rows (`static_row_counts`)
         from . import step_ddp
 
         if step_ddp.ddp_of(objective) is not None:
@@ -357,6 +357,28 @@ class CapturedStep(cuda_graphs.CachedGraphs):
         with self._ddp.outside_forward():
             return self._planner.plan_step(batch, *args)
 
+    def signature_of(self, batch, *args, cuda_counts: bool = False):
+        """The graph signature a step on `batch` would key, without running it (for tools that count a run's graphs
+        on the host: `benchmarks/tools/cli_signatures.py`): ``(signature, padded)``, `padded` the padded signature
+        a packed step falls back to once packed graphs hold half of ``max_graphs``, or ``(signature, None)`` where
+        the step runs padded. It plans the step (`Objective.plan_step`), so the objective's draws advance as a
+        step's would. ``cuda_counts``: a CPU batch counted as the same batch on a GPU would be ("auto" packing, from
+        the objective's least row count)."""
+        plan = self._plan(batch, args)
+        inputs = (batch, args, plan.tensors)
+        padded = self._signature(inputs, plan, None)
+        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+        saved = training_layers.PACKED
+        if (cuda_counts and saved == "auto" and isinstance(mask, torch.Tensor)
+                and mask.numel() >= _min_rows(self._planner)):
+            training_layers.PACKED = True
+        try:
+            host_mask = mask if isinstance(mask, torch.Tensor) and not mask.is_cuda else None
+            rows = static_row_counts(batch, self._planner, plan.tensors, host_mask, plan.host)
+        finally:
+            training_layers.PACKED = saved
+        return (padded, None) if rows is None else (self._signature(inputs, plan, rows), padded)
+
     def __call__(self, batch, *args):
         on_cuda = bool(self.params) and self.params[0].is_cuda
         host_mask = None
@@ -375,7 +397,7 @@ class CapturedStep(cuda_graphs.CachedGraphs):
             return loss, info
         plan = self._plan(batch, args)
         inputs = (batch, args, plan.tensors)
-        rows = _static_rows(batch, self._planner, plan.tensors, host_mask, plan.host)  # under DDP: the planner
+        rows = static_row_counts(batch, self._planner, plan.tensors, host_mask, plan.host)  # under DDP: the planner
         sig = self._signature(inputs, plan, rows)
         if (rows is not None and sig not in self.cache.entries
                 and len(self._packed_graphs) >= self.cache.max_graphs // 2):
@@ -420,7 +442,7 @@ class CapturedStep(cuda_graphs.CachedGraphs):
     def _capture(self, sig, plan, inputs, rows=None):
         """The step's graphs for this signature (the capture runs nothing on the GPU: the caller replays it for this
         batch), or None when the capture fails (this signature then runs eagerly). `rows`: the training layers'
-        static real-row count in this graph (`_static_rows`), or None."""
+        static real-row count in this graph (`static_row_counts`), or None."""
 
         def build(static):
             batch, args, tensors = static

@@ -47,9 +47,7 @@ def prepared_run(argv):
     seed_everything(args.seed)
     read_train(run)
     read_dev(run, [])
-    T._load_model(run)
-    T._plan(run)
-    T._build_objective(run)
+    T.build(run)
     return run
 
 
@@ -96,35 +94,21 @@ def count(argv, warmups=(3,), max_graphs: int = 64, buckets=None) -> dict:
 def _count(argv, warmups, max_graphs):
     import torch
 
-    from cat_fast import step as step_module
-    from cat_fast.layers import training as training_layers
+    from cat_fast.step import CapturedStep
 
     run = prepared_run(argv)
     objective = run.objective
     optimizer = torch.optim.AdamW(run.model.parameters(), lr=1e-5)
-    captured = step_module.CapturedStep(objective, optimizer, max_graphs=max_graphs)
+    captured = CapturedStep(objective, optimizer, max_graphs=max_graphs)
     items, stream, collate = run.parts
-    saved = training_layers.PACKED
-    training_layers.PACKED = True  # the counts "auto" gives a CUDA batch of enough rows (below: its least count)
-    least = step_module._min_rows(objective)
     signatures, shapes = [], collections.Counter()
-    try:
-        for keys in stream:
-            batch = collate([items[k] for k in keys])
-            objective.step = len(signatures)
-            call, args = objective.call_arguments(batch)
-            plan = captured._plan(call, args)
-            inputs = (call, args, plan.tensors)
-            mask = call["attention_mask"]
-            rows = step_module._static_rows(call, captured._planner, plan.tensors, mask, plan.host)
-            if mask.numel() < least:
-                rows = None
-            padded = captured._signature(inputs, plan, None)
-            sig = padded if rows is None else captured._signature(inputs, plan, rows)
-            signatures.append((sig, None if rows is None else padded))
-            shapes[(tuple(mask.shape), rows is not None)] += 1
-    finally:
-        training_layers.PACKED = saved
+    for keys in stream:
+        batch = collate([items[k] for k in keys])
+        objective.step = len(signatures)
+        call, args = objective.call_arguments(batch)
+        sig, padded = captured.signature_of(call, *args, cuda_counts=True)  # the counts "auto" gives a CUDA batch
+        signatures.append((sig, padded))
+        shapes[(tuple(call["attention_mask"].shape), padded is not None)] += 1
     out = {"argv": " ".join(argv), "steps": len(signatures), "signatures": len({s for s, _ in signatures}),
            "packed_steps": sum(p is not None for _, p in signatures),
            "batch_shapes": len(shapes), "max_graphs": max_graphs}
@@ -142,8 +126,15 @@ def main(argv=None):
     own, rest = parser.parse_known_args(argv)
     if any(w < 1 for w in own.warmup_steps_policy):
         parser.error("--warmup-steps-policy: expected integers >= 1")
-    for buckets in own.buckets:
-        print(json.dumps(count(rest, tuple(own.warmup_steps_policy), buckets=buckets)), flush=True)
+    from cat_fast.cli.common import CliError, fail
+    from cat_fast.data import DataError
+    from cat_fast.models.pretrained import ModelLoadError
+
+    try:
+        for buckets in own.buckets:
+            print(json.dumps(count(rest, tuple(own.warmup_steps_policy), buckets=buckets)), flush=True)
+    except (DataError, ModelLoadError, CliError) as e:  # one line, exit 2, as `cat-fast train` ends on them
+        fail(e, getattr(e, "exit_code", 2))
     return 0
 
 

@@ -1,6 +1,6 @@
 """How many CUDA graphs a captured packed CAT step keys over a run, counted on the host without a GPU: for the
 batches `ddp_step_bench.py` gives each rank (the step suite's `make_batch`, seed 1234 + rank), `--steps` draws of a
-mixing layer and of each rank's partners, each step's row counts as `cat_fast.step._static_rows` computes them (the
+mixing layer and of each rank's partners, each step's row counts as `cat_fast.step.static_row_counts` computes them (the
 real rows, the narrowed rows, the lent rows), and the signatures that gives on each rank alone and under DDP, where
 a graph is keyed by every rank's counts. Reports how many signatures first appear after step 100 and 150 (the
 benchmarks' warm-up), for each `layers.packing.LENT_BUCKETS` given. Prints one JSON record per size and value.
@@ -45,7 +45,7 @@ def signatures(size: str, lent_buckets: int, steps: int, ranks: int, layers: int
             counts = []
             for r in range(ranks):
                 partner = torch.randperm(B, generator=partners[r])
-                rows = step_module._static_rows(batches[r], cat, {"partner": partner})
+                rows = step_module.static_row_counts(batches[r], cat, {"partner": partner})
                 counts.append(rows)
                 per_rank[r].add((layer, rows))
                 if isinstance(rows, tuple) and len(rows) == 3:

@@ -49,7 +49,7 @@ from .train_objective import apply_objective_config, check_options, objective_re
 from .train_run import Scratch, finish, history_of, make_trainer, run_trainer, with_lora
 from .trainer_args import resolve as resolve_trainer_args
 
-__all__ = ["train", "check_options", "dev_half", "fit_cat_graphs", "train_buckets", "check_max_length"]
+__all__ = ["train", "build", "check_options", "dev_half", "fit_cat_graphs", "train_buckets", "check_max_length"]
 
 MAX_CAT_GRAPHS = 64  # the most CAL-graph signatures the CLI lets an objective capture (batch sizes × lengths × layers)
 
@@ -127,10 +127,17 @@ def train(args) -> Dict:
                           objective=run.objective_record)
     run.folder.check(run.run_record)  # the checkpoint folder is cat-fast's, and a --resume continues this very run
     read_dev(run, evals)
+    build(run)
+    return _train_and_write(run, t_start)
+
+
+def build(run) -> None:
+    """What a run trains with, once its data is read (`Prepared` after `read_train` / `read_dev`): the model and
+    tokenised sets, the batches of every epoch and the objective, with the stream of batches it is fed
+    (``run.parts``). `train` trains on them; `benchmarks/tools/cli_signatures.py` counts their graph signatures."""
     _load_model(run)
     _plan(run)
     _build_objective(run)
-    return _train_and_write(run, t_start)
 
 
 def _load_model(run) -> None:

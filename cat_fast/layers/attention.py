@@ -23,7 +23,8 @@ from torch.autograd.function import once_differentiable
 
 from ..ops.fused import fused_kernels
 
-__all__ = ["first_row", "first_row_packed", "fused_first_row", "fused_first_row_packed", "score_bias", "keep_mask", "FUSED"]
+__all__ = ["first_row", "first_row_packed", "fused_first_row", "fused_first_row_packed", "score_bias", "keep_mask",
+           "FUSED"]
 
 # Whether CUDA passes use the fused kernel (module docstring); off: SDPA.
 FUSED = True
@@ -134,16 +135,19 @@ def first_row(q, keys_values, mask, heads: int, dropout_p: float, scale: float):
     added to the scores), broadcastable to ``[B, H, 1, T]``."""
     k, v = _split(keys_values, q.shape[-1])
     B, T, HD = k.shape
-    # under autocast SDPA computes in autocast's dtype: the kernel only where the inputs already have it
-    autocast_keeps = (not torch.is_autocast_enabled("cuda")
-                      or q.dtype in (torch.get_autocast_dtype("cuda"), torch.float64))
-    fused = (FUSED and q.is_cuda and q.dtype == k.dtype == v.dtype and q.dtype in _DTYPES and autocast_keeps
+    fused = (FUSED and q.is_cuda and q.dtype == k.dtype == v.dtype and q.dtype in _DTYPES and _autocast_keeps(q)
              and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and 0.0 <= dropout_p < 1.0 and B * T > 0)
     bias = score_bias(mask, B, heads, T, q.device) if fused else False
     if bias is False or fused_kernels("first_row_attention") is None:
         return _sdpa(q, k, v, mask, heads, dropout_p, scale)
     return fused_first_row(q, keys_values, bias, heads, keep_mask(B, heads, T, q.device, dropout_p), scale,
                            dropout_p)
+
+
+def _autocast_keeps(q) -> bool:
+    """Whether the kernel computes what SDPA would: under autocast SDPA computes in autocast's dtype, so the kernel
+    runs only where the inputs already have it."""
+    return not torch.is_autocast_enabled("cuda") or q.dtype in (torch.get_autocast_dtype("cuda"), torch.float64)
 
 
 def _checked_packed(q, keys_values, rows, heads, real=None):
@@ -171,9 +175,7 @@ def first_row_packed(q, keys_values, rows, real, heads: int, dropout_p: float, s
     and `first_row` over it with `real` as the mask. Not twice differentiable on the kernel path."""
     _checked_packed(q, keys_values, rows, heads, real)
     B, HD, T, positions = q.shape[0], q.shape[-1], rows[3], rows[2]
-    autocast_keeps = (not torch.is_autocast_enabled("cuda")
-                      or q.dtype in (torch.get_autocast_dtype("cuda"), torch.float64))
-    fused = (FUSED and q.is_cuda and autocast_keeps and 0.0 <= dropout_p < 1.0
+    fused = (FUSED and q.is_cuda and _autocast_keeps(q) and 0.0 <= dropout_p < 1.0
              and fused_kernels("first_row_attention") is not None)  # shapes, dtypes, strides: checked above
     if not fused:
         full = keys_values.new_zeros(B * T, 2 * HD).index_copy(0, positions, keys_values).view(B, T, 2 * HD)

@@ -83,8 +83,7 @@ class _KeyValueFirst(torch.autograd.Function):
         acc = torch.promote_types(ctx.x_dtype, torch.float32)
         grad_x = layout.mm_at(grad_kv.reshape(-1, grad_kv.shape[-1]), w_kv, acc)
         if starts is None:
-            grad_x = grad_x.view(ctx.x_shape)
-            grad_x[:, :1] += grad_first.to(acc)
+            grad_x.view(ctx.x_shape)[:, :1] += grad_first.to(acc)
         else:
             grad_x.index_add_(0, starts, grad_first.reshape(-1, grad_x.shape[-1]).to(acc))
         return grad_x.view(ctx.x_shape).to(ctx.x_dtype), None, None, None, None

@@ -37,9 +37,9 @@ attends to their sequence's keys, the rest of the layer row by row. The unpacked
 the first packed layer's input rows there (finite values for a consumer that reads them; the padded path computes
 attention outputs there, which a key-padding mask keeps from every real row), and the input gradient there is the
 output gradient there (the derivative of that copy: zero in a model, where nothing the loss reads depends on
-padding rows). Real rows and every gradient equal the padded path's without dropout;
-under dropout the hidden dropouts draw their masks over the N rows, so the draws differ from the padded path's
-(the same distribution, not the same numbers).
+padding rows). Real rows and every gradient equal the padded path's without dropout; under dropout the hidden
+dropouts draw their masks over the N rows, so the draws differ from the padded path's (the same distribution, not
+the same numbers).
 """
 from __future__ import annotations
 

@@ -39,9 +39,9 @@ def training_layers(model, st, inputs, enabled, carry: bool = False, own_hooks=(
 
     `carry`: with the packed path on (`layers.training.PACKED`), the layers before the last hand their outputs
     on packed (`layers.packing.carry`: the real rows only, packed once per forward and unpacked once, by the last
-    layer, which a first-token last layer reads packed) where nothing else can read them: no forward hooks on the layers but the caller's `own_hooks` (their
-    handles' ids: hooks that take packed outputs, as `capture`'s), no gradient checkpointing. A layer that cannot run
-    packed gets its input unpacked."""
+    layer, which a first-token last layer reads packed) where nothing else can read them: no forward hooks on the
+    layers but the caller's `own_hooks` (their handles' ids: hooks that take packed outputs, as `capture`'s), no
+    gradient checkpointing. A layer that cannot run packed gets its input unpacked."""
     if not enabled or wants_all_outputs(model, inputs) or _LAYER_FORMAT.get(model) is False:
         yield
         return

@@ -29,3 +29,15 @@ def test_a_cli_cat_run_counted_on_the_host():
         assert sum(policy.values()) == record["steps"]
     assert fine["warmup_1"]["eager_warmup"] < fine["warmup_3"]["eager_warmup"]
     assert fine["buckets"] == [32, 16] and coarse["buckets"] == [8, 8]
+
+
+def test_a_missing_training_file_ends_in_one_line(capsys):
+    """A run the CLI would refuse ends as `cat-fast train` ends: one line naming the problem, exit 2."""
+    import pytest
+
+    with pytest.raises(SystemExit) as ended:
+        cli_signatures.main(["--method", "cat", "--train", "/nonexistent/train.tsv", "--text-column", "t",
+                             "--label-column", "l"])
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("cat-fast: error: /nonexistent/train.tsv: file or folder not found")

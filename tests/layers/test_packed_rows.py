@@ -708,54 +708,54 @@ def test_which_steps_pack_by_default(monkeypatch):
     assert step_module._min_rows(ERM(model, fast=True)) == training_layer.PACKED_MIN_ROWS == 4096
     batch = {"attention_mask": _padding_mask([128, 70, 90, 64] * 8, 128)}  # 32 x 128 = 4,096 rows
     erm = ERM(model, fast=True)
-    assert step_module._static_rows(batch, erm) is None  # "auto": CUDA batches only
+    assert step_module.static_row_counts(batch, erm) is None  # "auto": CUDA batches only
     monkeypatch.setattr(training_layer, "PACKED", True)
     n_real = int(batch["attention_mask"].sum())
     want = packing.bucket(n_real, 4096, training_layer.PACKED_MIN_PADDING)
-    assert want is not None and step_module._static_rows(batch, erm) == want
+    assert want is not None and step_module.static_row_counts(batch, erm) == want
     assert erm.packed_rows(batch, {}) is None and erm.narrowed_rows(batch, {}) is None  # `Objective`'s: the real rows
-    assert step_module._static_rows(batch, ERM(model)) is None  # runs padded (`packing.padded`)
+    assert step_module.static_row_counts(batch, ERM(model)) is None  # runs padded (`packing.padded`)
     cat = CAT(model)  # True packs CAT: the rows CMIX reads, for the plan's partners
     # the real rows up to the mixing layer and past it, the padding rows partners lend carried apart (none here)
-    assert step_module._static_rows(batch, cat, {"partner": torch.arange(32)}) == (want, want, 0)
-    lent = step_module._static_rows(batch, cat, {"partner": torch.arange(32).roll(1)})
+    assert step_module.static_row_counts(batch, cat, {"partner": torch.arange(32)}) == (want, want, 0)
+    lent = step_module.static_row_counts(batch, cat, {"partner": torch.arange(32).roll(1)})
     # 128 / 90 / 90 / 128 rows per four sequences (real: 128 / 70 / 90 / 64): 84 lent per four, 672, to 768 in
     # 256-row buckets; past the mixing layer, the real rows (mask_mode "self": the mixed sequences keep their own)
     assert lent == (want, want, 768)
     assert [packing.lent_bucket(n, 4096) for n in (0, 1, 256, 257)] == [0, 256, 256, 512]
     monkeypatch.setattr(packing, "LENT", False)  # the lent rows packed with the real ones up to the mixing layer
-    assert step_module._static_rows(batch, cat, {"partner": torch.arange(32).roll(1)}) == (3584, want)
-    assert step_module._static_rows(batch, cat, {"partner": torch.arange(32)}) == want  # its own partner: the real rows
+    assert step_module.static_row_counts(batch, cat, {"partner": torch.arange(32).roll(1)}) == (3584, want)
+    assert step_module.static_row_counts(batch, cat, {"partner": torch.arange(32)}) == want  # its own partner: the real rows
     monkeypatch.setattr(packing, "LENT", True)
     assert not CAT(model, detach_weight=False).lent_rows_apart  # the lent rows take a gradient: packed with the rest
-    assert step_module._static_rows(batch, CAT(model, detach_weight=False), {"partner": torch.arange(32).roll(1)}) == (
+    assert step_module.static_row_counts(batch, CAT(model, detach_weight=False), {"partner": torch.arange(32).roll(1)}) == (
         3584, want)
     union = CAT(model, mask_mode="union")  # past the mixing layer, real | mixed: 128 / 128 / 90 / 90
     real = batch["attention_mask"] != 0
     rolled = {"partner": torch.arange(32).roll(1)}
     assert union.narrowed_rows(batch, rolled).sum(1)[:4].tolist() == [128, 128, 90, 90]
     assert union.narrowed_rows(batch, rolled).equal(real | real[rolled["partner"]])
-    assert step_module._static_rows(batch, union, {"partner": torch.arange(32)}) == (want, want, 0)
+    assert step_module.static_row_counts(batch, union, {"partner": torch.arange(32)}) == (want, want, 0)
     assert CAT(model, mask_mode="intersection").narrowed_rows(batch, {"partner": torch.arange(32)}).equal(
         batch["attention_mask"] != 0)
     left = {"attention_mask": batch["attention_mask"].flip(1)}
-    assert step_module._static_rows(left, erm) is None
+    assert step_module.static_row_counts(left, erm) is None
     # the count read from the batch's host mask (a batch the step moved: `_on_device`), the same buckets
     host = batch["attention_mask"].clone()
-    assert step_module._static_rows(batch, erm, None, host) == want
-    assert step_module._static_rows(left, erm, None, left["attention_mask"].clone()) is None
-    assert step_module._static_rows(batch, erm, None, host[:8]) == want  # not the batch's shape: its own mask read
-    assert step_module._static_rows(batch, cat, {"partner": torch.arange(32).roll(1)}, host) == lent  # CAT: its rows
+    assert step_module.static_row_counts(batch, erm, None, host) == want
+    assert step_module.static_row_counts(left, erm, None, left["attention_mask"].clone()) is None
+    assert step_module.static_row_counts(batch, erm, None, host[:8]) == want  # not the batch's shape: its own mask read
+    assert step_module.static_row_counts(batch, cat, {"partner": torch.arange(32).roll(1)}, host) == lent  # CAT: its rows
     # with the plan's host copies (`StepPlan.host`) CAT's rows are counted from those, on the host
-    assert step_module._static_rows(batch, cat, {"partner": torch.arange(32)}, host,
+    assert step_module.static_row_counts(batch, cat, {"partner": torch.arange(32)}, host,
                                     {"partner": torch.arange(32).roll(1)}) == lent
-    assert step_module._static_rows(batch, cat, {"partner": torch.arange(32).roll(1)}, None,
+    assert step_module.static_row_counts(batch, cat, {"partner": torch.arange(32).roll(1)}, None,
                                     {"partner": torch.arange(32)}) == lent  # no host mask: the device's rows
-    assert step_module._static_rows(batch, erm, None, torch.ones_like(host)) is None  # the host mask is what counts
+    assert step_module.static_row_counts(batch, erm, None, torch.ones_like(host)) is None  # the host mask is what counts
     cpu = {"attention_mask": host, "labels": torch.zeros(32)}
     assert step_module._on_device(cpu, torch.device("cpu")) == (cpu, None)  # moved to CUDA only
     monkeypatch.setattr(training_layer, "PACKED", False)
-    assert step_module._static_rows(batch, erm) is None
+    assert step_module.static_row_counts(batch, erm) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -769,25 +769,25 @@ def test_auto_packs_cuda_batches_from_the_least_row_count():
     erm = ERM(model, fast=True)
     big = {"attention_mask": _padding_mask([128, 70, 90, 64] * 8, 128).cuda()}
     small = {"attention_mask": _padding_mask([128, 70, 90, 64], 128).cuda()}
-    assert step_module._static_rows(big, erm) is not None
-    assert step_module._static_rows(small, erm) is None
-    assert step_module._static_rows(big, ERM(model)) is None
+    assert step_module.static_row_counts(big, erm) is not None
+    assert step_module.static_row_counts(small, erm) is None
+    assert step_module.static_row_counts(big, ERM(model)) is None
     cat, partner = CAT(model), {"partner": torch.arange(32, device="cuda").roll(1)}
     # 4,096 rows: CAT packs its real rows (2,816), its lent ones apart (672, to 768 in 256-row buckets); with them
     # packed, it runs padded
-    assert step_module._static_rows(big, cat, partner) == (2816, 2816, 768)
-    assert step_module._static_rows(big, CAT(model, detach_weight=False), partner) is None
-    assert step_module._static_rows(small, cat, partner) is None  # 1,024 rows
+    assert step_module.static_row_counts(big, cat, partner) == (2816, 2816, 768)
+    assert step_module.static_row_counts(big, CAT(model, detach_weight=False), partner) is None
+    assert step_module.static_row_counts(small, cat, partner) is None  # 1,024 rows
     large = {"attention_mask": _padding_mask([256, 100, 140, 64] * 8, 256).cuda()}  # 8,192 rows
-    rows = step_module._static_rows(large, cat, {"partner": torch.arange(32, device="cuda").roll(1)})
+    rows = step_module.static_row_counts(large, cat, {"partner": torch.arange(32, device="cuda").roll(1)})
     # real: 256 / 100 / 140 / 64 (4,480, to 4,608 in 256-row buckets) up to the mixing layer and past it; lent:
     # 256 / 140 / 140 / 256 rows per four sequences less the real ones (1,856, to 2,048 in 512-row buckets)
     assert rows == (4608, 4608, 2048)
     host = {"attention_mask": big["attention_mask"].cpu().pin_memory(), "labels": torch.zeros(32, dtype=torch.long)}
     moved, mask = step_module._on_device(host, torch.device("cuda"))
     assert mask is host["attention_mask"] and all(v.is_cuda for v in moved.values())
-    assert torch.equal(moved["attention_mask"].cpu(), mask) and step_module._static_rows(moved, erm, None, mask) == (
-        step_module._static_rows(big, erm))
+    assert torch.equal(moved["attention_mask"].cpu(), mask) and step_module.static_row_counts(moved, erm, None, mask) == (
+        step_module.static_row_counts(big, erm))
     assert step_module._on_device(big, torch.device("cuda")) == (big, None)  # already there: as it is
 
 
@@ -828,7 +828,7 @@ def test_a_packed_switch_of_another_value_is_refused(monkeypatch):
              models.inputs._padding_mask_4d(_padding_mask([9, 4, 6, 3], 9)), torch.zeros(4, 9, D, dtype=torch.float64),
              "on", monkeypatch)
     with pytest.raises(ValueError, match="PACKED"):
-        step_module._static_rows({"attention_mask": _padding_mask([9, 4], 9)}, None)
+        step_module.static_row_counts({"attention_mask": _padding_mask([9, 4], 9)}, None)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -856,3 +856,27 @@ def test_row_copies_equal_index_copy_and_index_fill(device, dtype, width):
     assert packing.scatter(full.float(), idx, rows).dtype == dtype  # `full` taken in the rows' dtype
     wide = packing._wide(full)
     assert (wide is not None) == (width * full.element_size() % 16 == 0)
+
+
+def test_a_captured_steps_signature_counted_without_running_it():
+    """`CapturedStep.signature_of`: on the CPU a step runs padded ("auto"), and so does its signature; counted as a
+    CUDA batch of 4,096 rows it keys its packed row count, with its padded signature to fall back to; below the
+    least row count it runs padded there too; nothing is run (no gradient, the parameters untouched)."""
+    from cat_fast.step import CapturedStep
+
+    model = tiny_model("bert", attn="sdpa", num_layers=2)
+    step = CapturedStep(ERM(model, fast=True), torch.optim.AdamW(model.parameters(), lr=1e-3))
+    mask = _padding_mask([128, 70, 90, 64] * 8, 128)
+    batch = {"input_ids": torch.ones(32, 128, dtype=torch.long), "attention_mask": mask,
+             "labels": torch.zeros(32, dtype=torch.long)}
+    before = [p.detach().clone() for p in model.parameters()]
+    sig, padded = step.signature_of(batch)
+    assert padded is None
+    packed, fallback = step.signature_of(batch, cuda_counts=True)
+    assert fallback == sig and packed != sig
+    want = packing.bucket(int(mask.sum()), 4096, training_layer.PACKED_MIN_PADDING)
+    assert ("rows", want) in packed[1]
+    small = {k: v[:16] for k, v in batch.items()}  # 2,048 rows: below the least count
+    assert step.signature_of(small, cuda_counts=True)[1] is None
+    assert training_layer.PACKED == "auto" and all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -168,15 +168,20 @@ def _tiles(T, D):
 
 
 def _layout(q, k, rows):
-    """``(B, T, H*D, key strides (batch, row), the rows' pointers and flags)`` of padded keys ``[B, T, H*D]`` or,
-    with `rows`, packed keys ``[N, H*D]`` (module docstring)."""
+    """``(B, T, H*D, the rows' pointers and flags)`` of padded keys ``[B, T, H*D]`` or, with `rows`, packed keys
+    ``[N, H*D]`` (module docstring)."""
     if rows is None:
         B, T, HD = k.shape
-        return B, T, HD, (k.stride(0), k.stride(1)), (q, q, q), dict(PACKED=False, GATHERED=False)
+        return B, T, HD, (q, q, q), dict(PACKED=False, GATHERED=False)
     seq, key_rows, positions, T = rows
-    return (q.shape[0], T, k.shape[-1], (0, k.stride(-2)),
-            (seq, key_rows if key_rows is not None else seq, positions),
+    return (q.shape[0], T, k.shape[-1], (seq, key_rows if key_rows is not None else seq, positions),
             dict(PACKED=True, GATHERED=key_rows is not None))
+
+
+def _strides(t, rows):
+    """(sequence, row) strides of a key-shaped tensor: padded ``[B, T, H*D]``, or packed ``[N, H*D]`` rows
+    addressed by their row alone (a sequence stride of 0)."""
+    return (t.stride(0), t.stride(1)) if rows is None else (0, t.stride(-2))
 
 
 def forward(q, k, v, bias, keep, heads: int, scale: float, inv_keep: float, rows=None):
@@ -185,8 +190,7 @@ def forward(q, k, v, bias, keep, heads: int, scale: float, inv_keep: float, rows
     `bias`: None or ``[B, H or 1, T]`` (broadcast strides allowed); `keep`: None or a uint8 ``[B, H, T]`` contiguous
     tensor; `rows`: None (``k``, ``v`` padded ``[B, T, H*D]``) or the packed keys' ``(seq, key_rows, positions,
     T)`` (module docstring; no bias). Shapes and strides are checked by the caller (`cat_fast.layers.attention`)."""
-    B, T, HD, (sk_b, sk_t), pointers, flags = _layout(q, k, rows)
-    sv_b, sv_t = (v.stride(0), v.stride(1)) if rows is None else (0, v.stride(-2))
+    B, T, HD, pointers, flags = _layout(q, k, rows)
     D = HD // heads
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.empty(B, 1, HD, device=q.device, dtype=q.dtype)
@@ -197,8 +201,8 @@ def forward(q, k, v, bias, keep, heads: int, scale: float, inv_keep: float, rows
     sb = bias.stride() if bias is not None else (0, 0, 0)
     _first_row_forward_kernel[(heads, B)](
         q, k, v, bias if bias is not None else q, keep if keep is not None else q, *pointers, out, out_acc, scores,
-        stats, T, heads, *split_scalar(scale), *split_scalar(inv_keep), q.stride(0), sk_b, sk_t, sv_b, sv_t,
-        sb[0], sb[1], sb[2], out.stride(0),
+        stats, T, heads, *split_scalar(scale), *split_scalar(inv_keep), q.stride(0), *_strides(k, rows),
+        *_strides(v, rows), sb[0], sb[1], sb[2], out.stride(0),
         D=D, BLOCK_D=block_d, BLOCK_T=block_t, HAS_BIAS=bias is not None, HAS_DROPOUT=keep is not None,
         ACC=acc_tl_dtype(q), num_warps=NUM_WARPS, **flags)
     return out, (out_acc, scores, stats)
@@ -209,8 +213,7 @@ def backward(grad, q, k, v, keep, saved, heads: int, scale: float, inv_keep: flo
     (shaped as ``k``, unit column stride, e.g. the halves of one ``[B, T, 2*H*D]`` gradient); new tensors where
     None (zeros with packed `rows`, whose unlisted rows the kernel does not write)."""
     out_acc, scores, stats = saved
-    B, T, HD, (sk_b, sk_t), pointers, flags = _layout(q, k, rows)
-    sv_b, sv_t = (v.stride(0), v.stride(1)) if rows is None else (0, v.stride(-2))
+    B, T, HD, pointers, flags = _layout(q, k, rows)
     D = HD // heads
     if grad.stride(-1) != 1:
         grad = grad.contiguous()
@@ -218,13 +221,12 @@ def backward(grad, q, k, v, keep, saved, heads: int, scale: float, inv_keep: flo
     new = torch.empty if rows is None else torch.zeros
     dk = new(k.shape, device=k.device, dtype=k.dtype) if dk is None else dk
     dv = new(v.shape, device=v.device, dtype=v.dtype) if dv is None else dv
-    sdk_b, sdk_t = (dk.stride(0), dk.stride(1)) if rows is None else (0, dk.stride(-2))
-    sdv_b, sdv_t = (dv.stride(0), dv.stride(1)) if rows is None else (0, dv.stride(-2))
     block_t, block_d = _tiles(T, D)
     _first_row_backward_kernel[(heads, B)](
         grad, q, k, v, keep if keep is not None else q, *pointers, out_acc, scores, stats, dq, dk, dv, T, heads,
         *split_scalar(scale), *split_scalar(inv_keep),
-        grad.stride(0), q.stride(0), sk_b, sk_t, sv_b, sv_t, dq.stride(0), sdk_b, sdk_t, sdv_b, sdv_t,
+        grad.stride(0), q.stride(0), *_strides(k, rows), *_strides(v, rows), dq.stride(0), *_strides(dk, rows),
+        *_strides(dv, rows),
         D=D, BLOCK_D=block_d, BLOCK_T=block_t, HAS_DROPOUT=keep is not None, ACC=acc_tl_dtype(q),
         num_warps=NUM_WARPS, **flags)
     return dq, dk, dv
