@@ -47,6 +47,18 @@ signature's eager warm-up steps pack the same rows, so the offsets at which its 
 dropout (`models.PassGenerators`) are measured on packed steps. A batch whose first position is padding (left
 padding) runs padded, and so does a new row count once packed graphs hold half of ``max_graphs``.
 
+Packed graphs of one batch shape and plan key (its padded signature) share and warm up together. A packed step
+whose row counts have no graph of their own replays a captured graph of its padded signature whose counts are each at
+least its own (the extra rows are padding rows, computed and dropped as a static count's are: the same step) and
+exceed them by at most ``share_rows`` (default `SHARE_ROWS`, 1/8) of the batch's rows in all, the fewest-row such
+graph. The `warmup_steps` eager steps are counted over the padded signature's packed steps; once it has had them (or
+a graph), a row count is captured after one eager step of its own (which measures its passes' dropout offsets). A
+signature that has shared another graph `OWN_GRAPH_AFTER` times gets its own, so a long run replays its exact
+counts. A short run whose batches key dozens of row counts (the CLI's CAT run of 214 steps at 32 × 256 keys 32)
+then runs 28 steps eagerly where it ran 74 (benchmarks/RESULTS.md, "The CLI's default path on a GPU").
+``share_rows=0`` replays only a step's own counts. Under DDP every signature warms up apart and nothing is shared
+(the ranks key their graphs together).
+
 ``strict=True``: an objective whose step cannot be planned raises `NotCapturable` on every device (by default it
 runs eagerly where nothing is captured: on the CPU and with ``cuda_graph=False``).
 
@@ -69,7 +81,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Optional
+from typing import Callable, Hashable, NamedTuple, Optional
 
 import torch
 
@@ -77,7 +89,7 @@ from . import graphs as cuda_graphs
 from .layers import packing
 from .layers import training as training_layers
 
-__all__ = ["CapturedStep", "NotCapturable", "StepPlan", "static_row_counts"]
+__all__ = ["CapturedStep", "NotCapturable", "StepPlan", "Signature", "shared_graph", "static_row_counts"]
 
 
 class NotCapturable(RuntimeError):
@@ -198,6 +210,44 @@ def _counts(objective, batch, tensors, rows, real=False):
     return torch.stack(counted).tolist()
 
 
+# `CapturedStep`'s ``share_rows`` where none is given: a packed step may replay a captured graph of its batch shape
+# with at most this fraction of the batch's rows more than its own counts (module docstring; 0: its own counts only)
+SHARE_ROWS = 0.125
+# a signature that replayed another signature's graph this many times (``share_rows``) gets its own: one eager step,
+# then its capture
+OWN_GRAPH_AFTER = 16
+
+
+def _counts_of(rows) -> tuple:
+    return rows if isinstance(rows, tuple) else (rows,)
+
+
+def shared_graph(graphs, rows, total: int, slack: float):
+    """Of `graphs` (``(signature, row counts)`` pairs: the captured packed graphs of one batch shape and plan key),
+    the one whose counts are each at least `rows`'s and exceed them by at most ``slack * total`` rows in all (the
+    fewest rows first), as its pair; else None. `rows`: a step's counts (`static_row_counts`: an int or a tuple)."""
+    want = _counts_of(rows)
+    best = None
+    for sig, have in graphs:
+        counts = _counts_of(have)
+        if len(counts) != len(want) or any(h < w for h, w in zip(counts, want)):
+            continue
+        extra = sum(counts) - sum(want)
+        if extra <= slack * total and (best is None or extra < best[0]):
+            best = extra, (sig, have)
+    return None if best is None else best[1]
+
+
+class Signature(NamedTuple):
+    """`CapturedStep.signature_of`'s answer: the graph signature a step keys, the padded one it falls back to (and
+    under which its packed graphs are grouped for sharing: ``share_rows``) or None where it runs padded, and its packed
+    row counts (`static_row_counts`) or None."""
+
+    signature: Hashable
+    padded: Optional[Hashable]
+    rows: object
+
+
 # PyTorch's optimizers whose update of a parameter reads only that parameter, its gradient and its own state: a step
 # over a part of the parameters, then one over the rest (each skipping the parameters without a gradient), is their
 # one step (tests/test_step.py checks it, bit for bit)
@@ -230,13 +280,16 @@ class CapturedStep(cuda_graphs.CachedGraphs):
 
     def __init__(self, objective, optimizer, *, max_grad_norm: Optional[float] = None, autocast=None,
                  cuda_graph: bool = True, warmup_steps: int = 3, max_graphs: int = 8, skip_non_finite: bool = False,
-                 strict: bool = False):
+                 strict: bool = False, share_rows: Optional[float] = None):
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
             raise ValueError(f"max_grad_norm: expected a positive number or None, got {max_grad_norm!r}")
         if autocast is not None and autocast not in (torch.bfloat16, torch.float16):
             raise ValueError(f"autocast: expected None, torch.bfloat16 or torch.float16, got {autocast!r}")
         if int(warmup_steps) != warmup_steps or warmup_steps < 1:
             raise ValueError(f"warmup_steps: expected an integer >= 1, got {warmup_steps!r}")
+        share_rows = SHARE_ROWS if share_rows is None else share_rows
+        if isinstance(share_rows, bool) or not isinstance(share_rows, (int, float)) or not 0 <= share_rows <= 1:
+            raise ValueError(f"share_rows: expected a fraction of a batch's rows in [0, 1], got {share_rows!r}")
         # the graphs per batch signature and plan key (`cat_fast.graphs`; checks max_graphs)
         self.cache = cuda_graphs.GraphCache(
             max_graphs, stacklevel=1, limit_warning="cat_fast CapturedStep: more than max_graphs={max_graphs} batch "
@@ -261,6 +314,10 @@ class CapturedStep(cuda_graphs.CachedGraphs):
             self._check_optimizer()
         self._ddp = None  # under DDP: `step_ddp.DDPStep` (plans outside DDP's forward, averaging, lockstep)
         self._packed_graphs = set()  # the signatures captured with packed rows (`static_row_counts`)
+        self.share_rows = float(share_rows)
+        self._families = {}  # padded signature -> [(packed signature, row counts)] captured (``share_rows``)
+        self._shared = {}  # packed signature -> the steps it replayed another signature's graph
+        self._family_steps = {}  # padded signature -> its packed signatures' eager steps
         from . import step_ddp
 
         if step_ddp.ddp_of(objective) is not None:
@@ -282,6 +339,11 @@ class CapturedStep(cuda_graphs.CachedGraphs):
     def num_replays(self) -> int:
         """Steps that replayed a graph."""
         return sum(entry.replays["step"] for entry in self.cache.entries.values() if entry is not None)
+
+    @property
+    def num_shared_replays(self) -> int:
+        """Steps that replayed the graph of other row counts (``share_rows``; counted in `num_replays` too)."""
+        return sum(self._shared.values())
 
     # ------------------------------------------------------------------ the step itself
     def _eager(self, plan, batch, args):
@@ -357,13 +419,13 @@ class CapturedStep(cuda_graphs.CachedGraphs):
         with self._ddp.outside_forward():
             return self._planner.plan_step(batch, *args)
 
-    def signature_of(self, batch, *args, cuda_counts: bool = False):
+    def signature_of(self, batch, *args, cuda_counts: bool = False) -> Signature:
         """The graph signature a step on `batch` would key, without running it (for tools that count a run's graphs
-        on the host: `benchmarks/tools/cli_signatures.py`): ``(signature, padded)``, `padded` the padded signature
-        a packed step falls back to once packed graphs hold half of ``max_graphs``, or ``(signature, None)`` where
-        the step runs padded. It plans the step (`Objective.plan_step`), so the objective's draws advance as a
-        step's would. ``cuda_counts``: a CPU batch counted as the same batch on a GPU would be ("auto" packing, from
-        the objective's least row count)."""
+        on the host: `benchmarks/tools/cli_signatures.py`): a `Signature`, ``(signature, padded, rows)``: `padded`
+        the padded signature a packed step falls back to once packed graphs hold half of ``max_graphs`` (None where
+        the step runs padded), `rows` its packed row counts. It plans the step (`Objective.plan_step`), so the
+        objective's draws advance as a step's would. ``cuda_counts``: a CPU batch counted as the same batch on a GPU
+        would be ("auto" packing, from the objective's least row count)."""
         plan = self._plan(batch, args)
         inputs = (batch, args, plan.tensors)
         padded = self._signature(inputs, plan, None)
@@ -377,7 +439,9 @@ class CapturedStep(cuda_graphs.CachedGraphs):
             rows = static_row_counts(batch, self._planner, plan.tensors, host_mask, plan.host)
         finally:
             training_layers.PACKED = saved
-        return (padded, None) if rows is None else (self._signature(inputs, plan, rows), padded)
+        if rows is None:
+            return Signature(padded, None, None)
+        return Signature(self._signature(inputs, plan, rows), padded, rows)
 
     def __call__(self, batch, *args):
         on_cuda = bool(self.params) and self.params[0].is_cuda
@@ -399,19 +463,32 @@ class CapturedStep(cuda_graphs.CachedGraphs):
         inputs = (batch, args, plan.tensors)
         rows = static_row_counts(batch, self._planner, plan.tensors, host_mask, plan.host)  # under DDP: the planner
         sig = self._signature(inputs, plan, rows)
+        family = None  # the padded signature: its packed graphs share and warm up together (module docstring)
+        warmup = self.warmup_steps
+        if rows is not None and sig not in self.cache.entries and self._ddp is None:
+            family = self._signature(inputs, plan, None)
+            shared = self._shared_graph(sig, family, rows, batch["attention_mask"].numel())
+            if shared is not None:
+                sig, rows = shared
+            elif self._families.get(family) or self._family_steps.get(family, 0) >= self.warmup_steps:
+                warmup = 1  # a warm batch shape: one eager step of its own measures its passes' dropout offsets
         if (rows is not None and sig not in self.cache.entries
                 and len(self._packed_graphs) >= self.cache.max_graphs // 2):
             rows = None  # packed graphs hold half of max_graphs at most: the padded graph of this shape
-            sig = self._signature(inputs, plan, None)
+            sig, warmup = self._signature(inputs, plan, None), self.warmup_steps
         lockstep = self._ddp.lockstep if self._ddp is not None else None
         entry = self.cache.get(sig)
-        if entry is None and self.cache.admit(sig, warmup=self.warmup_steps):
+        if entry is None and self.cache.admit(sig, warmup=warmup):
             entry = self._capture(sig, plan, inputs, rows)
             if rows is not None:
                 self._packed_graphs.add(sig)
+                if entry is not None and family is not None:
+                    self._families.setdefault(family, []).append((sig, rows))
             if lockstep is not None and not lockstep.all(entry is not None):
                 entry = self.cache.discard(sig)  # failed on another rank: eager on every rank
         if entry is None:  # a warm-up step, a failed capture or a signature beyond max_graphs
+            if family is not None:
+                self._family_steps[family] = self._family_steps.get(family, 0) + 1
             # a signature's eager steps pack as its graph does (a padded graph's, nothing): the same rows, so its
             # passes' dropout draws (`models.PassGenerators` measures their offsets on these steps) are the graph's
             with packing.static_rows(rows), packing.padded(rows is None):
@@ -424,6 +501,18 @@ class CapturedStep(cuda_graphs.CachedGraphs):
         entry.replay("step")
         loss, info, self.last_grad_norm, self.last_skipped = cuda_graphs.clone(entry.outputs["step"])
         return loss, info
+
+    def _shared_graph(self, sig, family, rows, total):
+        """``(signature, row counts)`` of the captured graph a packed step of signature `sig` (not captured) replays in
+        its stead (``share_rows``, `shared_graph`), or None: none covers its counts, sharing is off or under DDP, or
+        `sig` has shared `OWN_GRAPH_AFTER` times (it gets its own)."""
+        if self._ddp is not None or self.share_rows <= 0 or self._shared.get(sig, 0) >= OWN_GRAPH_AFTER:
+            return None
+        held = [(s, r) for s, r in self._families.get(family, ()) if self.cache.entries.get(s) is not None]
+        shared = shared_graph(held, rows, total, self.share_rows)
+        if shared is not None:
+            self._shared[sig] = self._shared.get(sig, 0) + 1
+        return shared
 
     def _signature(self, inputs, plan, rows):
         """The graph signature of a step: the inputs' shapes and the plan's key, with the packed row count (`rows`)

@@ -72,10 +72,29 @@ def test_bad_arguments_name_themselves():
     model = tiny_model("bert")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for kwargs, match in ((dict(max_grad_norm=0), "max_grad_norm"), (dict(autocast=torch.float32), "autocast"),
-                          (dict(warmup_steps=0), "warmup_steps"), (dict(max_graphs=-1), "max_graphs")):
+                          (dict(warmup_steps=0), "warmup_steps"), (dict(max_graphs=-1), "max_graphs"),
+                          (dict(share_rows=1.5), "share_rows"), (dict(share_rows=True), "share_rows")):
         with pytest.raises(ValueError, match=match):
             CapturedStep(ERM(model), opt, cuda_graph=False, **kwargs)
     CapturedStep(ERM(model), opt)  # a CPU model: every step runs eagerly, any optimizer will do
+
+
+def test_a_shared_graph_covers_every_count_within_the_slack():
+    """`step.shared_graph`: of the captured graphs, the one whose counts are each at least the step's, the fewest
+    rows more in all, within ``slack * total``; a count below the step's, another number of counts or too many more
+    rows: none."""
+    graphs = [("a", 120), ("b", 100), ("c", 140)]
+    assert step_module.shared_graph(graphs, 100, 1000, 0.125) == ("b", 100)  # its own count: no extra rows
+    assert step_module.shared_graph(graphs, 101, 1000, 0.125) == ("a", 120)
+    assert step_module.shared_graph(graphs, 101, 1000, 0.01) is None  # 19 rows more > 10
+    assert step_module.shared_graph(graphs, 141, 1000, 1.0) is None  # no graph has as many
+    triples = [("t", (120, 100, 30)), ("u", (110, 110, 20)), ("p", (130, 100))]
+    assert step_module.shared_graph(triples, (105, 100, 20), 1000, 0.125) == ("u", (110, 110, 20))
+    assert step_module.shared_graph(triples, (105, 100, 25), 1000, 0.125) == ("t", (120, 100, 30))
+    assert step_module.shared_graph(triples, (105, 100, 25), 1000, 0.02) == ("t", (120, 100, 30))  # 20 more: at most
+    assert step_module.shared_graph(triples, (105, 100, 25), 1000, 0.019) is None
+    assert step_module.shared_graph(triples, (100, 100), 1000, 0.125) == ("p", (130, 100))
+    assert step_module.shared_graph([], 10, 1000, 1.0) is None
 
 
 @pytest.mark.skipif(not GPU, reason="needs CUDA")

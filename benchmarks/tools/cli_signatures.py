@@ -1,15 +1,18 @@
 """How a `cat-fast train` run's captured steps would go, counted on the host without a GPU: the run's own batches
 (its data, tokenizer, batch sampler and length buckets, as `--pad auto` pads them on a GPU), its objective's plan of
-each step (CAT's mixing layer and partners), each step's packed row counts as `cat_fast.step._static_rows` gives a
-CUDA batch (`layers.training.PACKED` "auto"), and the graph signature `cat_fast.step.CapturedStep` keys it by; then
+each step (CAT's mixing layer and partners), each step's packed row counts as `cat_fast.step.static_row_counts` gives
+a CUDA batch (`layers.training.PACKED` "auto"), and the graph signature `cat_fast.step.CapturedStep` keys it by; then
 the Trainer's cache policy (`max_graphs` 64, packed graphs at most half of them, `warmup_steps` eager steps before a
-signature's capture) replayed over the steps: how many steps replay a graph, and how many run eagerly (warm-up steps,
-signatures past the limits) or capture. Prints one JSON record.
+batch shape's first capture and one of each row count's own, a packed step replaying a captured graph of more rows
+within ``share_rows``) replayed over the steps: how many steps replay a graph (and how many of those another
+signature's), and how many run eagerly (warm-up steps, signatures past the limits) or capture. Prints one JSON
+record.
 
     python benchmarks/tools/cli_signatures.py --task sentiment --method cat --batch-size 32 --max-length 256 --epochs 2
 
 The arguments are `cat-fast train`'s (the run is prepared, not trained: nothing is written); ``--warmup-steps-policy
-N [N ...]`` replays the policy with N eager steps per signature instead of the Trainer's 3; ``--buckets REAL,LENT
+N [N ...]`` replays the policy with N eager steps per signature instead of the Trainer's 3; ``--share-rows F [...]``
+with ``CapturedStep(share_rows=F)`` instead of its 1/8 (0: every row count keys its own graph); ``--buckets REAL,LENT
 [...]`` counts again with the real rows rounded up to 1/REAL of a batch's rows and the lent rows to 1/LENT
 (`layers.packing.BUCKETS`, `LENT_BUCKETS`; default 32,16), one record each.
 """
@@ -51,47 +54,67 @@ def prepared_run(argv):
     return run
 
 
-def replay_policy(signatures, max_graphs: int, warmup: int):
-    """(replayed, eager warm-ups, captures, eager past the limits) of `CapturedStep`'s cache policy over the steps'
-    ``(signature, padded signature or None)`` pairs (the padded one where the step packs its rows)."""
+def replay_policy(steps, max_graphs: int, warmup: int, share_rows: float = 0.0):
+    """``(replayed, eager warm-ups, captures, eager past the limits, shared)`` of `CapturedStep`'s cache policy over
+    the steps' ``(signature, padded signature or None, packed row counts or None, the batch's rows)`` (the padded
+    signature and the counts where the step packs its rows): `warmup` eager steps a padded signature (its packed
+    signatures' together), then one of each packed signature's own; `shared`: the replays of another signature's
+    graph (``share_rows``: `cat_fast.step.shared_graph`; counted in `replayed` too)."""
+    from cat_fast.step import OWN_GRAPH_AFTER, shared_graph
+
     entries, packed, seen = set(), set(), collections.Counter()
+    families, family_steps, shares = collections.defaultdict(list), collections.Counter(), collections.Counter()
     replayed = warm = captured = past = 0
-    for sig, padded in signatures:
+    for sig, padded, rows, total in steps:
+        need, family = warmup, None
+        if padded is not None and sig not in entries:
+            family = padded
+            got = None
+            if share_rows > 0 and shares[sig] < OWN_GRAPH_AFTER:
+                got = shared_graph(families[family], rows, total, share_rows)
+            if got is not None:
+                shares[sig] += 1
+                sig, rows = got
+            elif families[family] or family_steps[family] >= warmup:
+                need = 1
         if padded is not None and sig not in entries and len(packed) >= max_graphs // 2:
-            sig, padded = padded, None  # packed graphs hold half of max_graphs: the padded graph of this shape
+            sig, padded, need = padded, None, warmup  # packed graphs hold half of max_graphs: the padded graph
         if sig in entries:
             replayed += 1
         elif len(entries) >= max_graphs:
             past += 1
-        elif seen[sig] < warmup:
+        elif seen[sig] < need:
             seen[sig] += 1
             warm += 1
+            if family is not None:
+                family_steps[family] += 1
         else:
             entries.add(sig)
             captured += 1
             if padded is not None:
                 packed.add(sig)
-    return replayed, warm, captured, past
+                families[family].append((sig, rows))
+    return replayed, warm, captured, past, sum(shares.values())
 
 
-def count(argv, warmups=(3,), max_graphs: int = 64, buckets=None) -> dict:
+def count(argv, warmups=(3,), max_graphs: int = 64, buckets=None, shares=(0.125,)) -> dict:
     """`main`'s record for `cat-fast train` arguments `argv`: the policy replayed with each of `warmups` eager steps
-    per signature; `buckets`: ``(real-row buckets, lent-row buckets)`` in place of `layers.packing.BUCKETS` and
-    `LENT_BUCKETS`."""
+    per signature and each of `shares` (``share_rows``); `buckets`: ``(real-row buckets, lent-row buckets)`` in place
+    of `layers.packing.BUCKETS` and `LENT_BUCKETS`."""
     from cat_fast.layers import packing
 
     saved = packing.BUCKETS, packing.LENT_BUCKETS
     if buckets is not None:
         packing.BUCKETS, packing.LENT_BUCKETS = buckets
     try:
-        out = _count(argv, warmups, max_graphs)
+        out = _count(argv, warmups, max_graphs, shares)
     finally:
         packing.BUCKETS, packing.LENT_BUCKETS = saved
     out["buckets"] = list(buckets or saved)
     return out
 
 
-def _count(argv, warmups, max_graphs):
+def _count(argv, warmups, max_graphs, shares):
     import torch
 
     from cat_fast.step import CapturedStep
@@ -101,20 +124,22 @@ def _count(argv, warmups, max_graphs):
     optimizer = torch.optim.AdamW(run.model.parameters(), lr=1e-5)
     captured = CapturedStep(objective, optimizer, max_graphs=max_graphs)
     items, stream, collate = run.parts
-    signatures, shapes = [], collections.Counter()
+    steps, shapes = [], collections.Counter()
     for keys in stream:
         batch = collate([items[k] for k in keys])
-        objective.step = len(signatures)
+        objective.step = len(steps)
         call, args = objective.call_arguments(batch)
-        sig, padded = captured.signature_of(call, *args, cuda_counts=True)  # the counts "auto" gives a CUDA batch
-        signatures.append((sig, padded))
+        sig, padded, rows = captured.signature_of(call, *args, cuda_counts=True)  # as "auto" counts a CUDA batch
+        steps.append((sig, padded, rows, call["attention_mask"].numel()))
         shapes[(tuple(call["attention_mask"].shape), padded is not None)] += 1
-    out = {"argv": " ".join(argv), "steps": len(signatures), "signatures": len({s for s, _ in signatures}),
-           "packed_steps": sum(p is not None for _, p in signatures),
-           "batch_shapes": len(shapes), "max_graphs": max_graphs}
-    for w in warmups:
-        replayed, warm, cap, past = replay_policy(signatures, max_graphs, w)
-        out[f"warmup_{w}"] = {"replayed": replayed, "eager_warmup": warm, "captures": cap, "eager_past_limits": past}
+    out = {"argv": " ".join(argv), "steps": len(steps), "signatures": len({s[0] for s in steps}),
+           "packed_steps": sum(s[1] is not None for s in steps),
+           "batch_shapes": len(shapes), "max_graphs": max_graphs, "policies": []}
+    for share in shares:
+        for w in warmups:
+            replayed, warm, cap, past, shared = replay_policy(steps, max_graphs, w, share)
+            out["policies"].append({"warmup_steps": w, "share_rows": share, "replayed": replayed, "shared": shared,
+                                    "eager_warmup": warm, "captures": cap, "eager_past_limits": past})
     return out
 
 
@@ -123,16 +148,20 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
     parser.add_argument("--warmup-steps-policy", type=int, nargs="+", default=[3])
     parser.add_argument("--buckets", type=_pair, nargs="+", default=[None], metavar="REAL,LENT")
+    parser.add_argument("--share-rows", type=float, nargs="+", default=[0.125], metavar="F")
     own, rest = parser.parse_known_args(argv)
     if any(w < 1 for w in own.warmup_steps_policy):
         parser.error("--warmup-steps-policy: expected integers >= 1")
+    if any(not 0 <= f <= 1 for f in own.share_rows):
+        parser.error("--share-rows: expected fractions in [0, 1]")
     from cat_fast.cli.common import CliError, fail
     from cat_fast.data import DataError
     from cat_fast.models.pretrained import ModelLoadError
 
     try:
         for buckets in own.buckets:
-            print(json.dumps(count(rest, tuple(own.warmup_steps_policy), buckets=buckets)), flush=True)
+            print(json.dumps(count(rest, tuple(own.warmup_steps_policy), buckets=buckets,
+                                   shares=tuple(own.share_rows))), flush=True)
     except (DataError, ModelLoadError, CliError) as e:  # one line, exit 2, as `cat-fast train` ends on them
         fail(e, getattr(e, "exit_code", 2))
     return 0

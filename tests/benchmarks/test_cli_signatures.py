@@ -4,13 +4,38 @@ from benchmarks.tools import cli_signatures
 
 
 def test_the_policy_warms_each_signature_up_then_captures_then_replays():
-    a, b, c = ("a", "a0"), ("b", "b0"), ("c", None)  # packed signatures (with their padded one) and a padded one
+    a, b, c = ("a", "a0", 10, 100), ("b", "b0", 20, 100), ("c", None, None, 100)  # packed (padded, rows) and padded
     steps = [a, a, a, a, a, b, c, c]
-    assert cli_signatures.replay_policy(steps, max_graphs=8, warmup=3) == (1, 6, 1, 0)
-    assert cli_signatures.replay_policy(steps, max_graphs=8, warmup=1) == (3, 3, 2, 0)
+    assert cli_signatures.replay_policy(steps, max_graphs=8, warmup=3) == (1, 6, 1, 0, 0)
+    assert cli_signatures.replay_policy(steps, max_graphs=8, warmup=1) == (3, 3, 2, 0, 0)
     # at most half of max_graphs packed: b then runs as its padded signature; past max_graphs, eagerly
-    assert cli_signatures.replay_policy([a, a, b, b, b], max_graphs=2, warmup=1) == (1, 2, 2, 0)
-    assert cli_signatures.replay_policy([c, c, ("d", None), ("d", None)], max_graphs=1, warmup=1) == (0, 1, 1, 2)
+    assert cli_signatures.replay_policy([a, a, b, b, b], max_graphs=2, warmup=1) == (1, 2, 2, 0, 0)
+    assert cli_signatures.replay_policy([c, c, ("d", None, None, 100), ("d", None, None, 100)], max_graphs=1,
+                                        warmup=1) == (0, 1, 1, 2, 0)
+
+
+def test_the_policy_warms_a_batch_shape_up_once():
+    """The packed signatures of one padded signature share its `warmup` eager steps; a row count then needs one eager
+    step of its own before its capture."""
+    x, y, z = ("x", "p", 10, 100), ("y", "p", 40, 100), ("z", "p", 70, 100)
+    # x, y, x: the batch shape's three; y and x were each seen once: captured; z: one eager step, then captured
+    assert cli_signatures.replay_policy([x, y, x, y, x, y, z, z, z], max_graphs=8, warmup=3) == (2, 4, 3, 0, 0)
+
+
+def test_the_policy_shares_a_graph_of_more_rows(monkeypatch):
+    """A packed signature replays a captured one of the same padded signature with at most ``share_rows`` of the
+    batch's rows more (not one of another padded signature, nor one with fewer rows), until it has shared
+    `OWN_GRAPH_AFTER` times: then one eager step and its own capture."""
+    from cat_fast import step
+
+    monkeypatch.setattr(step, "OWN_GRAPH_AFTER", 2)
+    big, small, other, bigger = ("big", "p", 30, 100), ("small", "p", 20, 100), ("o", "q", 20, 100), ("x", "p", 60, 100)
+    steps = [big, big, small, small, small, small, small, other, bigger]
+    # big: eager, capture; small: shared, shared, eager, capture, replay (unshared: eager, capture, three replays);
+    # other: eager; bigger (30 rows more): eager
+    assert cli_signatures.replay_policy(steps, max_graphs=8, warmup=1, share_rows=0.125) == (3, 4, 2, 0, 2)
+    assert cli_signatures.replay_policy(steps, max_graphs=8, warmup=1, share_rows=0.0) == (3, 4, 2, 0, 0)
+    assert cli_signatures.replay_policy([big, big, small], max_graphs=8, warmup=1, share_rows=0.05) == (0, 2, 1, 0, 0)
 
 
 def test_a_cli_cat_run_counted_on_the_host():
@@ -20,14 +45,18 @@ def test_a_cli_cat_run_counted_on_the_host():
     buckets key no more signatures."""
     argv = ["--task", "sentiment", "--method", "cat", "--per-class", "32", "--epochs", "2", "--batch-size", "16",
             "--max-length", "256"]
-    fine = cli_signatures.count(argv, warmups=(3, 1))
-    coarse = cli_signatures.count(argv, warmups=(3,), buckets=(8, 8))
+    fine = cli_signatures.count(argv, warmups=(3, 1), shares=(0.0,))
+    coarse = cli_signatures.count(argv, warmups=(3,), buckets=(8, 8), shares=(0.0, 1.0))
     assert fine["steps"] == coarse["steps"] == 16 and fine["packed_steps"] == fine["steps"]
     assert 1 <= coarse["signatures"] <= fine["signatures"] <= fine["steps"]
     for record in (fine, coarse):
-        policy = record["warmup_3"]
-        assert sum(policy.values()) == record["steps"]
-    assert fine["warmup_1"]["eager_warmup"] < fine["warmup_3"]["eager_warmup"]
+        for policy in record["policies"]:
+            counts = [policy[k] for k in ("replayed", "eager_warmup", "captures", "eager_past_limits")]
+            assert sum(counts) == record["steps"] and policy["shared"] <= policy["replayed"]
+    three, one = fine["policies"]
+    assert (three["warmup_steps"], one["warmup_steps"]) == (3, 1) and one["eager_warmup"] < three["eager_warmup"]
+    unshared, shared = coarse["policies"]
+    assert unshared["shared"] == 0 and shared["captures"] <= unshared["captures"]
     assert fine["buckets"] == [32, 16] and coarse["buckets"] == [8, 8]
 
 

@@ -478,7 +478,7 @@ def _gpu_gs_step(packed, train, autocast, monkeypatch, difference="central", rep
     model, start, opt = _gpu_model(packed, train, monkeypatch)
     gs = GradientSupervision(model, weight=1.0, representation=representation, mode="first_order", low_memory=False,
                              difference=difference, eps=1e-2)
-    step = CapturedStep(gs, opt, warmup_steps=1, autocast=autocast, max_grad_norm=1e6)
+    step = CapturedStep(gs, opt, warmup_steps=1, autocast=autocast, max_grad_norm=1e6, share_rows=0)
     losses, norms = [], []
     for batch in _gpu_batches():
         losses.append(float(step(batch, PAIRS.cuda())[0]))
@@ -522,7 +522,7 @@ def test_gpu_a_batch_given_on_the_host_steps_as_on_the_device_without_a_synchron
     for host in (False, True):
         model, _, opt = _gpu_model("auto", train, monkeypatch)
         torch.cuda.manual_seed(0)
-        step = CapturedStep(ERM(model, fast=True), opt, warmup_steps=1)
+        step = CapturedStep(ERM(model, fast=True), opt, warmup_steps=1, share_rows=0)
         losses = _steps_given(step, host)
         results[host] = (losses, len(step._packed_graphs), step.num_replays,
                          [p.detach().clone() for p in model.parameters()])
@@ -553,7 +553,7 @@ def test_gpu_captured_cat_counts_its_packed_rows_on_the_host(train, monkeypatch)
         model, _, opt = _gpu_model(True, train, monkeypatch)
         torch.cuda.manual_seed(0)
         cat = CAT(model, layers=[2], adv_steps=2, generator=torch.Generator().manual_seed(0))
-        step = CapturedStep(cat, opt, warmup_steps=1)
+        step = CapturedStep(cat, opt, warmup_steps=1, share_rows=0)
         # the draws repeat with the batch shape: two signatures
         losses = _steps_given(step, host, before=lambda i: cat.generator.manual_seed(i % 2))
         results[host] = (losses, step._packed_graphs, step.num_replays, [p.detach().clone() for p in model.parameters()])
@@ -582,17 +582,17 @@ def test_gpu_captured_packed_gs_passes_redraw_the_clean_dropout(difference, repr
     assert ((ratio > 0.5) & (ratio < 2.0)).all(), (norms, want_norms)
 
 
-def _gpu_cat_step(packed, train, autocast, monkeypatch, mask_mode="self", **cat_kw):
+def _gpu_cat_step(packed, train, autocast, monkeypatch, mask_mode="self", share_rows=0.0, **cat_kw):
     """Losses, CRM weights, the weights' updates and packed graphs of captured CAT steps on a tiny BERT (CUDA), with
     `PACKED` as given; partners and λ from a seeded CPU generator, so both runs draw alike. Two batch shapes of
-    different real-token counts alternate."""
+    different real-token counts alternate (each count its own graph, unless `share_rows`)."""
     from cat_fast.step import CapturedStep
 
     model, start, opt = _gpu_model(packed, train, monkeypatch)
     model.train(True)
     cat_kw = {"adv_steps": 3, **cat_kw}
     cat = CAT(model, layers=[2], mask_mode=mask_mode, generator=torch.Generator().manual_seed(0), **cat_kw)
-    step = CapturedStep(cat, opt, warmup_steps=1, autocast=autocast, max_grad_norm=1e6)
+    step = CapturedStep(cat, opt, warmup_steps=1, autocast=autocast, max_grad_norm=1e6, share_rows=share_rows)
     losses, weights, norms = [], [], []
     for batch in _gpu_batches():
         loss, info = step(batch)
@@ -641,3 +641,74 @@ def test_gpu_captured_packed_cat_passes_redraw_the_clean_dropout(monkeypatch):
     assert all(map(math.isfinite, losses + norms))
     torch.testing.assert_close(torch.tensor(want_weights, dtype=torch.float64), torch.ones(8, dtype=torch.float64), rtol=0, atol=1e-6)
     torch.testing.assert_close(torch.tensor(weights, dtype=torch.float64), torch.ones(8, dtype=torch.float64), rtol=0, atol=1e-6)
+
+
+def _shrinking_batches(pattern):
+    """CUDA batches of 4 × 40 tokens, by letter: "A" the lengths [40, 17, 25, 9] (91 real rows: a graph of 95, a
+    32nd of the 160 rows being 5), "B" the same with the longest one token shorter (90 rows: a graph of 90, which A's
+    covers within 1/8 of the rows; no partner lends it more rows than A's)."""
+    lengths = {"A": [40, 17, 25, 9], "B": [39, 17, 25, 9]}
+    for name in pattern:
+        batch = tiny_batch("bert", batch=4, length=40, seed=0)
+        batch["attention_mask"] = (torch.arange(40) < torch.tensor(lengths[name])[:, None]).long()
+        batch["labels"] = torch.tensor([0, 1, 2, 0])
+        yield {k: v.cuda() for k, v in batch.items()}
+
+
+def _shrinking_erm_steps(pattern, monkeypatch, **step_kw):
+    """The packed captured ERM step (eval mode) over `_shrinking_batches(pattern)` against the padded captured step:
+    the losses and weights to fp32 rounding; ``(graphs, replays, shared replays)`` of the packed one."""
+    from cat_fast import step as step_module
+
+    results = {}
+    for packed in ("auto", False):
+        model, _, opt = _gpu_model(packed, False, monkeypatch)
+        step = step_module.CapturedStep(ERM(model, fast=True), opt, **step_kw)
+        losses = [float(step(batch)[0]) for batch in _shrinking_batches(pattern)]
+        results[packed] = (losses, [p.detach().clone() for p in model.parameters()],
+                           (step.num_graphs, step.num_replays, step.num_shared_replays))
+    (losses, weights, counts), (want_losses, want_weights, _) = results["auto"], results[False]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-4, atol=1e-5)
+    for a, b in zip(weights, want_weights):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    return counts
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("share_rows", [0.125, 0.0])
+def test_gpu_a_packed_step_replays_a_captured_graph_of_more_rows(share_rows, monkeypatch):
+    """``CapturedStep(share_rows=1/8)``: B's steps replay A's graph (its 5 more rows computed as padding) until B has
+    shared `OWN_GRAPH_AFTER` times (2 here), then B gets its own graph after one eager step; with ``share_rows=0`` B
+    has one eager step and its capture at once. Eval mode: the losses and weights of the padded captured step."""
+    from cat_fast import step as step_module
+
+    monkeypatch.setattr(step_module, "OWN_GRAPH_AFTER", 2)
+    # A: eager, capture; B: shared twice, one eager step, capture, replay (share_rows=0: eager, capture, replays)
+    counts = _shrinking_erm_steps("AABBBBB", monkeypatch, warmup_steps=1, share_rows=share_rows)
+    assert counts == (2, 5, 2 if share_rows else 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_the_row_counts_of_a_batch_shape_warm_up_together(monkeypatch):
+    """``warmup_steps=2`` counts the eager steps of a batch shape's packed signatures together: after A's and B's one
+    eager step each, both are captured (each signature apart would take four eager steps before its first capture)."""
+    assert _shrinking_erm_steps("ABABAB", monkeypatch, warmup_steps=2, share_rows=0) == (2, 4, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_a_shared_cat_graph_redraws_the_clean_dropout(monkeypatch):
+    """Train mode with dropout, B's CAT steps replaying A's graph (the same partners: the generator reseeded): the
+    counterfactual pass redraws the clean forward's masks over the graph's rows (the dropout offsets measured for
+    A's count), so at λ ≈ 0 every CRM weight is 1, as in `test_gpu_captured_packed_cat_passes_redraw_the_clean_dropout`."""
+    from cat_fast.step import CapturedStep
+
+    model, _, opt = _gpu_model(True, True, monkeypatch)
+    cat = CAT(model, layers=[2], adv_steps=0, alpha=1e-6, beta=1e6, generator=torch.Generator())
+    step = CapturedStep(cat, opt, warmup_steps=1, max_grad_norm=1e6)
+    weights = []
+    for batch in _shrinking_batches("AABBB"):
+        cat.generator.manual_seed(0)
+        weights.append(float(step(batch)[1]["crm_weight_mean"]))
+    assert step.num_shared_replays == 3 and step.num_graphs == 1
+    torch.testing.assert_close(torch.tensor(weights, dtype=torch.float64), torch.ones(5, dtype=torch.float64),
+                               rtol=0, atol=1e-6)

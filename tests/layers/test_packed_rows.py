@@ -870,12 +870,12 @@ def test_a_captured_steps_signature_counted_without_running_it():
     batch = {"input_ids": torch.ones(32, 128, dtype=torch.long), "attention_mask": mask,
              "labels": torch.zeros(32, dtype=torch.long)}
     before = [p.detach().clone() for p in model.parameters()]
-    sig, padded = step.signature_of(batch)
-    assert padded is None
-    packed, fallback = step.signature_of(batch, cuda_counts=True)
+    sig, padded, rows = step.signature_of(batch)
+    assert padded is None and rows is None
+    packed, fallback, rows = step.signature_of(batch, cuda_counts=True)
     assert fallback == sig and packed != sig
     want = packing.bucket(int(mask.sum()), 4096, training_layer.PACKED_MIN_PADDING)
-    assert ("rows", want) in packed[1]
+    assert rows == want and ("rows", want) in packed[1]
     small = {k: v[:16] for k, v in batch.items()}  # 2,048 rows: below the least count
     assert step.signature_of(small, cuda_counts=True)[1] is None
     assert training_layer.PACKED == "auto" and all(p.grad is None for p in model.parameters())
