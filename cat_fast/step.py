@@ -56,8 +56,10 @@ a graph), a row count is captured after one eager step of its own (which measure
 signature that has shared another graph `OWN_GRAPH_AFTER` times gets its own, so a long run replays its exact
 counts. A short run whose batches key dozens of row counts (the CLI's CAT run of 214 steps at 32 × 256 keys 32)
 then runs 28 steps eagerly where it ran 74 (benchmarks/RESULTS.md, "The CLI's default path on a GPU").
-``share_rows=0`` replays only a step's own counts. Under DDP every signature warms up apart and nothing is shared
-(the ranks key their graphs together).
+``share_rows=0`` replays only a step's own counts. Under DDP the ranks agree on each step's counts first (every rank
+packs the ranks' largest of each: `step_ddp.Lockstep.agree`), so that their counts key one graph and not one per
+combination, and then share and warm up alike; where the ranks pack counts of different kinds (a rank that runs
+padded) each packs its own and the signature names every rank's.
 
 ``strict=True``: an objective whose step cannot be planned raises `NotCapturable` on every device (by default it
 runs eagerly where nothing is captured: on the CPU and with ``cuda_graph=False``).
@@ -220,6 +222,12 @@ OWN_GRAPH_AFTER = 16
 
 def _counts_of(rows) -> tuple:
     return rows if isinstance(rows, tuple) else (rows,)
+
+
+def _with_rows(padded, rows):
+    """The graph signature of a step of padded signature `padded` (``(inputs' signature, key)``) that packs `rows`
+    (its key then names them), or `padded` where nothing packs (None)."""
+    return padded if rows is None else (padded[0], (padded[1], ("rows", rows)))
 
 
 def shared_graph(graphs, rows, total: int, slack: float):
@@ -423,12 +431,13 @@ class CapturedStep(cuda_graphs.CachedGraphs):
         """The graph signature a step on `batch` would key, without running it (for tools that count a run's graphs
         on the host: `benchmarks/tools/cli_signatures.py`): a `Signature`, ``(signature, padded, rows)``: `padded`
         the padded signature a packed step falls back to once packed graphs hold half of ``max_graphs`` (None where
-        the step runs padded), `rows` its packed row counts. It plans the step (`Objective.plan_step`), so the
-        objective's draws advance as a step's would. ``cuda_counts``: a CPU batch counted as the same batch on a GPU
-        would be ("auto" packing, from the objective's least row count)."""
+        the step runs padded), `rows` its packed row counts, as on one process (under DDP the ranks' agreement is
+        left out). It plans the step (`Objective.plan_step`), so the objective's draws advance as a step's would.
+        ``cuda_counts``: a CPU batch counted as the same batch on a GPU would be ("auto" packing, from the objective's
+        least row count)."""
         plan = self._plan(batch, args)
         inputs = (batch, args, plan.tensors)
-        padded = self._signature(inputs, plan, None)
+        padded = self.cache.signature(inputs, plan.key)
         mask = batch.get("attention_mask") if isinstance(batch, dict) else None
         saved = training_layers.PACKED
         if (cuda_counts and saved == "auto" and isinstance(mask, torch.Tensor)
@@ -441,7 +450,7 @@ class CapturedStep(cuda_graphs.CachedGraphs):
             training_layers.PACKED = saved
         if rows is None:
             return Signature(padded, None, None)
-        return Signature(self._signature(inputs, plan, rows), padded, rows)
+        return Signature(_with_rows(padded, rows), padded, rows)
 
     def __call__(self, batch, *args):
         on_cuda = bool(self.params) and self.params[0].is_cuda
@@ -462,33 +471,35 @@ class CapturedStep(cuda_graphs.CachedGraphs):
         plan = self._plan(batch, args)
         inputs = (batch, args, plan.tensors)
         rows = static_row_counts(batch, self._planner, plan.tensors, host_mask, plan.host)  # under DDP: the planner
-        sig = self._signature(inputs, plan, rows)
-        family = None  # the padded signature: its packed graphs share and warm up together (module docstring)
+        # `rows`: the counts this rank packs; `key_rows`: those its signature keys (under DDP: agreed by the ranks)
+        padded, rows, key_rows, total = self._agreed(inputs, plan, rows, batch)
+        sig = _with_rows(padded, key_rows)
         warmup = self.warmup_steps
-        if rows is not None and sig not in self.cache.entries and self._ddp is None:
-            family = self._signature(inputs, plan, None)
-            shared = self._shared_graph(sig, family, rows, batch["attention_mask"].numel())
+        shares = key_rows is not None and key_rows == rows  # every rank packs these counts: they share, warm together
+        if shares and sig not in self.cache.entries:
+            shared = self._shared_graph(sig, padded, rows, total)
             if shared is not None:
                 sig, rows = shared
-            elif self._families.get(family) or self._family_steps.get(family, 0) >= self.warmup_steps:
+                key_rows = rows
+            elif self._families.get(padded) or self._family_steps.get(padded, 0) >= self.warmup_steps:
                 warmup = 1  # a warm batch shape: one eager step of its own measures its passes' dropout offsets
-        if (rows is not None and sig not in self.cache.entries
+        if (key_rows is not None and sig not in self.cache.entries
                 and len(self._packed_graphs) >= self.cache.max_graphs // 2):
-            rows = None  # packed graphs hold half of max_graphs at most: the padded graph of this shape
-            sig, warmup = self._signature(inputs, plan, None), self.warmup_steps
+            rows = key_rows = None  # packed graphs hold half of max_graphs at most: the padded graph of this shape
+            sig, warmup, shares = padded, self.warmup_steps, False
         lockstep = self._ddp.lockstep if self._ddp is not None else None
         entry = self.cache.get(sig)
         if entry is None and self.cache.admit(sig, warmup=warmup):
             entry = self._capture(sig, plan, inputs, rows)
-            if rows is not None:
+            if key_rows is not None:
                 self._packed_graphs.add(sig)
-                if entry is not None and family is not None:
-                    self._families.setdefault(family, []).append((sig, rows))
             if lockstep is not None and not lockstep.all(entry is not None):
                 entry = self.cache.discard(sig)  # failed on another rank: eager on every rank
+            if entry is not None and shares:
+                self._families.setdefault(padded, []).append((sig, rows))
         if entry is None:  # a warm-up step, a failed capture or a signature beyond max_graphs
-            if family is not None:
-                self._family_steps[family] = self._family_steps.get(family, 0) + 1
+            if shares:
+                self._family_steps[padded] = self._family_steps.get(padded, 0) + 1
             # a signature's eager steps pack as its graph does (a padded graph's, nothing): the same rows, so its
             # passes' dropout draws (`models.PassGenerators` measures their offsets on these steps) are the graph's
             with packing.static_rows(rows), packing.padded(rows is None):
@@ -504,9 +515,9 @@ class CapturedStep(cuda_graphs.CachedGraphs):
 
     def _shared_graph(self, sig, family, rows, total):
         """``(signature, row counts)`` of the captured graph a packed step of signature `sig` (not captured) replays in
-        its stead (``share_rows``, `shared_graph`), or None: none covers its counts, sharing is off or under DDP, or
-        `sig` has shared `OWN_GRAPH_AFTER` times (it gets its own)."""
-        if self._ddp is not None or self.share_rows <= 0 or self._shared.get(sig, 0) >= OWN_GRAPH_AFTER:
+        its stead (``share_rows``, `shared_graph`), or None: none covers its counts, sharing is off, or `sig` has
+        shared `OWN_GRAPH_AFTER` times (it gets its own)."""
+        if self.share_rows <= 0 or self._shared.get(sig, 0) >= OWN_GRAPH_AFTER:
             return None
         held = [(s, r) for s, r in self._families.get(family, ()) if self.cache.entries.get(s) is not None]
         shared = shared_graph(held, rows, total, self.share_rows)
@@ -514,11 +525,17 @@ class CapturedStep(cuda_graphs.CachedGraphs):
             self._shared[sig] = self._shared.get(sig, 0) + 1
         return shared
 
-    def _signature(self, inputs, plan, rows):
-        """The graph signature of a step: the inputs' shapes and the plan's key, with the packed row count (`rows`)
-        where the rows are packed; under DDP every rank's (the ranks capture and replay together)."""
-        sig = self.cache.signature(inputs, plan.key if rows is None else (plan.key, ("rows", rows)))
-        return self._ddp.lockstep.key(sig) if self._ddp is not None and self._ddp.lockstep is not None else sig
+    def _agreed(self, inputs, plan, rows, batch):
+        """``(padded signature, rows, key rows, total)`` of a step: its padded signature (the inputs' shapes and the
+        plan's key), the packed row counts it runs (`rows`, or None), those its graph signature keys, and its batch's
+        rows (0 where nothing packs). Under DDP the ranks agree in one exchange (`step_ddp.Lockstep.agree`: every
+        rank's numbers in the signature; where every rank packs, the ranks' largest counts, run by every rank)."""
+        padded = self.cache.signature(inputs, plan.key)
+        total = batch["attention_mask"].numel() if rows is not None else 0
+        lockstep = self._ddp.lockstep if self._ddp is not None else None
+        if lockstep is None:
+            return padded, rows, rows, total
+        return lockstep.agree(padded, rows, total)
 
     def _side_stream_step(self, plan, batch, args):
         """An eager step (on a side stream, as PyTorch asks of the steps before a capture)."""

@@ -14,8 +14,10 @@ embedding_tables`, are then exchanged by the rows their gradients use).
 Lockstep (`Lockstep`): a graph holding an NCCL collective must be captured and replayed by every rank together
 (NCCL's rule: a captured collective is a collective property of the ranks). The ranks' batches may have different
 shapes, so each step they exchange, over a gloo group on the host (no GPU synchronisation), a number naming their
-local signature; the graph cache is keyed on all ranks' numbers, so every rank warms up, captures and replays at
-the same steps, and a capture that fails on one rank runs that step eagerly on all.
+local padded signature and their packed row counts; the graph cache is keyed on all ranks' numbers and, where every
+rank packs, on the ranks' largest counts, which every rank then packs (so the ranks' counts key one graph, not one
+per combination), and every rank warms up, captures, shares graphs (`cat_fast.step.CapturedStep`'s ``share_rows``)
+and replays at the same steps; a capture that fails on one rank runs that step eagerly on all.
 
 Semantics, as DDP's: a parameter with no gradient on this rank contributes zeros (every rank's buffer has every
 parameter: no rank waits for another's different all-reduce) and then gets the average, like DDP's locally unused
@@ -57,8 +59,9 @@ def ddp_of(objective):
 
 
 class Lockstep:
-    """The ranks' agreement on each step's graph (module docstring): `key` maps this rank's signature to one that
-    names every rank's, and `all` tells whether a condition holds on every rank; both over a gloo group made on
+    """The ranks' agreement on each step's graph (module docstring): `agree` maps this rank's signature to one that
+    names every rank's (and their packed row counts to the largest), and `all` tells whether a condition holds on
+    every rank; both over a gloo group made on
     construction (a collective call: every rank builds its `Lockstep` at the same point). The group is its own
     even where the default one is gloo: a rank may agree while another rank's gradient collectives, issued during
     its backward, are still in flight on the default group, and the two must not be paired."""
@@ -68,11 +71,32 @@ class Lockstep:
         self.world = dist.get_world_size()
         self._ids = {}  # this rank's signatures -> small numbers, in the order first seen
 
-    def key(self, sig):
-        local = torch.tensor([self._ids.setdefault(sig, len(self._ids))], dtype=torch.int64)
+    def agree(self, padded, rows=None, total: int = 0):
+        """The ranks' step, agreed in one exchange: ``(key, rows, rows_key, total)``. `padded`: this rank's padded
+        signature (``(its inputs' signature, the plan's key)``, `cat_fast.step.CapturedStep`); `rows`: its packed row
+        counts (`cat_fast.step.static_row_counts`: None, an int or a tuple of up to 3), `total`: its batch's rows.
+        `key`: `padded` with every rank's number for its padded signature. Where every rank packs counts of one kind
+        (as many numbers), `rows` and `rows_key` are the ranks' largest of each count (every rank packs as many rows:
+        one graph signature for every combination of the ranks' counts under it) and `total` the largest batch;
+        where no rank packs, None, None, 0; else this rank's own counts, every rank's counts (the key) and 0."""
+        counts = () if rows is None else (rows if isinstance(rows, tuple) else (rows,))
+        if len(counts) > 3:
+            raise ValueError(f"rows: expected None, an int or up to 3 counts, got {rows!r}")
+        local = torch.tensor([self._ids.setdefault(padded, len(self._ids)), int(total), len(counts), *counts,
+                              *(0,) * (3 - len(counts))], dtype=torch.int64)
         every = [torch.empty_like(local) for _ in range(self.world)]
         dist.all_gather(every, local, group=self.group)
-        return sig[0], (sig[1], tuple(int(t) for t in every))
+        every = [t.tolist() for t in every]
+        key = padded[0], (padded[1], tuple(t[0] for t in every))
+        kinds = {t[2] for t in every}
+        if kinds == {0}:
+            return key, None, None, 0
+        if len(kinds) == 1:
+            n = kinds.pop()
+            top = tuple(max(t[3 + i] for t in every) for i in range(n))
+            agreed = top if isinstance(rows, tuple) else top[0]
+            return key, agreed, agreed, max(t[1] for t in every)
+        return key, rows, tuple(tuple(t[3:3 + t[2]]) for t in every), 0
 
     def all(self, ok: bool) -> bool:
         flag = torch.tensor([int(bool(ok))], dtype=torch.int64)

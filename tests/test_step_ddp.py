@@ -145,8 +145,12 @@ def _cpu_worker(rank, out):
     results = {(case, route): _train(rank, case, route == "captured")
                for case in CASES for route in ("loop", "captured")}
     lockstep = step_ddp.Lockstep()  # every rank's signatures in each key; `all` true only where true on every rank
-    keys = [lockstep.key(((("a",) if rank == 0 else ("x", i % 2)), ())) for i in range(3)]
-    results["lockstep"] = [k[1][1] for k in keys], lockstep.all(rank == 0), lockstep.all(True)
+    keys = [lockstep.agree(((("a",) if rank == 0 else ("x", i % 2)), ())) for i in range(3)]
+    # the packed row counts: one kind on every rank (the largest of each), none, or kinds that differ (each its own)
+    counts = [lockstep.agree((("s",), ()), rows, total) for rows, total in (
+        ((100, 80, 20) if rank == 0 else (90, 90, 30), 400 + rank), (64 if rank == 0 else 96, 128),
+        (None, 0), (50 if rank == 0 else None, 100 if rank == 0 else 0))]
+    results["lockstep"] = [k[0][1][1] for k in keys], lockstep.all(rank == 0), lockstep.all(True), counts
     torch.save(results, f"{out}.{rank}")
 
 
@@ -177,9 +181,17 @@ def test_eager_ddp_steps_equal_the_ddp_loop(spawned_cpu):
 
 
 def test_lockstep_keys_name_every_rank(spawned_cpu):
-    (k0, no0, yes0), (k1, no1, yes1) = spawned_cpu[0]["lockstep"], spawned_cpu[1]["lockstep"]
+    """`Lockstep.agree`: the key names every rank's padded signature; where every rank packs counts of one kind, each
+    rank runs, and the key names, the ranks' largest of each count (and the largest batch); where none packs, none;
+    where the kinds differ, each rank its own, the key every rank's."""
+    (k0, no0, yes0, c0), (k1, no1, yes1, c1) = spawned_cpu[0]["lockstep"], spawned_cpu[1]["lockstep"]
     assert k0 == k1 == [(0, 0), (0, 1), (0, 0)]
     assert (no0, no1, yes0, yes1) == (False, False, True, True)
+    key = (("s",), ((), (1, 2)))  # rank 0's second padded signature, rank 1's third
+    assert c0[0] == c1[0] == (key, (100, 90, 30), (100, 90, 30), 401)
+    assert c0[1] == c1[1] == (key, 96, 96, 128)
+    assert c0[2] == c1[2] == (key, None, None, 0)
+    assert c0[3] == (key, 50, ((50,), ()), 0) and c1[3] == (key, None, ((50,), ()), 0)
 
 
 # ----------------------------------------------------------------------------- one process, gloo
@@ -308,10 +320,13 @@ def test_gpu_ddp_steps_equal_the_ddp_loop_eager_and_captured(tmp_path):
         _compare(results, GPU_CASES, dict(rtol=1e-6, atol=1e-6), route)
 
 
-def _packed_runs(rank, out, make_objective, packed_values=(False, True), steps=GPU_STEPS, reseed=False):
+def _packed_runs(rank, out, make_objective, packed_values=(False, True), steps=GPU_STEPS, reseed=False, share_rows=0.0,
+                 last=lambda i: 3 + i % 3):
     """Captured steps of `make_objective(ddp)` under DDP as CUDA graphs, padded and with packed rows (each rank its
-    own row count): every rank's final state, losses, graph and replay counts, packed graphs. `reseed`: the
-    objective's generator is seeded with the batch's number before each step (its draws repeat with the batch)."""
+    own real rows, the ranks' largest counts packed): every rank's final state, losses, graph and replay counts,
+    packed graphs, shared replays. `reseed`: the objective's generator is seeded with the batch's number before each
+    step (its draws repeat with the batch); `share_rows`: `CapturedStep`'s (0: each count its own graph); ``last(i)``:
+    step i's last sequence length."""
     from cat_fast.layers import training as training_layers
 
     device = torch.device("cuda", rank)
@@ -324,31 +339,44 @@ def _packed_runs(rank, out, make_objective, packed_values=(False, True), steps=G
         ddp = DDP(model, device_ids=[rank])
         opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device=device), capturable=True, fused=True)
         objective = make_objective(ddp)
-        step = CapturedStep(objective, opt, warmup_steps=1, max_grad_norm=1.0)
+        step = CapturedStep(objective, opt, warmup_steps=1, max_grad_norm=1.0, share_rows=share_rows)
         losses = []
         for i in range(steps):
             if reseed:
                 objective.generator.manual_seed(i % 3)
             batch = _batch(rank, i % 3, device, length=24)
-            cut = [24, 6 + 4 * rank, 9, 3 + (i % 3)]  # rank 1's rows and every step's last row differ
+            cut = [24, 6 + 4 * rank, 9, last(i)]  # rank 1's rows and every step's last row differ
             lengths = torch.tensor(cut, device=device)[:, None]
             batch["attention_mask"] = (torch.arange(24, device=device) < lengths).long()
             losses.append(float(step(batch)[0]))
         results[packed] = ({k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, losses,
-                           step.num_graphs, step.num_replays, len(step._packed_graphs))
+                           step.num_graphs, step.num_replays, len(step._packed_graphs), step.num_shared_replays)
     training_layers.PACKED = "auto"
     torch.save(results, f"{out}.{rank}")
 
 
+def _rising(i):
+    """The last sequence 3, 7, 11 tokens long in turn: the ranks' largest counts (rank 1's) 48, 51 and 54 rows."""
+    return 3 + 4 * (i % 3)
+
+
 def _packed_worker(rank, out):
     """ERM(fast=True) under DDP as CUDA graphs, padded and with packed rows."""
-    _packed_runs(rank, out, lambda ddp: ERM(ddp, fast=True))
+    _packed_runs(rank, out, lambda ddp: ERM(ddp, fast=True), last=_rising)
 
 
 def _packed_wrapped_worker(rank, out):
     """ERM(fast=True) built on the model inside and run through `DistributedObjective` (what the Trainer and the CLI
     make under torchrun), padded and with packed rows."""
-    _packed_runs(rank, out, lambda ddp: D.DistributedObjective(ERM(ddp.module, fast=True), ddp))
+    _packed_runs(rank, out, lambda ddp: D.DistributedObjective(ERM(ddp.module, fast=True), ddp), last=_rising)
+
+
+def _shared_worker(rank, out):
+    """ERM(fast=True) under DDP as CUDA graphs with packed rows, graphs shared (``share_rows=1/8``): the last
+    sequence 11, 7, 3 tokens long in turn (the ranks' largest counts, rank 1's: 54, 51 and 48 of 96 rows, in 3-row
+    buckets)."""
+    _packed_runs(rank, out, lambda ddp: ERM(ddp, fast=True), steps=9, share_rows=0.125,
+                 last=lambda i: 3 + 4 * (2 - i % 3))
 
 
 def _packed_cat_worker(rank, out):
@@ -361,7 +389,7 @@ def _packed_cat_worker(rank, out):
 
 def _check_packed_equals_padded(results, min_packed=2, min_replays=4):
     for result in results:
-        graphs, replays, packed = result[True][2:]
+        graphs, replays, packed = result[True][2:5]
         assert result[False][4] == 0 and packed >= min_packed and replays >= min_replays, (graphs, replays, packed)
         want_state, want_losses = result[False][:2]
         state, losses = result[True][:2]
@@ -375,9 +403,9 @@ def _check_packed_equals_padded(results, min_packed=2, min_replays=4):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
                     reason="needs 2 CUDA devices and NCCL")
 def test_gpu_ddp_captured_steps_with_packed_rows_equal_padded(tmp_path):
-    """Under DDP on 2 GPUs, captured ERM(fast=True) steps with packed rows (each rank packing its own real-token
-    count, the ranks' graphs keyed on both) equal the padded captured steps (fp32, no dropout) and keep the ranks
-    bit-identical."""
+    """Under DDP on 2 GPUs, captured ERM(fast=True) steps with packed rows (each rank its own real tokens, packed
+    under the ranks' largest count: three counts, three graphs) equal the padded captured steps (fp32, no dropout) and
+    keep the ranks bit-identical."""
     spawn(_packed_worker, str(tmp_path / "out"), tmp_path=tmp_path, world=WORLD, backend="nccl")
     _check_packed_equals_padded([torch.load(f"{tmp_path / 'out'}.{r}", weights_only=False) for r in range(WORLD)])
 
@@ -390,6 +418,20 @@ def test_gpu_ddp_captured_steps_of_a_wrapped_objective_pack_rows(tmp_path):
     declares no packed rows, so every step of the Trainer and the CLI under torchrun ran padded.)"""
     spawn(_packed_wrapped_worker, str(tmp_path / "out"), tmp_path=tmp_path, world=WORLD, backend="nccl")
     _check_packed_equals_padded([torch.load(f"{tmp_path / 'out'}.{r}", weights_only=False) for r in range(WORLD)])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
+                    reason="needs 2 CUDA devices and NCCL")
+def test_gpu_ddp_ranks_pack_their_largest_counts_and_share_graphs(tmp_path):
+    """Under DDP the ranks agree on each step's packed row count (the larger of the two: rank 1's), so that their
+    counts key one signature, and share graphs as on one process: after the batch shape's one eager step of each
+    count, the first count's graph (54 rows) is captured and the steps of 51 and 48 rows replay it (3 and 6 rows more,
+    within 1/8 of 96). The steps equal the padded captured ones and keep the ranks bit-identical."""
+    spawn(_shared_worker, str(tmp_path / "out"), tmp_path=tmp_path, world=WORLD, backend="nccl")
+    results = [torch.load(f"{tmp_path / 'out'}.{r}", weights_only=False) for r in range(WORLD)]
+    for result in results:  # eager: steps 0-2; step 3 captures 54; 4, 5, 7, 8 share it; 6 replays it
+        assert result[True][2:] == (1, 6, 1, 4), result[True][2:]
+    _check_packed_equals_padded(results, min_packed=1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
