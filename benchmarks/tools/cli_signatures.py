@@ -12,9 +12,11 @@ record.
 
 The arguments are `cat-fast train`'s (the run is prepared, not trained: nothing is written); ``--warmup-steps-policy
 N [N ...]`` replays the policy with N eager steps per signature instead of the Trainer's 3; ``--share-rows F [...]``
-with ``CapturedStep(share_rows=F)`` instead of its 1/8 (0: every row count keys its own graph); ``--buckets REAL,LENT
-[...]`` counts again with the real rows rounded up to 1/REAL of a batch's rows and the lent rows to 1/LENT
-(`layers.packing.BUCKETS`, `LENT_BUCKETS`; default 32,16), one record each.
+with ``CapturedStep(share_rows=F)`` instead of its default (`cat_fast.step.SHARE_ROWS`, 1/8; 0: every row count
+keys its own graph); ``--buckets REAL,LENT [...]`` counts again with the real rows rounded up to 1/REAL of a
+batch's rows and the lent rows to 1/LENT (`layers.packing.BUCKETS`, `LENT_BUCKETS`; default 32,16), one record
+each. The counts are those of one process: under torchrun the ranks' counts are agreed first
+(`cat_fast.step_ddp.Lockstep.agree`), which this tool does not replay.
 """
 from __future__ import annotations
 
@@ -97,12 +99,14 @@ def replay_policy(steps, max_graphs: int, warmup: int, share_rows: float = 0.0):
     return replayed, warm, captured, past, sum(shares.values())
 
 
-def count(argv, warmups=(3,), max_graphs: int = 64, buckets=None, shares=(0.125,)) -> dict:
+def count(argv, warmups=(3,), max_graphs: int = 64, buckets=None, shares=None) -> dict:
     """`main`'s record for `cat-fast train` arguments `argv`: the policy replayed with each of `warmups` eager steps
-    per signature and each of `shares` (``share_rows``); `buckets`: ``(real-row buckets, lent-row buckets)`` in place
-    of `layers.packing.BUCKETS` and `LENT_BUCKETS`."""
+    per signature and each of `shares` (``share_rows``; default `cat_fast.step.SHARE_ROWS`); `buckets`: ``(real-row
+    buckets, lent-row buckets)`` in place of `layers.packing.BUCKETS` and `LENT_BUCKETS`."""
     from cat_fast.layers import packing
+    from cat_fast.step import SHARE_ROWS
 
+    shares = (SHARE_ROWS,) if shares is None else shares
     saved = packing.BUCKETS, packing.LENT_BUCKETS
     if buckets is not None:
         packing.BUCKETS, packing.LENT_BUCKETS = buckets
@@ -148,11 +152,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
     parser.add_argument("--warmup-steps-policy", type=int, nargs="+", default=[3])
     parser.add_argument("--buckets", type=_pair, nargs="+", default=[None], metavar="REAL,LENT")
-    parser.add_argument("--share-rows", type=float, nargs="+", default=[0.125], metavar="F")
+    parser.add_argument("--share-rows", type=float, nargs="+", default=None, metavar="F")
     own, rest = parser.parse_known_args(argv)
     if any(w < 1 for w in own.warmup_steps_policy):
         parser.error("--warmup-steps-policy: expected integers >= 1")
-    if any(not 0 <= f <= 1 for f in own.share_rows):
+    if own.share_rows is not None and any(not 0 <= f <= 1 for f in own.share_rows):
         parser.error("--share-rows: expected fractions in [0, 1]")
     from cat_fast.cli.common import CliError, fail
     from cat_fast.data import DataError
@@ -161,7 +165,7 @@ def main(argv=None):
     try:
         for buckets in own.buckets:
             print(json.dumps(count(rest, tuple(own.warmup_steps_policy), buckets=buckets,
-                                   shares=tuple(own.share_rows))), flush=True)
+                                   shares=None if own.share_rows is None else tuple(own.share_rows))), flush=True)
     except (DataError, ModelLoadError, CliError) as e:  # one line, exit 2, as `cat-fast train` ends on them
         fail(e, getattr(e, "exit_code", 2))
     return 0
