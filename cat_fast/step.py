@@ -54,12 +54,11 @@ exceed them by at most ``share_rows`` (default `SHARE_ROWS`, 1/8) of the batch's
 graph. The `warmup_steps` eager steps are counted over the padded signature's packed steps; once it has had them (or
 a graph), a row count is captured after one eager step of its own (which measures its passes' dropout offsets). A
 signature that has shared another graph `OWN_GRAPH_AFTER` times gets its own, so a long run replays its exact
-counts. A short run whose batches key dozens of row counts (the CLI's CAT run of 214 steps at 32 × 256 keys 32)
-then runs 28 steps eagerly where it ran 74 (benchmarks/RESULTS.md, "The CLI's default path on a GPU").
-``share_rows=0`` replays only a step's own counts. Under DDP the ranks agree on each step's counts first (every rank
-packs the ranks' largest of each: `step_ddp.Lockstep.agree`), so that their counts key one graph and not one per
-combination, and then share and warm up alike; where the ranks pack counts of different kinds (a rank that runs
-padded) each packs its own and the signature names every rank's.
+counts, while a short run whose batches key dozens of counts runs few of its steps eagerly (benchmarks/RESULTS.md,
+"The CLI's default path on a GPU"). ``share_rows=0`` replays only a step's own counts. Under DDP the ranks agree on
+each step's counts first (every rank packs the ranks' largest of each: `step_ddp.Lockstep.agree`), so that their
+counts key one graph and not one per combination, and then share and warm up alike; where the ranks pack counts of
+different kinds (a rank that runs padded) each packs its own and the signature names every rank's.
 
 ``strict=True``: an objective whose step cannot be planned raises `NotCapturable` on every device (by default it
 runs eagerly where nothing is captured: on the CPU and with ``cuda_graph=False``).
@@ -471,8 +470,9 @@ class CapturedStep(cuda_graphs.CachedGraphs):
         plan = self._plan(batch, args)
         inputs = (batch, args, plan.tensors)
         rows = static_row_counts(batch, self._planner, plan.tensors, host_mask, plan.host)  # under DDP: the planner
+        lockstep = self._ddp.lockstep if self._ddp is not None else None
         # `rows`: the counts this rank packs; `key_rows`: those its signature keys (under DDP: agreed by the ranks)
-        padded, rows, key_rows, total = self._agreed(inputs, plan, rows, batch)
+        padded, rows, key_rows, total = self._agreed(inputs, plan, rows, batch, lockstep)
         sig = _with_rows(padded, key_rows)
         warmup = self.warmup_steps
         shares = key_rows is not None and key_rows == rows  # every rank packs these counts: they share, warm together
@@ -487,7 +487,6 @@ class CapturedStep(cuda_graphs.CachedGraphs):
                 and len(self._packed_graphs) >= self.cache.max_graphs // 2):
             rows = key_rows = None  # packed graphs hold half of max_graphs at most: the padded graph of this shape
             sig, warmup, shares = padded, self.warmup_steps, False
-        lockstep = self._ddp.lockstep if self._ddp is not None else None
         entry = self.cache.get(sig)
         if entry is None and self.cache.admit(sig, warmup=warmup):
             entry = self._capture(sig, plan, inputs, rows)
@@ -525,14 +524,14 @@ class CapturedStep(cuda_graphs.CachedGraphs):
             self._shared[sig] = self._shared.get(sig, 0) + 1
         return shared
 
-    def _agreed(self, inputs, plan, rows, batch):
+    def _agreed(self, inputs, plan, rows, batch, lockstep):
         """``(padded signature, rows, key rows, total)`` of a step: its padded signature (the inputs' shapes and the
         plan's key), the packed row counts it runs (`rows`, or None), those its graph signature keys, and its batch's
-        rows (0 where nothing packs). Under DDP the ranks agree in one exchange (`step_ddp.Lockstep.agree`: every
-        rank's numbers in the signature; where every rank packs, the ranks' largest counts, run by every rank)."""
+        rows (0 where nothing packs). Under DDP (`lockstep`: the ranks' `step_ddp.Lockstep`) the ranks agree in one
+        exchange (`Lockstep.agree`: every rank's numbers in the signature; where every rank packs, the ranks' largest
+        counts, run by every rank)."""
         padded = self.cache.signature(inputs, plan.key)
         total = batch["attention_mask"].numel() if rows is not None else 0
-        lockstep = self._ddp.lockstep if self._ddp is not None else None
         if lockstep is None:
             return padded, rows, rows, total
         return lockstep.agree(padded, rows, total)
