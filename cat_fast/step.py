@@ -43,19 +43,22 @@ synchronisation per step, except from a batch given on the host: a dict of CPU t
 step, and its count read from its host mask (CAT's rows depend on its partners: counted from their host copy,
 `StepPlan.host`; CAT's graphs are keyed by the pair of its row counts, before and past the mixing layer,
 `layers.packing.narrow`). The
-signature's eager warm-up steps pack the same rows, so the offsets at which its passes redraw the clean forward's
-dropout (`models.PassGenerators`) are measured on packed steps. A batch whose first position is padding (left
-padding) runs padded, and so does a new row count once packed graphs hold half of ``max_graphs``.
+signature's eager warm-up steps and its capture pack the same rows, so the offsets at which its passes redraw the
+clean forward's dropout (`models.PassGenerators`) are measured on packed steps: by the capture itself where the
+extension reads a generator's offset inside a capture (`ops.fused.rng_offset`: CUDA builds), else by an eager step
+of the same rows. A batch whose first position is padding (left padding) runs padded, and so does a new row count
+once packed graphs hold half of ``max_graphs``.
 
 Packed graphs of one batch shape and plan key (its padded signature) share and warm up together. A packed step
 whose row counts have no graph of their own replays a captured graph of its padded signature whose counts are each at
 least its own (the extra rows are padding rows, computed and dropped as a static count's are: the same step) and
 exceed them by at most ``share_rows`` (default `SHARE_ROWS`, 1/8) of the batch's rows in all, the fewest-row such
 graph. The `warmup_steps` eager steps are counted over the padded signature's packed steps; once it has had them (or
-a graph), a row count is captured after one eager step of its own (which measures its passes' dropout offsets). A
-signature that has shared another graph `OWN_GRAPH_AFTER` times gets its own, so a long run replays its exact
-counts, while a short run whose batches key dozens of counts runs few of its steps eagerly (benchmarks/RESULTS.md,
-"The CLI's default path on a GPU"). ``share_rows=0`` replays only a step's own counts. Under DDP the ranks agree on
+a graph), a new row count is captured at first sight (`COUNT_WARMUP`: its capture measures its passes' dropout
+offsets; without `ops.fused.rng_offset`, after one eager step of its own, which does). A signature that has shared
+another graph `OWN_GRAPH_AFTER` times gets its own, so a long run replays its exact counts, while a short run whose
+batches key dozens of counts runs few of its steps eagerly (benchmarks/RESULTS.md, "The CLI's default path on a
+GPU"). ``share_rows=0`` replays only a step's own counts. Under DDP the ranks agree on
 each step's counts first (every rank packs the ranks' largest of each: `step_ddp.Lockstep.agree`), so that their
 counts key one graph and not one per combination, and then share and warm up alike; where the ranks pack counts of
 different kinds (a rank that runs padded) each packs its own and the signature names every rank's.
@@ -89,6 +92,7 @@ import torch
 from . import graphs as cuda_graphs
 from .layers import packing
 from .layers import training as training_layers
+from .ops.fused import rng_offset_available
 
 __all__ = ["CapturedStep", "NotCapturable", "StepPlan", "Signature", "shared_graph", "static_row_counts"]
 
@@ -214,9 +218,17 @@ def _counts(objective, batch, tensors, rows, real=False):
 # `CapturedStep`'s ``share_rows`` where none is given: a packed step may replay a captured graph of its batch shape
 # with at most this fraction of the batch's rows more than its own counts (module docstring; 0: its own counts only)
 SHARE_ROWS = 0.125
-# a signature that replayed another signature's graph this many times (``share_rows``) gets its own: one eager step,
-# then its capture
+# a signature that replayed another signature's graph this many times (``share_rows``) gets its own
 OWN_GRAPH_AFTER = 16
+# eager steps of its own before a new row count of a warm batch shape is captured (module docstring); a plan whose
+# passes redraw the clean forward's dropout takes one where the capture cannot read the offsets (`_count_warmup`)
+COUNT_WARMUP = 0
+
+
+def _count_warmup(plan) -> int:
+    if plan.before_replay is None or rng_offset_available():
+        return COUNT_WARMUP
+    return max(COUNT_WARMUP, 1)  # an eager step of the count's rows measures its passes' dropout offsets
 
 
 def _counts_of(rows) -> tuple:
@@ -482,7 +494,7 @@ class CapturedStep(cuda_graphs.CachedGraphs):
                 sig, rows = shared
                 key_rows = rows
             elif self._families.get(padded) or self._family_steps.get(padded, 0) >= self.warmup_steps:
-                warmup = 1  # a warm batch shape: one eager step of its own measures its passes' dropout offsets
+                warmup = _count_warmup(plan)  # a warm batch shape: the capture measures the dropout offsets
         if (key_rows is not None and sig not in self.cache.entries
                 and len(self._packed_graphs) >= self.cache.max_graphs // 2):
             rows = key_rows = None  # packed graphs hold half of max_graphs at most: the padded graph of this shape

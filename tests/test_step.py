@@ -281,6 +281,64 @@ def test_gpu_replayed_cat_steps_equal_the_eager_loop(generator, gs_weight):
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
+def test_rng_offset_says_none_without_the_cuda_op():
+    """Off a CUDA build (`ops.fused.rng_offset_available` False) `rng_offset` says None and a warm batch shape's new
+    row count takes one eager step of its own where its plan's passes redraw the dropout; with the op, or for a plan
+    without passes, `COUNT_WARMUP` (none)."""
+    from cat_fast.ops import fused
+    from cat_fast.step import StepPlan
+
+    with_passes, without = StepPlan(key=("k",), before_replay=lambda: None), StepPlan(key=("k",))
+    if not fused.rng_offset_available():
+        assert fused.rng_offset(torch.Generator()) is None
+        assert step_module._count_warmup(with_passes) == 1
+    else:
+        assert step_module._count_warmup(with_passes) == step_module.COUNT_WARMUP == 0
+    assert step_module._count_warmup(without) == step_module.COUNT_WARMUP
+
+
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+def test_gpu_rng_offset_reads_the_offset_inside_a_capture():
+    """`ops.fused.rng_offset` of the device generator: outside a capture its offset; inside one the offset within the
+    graph, 0 at the capture's start. Around dropout calls of 7, 4,096 and 3,000,001 elements and a flash attention
+    with dropout, the differences of the readings inside the capture equal those of the same calls run eagerly;
+    reading draws nothing (a replay advances the generator by the last reading)."""
+    import torch.nn.functional as F
+
+    from cat_fast.ops.fused import rng_offset, rng_offset_available
+
+    assert rng_offset_available()
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    xs = [torch.randn(n, device="cuda") for n in (7, 4096, 3_000_001)]
+    q = torch.randn(2, 4, 33, 64, device="cuda", dtype=torch.bfloat16)
+
+    def body():
+        marks = [rng_offset(gen)]
+        for x in xs:
+            F.dropout(x, 0.1, training=True)
+            marks.append(rng_offset(gen))
+        F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+        marks.append(rng_offset(gen))
+        return marks
+
+    assert rng_offset(gen) == gen.get_offset()
+    eager = body()
+    assert eager[-1] == gen.get_offset() and all(b > a for a, b in zip(eager, eager[1:]))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        inside = body()
+    assert inside[0] == 0
+    assert [b - a for a, b in zip(inside, inside[1:])] == [b - a for a, b in zip(eager, eager[1:])]
+    before = gen.get_offset()
+    graph.replay()
+    assert gen.get_offset() - before == inside[-1]
+
+
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
 def test_gpu_a_cat_graph_does_not_replay_the_captured_dropout():
     """The failure that would be silent: replays of one CAT graph on the same batch, with the same layer, partners

@@ -424,14 +424,14 @@ def test_gpu_ddp_captured_steps_of_a_wrapped_objective_pack_rows(tmp_path):
                     reason="needs 2 CUDA devices and NCCL")
 def test_gpu_ddp_ranks_pack_their_largest_counts_and_share_graphs(tmp_path):
     """Under DDP the ranks agree on each step's packed row count (the larger of the two: rank 1's), so that their
-    counts key one signature, and share graphs as on one process: after the batch shape's one eager step of each
-    count, the first count's graph (54 rows) is captured and the steps of 51 and 48 rows replay it (3 and 6 rows more,
-    within 1/8 of 96). The steps equal the padded captured ones and keep the ranks bit-identical."""
+    counts key one signature, and share graphs as on one process: after the batch shape's eager step (54 rows), the
+    count of 51 rows is captured at once, the steps of 48 rows replay its graph (3 rows more, within 1/8 of 96), and
+    54 rows get their own. The steps equal the padded captured ones and keep the ranks bit-identical."""
     spawn(_shared_worker, str(tmp_path / "out"), tmp_path=tmp_path, world=WORLD, backend="nccl")
     results = [torch.load(f"{tmp_path / 'out'}.{r}", weights_only=False) for r in range(WORLD)]
-    for result in results:  # eager: steps 0-2; step 3 captures 54; 4, 5, 7, 8 share it; 6 replays it
-        assert result[True][2:] == (1, 6, 1, 4), result[True][2:]
-    _check_packed_equals_padded(results, min_packed=1)
+    for result in results:  # eager: step 0; steps 1 and 3 capture 51 and 54; 2, 5, 8 share 51's; 4, 6, 7 replay
+        assert result[True][2:] == (2, 8, 2, 3), result[True][2:]
+    _check_packed_equals_padded(results, min_packed=2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available(),

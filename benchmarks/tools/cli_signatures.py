@@ -3,8 +3,8 @@
 each step (CAT's mixing layer and partners), each step's packed row counts as `cat_fast.step.static_row_counts` gives
 a CUDA batch (`layers.training.PACKED` "auto"), and the graph signature `cat_fast.step.CapturedStep` keys it by; then
 the Trainer's cache policy (`max_graphs` 64, packed graphs at most half of them, `warmup_steps` eager steps before a
-batch shape's first capture and one of each row count's own, a packed step replaying a captured graph of more rows
-within ``share_rows``) replayed over the steps: how many steps replay a graph (and how many of those another
+batch shape's first capture, then each new row count captured at once as a CUDA build's `CapturedStep` does, a
+packed step replaying a captured graph of more rows within ``share_rows``) replayed over the steps: how many steps replay a graph (and how many of those another
 signature's), and how many run eagerly (warm-up steps, signatures past the limits) or capture. Prints one JSON
 record.
 
@@ -56,13 +56,16 @@ def prepared_run(argv):
     return run
 
 
-def replay_policy(steps, max_graphs: int, warmup: int, share_rows: float = 0.0):
+def replay_policy(steps, max_graphs: int, warmup: int, share_rows: float = 0.0, count_warmup: int | None = None):
     """``(replayed, eager warm-ups, captures, eager past the limits, shared)`` of `CapturedStep`'s cache policy over
     the steps' ``(signature, padded signature or None, packed row counts or None, the batch's rows)`` (the padded
     signature and the counts where the step packs its rows): `warmup` eager steps a padded signature (its packed
-    signatures' together), then one of each packed signature's own; `shared`: the replays of another signature's
-    graph (``share_rows``: `cat_fast.step.shared_graph`; counted in `replayed` too)."""
-    from cat_fast.step import OWN_GRAPH_AFTER, shared_graph
+    signatures' together), then `count_warmup` of each packed signature's own (default `cat_fast.step.COUNT_WARMUP`,
+    a CUDA build's: the capture measures the dropout offsets; 1 without it); `shared`: the replays of another
+    signature's graph (``share_rows``: `cat_fast.step.shared_graph`; counted in `replayed` too)."""
+    from cat_fast.step import COUNT_WARMUP, OWN_GRAPH_AFTER, shared_graph
+
+    count_warmup = COUNT_WARMUP if count_warmup is None else count_warmup
 
     entries, packed, seen = set(), set(), collections.Counter()
     families, family_steps, shares = collections.defaultdict(list), collections.Counter(), collections.Counter()
@@ -78,7 +81,7 @@ def replay_policy(steps, max_graphs: int, warmup: int, share_rows: float = 0.0):
                 shares[sig] += 1
                 sig, rows = got
             elif families[family] or family_steps[family] >= warmup:
-                need = 1
+                need = count_warmup
         if padded is not None and sig not in entries and len(packed) >= max_graphs // 2:
             sig, padded, need = padded, None, warmup  # packed graphs hold half of max_graphs: the padded graph
         if sig in entries:

@@ -19,6 +19,7 @@ from . import fast_layers
 from .inputs import model_inputs, sync_free_inputs
 from .patching import first_of, hidden_argument, patch_forward, replace_first, unpatch_forward
 from .rng import get_state as get_rng_state
+from .rng import graph_offset as _graph_offset
 from .rng import set_state as set_rng_state
 from .structure import check_trainable_forward, orig_module, structure, uncompiled, unsupported
 
@@ -38,12 +39,16 @@ class Capture:
     hidden_loc: tuple | None = None  # where h_m sits in layer m+1's arguments: ("arg", i) / ("kw", name)
     embedding_output: object = None
     rng_state: tuple | None = None  # RNG state when layer m+1 started (or after layer L for m = L)
+    rng_offset: int | None = None  # inside a CUDA-graph capture, where no state is read: the device generator's
+    # offset within the graph there (`ops.fused.rng_offset`), handed to `rng_marker`
     head_input: torch.Tensor | None = None  # input of the classification projection (pooled=True)
     head_rng_state: tuple | None = None
+    head_rng_offset: int | None = None  # the same at the head, inside a capture
     head_autocast: tuple | None = None  # (enabled, dtype) of autocast where the model's forward called its head
     pooled: torch.Tensor | None = None  # [B, D] pooled representation (pooled=True)
-    rng_marker: object = None  # called by `resume` / `head_logits` where they restore the RNG state (CALGraphs,
-    # PassGenerators)
+    rng_marker: object = None  # called by `resume` / `head_logits` where they restore the RNG state, given the
+    # offset recorded there inside a capture (`rng_offset`, `head_rng_offset`; None elsewhere): CALGraphs,
+    # PassGenerators
     last_output: object = None  # layer L's output as returned (its format, for `resume(..., first_token=True)`)
     padding_mask: torch.Tensor | None = None  # the batch's 2-D attention mask ([B, T]; `inputs` may hold a 4-D one)
 
@@ -81,6 +86,8 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
                   padding_mask=given.get("attention_mask"))
     calls = {"started": 0, "done": 0}
     keep_rng = model.training and rng
+    # inside a CUDA-graph capture no state is read: the offset within the graph is, where the state would be
+    graph_rng = model.training and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
     def pre(mod, args, kwargs):
         k = calls["started"]
@@ -93,6 +100,8 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
                 args, kwargs = _with_hidden(args, kwargs, cap.hidden_loc, cap.hidden)
             if keep_rng:
                 cap.rng_state = get_rng_state(cap.hidden.device)
+            elif graph_rng:
+                cap.rng_offset = _graph_offset(cap.hidden.device)
             if on_hidden is not None:
                 on_hidden(cap)
             if found is not None:
@@ -110,6 +119,8 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
             cap.hidden = first_of(output)
             if keep_rng:
                 cap.rng_state = get_rng_state(cap.hidden.device)
+            elif graph_rng:
+                cap.rng_offset = _graph_offset(cap.hidden.device)
 
     def emb_post(mod, args, output):
         cap.embedding_output = output
@@ -123,6 +134,8 @@ def capture(model, batch, layer: int | None, *, pooled: bool = False, rng: bool 
         cap.head_autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
         if keep_rng:
             cap.head_rng_state = get_rng_state(x.device)
+        elif graph_rng:
+            cap.head_rng_offset = _graph_offset(x.device)
 
     handles = []
     try:
@@ -217,14 +230,14 @@ def resume(model, cap: Capture, h_tilde: torch.Tensor, attention_mask=None, *, s
                     if restore_rng:
                         set_rng_state(device, cap.rng_state)
                     if cap.rng_marker is not None:
-                        cap.rng_marker()
+                        cap.rng_marker(cap.rng_offset)
                 return out
             if k == m:
                 args, kwargs = _with_hidden(args, kwargs, cap.hidden_loc, h_tilde)
                 if restore_rng:
                     set_rng_state(device, cap.rng_state)
                 if cap.rng_marker is not None:
-                    cap.rng_marker()
+                    cap.rng_marker(cap.rng_offset)
             if k == L - 1 and first_token:
                 out = layers.first_token.forward(mod, args, kwargs, first_token_fill, first_token_row_only,
                                                  input_only=input_grad_only)
@@ -332,7 +345,7 @@ def head_logits(model, cap: Capture, x: torch.Tensor, *, same_dropout: bool = Tr
         if restore:
             set_rng_state(x.device, cap.head_rng_state)
         if cap.rng_marker is not None:  # where the head's RNG state is (or, inside a capture, would be) restored
-            cap.rng_marker()
+            cap.rng_marker(cap.head_rng_offset)
         with torch.autocast(x.device.type, dtype=dtype, enabled=enabled):
             return st.head(inp)
     finally:

@@ -279,7 +279,7 @@ class CAT(Draws, Objective):
 
     def _extended_step_losses(self, batch, plan, m, rng, partner, lam0, prune, B, device, extended):
         capturing = plan is not None and rng is not None and torch.cuda.is_current_stream_capturing()
-        if rng is not None and not capturing:
+        if rng is not None:  # eager, or inside the capture: where the step's draws start
             rng.start()
         # the CAL graphs are captured padded: not where the clean forward packs its rows
         use_graphs = self.cuda_graph and self.detach_weight and plan is None and not extended

@@ -50,7 +50,7 @@ def _measured(body, static_cap, gen, leads, name):
         if torch.cuda.is_current_stream_capturing():
             return body()
         marks = []
-        static_cap.rng_marker = lambda: marks.append(gen.get_offset())
+        static_cap.rng_marker = lambda offset=None: marks.append(gen.get_offset())
         start = gen.get_offset()
         try:
             out = body()

@@ -236,7 +236,7 @@ class GradientSupervision(FirstOrder, Objective):
         pairs = pairs.to(device=device, dtype=torch.long)
         rng = plan.state if plan is not None else None
         capturing = rng is not None and torch.cuda.is_current_stream_capturing()
-        if rng is not None and not capturing:
+        if rng is not None:  # eager, or inside the capture: where the step's draws start
             rng.start()
 
         pooled = self.layer is None

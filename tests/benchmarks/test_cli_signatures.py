@@ -15,27 +15,36 @@ def test_the_policy_warms_each_signature_up_then_captures_then_replays():
 
 
 def test_the_policy_warms_a_batch_shape_up_once():
-    """The packed signatures of one padded signature share its `warmup` eager steps; a row count then needs one eager
-    step of its own before its capture."""
+    """The packed signatures of one padded signature share its `warmup` eager steps; a new row count is then captured
+    at once (`COUNT_WARMUP`: the capture measures its dropout offsets), or after one eager step of its own where the
+    extension cannot read offsets inside a capture (``count_warmup=1``)."""
     x, y, z = ("x", "p", 10, 100), ("y", "p", 40, 100), ("z", "p", 70, 100)
-    # x, y, x: the batch shape's three; y and x were each seen once: captured; z: one eager step, then captured
-    assert cli_signatures.replay_policy([x, y, x, y, x, y, z, z, z], max_graphs=8, warmup=3) == (2, 4, 3, 0, 0)
+    steps = [x, y, x, y, x, y, z, z, z]
+    # x, y, x: the batch shape's three; then y and x captured; z captured at first sight
+    assert cli_signatures.replay_policy(steps, max_graphs=8, warmup=3) == (3, 3, 3, 0, 0)
+    # with one eager step a count: z's first step is eager
+    assert cli_signatures.replay_policy(steps, max_graphs=8, warmup=3, count_warmup=1) == (2, 4, 3, 0, 0)
 
 
 def test_the_policy_shares_a_graph_of_more_rows(monkeypatch):
     """A packed signature replays a captured one of the same padded signature with at most ``share_rows`` of the
     batch's rows more (not one of another padded signature, nor one with fewer rows), until it has shared
-    `OWN_GRAPH_AFTER` times: then one eager step and its own capture."""
+    `OWN_GRAPH_AFTER` times: then its own capture (after one eager step with ``count_warmup=1``)."""
     from cat_fast import step
 
     monkeypatch.setattr(step, "OWN_GRAPH_AFTER", 2)
     big, small, other, bigger = ("big", "p", 30, 100), ("small", "p", 20, 100), ("o", "q", 20, 100), ("x", "p", 60, 100)
     steps = [big, big, small, small, small, small, small, other, bigger]
-    # big: eager, capture; small: shared, shared, eager, capture, replay (unshared: eager, capture, three replays);
-    # other: eager; bigger (30 rows more): eager
-    assert cli_signatures.replay_policy(steps, max_graphs=8, warmup=1, share_rows=0.125) == (3, 4, 2, 0, 2)
-    assert cli_signatures.replay_policy(steps, max_graphs=8, warmup=1, share_rows=0.0) == (3, 4, 2, 0, 0)
-    assert cli_signatures.replay_policy([big, big, small], max_graphs=8, warmup=1, share_rows=0.05) == (0, 2, 1, 0, 0)
+    # big: eager, capture; small: shared, shared, capture, two replays (unshared: capture, four replays);
+    # other: eager (its batch shape's warm-up); bigger (30 rows more): captured
+    assert cli_signatures.replay_policy(steps, max_graphs=8, warmup=1, share_rows=0.125) == (4, 2, 3, 0, 2)
+    assert cli_signatures.replay_policy(steps, max_graphs=8, warmup=1, share_rows=0.0) == (4, 2, 3, 0, 0)
+    assert cli_signatures.replay_policy([big, big, small], max_graphs=8, warmup=1, share_rows=0.05) == (0, 1, 2, 0, 0)
+    # one eager step a count: small's third step and bigger's first are eager, and small replays once
+    assert cli_signatures.replay_policy(steps, max_graphs=8, warmup=1, share_rows=0.125, count_warmup=1) == (
+        3, 4, 2, 0, 2)
+    assert cli_signatures.replay_policy(steps, max_graphs=8, warmup=1, share_rows=0.0, count_warmup=1) == (
+        3, 4, 2, 0, 0)
 
 
 def test_a_cli_cat_run_counted_on_the_host():

@@ -4,6 +4,7 @@ unpacked form, a resumed pass packs as the clean forward did (the same dropout d
 supervision at the embedding output runs packed with the values and gradients of the padded path."""
 import contextlib
 import math
+import warnings
 
 import pytest
 import torch
@@ -570,8 +571,8 @@ def test_gpu_captured_cat_counts_its_packed_rows_on_the_host(train, monkeypatch)
 @pytest.mark.parametrize("difference", ["forward", "central"])
 def test_gpu_captured_packed_gs_passes_redraw_the_clean_dropout(difference, representation, monkeypatch):
     """Train mode with dropout: inside the packed graphs the perturbed passes redraw the clean forward's masks (their
-    generators set at the marker from the offset measured on the packed signature's own eager warm-up steps, one per
-    packed row count: `models.PassGenerators`). Masks drawn anew would put an O(1) logit change over a step of 1e-2,
+    generators set at the marker from the offset measured for each packed row count: by the batch shape's eager
+    warm-up step for the first count, by the capture for the second, `models.PassGenerators`). Masks drawn anew would put an O(1) logit change over a step of 1e-2,
     a gradient norm ~30× the padded step's (measured eagerly on the CPU); packed and padded gradient norms stay
     alike."""
     losses, _, norms, graphs = _gpu_gs_step("auto", True, None, monkeypatch, difference, representation)
@@ -637,7 +638,7 @@ def test_gpu_captured_packed_cat_passes_redraw_the_clean_dropout(monkeypatch):
     near_zero = dict(adv_steps=0, alpha=1e-6, beta=1e6)
     losses, weights, _, norms, graphs = _gpu_cat_step(True, True, None, monkeypatch, **near_zero)
     _, want_weights, _, _, _ = _gpu_cat_step(False, True, None, monkeypatch, **near_zero)
-    assert len(graphs) == 2
+    assert len(graphs) >= 2  # the partners' draws vary the counts: each new one captured at first sight
     assert all(map(math.isfinite, losses + norms))
     torch.testing.assert_close(torch.tensor(want_weights, dtype=torch.float64), torch.ones(8, dtype=torch.float64), rtol=0, atol=1e-6)
     torch.testing.assert_close(torch.tensor(weights, dtype=torch.float64), torch.ones(8, dtype=torch.float64), rtol=0, atol=1e-6)
@@ -678,14 +679,15 @@ def _shrinking_erm_steps(pattern, monkeypatch, **step_kw):
 @pytest.mark.parametrize("share_rows", [0.125, 0.0])
 def test_gpu_a_packed_step_replays_a_captured_graph_of_more_rows(share_rows, monkeypatch):
     """``CapturedStep(share_rows=1/8)``: B's steps replay A's graph (its 5 more rows computed as padding) until B has
-    shared `OWN_GRAPH_AFTER` times (2 here), then B gets its own graph after one eager step; with ``share_rows=0`` B
-    has one eager step and its capture at once. Eval mode: the losses and weights of the padded captured step."""
+    shared `OWN_GRAPH_AFTER` times (2 here), then B gets its own graph, captured at once (the batch shape is warm);
+    with ``share_rows=0`` B is captured at its first step. Eval mode: the losses and weights of the padded captured
+    step."""
     from cat_fast import step as step_module
 
     monkeypatch.setattr(step_module, "OWN_GRAPH_AFTER", 2)
-    # A: eager, capture; B: shared twice, one eager step, capture, replay (share_rows=0: eager, capture, replays)
+    # A: eager, capture; B: shared twice, capture, two replays (share_rows=0: capture, four replays)
     counts = _shrinking_erm_steps("AABBBBB", monkeypatch, warmup_steps=1, share_rows=share_rows)
-    assert counts == (2, 5, 2 if share_rows else 0)
+    assert counts == (2, 6, 2 if share_rows else 0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -712,3 +714,47 @@ def test_gpu_a_shared_cat_graph_redraws_the_clean_dropout(monkeypatch):
     assert step.num_shared_replays == 3 and step.num_graphs == 1
     torch.testing.assert_close(torch.tensor(weights, dtype=torch.float64), torch.ones(5, dtype=torch.float64),
                                rtol=0, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("objective", ["cat", "gs"])
+def test_gpu_a_capture_measures_the_dropout_lead_an_eager_step_measures(objective, monkeypatch):
+    """`models.PassGenerators` inside a capture: the offset the clean forward's draws have reached at the marker,
+    read within the graph (`ops.fused.rng_offset`), less the capture's start, must be the lead an eager step of the
+    same packed rows measures (else `_record` raises, the capture fails with a warning and the count runs eagerly).
+    With `COUNT_WARMUP` = 1 each of the two row counts has an eager step before its capture, so every capture
+    measures a lead already measured: both counts are captured, each capture records its lead, and no warning."""
+    from cat_fast import step as step_module
+    from cat_fast.models import PassGenerators
+    from cat_fast.ops.fused import rng_offset_available
+
+    assert rng_offset_available()
+    monkeypatch.setattr(step_module, "COUNT_WARMUP", 1)
+    in_capture = []
+    record = PassGenerators._record
+
+    def spy(self, lead):
+        if torch.cuda.is_current_stream_capturing():
+            in_capture.append((packing.static_count(), lead))
+        return record(self, lead)
+
+    monkeypatch.setattr(PassGenerators, "_record", spy)
+    model, _, opt = _gpu_model(True, True, monkeypatch)
+    if objective == "cat":
+        made = CAT(model, layers=[2], adv_steps=1, generator=torch.Generator().manual_seed(0))
+        args = ()
+    else:
+        made = GradientSupervision(model, weight=1.0, representation=0, mode="first_order", low_memory=False,
+                                   difference="central", eps=1e-2)
+        args = (PAIRS.cuda(),)
+    step = step_module.CapturedStep(made, opt, warmup_steps=1, max_grad_norm=1e6, share_rows=0)
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a failed capture warns
+        for i, batch in enumerate(_gpu_batches()):
+            if objective == "cat":  # the partners repeat with the batch: two row counts
+                made.generator.manual_seed(i % 2)
+            losses.append(float(step(batch, *args)[0]))
+    assert all(map(math.isfinite, losses))
+    assert len(step._packed_graphs) == 2 and step.num_replays == 6, (step._packed_graphs, step.num_replays)
+    assert len({rows for rows, _ in in_capture}) == 2 and all(lead > 0 for _, lead in in_capture), in_capture
