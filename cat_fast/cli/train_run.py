@@ -52,9 +52,12 @@ def make_trainer(args, model, objective, parts, output_dir, plan, world, device)
         pending: Dict = {}  # the last epoch's dev accuracy, logged with that step's loss
 
         def get_train_dataloader(self):
-            loader = torch.utils.data.DataLoader(items, batch_sampler=stream, collate_fn=collate,
-                                                 **loader_kwargs(getattr(args, "trainer_args", None)))
-            return self.accelerator.prepare(loader)
+            kwargs = loader_kwargs(getattr(args, "trainer_args", None))
+            if self.host_batches_apply():  # pinned: the captured step moves each batch without waiting for the GPU
+                kwargs.setdefault("pin_memory", True)
+            loader = torch.utils.data.DataLoader(items, batch_sampler=stream, collate_fn=collate, **kwargs)
+            with self.host_batches(pinned=kwargs.get("pin_memory", False)):
+                return self.accelerator.prepare(loader)
 
         def log(self, logs, *a, **k):
             if self.pending and "loss" in logs:

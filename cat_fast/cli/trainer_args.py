@@ -255,7 +255,8 @@ def training_arguments(args, output_dir, total_steps, lr_warm, find_unused, worl
 
 def loader_kwargs(given: Optional[Dict]) -> Dict:
     """The training DataLoader's options from the ``--trainer-args`` dataloader fields (given ones only: without
-    them the loader runs in the main process, unpinned); workers are forked where the platform can."""
+    them the loader runs in the main process, unpinned, except that the trainer pins the batches its captured steps
+    take on the host); workers are forked where the platform can."""
     given = given or {}
     names = {"dataloader_num_workers": "num_workers", "dataloader_pin_memory": "pin_memory",
              "dataloader_persistent_workers": "persistent_workers", "dataloader_prefetch_factor": "prefetch_factor",

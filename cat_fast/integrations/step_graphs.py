@@ -3,14 +3,28 @@ take it, the first step's `cat_fast.step.CapturedStep`, each step through it, an
 with one warning saying why."""
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
 
+from ..distributed import world
 from ..models import orig_module
 from ..step import CapturedStep, NotCapturable
 
 __all__ = ["StepGraphs", "StepGraphsError", "StepGraphsWarning", "NonFiniteLossError", "eager_warning", "NOT_ON_A_GPU"]
+
+# The captured training step waits for nothing on the GPU, so that the host prepares the next step while the GPU
+# runs this one: its finiteness (``check_finite``) is copied to the host behind it and read at the next step (a
+# non-finite step, skipped on the device by the fused optimizer, stops training at the next step, or when `train`
+# returns), the learning rate the Trainer logs is computed on the host (the schedule's factor times the base rate),
+# the Trainer's NaN filter of the logged loss is off while non-finite losses stop training anyway, and on one
+# process the training batches stay on the host (pinned) until the step moves them, reading its packed row counts
+# from the host mask. False: each step's values read at once (several host synchronisations a step).
+ASYNC = True
+# the steps whose finiteness is left unread when a captured step returns (`ASYNC`): the step before is read (its GPU
+# work done by then, or waited for while this one is queued)
+UNCHECKED_STEPS = 1
 
 
 class NonFiniteLossError(RuntimeError):
@@ -121,7 +135,14 @@ class StepGraphs:
 
         taken._wrapped_by_lr_sched = True
         wrapper.step = taken
+        first = raw.param_groups[0]
+        base = first.get("initial_lr", first["lr"])  # read once, for `_get_learning_rate`
+        self._host_base_lr = base.detach().cpu() if isinstance(base, torch.Tensor) else torch.tensor(float(base))
         return captured
+
+    def _restore_nan_filter(self):
+        if self._nan_filter is not None:
+            self.args.logging_nan_inf_filter, self._nan_filter = self._nan_filter, None
 
     def _graph_training_step(self, model, inputs):
         if self._captured is None:
@@ -133,11 +154,20 @@ class StepGraphs:
                 self._fall_back_to_eager(error.reason)
                 return self.training_step(model, inputs)
         model.train()
-        inputs = self._prepare_inputs(inputs)
+        if ASYNC and self.check_finite and self.args.logging_nan_inf_filter:
+            # a non-finite loss stops training: the Trainer's filter of it (a host synchronisation a step) is off
+            # until `train` returns
+            self._nan_filter, self.args.logging_nan_inf_filter = True, False
+        host = ASYNC and _on_host(inputs)  # the loader left it on the host (`host_batches`): the step moves it
+        if not host:
+            inputs = self._prepare_inputs(inputs)
         objective = self.objective
         objective.step = self.state.global_step
         objective.set_optimizer(self.optimizer)  # CLP's virtual step reads its learning rate
         batch, args = self._objective_arguments(inputs)
+        if host:
+            device = next(model.parameters()).device
+            args = tuple(a.to(device, non_blocking=True) if isinstance(a, torch.Tensor) else a for a in args)
         try:
             loss, info = self._captured(batch, *args)
         except NotCapturable as error:
@@ -149,20 +179,93 @@ class StepGraphs:
         if norm is not None:
             info = {**info, "grad_norm": norm}
         self._record(info)
-        if self.check_finite and self._distributed is not None:  # torchrun: every rank stops at the same step
-            skipped = self._captured.last_skipped
-            if skipped is not None and bool(skipped):
-                raise NonFiniteLossError(f"a non-finite loss or gradient norm on a rank at step "
-                                         f"{self.state.global_step + 1}; training stopped on every rank before the "
-                                         "optimizer applied it")
-        elif self.check_finite:
-            values = loss.detach().float().reshape(1)
-            if norm is not None:
-                values = torch.cat([values, norm.detach().float().reshape(1).to(values.device)])
-            if not bool(torch.isfinite(values).all()):  # the fused optimizer step skipped it on the device
-                if not bool(torch.isfinite(values[0])):
-                    raise NonFiniteLossError(self._non_finite_message(loss))
-                raise NonFiniteLossError(f"the gradient norm became {float(values[1])} at step "
-                                         f"{self.state.global_step + 1}; training stopped before the optimizer "
-                                         "applied it")
+        if self.check_finite:
+            self._unchecked.append(self._step_flags(loss, norm, info))
+            self._check_steps(wait=not ASYNC)
         return loss.detach()
+
+    def _step_flags(self, loss, norm, info):
+        """``(step, kind, flags, info, event)`` of this step for `_check_steps`: its number, its finiteness (under
+        torchrun the ranks' skip flag, else its loss and gradient norm) copied to the host behind the step (pinned,
+        without waiting), and the event after which that copy holds them (None off CUDA); None: nothing to read."""
+        step = self.state.global_step + 1
+        if self._distributed is not None:  # torchrun: every rank stops at the same step
+            skipped = self._captured.last_skipped
+            if skipped is None:
+                return None
+            flags, kind = skipped.reshape(1), "skipped"
+        else:
+            flags = loss.detach().float().reshape(1)
+            if norm is not None:
+                flags = torch.cat([flags, norm.detach().float().reshape(1).to(flags.device)])
+            kind = "values"
+        event = None
+        if flags.is_cuda:
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            flags = host
+        return step, kind, flags, info, event
+
+    def _check_steps(self, wait=False):
+        """`NonFiniteLossError` for the first step not finite (the fused optimizer skipped it on the device) among
+        all but the last `UNCHECKED_STEPS` steps (`wait`: all), waiting for their flags to reach the host. The
+        steps read are the same on every rank, so under torchrun every rank stops at the same step."""
+        pending = self._unchecked
+        while len(pending) > (0 if wait else UNCHECKED_STEPS):
+            flags = pending.pop(0)
+            if flags is None:
+                continue
+            step, kind, values, info, event = flags
+            if event is not None:
+                event.synchronize()
+            if kind == "skipped":
+                if bool(values[0]):
+                    pending.clear()
+                    raise NonFiniteLossError(f"a non-finite loss or gradient norm on a rank at step {step}; "
+                                             "training stopped on every rank before the optimizer applied it")
+                continue
+            if not bool(torch.isfinite(values).all()):
+                pending.clear()
+                if not bool(torch.isfinite(values[0])):
+                    raise NonFiniteLossError(self._non_finite_message(values[0], step, info))
+                raise NonFiniteLossError(f"the gradient norm became {float(values[1])} at step {step}; training "
+                                         "stopped before the optimizer applied it")
+
+    # ------------------------------------------------------------------ no host synchronisation per step
+    def host_batches_apply(self) -> bool:
+        """Whether the training batches stay on the host (`host_batches`): one process, step graphs on a GPU."""
+        param = next(self.model.parameters(), None)
+        return (ASYNC and self.step_graphs is not False and world() == 1 and param is not None
+                and param.device.type == "cuda")
+
+    @contextlib.contextmanager
+    def host_batches(self, pinned=None):
+        """While the training loader is prepared: where `host_batches_apply` and its batches are pinned (`pinned`,
+        default ``args.dataloader_pin_memory``), accelerate leaves them on the host; the captured step moves them
+        without waiting for the GPU and counts their packed rows from the host mask."""
+        accelerator = self.accelerator
+        placed = accelerator.device_placement
+        if self.host_batches_apply() and (self.args.dataloader_pin_memory if pinned is None else pinned):
+            accelerator.device_placement = False
+        try:
+            yield
+        finally:
+            accelerator.device_placement = placed
+
+    def _get_learning_rate(self):
+        """The Trainer's logged learning rate; while steps are captured with a tensor rate under a `LambdaLR`
+        schedule (the Trainer's), computed on the host from the base rate read at the first step."""
+        scheduler = getattr(self, "lr_scheduler", None)
+        if (ASYNC and self._captured is not None and self._host_base_lr is not None
+                and type(scheduler) is torch.optim.lr_scheduler.LambdaLR and len(scheduler.lr_lambdas) >= 1):
+            # the device's arithmetic (the rate's dtype times the schedule's factor), on a host copy
+            return float(self._host_base_lr * scheduler.lr_lambdas[0](scheduler.last_epoch))
+        return super()._get_learning_rate()
+
+
+def _on_host(inputs) -> bool:
+    """Whether `inputs` is a dict whose tensors are all pinned CPU tensors (a batch `host_batches` left there)."""
+    tensors = [v for v in inputs.values() if isinstance(v, torch.Tensor)] if isinstance(inputs, dict) else []
+    return bool(tensors) and all(t.device.type == "cpu" and t.is_pinned() for t in tensors)

@@ -14,8 +14,10 @@ are the Trainer's. What they add:
   ``<prefix>/<key>`` (one host transfer per logging step).
 * ``objective.step`` is the optimizer step (warm-ups count in it); the objective's state (step, random generator)
   is saved in each checkpoint and restored on resume, so a resumed run draws what an uninterrupted one draws.
-* A non-finite loss stops training with `NonFiniteLossError` naming the step and the term (``check_finite``; one
-  host sync per step) before the optimizer applies it.
+* A non-finite loss stops training with `NonFiniteLossError` naming the step and the term (``check_finite``) before
+  the optimizer applies it: the eager step reads it at once (one host sync per step); the captured step's is copied
+  to the host behind it and read at the next step, the fused optimizer having skipped the step on the device, so
+  training stops then or when `train` returns (`step_graphs.ASYNC`: the captured steps make no host sync).
 * The objective's loss is a per-batch mean: the Trainer divides it by the accumulation steps.
 * Several GPUs visible outside torchrun: the Trainer would wrap the model in DataParallel, which the objectives
   would bypass; training runs on one GPU instead (``args`` set to one, the batch size per device kept), with one
@@ -112,6 +114,9 @@ class ObjectiveTrainer(StepGraphs, TrainerCheckpoints, Trainer):
         self._captured = None  # the CapturedStep of step_graphs=True, made on the first training step
         self._staging = None  # the staging folder of a checkpoint being written
         self._eager_step = None  # the optimizer's own step, replaced while steps are captured
+        self._unchecked = []  # the captured steps' finiteness not read yet (`step_graphs.ASYNC`)
+        self._nan_filter = None  # the Trainer's logging_nan_inf_filter, off while steps are captured
+        self._host_base_lr = None  # the first group's base learning rate, read at the first captured step
         self.checkpoint_extras = []  # callables(folder) writing more state into each checkpoint before it is sealed
         super().__init__(*args, **kwargs)
         self._one_gpu_outside_torchrun()
@@ -157,9 +162,14 @@ class ObjectiveTrainer(StepGraphs, TrainerCheckpoints, Trainer):
             self._train_batch_size = self.args.train_batch_size
 
     def train(self, *args, **kwargs):
+        self._unchecked = []
         try:
-            return super().train(*args, **kwargs)
+            out = super().train(*args, **kwargs)
+            self._check_steps(wait=True)  # the last captured steps' finiteness
+            return out
         finally:
+            self._unchecked = []
+            self._restore_nan_filter()
             if world() > 1:
                 self._release_step_graphs()
 
@@ -191,6 +201,10 @@ class ObjectiveTrainer(StepGraphs, TrainerCheckpoints, Trainer):
         return list(dataset["pair_group"])
 
     def get_train_dataloader(self):
+        with self.host_batches():
+            return self._train_dataloader()
+
+    def _train_dataloader(self):
         group_ids = self._group_ids()
         if group_ids is None:
             return super().get_train_dataloader()
@@ -281,9 +295,10 @@ class ObjectiveTrainer(StepGraphs, TrainerCheckpoints, Trainer):
                 raise NonFiniteLossError(self._non_finite_message(loss))
         return loss
 
-    def _non_finite_message(self, loss):
-        step = self.state.global_step + 1
-        terms = [k for k, v in (self._last_info or {}).items()
+    def _non_finite_message(self, loss, step=None, info=None):
+        step = self.state.global_step + 1 if step is None else step
+        info = self._last_info if info is None else info
+        terms = [k for k, v in (info or {}).items()
                  if isinstance(v, torch.Tensor) and not bool(torch.isfinite(v).all())]
         where = f"in {', '.join(terms)}" if terms else "in the objective's loss"
         return (f"the training loss became {float(loss.detach().float().mean())} at step {step} ({where}); "

@@ -56,6 +56,9 @@ def test_step_graphs_train_as_the_trainer(tmp_path, objective, kwargs):
     assert float(raw.param_groups[0]["lr"]) == 0.0  # 1e-3 at the start: the linear schedule's end, filled in place
     norms = [h["objective/grad_norm"] for h in trainer.state.log_history if "objective/grad_norm" in h]
     assert len(norms) == 4 and all(v > 0 for v in norms)
+    # the logged learning rate, computed on the host while steps are captured: the schedule's, as logged eagerly
+    rates = [[h["learning_rate"] for h in t.state.log_history if "learning_rate" in h] for t in (plain, trainer)]
+    assert len(rates[1]) == 4 and rates[1] == pytest.approx(rates[0], rel=1e-6)
     # the norm before clipping, as the Trainer's own step logs it
     assert norms == pytest.approx([h["grad_norm"] for h in plain.state.log_history if "grad_norm" in h], rel=1e-4)
 
@@ -77,9 +80,14 @@ def test_step_graphs_refuse_what_they_cannot_replay(tmp_path):
         trainer.train()
 
 
-def test_a_non_finite_step_is_not_applied(tmp_path):
-    """CAT with an overflowing CAL objective at its first active step: NonFiniteLossError, and the parameters are
-    those after the warm-up step (the fused AdamW skipped the step on the device)."""
+@pytest.mark.parametrize("read_later", [True, False], ids=["async", "at-once"])
+def test_a_non_finite_step_is_not_applied(tmp_path, monkeypatch, read_later):
+    """CAT with an overflowing CAL objective at its first active step: NonFiniteLossError naming step 2, and the
+    parameters are those after the warm-up step (the fused AdamW skipped the step on the device). `ASYNC` reads a
+    step's finiteness at the next step (here 3, skipped too), else at once."""
+    from cat_fast.integrations import step_graphs
+
+    monkeypatch.setattr(step_graphs, "ASYNC", read_later)
     torch.manual_seed(0)
     model = tiny_model("bert", num_labels=2).train()
     trainer = ObjectiveTrainer(model=model, args=_args(tmp_path), train_dataset=tiny_dataset(), objective="cat",
@@ -94,6 +102,7 @@ def test_a_non_finite_step_is_not_applied(tmp_path):
     trainer.objective.model.register_forward_pre_hook(lambda *a: snapshot())
     with pytest.raises(NonFiniteLossError, match=r"became nan at step 2 \(in crm_loss.*before the optimizer applied it"):
         trainer.train()
+    assert trainer.state.global_step == (2 if read_later else 1)  # raised in the training step of step 3, or 2
     assert seen
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), seen[n], rtol=0, atol=0, msg=n)
@@ -120,6 +129,65 @@ def test_gpu_step_graphs_train_as_the_trainer(tmp_path, objective, kwargs):
     assert got == pytest.approx(want, rel=2e-3)
     for n in want_params:
         torch.testing.assert_close(got_params[n], want_params[n], rtol=1e-3, atol=1e-4, msg=n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("objective,kwargs", [("erm", {}), ("cat", {"layers": [2], "warmup_steps": 1})])
+def test_gpu_captured_trainer_steps_wait_for_nothing(tmp_path, monkeypatch, objective, kwargs):
+    """`step_graphs.ASYNC` on a GPU: the loader's batches reach the captured step pinned on the host (the step moves
+    them), and from step 6 on (ERM's graph captured at step 4, CAT's at 5) a training step, from `on_step_begin` to
+    `on_step_end`, makes no host synchronisation (`torch.cuda.set_sync_debug_mode` warns of none); the losses, logged
+    learning rates and parameters are those of the same run with `ASYNC` off (the batches placed by accelerate, each
+    step's finiteness read at once), bit for bit."""
+    import warnings
+
+    from transformers import TrainerCallback
+
+    from cat_fast.integrations import step_graphs
+    from cat_fast.step import CapturedStep
+
+    class Watch(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            torch.cuda.set_sync_debug_mode("warn" if state.global_step >= 5 else 0)
+
+        def on_step_end(self, args, state, control, **kw):
+            torch.cuda.set_sync_debug_mode(0)
+
+    seen = []
+    call = CapturedStep.__call__
+
+    def spy(self, batch, *args):
+        seen.append(all(v.device.type == "cpu" and v.is_pinned() for v in batch.values()
+                        if isinstance(v, torch.Tensor)))
+        return call(self, batch, *args)
+
+    monkeypatch.setattr(CapturedStep, "__call__", spy)
+    runs = []
+    for read_later in (True, False):
+        monkeypatch.setattr(step_graphs, "ASYNC", read_later)
+        seen.clear()
+        torch.manual_seed(0)
+        model = tiny_model("bert", num_labels=2, attn="sdpa").cuda().train()
+        trainer = ObjectiveTrainer(model=model, args=_args(tmp_path / str(read_later), use_cpu=False, bf16=True,
+                                                           max_steps=10),
+                                   train_dataset=tiny_dataset(), objective=objective, objective_kwargs=kwargs,
+                                   step_graphs=True, callbacks=[Watch()])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train()
+        torch.cuda.set_sync_debug_mode(0)
+        # the warnings of the debug mode (not its one notice that it is a prototype)
+        syncs = [str(w.message)[:200] for w in caught if "called a synchronizing" in str(w.message)]
+        history = trainer.state.log_history
+        runs.append(([h["loss"] for h in history if "loss" in h],
+                     [h["learning_rate"] for h in history if "learning_rate" in h],
+                     {n: p.detach().float().cpu() for n, p in model.named_parameters()}, list(seen), syncs))
+    (losses, rates, params, host, syncs), (want_losses, want_rates, want_params, placed, _) = runs
+    assert len(host) == 10 and all(host) and not any(placed)
+    assert not syncs, syncs
+    assert losses == want_losses and rates == want_rates
+    for n in want_params:
+        torch.testing.assert_close(params[n], want_params[n], rtol=0, atol=0, msg=n)
 
 
 def test_step_graphs_resume_as_an_uninterrupted_run(tmp_path):

@@ -237,20 +237,24 @@ def test_a_wrapper_other_than_ddp_is_refused(tmp_path):
         trainer.compute_loss(torch.nn.DataParallel(trainer.model), batch)
 
 
-def _ddp_non_finite_worker(rank, out):
+def _ddp_non_finite_worker(rank, out, step_graphs=None):
     from cat_fast.integrations import NonFiniteLossError
 
     # rank 1 alone gets a loss that overflows; rank 0's own loss stays finite
     huge = {"eta": 1e308, "gamma": 1e308} if rank == 1 else {}
-    trainer = CATTrainer(model=tiny_model("bert", num_labels=2).train(), args=small_args(out),
-                         train_dataset=tiny_dataset(), cat_kwargs={"layers": [2], **huge})
+    trainer = CATTrainer(model=tiny_model("bert", num_labels=2).train(), args=small_args(out, optim="adamw_torch_fused"),
+                         train_dataset=tiny_dataset(), cat_kwargs={"layers": [2], **huge}, step_graphs=step_graphs)
     try:
         trainer.train()
         message = ""
     except NonFiniteLossError as error:
         message = str(error)
     with open(f"{out}/rank{rank}.txt", "w") as f:
-        f.write(message)
+        f.write(f"{trainer.state.global_step} {message}")
+
+
+def _ddp_non_finite_graph_worker(rank, out):
+    _ddp_non_finite_worker(rank, out, step_graphs=True)
 
 
 def test_a_non_finite_loss_on_one_rank_stops_every_rank(tmp_path):
@@ -262,6 +266,18 @@ def test_a_non_finite_loss_on_one_rank_stops_every_rank(tmp_path):
     m0, m1 = ((tmp_path / f"rank{r}.txt").read_text() for r in range(2))
     assert "non-finite on another rank at step 1" in m0
     assert "at step 1 (in " in m1
+
+
+def test_a_non_finite_captured_step_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """The same with step graphs (`CapturedStep` under DDP, eager on the CPU): every rank reads the ranks' skip flag
+    of step 1 at step 2 (`step_graphs.ASYNC`: a step's finiteness read at the next one, on every rank alike) and
+    stops there with a NonFiniteLossError naming step 1."""
+    from tests.ranks import spawn
+
+    spawn(_ddp_non_finite_graph_worker, str(tmp_path), tmp_path=tmp_path)
+    for r in range(2):
+        steps, message = (tmp_path / f"rank{r}.txt").read_text().split(" ", 1)
+        assert steps == "1" and "non-finite loss or gradient norm on a rank at step 1" in message, (r, message)
 
 
 def test_the_objective_runs_under_the_trainers_mixed_precision(tmp_path):
