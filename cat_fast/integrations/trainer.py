@@ -17,7 +17,8 @@ are the Trainer's. What they add:
 * A non-finite loss stops training with `NonFiniteLossError` naming the step and the term (``check_finite``) before
   the optimizer applies it: the eager step reads it at once (one host sync per step); the captured step's is copied
   to the host behind it and read at the next step, the fused optimizer having skipped the step on the device, so
-  training stops then or when `train` returns (`step_graphs.ASYNC`: the captured steps make no host sync).
+  training stops then, before a checkpoint, or when `train` returns (`step_graphs.ASYNC`: the captured steps make
+  no host sync).
 * The objective's loss is a per-batch mean: the Trainer divides it by the accumulation steps.
 * Several GPUs visible outside torchrun: the Trainer would wrap the model in DataParallel, which the objectives
   would bypass; training runs on one GPU instead (``args`` set to one, the batch size per device kept), with one

@@ -25,7 +25,12 @@ class TrainerCheckpoints:
 
     def _save_checkpoint(self, model, trial, *args, **kwargs):
         """The Trainer's checkpoint and the objective's state, written atomically (`checkpoints`): staged, sealed
-        by a manifest, renamed into place, and only then are older checkpoints rotated away."""
+        by a manifest, renamed into place, and only then are older checkpoints rotated away. The captured steps'
+        finiteness not read yet is read first (`step_graphs.ASYNC`): a non-finite step stops the run before its
+        checkpoint is written, as it does without step graphs."""
+        check = getattr(self, "_check_steps", None)
+        if check is not None:
+            check(wait=True)
         run_dir = self._get_output_dir(trial=trial)
         step = self.state.global_step
         staging = checkpoints.staging_dir(run_dir, step)

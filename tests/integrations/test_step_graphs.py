@@ -131,6 +131,21 @@ def test_gpu_step_graphs_train_as_the_trainer(tmp_path, objective, kwargs):
         torch.testing.assert_close(got_params[n], want_params[n], rtol=1e-3, atol=1e-4, msg=n)
 
 
+def test_a_non_finite_step_is_read_before_its_checkpoint_is_written(tmp_path):
+    """`ASYNC` reads a step's finiteness at the next step, but a checkpoint due at the non-finite step (save_steps=2)
+    reads it first: NonFiniteLossError naming step 2 and no checkpoint of step 2, as without step graphs."""
+    torch.manual_seed(0)
+    model = tiny_model("bert", num_labels=2).train()
+    trainer = ObjectiveTrainer(model=model, args=_args(tmp_path, save_strategy="steps", save_steps=2),
+                               train_dataset=tiny_dataset(), objective="cat",
+                               objective_kwargs={"layers": [2], "warmup_steps": 1, "eta": 1e308, "gamma": 1e308},
+                               step_graphs=True)
+    with pytest.raises(NonFiniteLossError, match=r"became nan at step 2 "):
+        trainer.train()
+    assert trainer.state.global_step == 2
+    assert not any(p.name.endswith("-2") or "checkpoint" in p.name for p in tmp_path.iterdir()), list(tmp_path.iterdir())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("objective,kwargs", [("erm", {}), ("cat", {"layers": [2], "warmup_steps": 1})])
 def test_gpu_captured_trainer_steps_wait_for_nothing(tmp_path, monkeypatch, objective, kwargs):
