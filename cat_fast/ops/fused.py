@@ -10,6 +10,8 @@
 PyTorch (`double_backward`'s formulas). `upcast` and `acc_dtype`: the accumulation dtypes every backend shares.
 `rng_offset`: a CUDA generator's offset, read inside a CUDA-graph capture too (the extension's, CUDA builds).
 """
+import functools
+
 import torch
 
 from ..kernels.dtypes import acc_dtype, upcast
@@ -35,19 +37,15 @@ def fused_kernels(name):
     return optional(name)
 
 
-_RNG_OFFSET = []  # [the op or None], looked up on first use
-
-
+@functools.cache
 def _rng_offset_op():
-    if not _RNG_OFFSET:
-        op = None
-        if registry.cpp_loaded():
-            try:
-                op = torch.ops.cat_fast.rng_offset
-            except (AttributeError, RuntimeError):
-                op = None
-        _RNG_OFFSET.append(op)
-    return _RNG_OFFSET[0]
+    """The extension's ``cat_fast::rng_offset``, or None where it was built without CUDA (looked up once)."""
+    if not registry.cpp_loaded():
+        return None
+    try:
+        return torch.ops.cat_fast.rng_offset
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def rng_offset_available() -> bool:

@@ -242,7 +242,7 @@ def _ddp_non_finite_worker(rank, out, step_graphs=None):
 
     # rank 1 alone gets a loss that overflows; rank 0's own loss stays finite
     huge = {"eta": 1e308, "gamma": 1e308} if rank == 1 else {}
-    trainer = CATTrainer(model=tiny_model("bert", num_labels=2).train(), args=small_args(out, optim="adamw_torch_fused"),
+    trainer = CATTrainer(model=tiny_model("bert", num_labels=2).train(), args=small_args(out),
                          train_dataset=tiny_dataset(), cat_kwargs={"layers": [2], **huge}, step_graphs=step_graphs)
     try:
         trainer.train()
