@@ -8,6 +8,7 @@ and warmed up with the setting in force (and timed with it in force too). GPU on
     python benchmarks/tools/launch_ab.py 32x128 64x256 --setting residual_layer_norm.params_prefetch \
         --values 0 1 [--method plain_fast_captured cat_captured] [--rounds 3] [--steps 20]
     python benchmarks/tools/launch_ab.py 32x128 64x256 --setting layers.packing.VARLEN --values false true
+    python benchmarks/tools/launch_ab.py 64x256 --setting layers.packing.VARLEN_KERNEL --values str:flash str:triton
     python benchmarks/tools/launch_ab.py 32x128 --setting gelu_bias_backward.block_m,gelu_bias_backward.per_sm \
         --values 32,2 16,1
     python benchmarks/tools/launch_ab.py 64x256 --setting layers.packing.NARROW --values false true \
@@ -64,7 +65,10 @@ def _launch(setting):
 
 
 def _value(text):
-    """A command-line value as the setting takes it: true, false, none, an int or a float."""
+    """A command-line value as the setting takes it: true, false, none, an int, a float, or a string written
+    ``str:TEXT``."""
+    if text.startswith("str:"):
+        return text[4:]
     named = {"true": True, "false": False, "none": None}
     if text.lower() in named:
         return named[text.lower()]
@@ -75,7 +79,8 @@ def _value(text):
     try:
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected true, false, none, an int or a float, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected true, false, none, an int, a float or str:TEXT, "
+                                         f"got {text!r}") from None
 
 
 def _values(text, n):

@@ -1,7 +1,8 @@
 """The non-padding rows of a batch, for the training layer's packed path (`layers.training`, ``PACKED``): the
 row-wise work (projections, dropout, residual adds, LayerNorms, the feed-forward block) runs on the N real rows of
-``hidden.reshape(-1, D)`` only; the attention by PyTorch's variable-length flash attention over the packed rows
-(`varlen_applies`: CUDA, 16-bit), else in the padded [B, T] layout, its padding rows zero.
+``hidden.reshape(-1, D)`` only; the attention by variable-length attention over the packed rows (`varlen_applies`:
+CUDA, 16-bit; cat_fast's Triton kernels, or PyTorch's flash attention: `VARLEN_KERNEL`), else in the padded [B, T]
+layout, its padding rows zero.
 
 ``plan(mask, B, T, min_padding)`` (`Plan`: the row indices, the varlen offsets) and ``real_rows`` (the indices)
 read the real tokens from a key-padding attention mask (boolean, True attends, or additive, 0 attends and -inf or the
@@ -59,7 +60,7 @@ from .layout import will_run
 
 __all__ = ["real_rows", "attend", "attention_backward", "scatter", "static_rows", "static_count", "bucket", "BUCKETS",
            "Plan", "plan", "pack", "link", "unpack", "carry", "carried", "carrying", "may_carry", "padded", "refused",
-           "VARLEN", "NARROW", "extended", "narrow", "KEYS", "LENT", "lent", "lent_state", "lent_rows", "with_lent",
+           "VARLEN", "VARLEN_KERNEL", "varlen_forward", "NARROW", "extended", "narrow", "KEYS", "LENT", "lent", "lent_state", "lent_rows", "with_lent",
            "lent_bucket", "LENT_BUCKETS"]
 
 _last = threading.local()  # .entry: (weak reference to the mask, its version, (B, T, min_padding, ...), the result,
@@ -69,9 +70,13 @@ _static = threading.local()  # .rows: `static_rows`'s n, or None
 # the real ones by at most ~3 % of the batch (eighths had packed 7/8 of the rows for the step suite's 76 % real
 # tokens) while a run's batches, whose real fraction varies little, see a few graphs.
 BUCKETS = 32
-# Whether packed rows attend by PyTorch's variable-length flash attention where it applies (`varlen_applies`); False
+# Whether packed rows attend by variable-length attention where it applies (`varlen_applies`); False
 # attends in the padded layout (scatter, SDPA, gather), as the CPU does, for comparisons.
 VARLEN = True
+# Which variable-length attention packed rows attend by where it applies: "triton", cat_fast's own
+# (`kernels.triton.varlen_attention`: its dropout drawn in its kernels from a key the device's generator draws), or
+# "flash", PyTorch's flash attention (its dropout from the generator's Philox state).
+VARLEN_KERNEL = "triton"
 _carry = threading.local()  # .layers: the layers whose output may stay packed (`carrying`), or None
 _refused = threading.local()  # .on: whether `padded` is in force
 _extend = threading.local()  # .state: `extended`'s `_Extension`, or None
@@ -433,7 +438,7 @@ def attend(qkv_leaf, shape, attn_mask, p, scale, packed):
     leaf that requires grad) under `attn_mask` (SDPA's mask, or a callable that makes it: the variable-length path
     reads the plan's offsets instead and never makes it): the padded layout's ``[B, heads, T, width]`` context and
     its detached ``[B·T, heads·width]`` rows when `packed` (a `Plan`) is None; else `qkv_leaf` holds the plan's N
-    rows only and both are the context's N rows ``[N, heads·width]``: by variable-length flash attention where it
+    rows only and both are the context's N rows ``[N, heads·width]``: by variable-length attention where it
     applies (`varlen_applies`), else in the padded layout with zero projections on the other rows (masked keys;
     padding queries nobody reads)."""
     B, T, heads, width = shape
@@ -457,19 +462,54 @@ def attend(qkv_leaf, shape, attn_mask, p, scale, packed):
 
 
 def varlen_applies(qkv: torch.Tensor, width: int) -> bool:
-    """Whether packed rows attend by PyTorch's variable-length flash attention: `VARLEN`, CUDA, 16-bit
-    projections, a head width flash attention takes, flash attention enabled (`torch.backends.cuda`)."""
+    """Whether packed rows attend by variable-length attention (`varlen_forward`): `VARLEN`, CUDA, 16-bit
+    projections, a head width flash attention takes, flash attention enabled (`torch.backends.cuda`; where
+    `VARLEN_KERNEL` is "triton", cat_fast's own kernels attend where they take the head width, flash attention
+    elsewhere)."""
     return (VARLEN and qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16) and width % 8 == 0
             and width <= 256 and torch.backends.cuda.flash_sdp_enabled()
             and hasattr(torch.ops.aten, "_flash_attention_forward")
             and torch.cuda.get_device_capability(qkv.device) >= (8, 0))
 
 
+def _own_varlen(q: torch.Tensor, p: float):
+    """`kernels.triton.varlen_attention` where `VARLEN_KERNEL` asks for it and it takes `q` [N, H, D] and `p`, else
+    None (PyTorch's flash attention)."""
+    if VARLEN_KERNEL != "triton":
+        return None
+    kernels = fused_kernels("varlen_attention")
+    return kernels if kernels is not None and kernels.supports(q, p) else None
+
+
+def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, p, scale, covered: bool = True):
+    """``(out [Nq, H, D], saved)``: variable-length attention of `q` over `k`, `v` ([N, H, D] views), each sequence
+    its `cu_q` queries and `cu_k` keys, by `VARLEN_KERNEL`'s kernels; `saved`, what `varlen_backward` takes (the
+    log-sum-exps and the dropout's bits or Philox state, and which kernels ran). `covered`: every query row lies in
+    a sequence (else cat_fast's kernels write 0 to the others; flash attention leaves them unwritten)."""
+    own = _own_varlen(q, p)
+    if own is not None:
+        key = own.draw_key(q.device) if p else None
+        out, lse, bits = own.forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, p, key, covered=covered)
+        return out, (own, lse, bits, None)
+    out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, p, False, False, scale=scale)
+    return out, (None, lse, rng, unused)
+
+
+def varlen_backward(grad, q, k, v, out, saved, cu_q, cu_k, max_q, max_k, p, scale):
+    """``(dq, dk, dv)`` [N, H, D] of `varlen_forward`'s output given its gradient `grad` [N, H, D]."""
+    own, lse, rng, unused = saved
+    if own is not None:
+        return own.backward(grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, p, rng, covered=True)
+    return torch.ops.aten._flash_attention_backward(grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, p, False, rng,
+                                                    unused, scale=scale)
+
+
 class _VarlenAttention(torch.autograd.Function):
     """Attention over packed rows of ``[q | k | v]`` [N, 3·heads·width], each sequence its `cu` span, by
-    PyTorch's variable-length flash attention (forward and backward; its own dropout draws). `keys` (a permutation
-    of the rows, `Plan.attention_layout`): the key and value rows are gathered in that order (one gather of both),
-    each sequence its `cu_k` span of them; their gradients go back to the rows' order by `sources`
+    variable-length attention (`varlen_forward`; forward and backward, with their own dropout draws). `keys` (a
+    permutation of the rows, `Plan.attention_layout`): the key and value rows are gathered in that order (one
+    gather of both), each sequence its `cu_k` span of them; their gradients go back to the rows' order by `sources`
     (`Plan.key_sources`) as dq, dk and dv are joined."""
 
     @staticmethod
@@ -481,9 +521,10 @@ class _VarlenAttention(torch.autograd.Function):
             k, v = kv[:, :D].view(-1, heads, width), kv[:, D:].view(-1, heads, width)
         else:
             cu_k = cu
-        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu, cu_k, max_len, max_len, p, False, False, scale=scale)
+        out, saved = varlen_forward(q, k, v, cu, cu_k, max_len, max_len, p, scale)
+        own, lse, rng, unused = saved
         ctx.save_for_backward(qkv, cu, cu_k, keys, sources, k, v, out, lse, rng, unused)
+        ctx.own = own
         ctx.args = (max_len, heads, width, p, scale)
         return out.view(-1, D)
 
@@ -495,9 +536,8 @@ class _VarlenAttention(torch.autograd.Function):
         q = qkv[:, :D].view(-1, heads, width)
         if keys is None:
             k, v = (qkv[:, i * D:(i + 1) * D].view(-1, heads, width) for i in (1, 2))
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad.contiguous().view(-1, heads, width), q, k, v, out, lse, cu, cu_k, max_len, max_len, p, False, rng,
-            unused, scale=scale)
+        dq, dk, dv = varlen_backward(grad.contiguous().view(-1, heads, width), q, k, v, out,
+                                     (ctx.own, lse, rng, unused), cu, cu_k, max_len, max_len, p, scale)
         sum_columns = getattr(ctx, "sum_columns", False)
         kernels = fused_kernels("column_sums") if sum_columns or keys is not None else None
         if keys is not None and kernels is None:  # back to the rows' order; past the last key no key: zero

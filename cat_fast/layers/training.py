@@ -22,7 +22,7 @@ The packed path (`PACKED`: True wherever it applies, outside the step of an obje
 `packs_rows`, which runs padded (`packing.padded`); "auto", the default, in the graphs of a captured step on CUDA of
 an objective that declares `packs_rows`, from `PACKED_MIN_ROWS` rows; False never) runs the row-wise work on the real
 (non-padding) rows only (`layers.packing`): the projections, dropouts, residual adds, LayerNorms and the feed-forward
-block on the N real rows of the B·T; the attention by variable-length flash attention over the packed rows (CUDA,
+block on the N real rows of the B·T; the attention by variable-length attention over the packed rows (CUDA,
 16-bit), else in the padded layout with zero projections on the padding rows (masked keys; padding queries whose
 context nobody reads). It applies to a key-padding mask from which the real tokens can be read, whose first
 position is real in every sequence (the row a first-token head reads), with at least `PACKED_MIN_PADDING` of the
@@ -325,8 +325,8 @@ def _lent_forward(lent, layer, packed, mask, qkv, w16, fused, dtype, norms, dims
     if packing.varlen_applies(qkv, width):
         k, v = (qkv[:, i * D:(i + 1) * D].view(-1, heads, width) for i in (1, 2))
         cu_k = packed.offsets()[0][:B + 1]  # each sequence's real rows
-        context = torch.ops.aten._flash_attention_forward(
-            q.view(-1, heads, width), k, v, lent.cu, cu_k, T, T, p_attn, False, False, scale=scale)[0].view(-1, D)
+        context = packing.varlen_forward(q.view(-1, heads, width), k, v, lent.cu, cu_k, T, T, p_attn, scale,
+                                         covered=False)[0].view(-1, D)
     else:  # the padded layout: the lent queries at their rows, the keys and values of the packed rows
         full_q = q.new_zeros(B * T + 1, D).index_copy_(0, lent.dest, q)[:B * T]
         kv = qkv.new_zeros(B * T, 2 * D).index_copy_(0, packed.idx, qkv[:, D:])

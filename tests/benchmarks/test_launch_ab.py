@@ -66,8 +66,8 @@ def test_several_settings_are_set_and_restored_together():
 
 
 def test_values_parse_as_launch_entries():
-    assert [launch_ab._value(v) for v in ("1", "0", "0.5", "None", "none", "true", "False")] == [
-        1, 0, 0.5, None, None, True, False]
+    assert [launch_ab._value(v) for v in ("1", "0", "0.5", "None", "none", "true", "False", "str:flash", "str:")] == [
+        1, 0, 0.5, None, None, True, False, "flash", ""]
     with pytest.raises(argparse.ArgumentTypeError, match="'fast'"):
         launch_ab._value("fast")
 
