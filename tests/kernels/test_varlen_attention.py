@@ -222,3 +222,29 @@ def test_gpu_a_captured_call_redraws_its_key_at_each_replay():
     assert not torch.equal(keys[0], keys[1]) and not torch.equal(outs[0], outs[1])
     again = va.forward(q, k, v, cu, cu, 40, 40, 0.125, 0.5, keys[1])[0]
     assert torch.equal(again, outs[1])
+
+
+@needs_kernel
+def test_the_packed_layers_attend_by_these_kernels_unless_told_otherwise(monkeypatch):
+    from cat_fast.layers import packing
+
+    H, D, lengths, p = 2, 16, [6, 9], 0.25
+    cu = _offsets(lengths)
+    q, k, v = _inputs(15, 15, H, D, torch.float32, 10)
+    torch.manual_seed(4)  # the key is drawn from the device's generator: drawn again below
+    out, saved = packing.varlen_forward(q, k, v, cu, cu, 9, 9, p, 0.25)
+    own, lse, bits, _ = saved
+    assert own is va and bits is not None
+    torch.manual_seed(4)
+    want, want_lse, want_bits = va.forward(q, k, v, cu, cu, 9, 9, 0.25, p, va.draw_key(DEVICE), covered=True)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert torch.equal(bits, want_bits)
+    do = torch.randn_like(out)
+    got = packing.varlen_backward(do, q, k, v, out, saved, cu, cu, 9, 9, p, 0.25)
+    for a, b in zip(got, va.backward(do, q, k, v, want, want_lse, cu, cu, 9, 9, 0.25, p, want_bits, covered=True)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    monkeypatch.setattr(packing, "VARLEN_KERNEL", "flash")
+    assert packing._own_varlen(q, p) is None
+    monkeypatch.setattr(packing, "VARLEN_KERNEL", "triton")
+    assert packing._own_varlen(q, 0.001) is None  # a rate these kernels would round to 0: flash attention's
+    assert packing._own_varlen(q.new_zeros(4, 2, 24), 0.0) is None  # a head width they do not take
