@@ -475,6 +475,8 @@ def varlen_applies(qkv: torch.Tensor, width: int) -> bool:
 def _own_varlen(q: torch.Tensor, p: float):
     """`kernels.triton.varlen_attention` where `VARLEN_KERNEL` asks for it and it takes `q` [N, H, D] and `p`, else
     None (PyTorch's flash attention)."""
+    if VARLEN_KERNEL not in ("triton", "flash"):
+        raise ValueError(f"cat_fast.layers.packing.VARLEN_KERNEL: expected 'triton' or 'flash', got {VARLEN_KERNEL!r}")
     if VARLEN_KERNEL != "triton":
         return None
     kernels = fused_kernels("varlen_attention")

@@ -245,6 +245,9 @@ def test_the_packed_layers_attend_by_these_kernels_unless_told_otherwise(monkeyp
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     monkeypatch.setattr(packing, "VARLEN_KERNEL", "flash")
     assert packing._own_varlen(q, p) is None
+    monkeypatch.setattr(packing, "VARLEN_KERNEL", "Triton")
+    with pytest.raises(ValueError, match="VARLEN_KERNEL: expected 'triton' or 'flash', got 'Triton'"):
+        packing.varlen_forward(q, k, v, cu, cu, 9, 9, p, 0.25)
     monkeypatch.setattr(packing, "VARLEN_KERNEL", "triton")
     assert packing._own_varlen(q, 0.001) is None  # a rate these kernels would round to 0: flash attention's
     assert packing._own_varlen(q.new_zeros(4, 2, 24), 0.0) is None  # a head width they do not take
