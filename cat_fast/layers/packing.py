@@ -60,7 +60,8 @@ from .layout import will_run
 
 __all__ = ["real_rows", "attend", "attention_backward", "scatter", "static_rows", "static_count", "bucket", "BUCKETS",
            "Plan", "plan", "pack", "link", "unpack", "carry", "carried", "carrying", "may_carry", "padded", "refused",
-           "VARLEN", "VARLEN_KERNEL", "varlen_forward", "NARROW", "extended", "narrow", "KEYS", "LENT", "lent", "lent_state", "lent_rows", "with_lent",
+           "VARLEN", "VARLEN_KERNEL", "varlen_forward", "varlen_backward", "NARROW", "extended", "narrow", "KEYS",
+           "LENT", "lent", "lent_state", "lent_rows", "with_lent",
            "lent_bucket", "LENT_BUCKETS"]
 
 _last = threading.local()  # .entry: (weak reference to the mask, its version, (B, T, min_padding, ...), the result,
@@ -74,8 +75,8 @@ BUCKETS = 32
 # attends in the padded layout (scatter, SDPA, gather), as the CPU does, for comparisons.
 VARLEN = True
 # Which variable-length attention packed rows attend by where it applies: "triton", cat_fast's own
-# (`kernels.triton.varlen_attention`: its dropout drawn in its kernels from a key the device's generator draws), or
-# "flash", PyTorch's flash attention (its dropout from the generator's Philox state).
+# (`kernels.triton.varlen_attention`: its dropout mask written as bits from a key the device's generator draws),
+# or "flash", PyTorch's flash attention (its dropout from the generator's Philox state).
 VARLEN_KERNEL = "triton"
 _carry = threading.local()  # .layers: the layers whose output may stay packed (`carrying`), or None
 _refused = threading.local()  # .on: whether `padded` is in force
@@ -499,7 +500,8 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, p, scale, covered: bool = 
 
 
 def varlen_backward(grad, q, k, v, out, saved, cu_q, cu_k, max_q, max_k, p, scale):
-    """``(dq, dk, dv)`` [N, H, D] of `varlen_forward`'s output given its gradient `grad` [N, H, D]."""
+    """``(dq, dk, dv)`` [N, H, D] of `varlen_forward`'s output given its gradient `grad` [N, H, D] (every query and
+    key row in a sequence, as the packed layers' are)."""
     own, lse, rng, unused = saved
     if own is not None:
         return own.backward(grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, p, rng, covered=True)

@@ -187,3 +187,15 @@ def finish_partials(part_ptr, count_ptr, loss_ptr, denom_ptr, loss_part, denom_p
                 tot = tot / dtot
             tl.store(loss_ptr, tot.to(loss_ptr.dtype.element_ty))
         tl.store(count_ptr, 0)  # ready for the next launch on this stream
+
+
+@triton.jit
+def tile_dot(a, b, DT: tl.constexpr, IEEE: tl.constexpr):
+    """a @ b with the operands rounded to DT (the inputs' dtype: 16-bit tiles multiply as flash attention's do), at
+    full precision for fp32; float64 as a broadcast product and sum (the tensor-core path of Triton has no
+    float64 product of this size)."""
+    if DT == tl.float64:
+        return tl.sum(a.to(DT)[:, :, None] * b.to(DT)[None, :, :], axis=1)
+    if IEEE:
+        return tl.dot(a.to(DT), b.to(DT), input_precision="ieee")
+    return tl.dot(a.to(DT), b.to(DT))

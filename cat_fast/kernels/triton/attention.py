@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import acc_tl_dtype, pow2_at_least, scalar_acc, split_scalar
+from ._common import acc_tl_dtype, pow2_at_least, scalar_acc, split_scalar, tile_dot
 
 __all__ = ["forward", "backward", "double_backward", "key_span", "token_major", "BLOCK", "NUM_WARPS", "TILES"]
 
@@ -46,18 +46,6 @@ _WIDEST = {torch.float32: 32, torch.float64: 16}
 TILES = {"dq": (64, 32, 4, None), "dkdv": (32, 64, 4, None), "dd_rows": (64, 32, 4, None),
          "dd_cols": (32, 64, 4, None)}
 _SIXTEEN = (torch.float16, torch.bfloat16)
-
-
-@triton.jit
-def _dot(a, b, DT: tl.constexpr, IEEE: tl.constexpr):
-    """a @ b with the operands rounded to DT (the inputs' dtype: 16-bit tiles multiply as flash attention's do), at
-    full precision for fp32; float64 as a broadcast product and sum (the tensor-core path of Triton has no
-    float64 product of this size)."""
-    if DT == tl.float64:
-        return tl.sum(a.to(DT)[:, :, None] * b.to(DT)[None, :, :], axis=1)
-    if IEEE:
-        return tl.dot(a.to(DT), b.to(DT), input_precision="ieee")
-    return tl.dot(a.to(DT), b.to(DT))
 
 
 @triton.jit
@@ -88,7 +76,7 @@ def _probs(q, k, i, im, j, jm, b, h, bh, TQ, TK, bias_ptr, sb_b, sb_h, sb_i, sb_
 @triton.jit
 def _scores(q, k, i, im, j, jm, b, h, bias_ptr, sb_b, sb_h, sb_i, sb_j, scale, DT: tl.constexpr,
             IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr):
-    s = _dot(q, tl.trans(k), DT, IEEE).to(ACC) * scale
+    s = tile_dot(q, tl.trans(k), DT, IEEE).to(ACC) * scale
     if HAS_BIAS:
         s += tl.load(bias_ptr + b.to(tl.int64) * sb_b + h * sb_h + i.to(tl.int64)[:, None] * sb_i
                      + j.to(tl.int64)[None, :] * sb_j, mask=im[:, None] & jm[None, :], other=0.0).to(ACC)
@@ -173,7 +161,7 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, keep_ptr, span_ptr, o_ptr, st
         l_sum = l_sum * alpha + tl.sum(e, axis=1)
         w = e * _keep(keep_ptr, bh, TQ, TK, i, im, j, jm, inv_keep, HAS_DROPOUT, ACC)
         v = _rows(v_ptr, b, h, TK, H, j, jm, D, BLOCK_D)
-        acc = acc * alpha[:, None] + _dot(w, v, DT, IEEE).to(ACC)
+        acc = acc * alpha[:, None] + tile_dot(w, v, DT, IEEE).to(ACC)
         m = m_new
     inv_l = tl.where(l_sum == 0.0, 0.0, 1.0 / tl.where(l_sum == 0.0, 1.0, l_sum))
     _store_rows(o_ptr, acc * inv_l[:, None], b, h, TQ, H, i, im, D, BLOCK_D)
@@ -204,8 +192,8 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, bias_ptr, keep_ptr, span_ptr, stats_
         v = _rows(v_ptr, b, h, TK, H, j, jm, D, BLOCK_D)
         p, z = _probs(q, k, i, im, j, jm, b, h, bh, TQ, TK, bias_ptr, sb_b, sb_h, sb_i, sb_j, keep_ptr, scale,
                       inv_keep, m_i, inv_l, DT, IEEE, HAS_BIAS, HAS_DROPOUT, ACC)
-        dp = _dot(do, tl.trans(v), DT, IEEE).to(ACC) * z
-        dq += _dot(p * (dp - dl[:, None]), k, DT, IEEE).to(ACC)
+        dp = tile_dot(do, tl.trans(v), DT, IEEE).to(ACC) * z
+        dq += tile_dot(p * (dp - dl[:, None]), k, DT, IEEE).to(ACC)
     _store_rows(dq_ptr, dq * scale, b, h, TQ, H, i, im, D, BLOCK_D)
 
 
@@ -231,9 +219,9 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, bias_ptr, keep_ptr, span_ptr, stat
         m_i, inv_l, dl = _row_stats(stats_ptr, delta_ptr, bh, TQ, i, im)
         p, z = _probs(q, k, i, im, j, jm, b, h, bh, TQ, TK, bias_ptr, sb_b, sb_h, sb_i, sb_j, keep_ptr, scale,
                       inv_keep, m_i, inv_l, DT, IEEE, HAS_BIAS, HAS_DROPOUT, ACC)
-        dp = _dot(do, tl.trans(v), DT, IEEE).to(ACC) * z
-        dv += _dot(tl.trans(p * z), do, DT, IEEE).to(ACC)
-        dk += _dot(tl.trans(p * (dp - dl[:, None])), q, DT, IEEE).to(ACC)
+        dp = tile_dot(do, tl.trans(v), DT, IEEE).to(ACC) * z
+        dv += tile_dot(tl.trans(p * z), do, DT, IEEE).to(ACC)
+        dk += tile_dot(tl.trans(p * (dp - dl[:, None])), q, DT, IEEE).to(ACC)
     _store_rows(dk_ptr, dk * scale, b, h, TK, H, j, jm, D, BLOCK_D)
     _store_rows(dv_ptr, dv, b, h, TK, H, j, jm, D, BLOCK_D)
 
@@ -246,15 +234,15 @@ def _dd_tile(q, k, v, do, a, bk, c, i, im, j, jm, b, h, bh, TQ, TK, bias_ptr, sb
     """(P, Z, dP, G, dO Cᵀ) of a tile (the module docstring's names; 0 for an absent cotangent)."""
     p, z = _probs(q, k, i, im, j, jm, b, h, bh, TQ, TK, bias_ptr, sb_b, sb_h, sb_i, sb_j, keep_ptr, scale, inv_keep,
                   m_i, inv_l, DT, IEEE, HAS_BIAS, HAS_DROPOUT, ACC)
-    dp = _dot(do, tl.trans(v), DT, IEEE).to(ACC) * z
+    dp = tile_dot(do, tl.trans(v), DT, IEEE).to(ACC) * z
     g = tl.zeros([BLOCK_M, BLOCK_N], ACC)
     if HAS_A:
-        g += _dot(a, tl.trans(k), DT, IEEE).to(ACC)
+        g += tile_dot(a, tl.trans(k), DT, IEEE).to(ACC)
     if HAS_B:
-        g += _dot(q, tl.trans(bk), DT, IEEE).to(ACC)
+        g += tile_dot(q, tl.trans(bk), DT, IEEE).to(ACC)
     doc = tl.zeros([BLOCK_M, BLOCK_N], ACC)
     if HAS_C:
-        doc = _dot(do, tl.trans(c), DT, IEEE).to(ACC)
+        doc = tile_dot(do, tl.trans(c), DT, IEEE).to(ACC)
     return p, z, dp, g * scale, doc
 
 
@@ -316,12 +304,12 @@ def _dd_rows_kernel(q_ptr, k_ptr, v_ptr, do_ptr, a_ptr, bk_ptr, c_ptr, bias_ptr,
                                     sb_i, sb_j, keep_ptr, scale, inv_keep, m_i, inv_l, DT, IEEE, HAS_BIAS,
                                     HAS_DROPOUT, HAS_A, HAS_B, HAS_C, ACC, BLOCK_M, BLOCK_N)
         gs = _grad_scores(p, z, dp, g, doc, dl, e_sum, f_sum)
-        gq += _dot(gs, k, DT, IEEE).to(ACC)
+        gq += tile_dot(gs, k, DT, IEEE).to(ACC)
         if HAS_B:
-            gq += _dot(p * (dp - dl[:, None]), bk, DT, IEEE).to(ACC)
-        gdo += _dot(z * p * (g - e_sum[:, None]), v, DT, IEEE).to(ACC)
+            gq += tile_dot(p * (dp - dl[:, None]), bk, DT, IEEE).to(ACC)
+        gdo += tile_dot(z * p * (g - e_sum[:, None]), v, DT, IEEE).to(ACC)
         if HAS_C:
-            gdo += _dot(p * z, c, DT, IEEE).to(ACC)
+            gdo += tile_dot(p * z, c, DT, IEEE).to(ACC)
     _store_rows(gq_ptr, gq * scale, b, h, TQ, H, i, im, D, BLOCK_D)
     _store_rows(gdo_ptr, gdo, b, h, TQ, H, i, im, D, BLOCK_D)
     rows = ef_ptr + 2 * (bh * TQ + i.to(tl.int64))
@@ -355,10 +343,10 @@ def _dd_cols_kernel(q_ptr, k_ptr, v_ptr, do_ptr, a_ptr, bk_ptr, c_ptr, bias_ptr,
                                     sb_i, sb_j, keep_ptr, scale, inv_keep, m_i, inv_l, DT, IEEE, HAS_BIAS,
                                     HAS_DROPOUT, HAS_A, HAS_B, HAS_C, ACC, BLOCK_M, BLOCK_N)
         gs = _grad_scores(p, z, dp, g, doc, dl, e_sum, f_sum)
-        gk += _dot(tl.trans(gs), q, DT, IEEE).to(ACC)
+        gk += tile_dot(tl.trans(gs), q, DT, IEEE).to(ACC)
         if HAS_A:
-            gk += _dot(tl.trans(p * (dp - dl[:, None])), a, DT, IEEE).to(ACC)
-        gv += _dot(tl.trans(z * p * (g - e_sum[:, None])), do, DT, IEEE).to(ACC)
+            gk += tile_dot(tl.trans(p * (dp - dl[:, None])), a, DT, IEEE).to(ACC)
+        gv += tile_dot(tl.trans(z * p * (g - e_sum[:, None])), do, DT, IEEE).to(ACC)
     _store_rows(gk_ptr, gk * scale, b, h, TK, H, j, jm, D, BLOCK_D)
     _store_rows(gv_ptr, gv, b, h, TK, H, j, jm, D, BLOCK_D)
 

@@ -26,8 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import scalar_acc, split_scalar
-from .attention import _dot
+from ._common import acc_tl_dtype, scalar_acc, split_scalar, tile_dot
 
 __all__ = ["forward", "backward", "keep_mask", "keep_bits", "draw_key", "drop_rate", "supports", "TILES"]
 
@@ -38,9 +37,14 @@ TILES = {"forward": (64, 64, 4, 3), "dkdv": (32, 64, 4, 2), "dq": (64, 64, 4, 2)
 _LEVELS = 256  # the dropout's numbers are bytes
 
 
+def _threshold(p: float) -> int:
+    """t: a byte at least t keeps its element (module docstring)."""
+    return round(float(p) * _LEVELS)
+
+
 def drop_rate(p: float) -> float:
     """The drop rate the kernels apply for a requested `p`: p rounded to a multiple of 1/256."""
-    return round(float(p) * _LEVELS) / _LEVELS
+    return _threshold(p) / _LEVELS
 
 
 def supports(q: torch.Tensor, p: float = 0.0) -> bool:
@@ -67,10 +71,6 @@ def _tiles(kind, dtype):
         raise ValueError(f"varlen attention: TILES[{kind!r}] = {TILES[kind]}: keys' tiles must be multiples of 32 (words "
                          "of the dropout's bits) and rows' of 16")
     return BM, BN, W, S
-
-
-def _acc(dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
 
 
 @triton.jit
@@ -121,6 +121,7 @@ def _kept_by_keys(BITS, hq, rows, rm, n0, words, BM: tl.constexpr, BN: tl.conste
 
 @triton.jit
 def _scale_of(hi, lo, EXP2: tl.constexpr, ACC: tl.constexpr):
+    """The scores' factor: the scale, times log2(e) where the softmax is taken in base 2 (`_exp`)."""
     scale = scalar_acc(hi, lo, ACC)
     if EXP2:
         scale = scale * 1.4426950408889634
@@ -185,7 +186,7 @@ def _key_scores(q, K, s_k, k0, Lk, n0, h, scale, D: tl.constexpr, BN: tl.constex
     jm = j < Lk
     cols = (k0 + j).to(tl.int64)
     kT = _cols_of(K, s_k, cols, jm, h, D)
-    return jm, cols, kT, _dot(q, kT, DT, IEEE).to(ACC) * scale
+    return jm, cols, kT, tile_dot(q, kT, DT, IEEE).to(ACC) * scale
 
 
 @triton.jit
@@ -210,7 +211,7 @@ def _forward(Q, K, V, O, LSE, BITS, cu_q, cu_k, s_q, s_k, s_v, s_o, Nq, words, s
         if DROP:
             pe = tl.where(_kept(BITS, hq, rows, im, n0, words, BM, BN), pe, 0.0)
         v = _rows_of(V, s_v, cols, jm, h, D)
-        acc = acc * alpha[:, None] + _dot(pe.to(DT), v, DT, IEEE).to(ACC)
+        acc = acc * alpha[:, None] + tile_dot(pe.to(DT), v, DT, IEEE).to(ACC)
         m_i = m_new
     seen = l_i > 0
     inv = 1.0 / tl.where(seen, l_i, 1.0)
@@ -260,20 +261,20 @@ def _dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, BITS, cu_q, cu_k, s_q, s_k, s_v, s_do
         rows = (q0 + i).to(tl.int64)
         qT = _cols_of(Q, s_q, rows, im, h, D)
         lse = tl.load(LSE + hq + rows, mask=im, other=float("inf"))
-        sT = _dot(k, qT, DT, IEEE).to(ACC) * scale
+        sT = tile_dot(k, qT, DT, IEEE).to(ACC) * scale
         pT = tl.where(jm[:, None], _exp(sT - lse[None, :], EXP2), 0.0)
         do = _rows_of(DO, s_do, rows, im, h, D)
-        dpT = _dot(v, tl.trans(do), DT, IEEE).to(ACC)
+        dpT = tile_dot(v, tl.trans(do), DT, IEEE).to(ACC)
         if DROP:
             kept = _kept_by_keys(BITS, hq, rows, im, pid * BN, words, BM, BN)
             zpT = tl.where(kept, pT * inv_keep, 0.0)
             dpT = tl.where(kept, dpT * inv_keep, 0.0)
         else:
             zpT = pT
-        dv += _dot(zpT.to(DT), do, DT, IEEE).to(ACC)
+        dv += tile_dot(zpT.to(DT), do, DT, IEEE).to(ACC)
         delta = tl.load(DELTA + hq + rows, mask=im, other=0.0)
         dsT = pT * (dpT - delta[None, :])
-        dk += _dot(dsT.to(DT), tl.trans(qT), DT, IEEE).to(ACC)
+        dk += tile_dot(dsT.to(DT), tl.trans(qT), DT, IEEE).to(ACC)
     if EXP2:
         scale = scale / 1.4426950408889634
     _store_rows(DK, s_dk, cols, jm, h, dk * scale, D)
@@ -299,11 +300,11 @@ def _dq(Q, K, V, DO, LSE, DELTA, DQ, BITS, cu_q, cu_k, s_q, s_k, s_v, s_do, s_dq
         jm, cols, kT, s = _key_scores(q, K, s_k, k0, Lk, n0, h, scale, D, BN, DT, IEEE, ACC)
         vT = _cols_of(V, s_v, cols, jm, h, D)
         p = tl.where(jm[None, :], _exp(s - lse[:, None], EXP2), 0.0)
-        dp = _dot(do, vT, DT, IEEE).to(ACC)
+        dp = tile_dot(do, vT, DT, IEEE).to(ACC)
         if DROP:
             dp = tl.where(_kept(BITS, hq, rows, im, n0, words, BM, BN), dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(DT), tl.trans(kT), DT, IEEE).to(ACC)
+        dq += tile_dot(ds.to(DT), tl.trans(kT), DT, IEEE).to(ACC)
     if EXP2:
         scale = scale / 1.4426950408889634
     _store_rows(DQ, s_dq, rows, im, h, dq * scale, D)
@@ -312,8 +313,8 @@ def _dq(Q, K, V, DO, LSE, DELTA, DQ, BITS, cu_q, cu_k, s_q, s_k, s_v, s_do, s_dq
 def _meta(q, p):
     DT = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
           torch.float64: tl.float64}[q.dtype]
-    return (dict(DT=DT, IEEE=q.dtype == torch.float32, EXP2=q.dtype != torch.float64, ACC=_acc(q.dtype)),
-            round(float(p) * _LEVELS))
+    return (dict(DT=DT, IEEE=q.dtype == torch.float32, EXP2=q.dtype != torch.float64, ACC=acc_tl_dtype(q)),
+            _threshold(p))
 
 
 def _words(max_k: int, Nq: int) -> int:
@@ -347,7 +348,7 @@ def keep_bits(key, heads: int, Nq: int, max_k: int, p: float) -> torch.Tensor:
     bits = torch.empty(heads, Nq, words, dtype=torch.int32, device=key.device)
     if Nq and heads:
         BR = 32
-        _keep_words[(triton.cdiv(Nq, BR), heads)](bits, key, Nq, words, round(float(p) * _LEVELS), BR=BR,
+        _keep_words[(triton.cdiv(Nq, BR), heads)](bits, key, Nq, words, _threshold(p), BR=BR,
                                                   BW=triton.next_power_of_2(words))
     return bits
 
