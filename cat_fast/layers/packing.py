@@ -473,15 +473,15 @@ def varlen_applies(qkv: torch.Tensor, width: int) -> bool:
             and torch.cuda.get_device_capability(qkv.device) >= (8, 0))
 
 
-def _own_varlen(q: torch.Tensor, p: float):
-    """`kernels.triton.varlen_attention` where `VARLEN_KERNEL` asks for it and it takes `q` [N, H, D] and `p`, else
-    None (PyTorch's flash attention)."""
+def _own_varlen(q: torch.Tensor, p: float, max_len: int = 0):
+    """`kernels.triton.varlen_attention` where `VARLEN_KERNEL` asks for it and it takes `q` [N, H, D], `p` and
+    sequences of up to `max_len` rows, else None (PyTorch's flash attention)."""
     if VARLEN_KERNEL not in ("triton", "flash"):
         raise ValueError(f"cat_fast.layers.packing.VARLEN_KERNEL: expected 'triton' or 'flash', got {VARLEN_KERNEL!r}")
     if VARLEN_KERNEL != "triton":
         return None
     kernels = fused_kernels("varlen_attention")
-    return kernels if kernels is not None and kernels.supports(q, p) else None
+    return kernels if kernels is not None and kernels.supports(q, p, max_len) else None
 
 
 def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, p, scale, covered: bool = True):
@@ -489,7 +489,7 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, p, scale, covered: bool = 
     its `cu_q` queries and `cu_k` keys, by `VARLEN_KERNEL`'s kernels; `saved`, what `varlen_backward` takes (the
     log-sum-exps and the dropout's bits or Philox state, and which kernels ran). `covered`: every query row lies in
     a sequence (else cat_fast's kernels write 0 to the others; flash attention leaves them unwritten)."""
-    own = _own_varlen(q, p)
+    own = _own_varlen(q, p, max(int(max_q), int(max_k)))
     if own is not None:
         key = own.draw_key(q.device) if p else None
         out, lse, bits = own.forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, p, key, covered=covered)

@@ -164,6 +164,12 @@ def test_drop_rate_and_refusals():
         va.forward(q, q, q, cu, cu, 4, 4, 1.0, 0.001)
     with pytest.raises(ValueError, match="dropout bits"):
         va.backward(q, q, q, q, q, torch.zeros(2, 4), cu, cu, 4, 4, 1.0, 0.1)
+    # offsets within a sequence are 32-bit: a longest sequence whose rows would overflow them is refused
+    with pytest.raises(ValueError, match="max_q=67108864 rows of stride 32 exceed"):
+        va.forward(q, q, q, cu, cu, 2 ** 31 // 32, 4, 1.0)
+    with pytest.raises(ValueError, match="max_k=16777216 rows of stride 128 exceed"):  # a gradient's stride counts
+        va.backward(q, q, q, q, q, torch.zeros(2, 4), cu, cu, 4, 2 ** 24, 1.0,
+                    dk=torch.zeros(4, 128)[:, :32].view(4, 2, 16))
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -251,3 +257,5 @@ def test_the_packed_layers_attend_by_these_kernels_unless_told_otherwise(monkeyp
     monkeypatch.setattr(packing, "VARLEN_KERNEL", "triton")
     assert packing._own_varlen(q, 0.001) is None  # a rate these kernels would round to 0: flash attention's
     assert packing._own_varlen(q.new_zeros(4, 2, 24), 0.0) is None  # a head width they do not take
+    rows = -(-2 ** 31 // q.stride(0))  # sequences whose rows the kernels' 32-bit offsets do not reach: flash attention's
+    assert packing._own_varlen(q, p, rows - 1) is va and packing._own_varlen(q, p, rows) is None

@@ -4,10 +4,11 @@ first kernel writes): what the padding-free layers run on CUDA (`cat_fast.layers
 
 Layout: ``q`` [Nq, H, D] and ``k``, ``v`` [Nk, H, D], any row stride (views of a joined ``[q | k | v]`` projection
 work as they are), unit stride along D and stride D along H, D a power of two; sequence b's queries are rows
-``cu_q[b]:cu_q[b + 1]``, its keys ``cu_k[b]:cu_k[b + 1]``. With ``S = scale·QKᵀ``, ``P = softmax(S)`` over the
-sequence's keys, ``Z = keep / (1 − p')``: ``O = (P∘Z) V``; the backward, with ``Δ = rowsum(dO∘O)``: ``dV = (P∘Z)ᵀ
-dO``, ``dP = Z∘(dO Vᵀ)``, ``dS = P∘(dP − Δ)``, ``dQ = scale·dS K``, ``dK = scale·dSᵀ Q``. A query of a sequence
-without keys gets 0 (and no gradient).
+``cu_q[b]:cu_q[b + 1]``, its keys ``cu_k[b]:cu_k[b + 1]``; within a sequence the kernels address rows by 32-bit
+offsets from its first row (its rows times the row stride below 2³¹: `supports`). With ``S = scale·QKᵀ``,
+``P = softmax(S)`` over the sequence's keys, ``Z = keep / (1 − p')``: ``O = (P∘Z) V``; the backward, with
+``Δ = rowsum(dO∘O)``: ``dV = (P∘Z)ᵀ dO``, ``dP = Z∘(dO Vᵀ)``, ``dS = P∘(dP − Δ)``, ``dQ = scale·dS K``,
+``dK = scale·dSᵀ Q``. A query of a sequence without keys gets 0 (and no gradient).
 
 The dropout: ``keep`` is a function of a 64-bit key (`draw_key`: one number drawn from the device's PyTorch
 generator, so a CUDA graph redraws it at each replay and a generator set back to a state redraws the same masks)
@@ -33,8 +34,9 @@ __all__ = ["forward", "backward", "keep_mask", "keep_bits", "draw_key", "drop_ra
 # (rows, keys, warps, stages) per kernel for 16-bit inputs, from benchmarks/tools/varlen_attention.py on an H200 at
 # the step suite's batches; fp32 takes tiles of 32 (or fewer) rows and 32 keys, float64 16 rows and 32 keys (shared
 # memory); keys' tiles are whole words of the dropout's bits
-TILES = {"forward": (64, 64, 4, 3), "dkdv": (32, 64, 4, 2), "dq": (64, 64, 4, 2)}
+TILES = {"forward": (64, 64, 4, 3), "dkdv": (32, 64, 4, 2), "dq": (64, 64, 4, 3)}
 _LEVELS = 256  # the dropout's numbers are bytes
+_OFFSETS = 1 << 31  # the kernels address a sequence's rows by 32-bit offsets from its first row
 
 
 def _threshold(p: float) -> int:
@@ -47,13 +49,15 @@ def drop_rate(p: float) -> float:
     return _threshold(p) / _LEVELS
 
 
-def supports(q: torch.Tensor, p: float = 0.0) -> bool:
+def supports(q: torch.Tensor, p: float = 0.0, max_len: int = 0) -> bool:
     """Whether these kernels take `q` [N, H, D] (CUDA or the Triton interpreter; a head width that is a power of two
     from 16 to 256; 16-bit, fp32 or float64) and the dropout `p`: 0, or a p whose rate p' (`drop_rate`) is neither 0
-    nor 1."""
+    nor 1; and sequences of up to `max_len` rows (offsets within a sequence are 32-bit: `max_len` times the row stride,
+    at least a joined [q | k | v]'s 3·H·D, below 2³¹)."""
     D = q.shape[-1]
     return (q.dim() == 3 and q.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-            and 16 <= D <= 256 and D & (D - 1) == 0 and (p == 0 or 0.0 < drop_rate(p) < 1.0))
+            and 16 <= D <= 256 and D & (D - 1) == 0 and (p == 0 or 0.0 < drop_rate(p) < 1.0)
+            and max_len * max(q.stride(0), 3 * q.shape[1] * D) < _OFFSETS)
 
 
 def draw_key(device, generator=None) -> torch.Tensor:
@@ -101,20 +105,18 @@ def _keep_words(BITS, KEY, Nq, words, threshold, BR: tl.constexpr, BW: tl.conste
 
 
 @triton.jit
-def _kept(BITS, hq, rows, rm, n0, words, BM: tl.constexpr, BN: tl.constexpr):
-    """[BM, BN] bool: which scores of query `rows` (global, int64; `hq` = h·Nq) and keys n0..n0+BN of the sequence
-    are kept (n0 a multiple of 32)."""
-    w = tl.load(BITS + (hq + rows[:, None]) * words + n0 // 32 + tl.arange(0, BN // 32)[None, :], mask=rm[:, None],
-                other=0)
+def _kept(BITS, i, im, n0, words, BM: tl.constexpr, BN: tl.constexpr):
+    """[BM, BN] bool: which scores of query rows `i` of the sequence (`BITS` at its first row's words) and keys
+    n0..n0+BN are kept (n0 a multiple of 32)."""
+    w = tl.load(BITS + i[:, None] * words + n0 // 32 + tl.arange(0, BN // 32)[None, :], mask=im[:, None], other=0)
     bits = (w[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1
     return tl.reshape(bits, [BM, BN]) != 0
 
 
 @triton.jit
-def _kept_by_keys(BITS, hq, rows, rm, n0, words, BM: tl.constexpr, BN: tl.constexpr):
+def _kept_by_keys(BITS, i, im, n0, words, BM: tl.constexpr, BN: tl.constexpr):
     """`_kept`'s tile transposed: [BN, BM], keys by queries."""
-    w = tl.load(BITS + (hq + rows[None, :]) * words + n0 // 32 + tl.arange(0, BN // 32)[:, None], mask=rm[None, :],
-                other=0)
+    w = tl.load(BITS + i[None, :] * words + n0 // 32 + tl.arange(0, BN // 32)[:, None], mask=im[None, :], other=0)
     bits = (w[:, None, :] >> tl.arange(0, 32)[None, :, None]) & 1
     return tl.reshape(bits, [BN, BM]) != 0
 
@@ -144,49 +146,43 @@ def _inv_keep(threshold, ACC: tl.constexpr):
 @triton.jit
 def _program(cu_q, cu_k):
     """(tile, head, first query row, query count, first key row, key count) of this program: its tile
-    program_id(0) of sequence program_id(1), head program_id(2)."""
+    program_id(0) of sequence program_id(1), head program_id(2); the first rows int64."""
     b = tl.program_id(1)
     q0 = tl.load(cu_q + b)
     k0 = tl.load(cu_k + b)
-    return tl.program_id(0), tl.program_id(2), q0, tl.load(cu_q + b + 1) - q0, k0, tl.load(cu_k + b + 1) - k0
+    Lq = tl.load(cu_q + b + 1) - q0
+    Lk = tl.load(cu_k + b + 1) - k0
+    return tl.program_id(0), tl.program_id(2), q0.to(tl.int64), Lq, k0.to(tl.int64), Lk
 
 
 @triton.jit
-def _query_tile(Q, s_q, q0, Lq, h, Nq, pid, BM: tl.constexpr, D: tl.constexpr):
-    """(row mask, rows (int64), h·Nq, the [BM, D] queries) of query tile `pid`."""
-    i = pid * BM + tl.arange(0, BM)
-    im = i < Lq
-    rows = (q0 + i).to(tl.int64)
-    return im, rows, h.to(tl.int64) * Nq, _rows_of(Q, s_q, rows, im, h, D)
+def _rows_of(X, s_x, i, im, D: tl.constexpr):
+    """The [len(i), D] tile of rows `i` of X (a pointer at the sequence's first row and the head's first column; `i`
+    and the offsets int32) (0 outside `im`)."""
+    return tl.load(X + i[:, None] * s_x + tl.arange(0, D)[None, :], mask=im[:, None], other=0.0)
 
 
 @triton.jit
-def _rows_of(X, s_x, rows, rm, h, D: tl.constexpr):
-    """The [len(rows), D] tile of head h of `rows` (int64) of X (0 outside `rm`)."""
-    return tl.load(X + rows[:, None] * s_x + h * D + tl.arange(0, D)[None, :], mask=rm[:, None], other=0.0)
+def _cols_of(X, s_x, j, jm, D: tl.constexpr):
+    """`_rows_of` transposed: the [D, len(j)] tile of rows `j` of X."""
+    return tl.load(X + j[None, :] * s_x + tl.arange(0, D)[:, None], mask=jm[None, :], other=0.0)
 
 
 @triton.jit
-def _cols_of(X, s_x, cols, cm, h, D: tl.constexpr):
-    """`_rows_of` transposed: the [D, len(cols)] tile of head h of rows `cols` of X."""
-    return tl.load(X + cols[None, :] * s_x + h * D + tl.arange(0, D)[:, None], mask=cm[None, :], other=0.0)
+def _store_rows(X, s_x, i, im, x, D: tl.constexpr):
+    """Write `x` [len(i), D] (cast to X's dtype) as rows `i` of X (as `_rows_of`)."""
+    tl.store(X + i[:, None] * s_x + tl.arange(0, D)[None, :], x.to(X.dtype.element_ty), mask=im[:, None])
 
 
 @triton.jit
-def _store_rows(X, s_x, rows, rm, h, x, D: tl.constexpr):
-    """Write `x` [len(rows), D] (cast to X's dtype) as head h of `rows` of X."""
-    tl.store(X + rows[:, None] * s_x + h * D + tl.arange(0, D)[None, :], x.to(X.dtype.element_ty), mask=rm[:, None])
-
-
-@triton.jit
-def _key_scores(q, K, s_k, k0, Lk, n0, h, scale, D: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr,
+def _key_scores(q, K, s_k, Lk, n0, scale, D: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr,
                 IEEE: tl.constexpr, ACC: tl.constexpr):
-    """(key mask, key rows, Kᵀ [D, BN], the scaled scores [BM, BN]) of query tile `q` and keys n0..n0+BN."""
+    """(key mask, key offsets, Kᵀ [D, BN], the scaled scores [BM, BN]) of query tile `q` and keys n0..n0+BN (`K` at
+    the sequence's first key row and the head)."""
     j = n0 + tl.arange(0, BN)
     jm = j < Lk
-    cols = (k0 + j).to(tl.int64)
-    kT = _cols_of(K, s_k, cols, jm, h, D)
-    return jm, cols, kT, tile_dot(q, kT, DT, IEEE).to(ACC) * scale
+    kT = _cols_of(K, s_k, j, jm, D)
+    return jm, j, kT, tile_dot(q, kT, DT, IEEE).to(ACC) * scale
 
 
 @triton.jit
@@ -197,20 +193,26 @@ def _forward(Q, K, V, O, LSE, BITS, cu_q, cu_k, s_q, s_k, s_v, s_o, Nq, words, s
     if pid * BM >= Lq:
         return
     scale = _scale_of(scale_hi, scale_lo, EXP2, ACC)
-    im, rows, hq, q = _query_tile(Q, s_q, q0, Lq, h, Nq, pid, BM, D)
+    i = pid * BM + tl.arange(0, BM)
+    im = i < Lq
+    hd = h * D
+    q = _rows_of(Q + q0 * s_q + hd, s_q, i, im, D)
+    K = K + k0 * s_k + hd
+    V = V + k0 * s_v + hd
+    BITS = BITS + (h.to(tl.int64) * Nq + q0) * words
     m_i = tl.full([BM], float("-inf"), ACC)
     l_i = tl.zeros([BM], ACC)
     acc = tl.zeros([BM, D], ACC)
     for n0 in range(0, Lk, BN):
-        jm, cols, _, s = _key_scores(q, K, s_k, k0, Lk, n0, h, scale, D, BN, DT, IEEE, ACC)
+        jm, j, _, s = _key_scores(q, K, s_k, Lk, n0, scale, D, BN, DT, IEEE, ACC)
         s = tl.where(jm[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         pe = _exp(s - m_new[:, None], EXP2)
         alpha = _exp(m_i - m_new, EXP2)
         l_i = l_i * alpha + tl.sum(pe, 1)
         if DROP:
-            pe = tl.where(_kept(BITS, hq, rows, im, n0, words, BM, BN), pe, 0.0)
-        v = _rows_of(V, s_v, cols, jm, h, D)
+            pe = tl.where(_kept(BITS, i, im, n0, words, BM, BN), pe, 0.0)
+        v = _rows_of(V, s_v, j, jm, D)
         acc = acc * alpha[:, None] + tile_dot(pe.to(DT), v, DT, IEEE).to(ACC)
         m_i = m_new
     seen = l_i > 0
@@ -218,23 +220,24 @@ def _forward(Q, K, V, O, LSE, BITS, cu_q, cu_k, s_q, s_k, s_v, s_o, Nq, words, s
     if DROP:
         inv = inv * _inv_keep(threshold, ACC)
     inv = tl.where(seen, inv, 0.0)
-    _store_rows(O, s_o, rows, im, h, acc * inv[:, None], D)
+    _store_rows(O + q0 * s_o + hd, s_o, i, im, acc * inv[:, None], D)
     if EXP2:
         lse = m_i + tl.math.log2(tl.where(seen, l_i, 1.0))
     else:
         lse = m_i + tl.log(tl.where(seen, l_i, 1.0))
-    tl.store(LSE + hq + rows, tl.where(seen, lse, float("inf")), mask=im)
+    tl.store(LSE + h.to(tl.int64) * Nq + q0 + i, tl.where(seen, lse, float("inf")), mask=im)
 
 
 @triton.jit
 def _delta(O, DO, DELTA, s_o, s_do, Nq, D: tl.constexpr, BR: tl.constexpr, ACC: tl.constexpr):
+    r0 = tl.program_id(0).to(tl.int64) * BR
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     h = tl.program_id(1)
     m = r < Nq
-    rows = r.to(tl.int64)
-    o = _rows_of(O, s_o, rows, m, h, D).to(ACC)
-    do = _rows_of(DO, s_do, rows, m, h, D).to(ACC)
-    tl.store(DELTA + h.to(tl.int64) * Nq + rows, tl.sum(o * do, 1), mask=m)
+    i = tl.arange(0, BR)
+    o = _rows_of(O + r0 * s_o + h * D, s_o, i, m, D).to(ACC)
+    do = _rows_of(DO + r0 * s_do + h * D, s_do, i, m, D).to(ACC)
+    tl.store(DELTA + h.to(tl.int64) * Nq + r, tl.sum(o * do, 1), mask=m)
 
 
 @triton.jit
@@ -247,38 +250,42 @@ def _dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, BITS, cu_q, cu_k, s_q, s_k, s_v, s_do
     scale = _scale_of(scale_hi, scale_lo, EXP2, ACC)
     j = pid * BN + tl.arange(0, BN)
     jm = j < Lk
-    cols = (k0 + j).to(tl.int64)
-    k = _rows_of(K, s_k, cols, jm, h, D)
-    v = _rows_of(V, s_v, cols, jm, h, D)
+    hd = h * D
+    k = _rows_of(K + k0 * s_k + hd, s_k, j, jm, D)
+    v = _rows_of(V + k0 * s_v + hd, s_v, j, jm, D)
+    Q = Q + q0 * s_q + hd
+    DO = DO + q0 * s_do + hd
+    hq = h.to(tl.int64) * Nq + q0
+    LSE = LSE + hq
+    DELTA = DELTA + hq
+    BITS = BITS + hq * words
     if DROP:
         inv_keep = _inv_keep(threshold, ACC)
     dk = tl.zeros([BN, D], ACC)
     dv = tl.zeros([BN, D], ACC)
-    hq = h.to(tl.int64) * Nq
     for m0 in range(0, Lq, BM):
         i = m0 + tl.arange(0, BM)
         im = i < Lq
-        rows = (q0 + i).to(tl.int64)
-        qT = _cols_of(Q, s_q, rows, im, h, D)
-        lse = tl.load(LSE + hq + rows, mask=im, other=float("inf"))
+        qT = _cols_of(Q, s_q, i, im, D)
+        lse = tl.load(LSE + i, mask=im, other=float("inf"))
         sT = tile_dot(k, qT, DT, IEEE).to(ACC) * scale
         pT = tl.where(jm[:, None], _exp(sT - lse[None, :], EXP2), 0.0)
-        do = _rows_of(DO, s_do, rows, im, h, D)
+        do = _rows_of(DO, s_do, i, im, D)
         dpT = tile_dot(v, tl.trans(do), DT, IEEE).to(ACC)
         if DROP:
-            kept = _kept_by_keys(BITS, hq, rows, im, pid * BN, words, BM, BN)
+            kept = _kept_by_keys(BITS, i, im, pid * BN, words, BM, BN)
             zpT = tl.where(kept, pT * inv_keep, 0.0)
             dpT = tl.where(kept, dpT * inv_keep, 0.0)
         else:
             zpT = pT
         dv += tile_dot(zpT.to(DT), do, DT, IEEE).to(ACC)
-        delta = tl.load(DELTA + hq + rows, mask=im, other=0.0)
+        delta = tl.load(DELTA + i, mask=im, other=0.0)
         dsT = pT * (dpT - delta[None, :])
         dk += tile_dot(dsT.to(DT), tl.trans(qT), DT, IEEE).to(ACC)
     if EXP2:
         scale = scale / 1.4426950408889634
-    _store_rows(DK, s_dk, cols, jm, h, dk * scale, D)
-    _store_rows(DV, s_dv, cols, jm, h, dv, D)
+    _store_rows(DK + k0 * s_dk + hd, s_dk, j, jm, dk * scale, D)
+    _store_rows(DV + k0 * s_dv + hd, s_dv, j, jm, dv, D)
 
 
 @triton.jit
@@ -289,25 +296,32 @@ def _dq(Q, K, V, DO, LSE, DELTA, DQ, BITS, cu_q, cu_k, s_q, s_k, s_v, s_do, s_dq
     if pid * BM >= Lq:
         return
     scale = _scale_of(scale_hi, scale_lo, EXP2, ACC)
-    im, rows, hq, q = _query_tile(Q, s_q, q0, Lq, h, Nq, pid, BM, D)
-    do = _rows_of(DO, s_do, rows, im, h, D)
-    lse = tl.load(LSE + hq + rows, mask=im, other=float("inf"))
-    delta = tl.load(DELTA + hq + rows, mask=im, other=0.0)
+    i = pid * BM + tl.arange(0, BM)
+    im = i < Lq
+    hd = h * D
+    hq = h.to(tl.int64) * Nq + q0
+    q = _rows_of(Q + q0 * s_q + hd, s_q, i, im, D)
+    do = _rows_of(DO + q0 * s_do + hd, s_do, i, im, D)
+    lse = tl.load(LSE + hq + i, mask=im, other=float("inf"))
+    delta = tl.load(DELTA + hq + i, mask=im, other=0.0)
+    K = K + k0 * s_k + hd
+    V = V + k0 * s_v + hd
+    BITS = BITS + hq * words
     if DROP:
         inv_keep = _inv_keep(threshold, ACC)
     dq = tl.zeros([BM, D], ACC)
     for n0 in range(0, Lk, BN):
-        jm, cols, kT, s = _key_scores(q, K, s_k, k0, Lk, n0, h, scale, D, BN, DT, IEEE, ACC)
-        vT = _cols_of(V, s_v, cols, jm, h, D)
+        jm, j, kT, s = _key_scores(q, K, s_k, Lk, n0, scale, D, BN, DT, IEEE, ACC)
+        vT = _cols_of(V, s_v, j, jm, D)
         p = tl.where(jm[None, :], _exp(s - lse[:, None], EXP2), 0.0)
         dp = tile_dot(do, vT, DT, IEEE).to(ACC)
         if DROP:
-            dp = tl.where(_kept(BITS, hq, rows, im, n0, words, BM, BN), dp * inv_keep, 0.0)
+            dp = tl.where(_kept(BITS, i, im, n0, words, BM, BN), dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
         dq += tile_dot(ds.to(DT), tl.trans(kT), DT, IEEE).to(ACC)
     if EXP2:
         scale = scale / 1.4426950408889634
-    _store_rows(DQ, s_dq, rows, im, h, dq * scale, D)
+    _store_rows(DQ + q0 * s_dq + hd, s_dq, i, im, dq * scale, D)
 
 
 def _meta(q, p):
@@ -326,7 +340,7 @@ def _words(max_k: int, Nq: int) -> int:
     return words
 
 
-def _check(q, k, v, cu_q, cu_k, p):
+def _check(q, k, v, cu_q, cu_k, p, max_q, max_k, by_queries=(), by_keys=()):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3 or t.stride(-1) != 1 or t.stride(1) != t.shape[-1]:
             raise ValueError(f"varlen attention: {name} must be [N, H, D] with unit stride along D and D along H, "
@@ -340,6 +354,11 @@ def _check(q, k, v, cu_q, cu_k, p):
                          "supported")
     if cu_q.dtype != torch.int32 or cu_k.dtype != torch.int32 or cu_q.shape != cu_k.shape or cu_q.dim() != 1:
         raise ValueError("varlen attention: cu_q and cu_k must be int32 [B + 1] offsets")
+    for name, rows, tensors in (("max_q", max_q, (q,) + tuple(by_queries)), ("max_k", max_k, (k, v) + tuple(by_keys))):
+        stride = max([q.shape[1] * q.shape[2]] + [t.stride(0) for t in tensors])  # the outputs' own: H·D
+        if int(rows) * stride >= _OFFSETS:
+            raise ValueError(f"varlen attention: {name}={int(rows)} rows of stride {stride} exceed the kernels' 32-bit "
+                             "offsets within a sequence (2³¹ elements)")
 
 
 def keep_bits(key, heads: int, Nq: int, max_k: int, p: float) -> torch.Tensor:
@@ -359,7 +378,7 @@ def forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, p: float 
     a `draw_key`, required when p > 0), None without dropout. `max_q`, `max_k`: at least the longest sequence's
     queries and keys. `covered`: every query row lies in some sequence (rows of none are written 0 otherwise, one
     more pass)."""
-    _check(q, k, v, cu_q, cu_k, p)
+    _check(q, k, v, cu_q, cu_k, p, max_q, max_k)
     Nq, H, D = q.shape
     meta, t = _meta(q, p)
     drop = t > 0
@@ -384,8 +403,9 @@ def backward(do, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, scale: f
     """``(dq, dk, dv)``, each [N, H, D], given `forward`'s `out`, `lse` and `bits`; written into `dq`, `dk`, `dv`
     where given (any row stride, as `q`'s). `covered`: every query row and every key row lies in some sequence
     (otherwise the gradients are zeroed first, so that rows of none get 0)."""
-    _check(q, k, v, cu_q, cu_k, p)
     Nq, H, D = q.shape
+    _check(q, k, v, cu_q, cu_k, p, max_q, max_k, [x for x in (do, out, dq) if x is not None],
+           [x for x in (dk, dv) if x is not None])
     meta, t = _meta(q, p)
     drop = t > 0
     if drop and bits is None:
