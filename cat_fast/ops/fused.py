@@ -4,7 +4,8 @@
 ``residual_layer_norm`` and ``gelu_bias_backward`` / ``column_sums`` (`layers.resumed`, `layers.training`),
 ``first_row_attention`` (`layers.attention`), ``attention`` (`layers.double_attention`), ``double_backward``
 (`layers.double_layers`), ``pooled_gs_loss`` (`objectives.gs`), ``embedding_backward`` (`layers.embedding`),
-``row_exchange`` (`gradient_averaging`), ``varlen_attention`` (`layers.packing`, `layers.training`) — or None where Triton cannot be imported.
+``row_exchange`` (`gradient_averaging`), ``varlen_attention`` (`layers.packing`) — or None where Triton cannot be
+imported.
 `gs_partners` and `weighted_cosine_loss`: the pieces of the pooled GS loss in plain PyTorch;
 `layer_norm_double_backward` and `gelu_double_backward`: the backward of LayerNorm's and GELU's backward in plain
 PyTorch (`double_backward`'s formulas). `upcast` and `acc_dtype`: the accumulation dtypes every backend shares.

@@ -257,5 +257,6 @@ def test_the_packed_layers_attend_by_these_kernels_unless_told_otherwise(monkeyp
     monkeypatch.setattr(packing, "VARLEN_KERNEL", "triton")
     assert packing._own_varlen(q, 0.001) is None  # a rate these kernels would round to 0: flash attention's
     assert packing._own_varlen(q.new_zeros(4, 2, 24), 0.0) is None  # a head width they do not take
-    rows = -(-2 ** 31 // q.stride(0))  # sequences whose rows the kernels' 32-bit offsets do not reach: flash attention's
+    # sequences whose rows the kernels' 32-bit offsets do not reach: flash attention's
+    rows = -(-2 ** 31 // q.stride(0))
     assert packing._own_varlen(q, p, rows - 1) is va and packing._own_varlen(q, p, rows) is None

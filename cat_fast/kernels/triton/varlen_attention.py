@@ -72,8 +72,8 @@ def _tiles(kind, dtype):
     elif dtype == torch.float64:  # keys' tiles are whole words of the dropout's bits: 32
         BM, BN, W, S = 16, 32, 4, 1
     if BN % 32 or BM % 16:
-        raise ValueError(f"varlen attention: TILES[{kind!r}] = {TILES[kind]}: keys' tiles must be multiples of 32 (words "
-                         "of the dropout's bits) and rows' of 16")
+        raise ValueError(f"varlen attention: TILES[{kind!r}] = {TILES[kind]}: keys' tiles must be multiples of 32 "
+                         "(words of the dropout's bits) and rows' of 16")
     return BM, BN, W, S
 
 
