@@ -281,6 +281,41 @@ def test_gpu_replayed_cat_steps_equal_the_eager_loop(generator, gs_weight):
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+def test_gpu_replayed_cat_steps_with_the_kernels_own_dropout_equal_the_eager_loop(monkeypatch):
+    """bf16 autocast with the fused training and resumed layers at any row count, so that the hidden dropouts are
+    drawn in the residual LayerNorm kernel (`layers.training.OWN_DROPOUT`): the captured CAT steps' counterfactual
+    passes redraw each step's clean-forward masks as the eager loop does (the same losses and parameters), and the
+    kernel drew them."""
+    from cat_fast.kernels.triton import residual_layer_norm
+    from cat_fast.layers import training
+
+    monkeypatch.setattr(training, "FUSED_MIN_ROWS", 0)
+    drawn = []
+    real = residual_layer_norm.forward_with_dropout
+    monkeypatch.setattr(residual_layer_norm, "forward_with_dropout", lambda *a, **k: drawn.append(1) or real(*a, **k))
+    batches = _batches(10, "cuda")
+    runs = []
+    for captured in (None, True):
+        model = tiny_model("bert", seed=1, attn="sdpa").cuda().train()
+        torch.manual_seed(0)
+        cat = CAT(model, layers=[1, 2], warmup_steps=1, generator=torch.Generator().manual_seed(3))
+        drawn.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            if captured:
+                runs.append(_loop(model, cat, batches, captured=True, warmup_steps=1, autocast=torch.bfloat16))
+            else:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    runs.append(_loop(model, cat, batches))
+        assert drawn  # eagerly every step; captured, the warm-up steps and the captures
+    (want, want_losses), (got, got_losses) = runs
+    assert torch.isfinite(want_losses).all()
+    torch.testing.assert_close(got_losses, want_losses, rtol=1e-6, atol=1e-6)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
 def test_rng_offset_says_none_without_the_cuda_op():
     """Off a CUDA build (`ops.fused.rng_offset_available` False) `rng_offset` says None and a warm batch shape's new
     row count takes one eager step of its own where its plan's passes redraw the dropout; with the op, or for a plan

@@ -20,8 +20,8 @@ from . import casts
 
 __all__ = ["Layout", "LAYOUTS", "MODEL_TYPES", "COMPONENTS", "BertParts", "Pieces", "family", "config_family",
            "component", "producer", "pieces", "bert_parts", "call_arguments", "plain", "sdpa_mask", "dropout",
-           "dropout_p", "fp32_mm_supported", "attach_copy16", "copy16", "bert_projections", "compute_dtype", "mm_at",
-           "lora", "lora_refusal", "projection"]
+           "dropout_p", "norm_forward", "fp32_mm_supported", "attach_copy16", "copy16", "bert_projections",
+           "compute_dtype", "mm_at", "lora", "lora_refusal", "projection"]
 
 # The activations a layer exposes to interventions (`layers.interventions`), in the order a forward computes them:
 # the query, key and value projections, the attention block's output (after its LayerNorm), the feed-forward
@@ -359,6 +359,19 @@ def dropout(x, p):
         return torch.native_dropout(x, p, True)
     noise = torch.empty_like(x).bernoulli_(1.0 - p).div_(1.0 - p)
     return x * noise, noise
+
+
+def norm_forward(rln, branch, residual, weight, bias, eps, p, key, stream, dtype):
+    """``(branch as the backward takes it, keep, y, y16, mean, rstd)`` of ``LayerNorm(dropout(branch) + residual)``
+    by the fused kernels `rln` (`kernels.triton.residual_layer_norm`): the dropout drawn in the kernel from `key` and
+    `stream` where a key is given and p > 0 (the branch kept as projected: the backward's ``raw=True``), else by
+    `dropout` first."""
+    if key is not None and p > 0:
+        y, y16, mean, rstd, keep = rln.forward_with_dropout(branch, residual, weight, bias, eps, p, key, stream,
+                                                            out16_dtype=dtype)
+        return branch, keep, y, y16, mean, rstd
+    branch, keep = dropout(branch, p)
+    return (branch, keep, *rln.forward(branch, residual, weight, bias, eps, out16_dtype=dtype))
 
 
 def fp32_mm_supported(device) -> bool:

@@ -4,7 +4,9 @@ input_grad_only=True)`), where no parameter gradient is taken.
 ``forward(layer, args, kwargs)`` returns the layer's output, or None where it does not apply (then the layer runs
 itself). Same arithmetic, order and dropout draws as the layer; each input cast once, the input gradient
 accumulated in fp32 by the matmuls; on CUDA under autocast, residual add + LayerNorm fused with the casts and the
-dropout mask (`kernels.triton.residual_layer_norm`). Supported: the Bert layout of `first_token` with SDPA
+dropout mask (`kernels.triton.residual_layer_norm`), the hidden dropouts drawn as `layers.training` draws them for
+the same input (in its LayerNorm kernel where `training.own_dropout`), so a resumed pass redraws its clean forward's
+masks. Supported: the Bert layout of `first_token` with SDPA
 attention, plain torch.nn parts without forward hooks except cat_fast's interventions (applied here, in the
 composed path); calls without cross-attention inputs or caches.
 """
@@ -17,7 +19,7 @@ from torch.autograd.function import once_differentiable
 
 from ..ops.fused import fused_kernels
 from . import casts, first_token, interventions, layout
-from .layout import attach_copy16, bert_parts, copy16, dropout, dropout_p, fp32_mm_supported, plain, sdpa_mask
+from .layout import attach_copy16, bert_parts, copy16, dropout_p, fp32_mm_supported, plain, sdpa_mask
 
 __all__ = ["supported", "forward"]
 
@@ -174,21 +176,28 @@ def _fused_forward(layer, hidden, mask, dtype, saved):
             context = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask(mask, dtype), dropout_p=p_attn,
                                                      scale=sa.scaling)
         rows = context.detach().transpose(1, 2).reshape(-1, D)
-        a, keep1 = dropout(torch.addmm(w16.attention_output_bias, rows, w16.attention_output.t()), p1)
         ln1, ln2 = so.LayerNorm, out.LayerNorm
-        h1, h1b, mean1, rstd1 = rln.forward(a, x, ln1.weight, ln1.bias, ln1.eps, out16_dtype=dtype)
+        # the hidden dropouts drawn as the training layer draws them for this input (`training.OWN_DROPOUT`), so
+        # that a resumed pass redraws the clean forward's masks
+        from . import training  # here: `training` imports this module
+        key = rln.draw_key(x.device) if training.own_dropout(x, dtype, ln1.weight.dtype, p1, p2) else None
+        raw = (key is not None and p1 > 0, key is not None and p2 > 0)
+        a, keep1, h1, h1b, mean1, rstd1 = layout.norm_forward(
+            rln, torch.addmm(w16.attention_output_bias, rows, w16.attention_output.t()), x, ln1.weight, ln1.bias,
+            ln1.eps, p1, key, 0, dtype)
         inner = torch.addmm(w16.intermediate_bias, h1b.view(-1, D), w16.intermediate.t())
         if track:
             inner = inner.detach().requires_grad_(True)
         with torch.set_grad_enabled(track):
             activated = inter.intermediate_act_fn(inner)
-        o, keep2 = dropout(torch.addmm(w16.output_bias, activated.detach(), w16.output.t()), p2)
-        y, y16, mean2, rstd2 = rln.forward(o, h1, ln2.weight, ln2.bias, ln2.eps, out16_dtype=dtype)
+        o, keep2, y, y16, mean2, rstd2 = layout.norm_forward(
+            rln, torch.addmm(w16.output_bias, activated.detach(), w16.output.t()), h1, ln2.weight, ln2.bias, ln2.eps,
+            p2, key, 1, dtype)
     if track:
         saved.update(x=x, qkv=qkv, context=context, a=a, keep1=keep1, scale1=1.0 / (1.0 - p1), h1=h1,
                      mean1=mean1, rstd1=rstd1, inner=inner, activated=activated, o=o, keep2=keep2,
                      scale2=1.0 / (1.0 - p2), mean2=mean2, rstd2=rstd2, w_qkv=w16.qkv, wo=w16.attention_output,
-                     wi=w16.intermediate, wo2=w16.output, ln1=ln1.weight, ln2=ln2.weight)
+                     wi=w16.intermediate, wo2=w16.output, ln1=ln1.weight, ln2=ln2.weight, raw=raw)
     return attach_copy16(y, y16)  # the next layer's input cast
 
 
@@ -215,12 +224,13 @@ class _FusedLayer(torch.autograd.Function):
         x = t["x"]
         D = x.shape[-1]
         grad_h1, grad_o = rln.backward(grad_y, t["o"], t["h1"], t["ln2"], t["mean2"], t["rstd2"], t["keep2"],
-                                       t["scale2"])
+                                       t["scale2"], raw=t["raw"][1])
         grad_activated = torch.mm(grad_o.view(-1, D), t["wo2"])
         (grad_inner,) = torch.autograd.grad(t["activated"], t["inner"], grad_activated)
         rows = grad_h1.view(-1, D)
         torch.addmm(rows, grad_inner, t["wi"], out_dtype=torch.float32, out=rows)
-        grad_x, grad_a = rln.backward(grad_h1, t["a"], x, t["ln1"], t["mean1"], t["rstd1"], t["keep1"], t["scale1"])
+        grad_x, grad_a = rln.backward(grad_h1, t["a"], x, t["ln1"], t["mean1"], t["rstd1"], t["keep1"], t["scale1"],
+                                      raw=t["raw"][0])
         B, T, _ = x.shape
         context = t["context"]
         grad_context = torch.mm(grad_a.view(-1, D), t["wo"]).view(B, T, context.shape[1], -1).transpose(1, 2)

@@ -3,19 +3,22 @@ one autograd node, with less host work than the model's dozen modules (`models.c
 `models.first_token_forward(..., training_layers=True)`).
 
 ``forward(layer, args, kwargs)`` returns the layer's output, or None where it does not apply (then the layer runs
-itself). Same arithmetic, order and dropout draws as the layer (equal to 1e-12 in float64, to 16-bit rounding
-under autocast); the query, key and value projections are one matmul, the input is cast once, gradients are
-accumulated in fp32 by the matmuls, and an input-only backward skips the weight-gradient matmuls. On CUDA under
-autocast (an fp32 layer, 16-bit matmuls) the elementwise work around the matmuls is fused in Triton kernels:
-residual add + LayerNorm + the cast of its output (`kernels.triton.residual_layer_norm`), and in the backward
-LayerNorm backward + dropout backward + the cast, with the LayerNorm weight and bias gradients and the bias
-gradient of the projection before the dropout summed in the same pass, and GELU backward + the intermediate bias
-gradient (`kernels.triton.gelu_bias_backward`), and with variable-length attention the join of its dq, dk and dv
-+ the query, key and value bias gradient (`kernels.triton.column_sums.concat`); the dropout draws stay
-`torch.native_dropout`'s, so they are the layer's. The fused path runs from `FUSED_MIN_ROWS` rows (batch × length)
-up, where it was measured faster; `FUSED = False` turns it off, for comparisons. Supported: the layers
-`resumed.supported` accepts, parameters in one dtype on the input's device, an fp32 layer under autocast or none;
-a layer with cat_fast interventions runs a composed version differentiated by autograd. No double backward
+itself). Same arithmetic, order and dropout draws as the layer (equal to 1e-12 in float64, to 16-bit rounding under
+autocast; the fused path's hidden dropouts below draw their own); the query, key and value projections are one
+matmul, the input is cast once, gradients are accumulated in fp32 by the matmuls, and an input-only backward skips
+the weight-gradient matmuls. On CUDA under autocast (an fp32 layer, 16-bit matmuls) the elementwise work around the
+matmuls is fused in Triton kernels: residual add + LayerNorm + the cast of its output
+(`kernels.triton.residual_layer_norm`), and in the backward LayerNorm backward + dropout backward + the cast, with
+the LayerNorm weight and bias gradients and the bias gradient of the projection before the dropout summed in the
+same pass, and GELU backward + the intermediate bias gradient (`kernels.triton.gelu_bias_backward`), and with
+variable-length attention the join of its dq, dk and dv + the query, key and value bias gradient
+(`kernels.triton.column_sums.concat`). The fused path draws the hidden dropouts in its residual LayerNorm kernel
+(`OWN_DROPOUT`: cat_fast's own draws, one key per layer from the device's generator; the attention dropout is
+SDPA's, or the variable-length attention's own on packed rows); elsewhere, and with ``OWN_DROPOUT = False``, the
+dropout draws are `torch.native_dropout`'s, so they are the layer's. The fused path runs from `FUSED_MIN_ROWS` rows
+(batch × length) up, where it was measured faster; `FUSED = False` turns it off, for comparisons. Supported: the
+layers `resumed.supported` accepts, parameters in one dtype on the input's device, an fp32 layer under autocast or
+none; a layer with cat_fast interventions runs a composed version differentiated by autograd. No double backward
 (``once_differentiable``).
 
 The packed path (`PACKED`: True wherever it applies, outside the step of an objective that does not declare
@@ -55,8 +58,8 @@ from . import casts, interventions, layout, packing, resumed
 from .layout import attach_copy16, bert_parts, copy16, dropout, dropout_p, fp32_mm_supported, plain, sdpa_mask
 
 __all__ = ["supported", "parameters", "forward", "packed_mode", "fusion", "gelu_approximate", "wanted",
-           "norm_backward", "qkv_grads", "weight_grad", "mm_into", "FUSED", "FUSED_MIN_ROWS", "PACKED",
-           "PACKED_MIN_PADDING", "PACKED_MIN_ROWS"]
+           "norm_backward", "qkv_grads", "weight_grad", "mm_into", "own_dropout", "FUSED", "FUSED_MIN_ROWS",
+           "OWN_DROPOUT", "PACKED", "PACKED_MIN_PADDING", "PACKED_MIN_ROWS"]
 
 # Whether the fused Triton kernels run where they apply (module docstring); False runs the same arithmetic in
 # PyTorch ops (16-bit roundings may differ), as the benchmarks compare.
@@ -65,6 +68,13 @@ FUSED = True
 # where the fused layer is faster than the unfused one (benchmarks/RESULTS.md); fewer rows keep the
 # unfused path (not measured).
 FUSED_MIN_ROWS = 1024
+# Whether the fused path draws the hidden dropouts (after the attention output and the feed-forward output
+# projections) inside its residual LayerNorm kernel (`kernels.triton.residual_layer_norm.forward_with_dropout`:
+# cat_fast's own draws, from one key per layer drawn from the device's generator, so a CUDA graph and a generator set
+# back to a state redraw them), saving the dropout kernel's pass over the projection; `layers.resumed`'s fused path
+# draws the same way wherever this one would, so a resumed pass redraws the clean forward's masks. False keeps
+# `torch.native_dropout`'s draws, the model's own modules' (the same distribution, not the same numbers).
+OWN_DROPOUT = True
 # Whether the row-wise work runs on the real rows only (module docstring): True wherever it applies (an eager pass
 # reads the real rows on the host) but in the steps of objectives without `packs_rows`, False never, "auto" (the
 # default) in the graphs of a captured step (`cat_fast.step.CapturedStep`) on CUDA of an objective that declares
@@ -161,6 +171,13 @@ def fusion(hidden, dtype, layer_norm_dtype):
         return None
     kernels = fused_kernels("residual_layer_norm"), fused_kernels("gelu_bias_backward"), fused_kernels("column_sums")
     return kernels if None not in kernels else None
+
+
+def own_dropout(hidden, dtype, layer_norm_dtype, p1, p2) -> bool:
+    """Whether a layer of input `hidden` (its rows as the layer runs them) draws its hidden dropouts (probabilities
+    `p1`, `p2`) in the residual LayerNorm kernel (`OWN_DROPOUT`): where the fused path applies and one of them is
+    positive."""
+    return bool(OWN_DROPOUT and (p1 or p2) and fusion(hidden, dtype, layer_norm_dtype) is not None)
 
 
 def forward(layer: nn.Module, args, kwargs, packed_only: bool = False) -> torch.Tensor | None:
@@ -296,15 +313,16 @@ def wanted(needs, params):
     return tuple(n and _will_run(p) for n, p in zip(needs, params))
 
 
-def norm_backward(rln, grad_y, branch, residual, weight, mean, rstd, keep, p, need):
+def norm_backward(rln, grad_y, branch, residual, weight, mean, rstd, keep, p, need, raw=False):
     """``(grad_s, grad_branch, grad_weight, grad_bias, grad_branch_bias)`` of ``LayerNorm(dropout(branch) +
     residual)`` by the fused kernel; `need` says which of the branch's bias, the weight and the bias want gradients
-    (those not wanted are None; none wanted: the input-only kernel)."""
+    (those not wanted are None; none wanted: the input-only kernel); `raw`: `branch` is before its dropout (the
+    kernel drew it, `OWN_DROPOUT`), else after it."""
     scale = 1.0 / (1.0 - p)
     if not any(need):
-        return (*rln.backward(grad_y, branch, residual, weight, mean, rstd, keep, scale), None, None, None)
+        return (*rln.backward(grad_y, branch, residual, weight, mean, rstd, keep, scale, raw=raw), None, None, None)
     grad_s, grad_branch, grad_weight, grad_bias, grad_branch_bias = rln.backward_with_params(
-        grad_y, branch, residual, weight, mean, rstd, keep, scale)
+        grad_y, branch, residual, weight, mean, rstd, keep, scale, raw=raw)
     return (grad_s, grad_branch, grad_weight if need[1] else None, grad_bias if need[2] else None,
             grad_branch_bias if need[0] else None)
 
@@ -373,11 +391,16 @@ class _TrainingLayer(torch.autograd.Function):
             context, rows = packing.attend(qkv_leaf, (B, T, heads, width), lambda: sdpa_mask(mask, dtype),
                                            p_attn, sa.scaling, packed)
             wo16 = w16.attention_output
-            a, keep1 = dropout(torch.addmm(w16.attention_output_bias, rows, wo16.t()), p1)
+            # the hidden dropouts drawn in the LayerNorm kernel (`OWN_DROPOUT`): `a` and `o` stay as projected
+            key = fused[0].draw_key(x.device) if fused and own_dropout(x, dtype, g1.dtype, p1, p2) else None
+            raw = (key is not None and p1 > 0, key is not None and p2 > 0)
+            a = torch.addmm(w16.attention_output_bias, rows, wo16.t())
             if fused:  # s1 = a + x is recomputed by the backward from a and x
-                h1, h1_16, mean1, rstd1 = fused[0].forward(a, x, g1, be1, so.LayerNorm.eps, out16_dtype=dtype)
+                a, keep1, h1, h1_16, mean1, rstd1 = layout.norm_forward(fused[0], a, x, g1, be1, so.LayerNorm.eps,
+                                                                        p1, key, 0, dtype)
                 first_sum = dict(a=a, x=x)
             else:
+                a, keep1 = dropout(a, p1)
                 s1 = a + x
                 h1, mean1, rstd1 = torch.native_layer_norm(s1, (D,), g1, be1, so.LayerNorm.eps)
                 h1_16 = h1.to(dtype)
@@ -391,11 +414,13 @@ class _TrainingLayer(torch.autograd.Function):
                 with torch.enable_grad():
                     activated = inter.intermediate_act_fn(inner)
             wo2_16 = w16.output
-            o, keep2 = dropout(torch.addmm(w16.output_bias, activated.detach(), wo2_16.t()), p2)
+            o = torch.addmm(w16.output_bias, activated.detach(), wo2_16.t())
             if fused:  # the output's 16-bit copy too: the next layer's input cast
-                y, y16, mean2, rstd2 = fused[0].forward(o, h1, g2, be2, out.LayerNorm.eps, out16_dtype=dtype)
+                o, keep2, y, y16, mean2, rstd2 = layout.norm_forward(fused[0], o, h1, g2, be2, out.LayerNorm.eps, p2,
+                                                                     key, 1, dtype)
                 second_sum = dict(o=o, h1=h1)
             else:
+                o, keep2 = dropout(o, p2)
                 s2 = o + h1
                 y, mean2, rstd2 = torch.native_layer_norm(s2, (D,), g2, be2, out.LayerNorm.eps)
                 second_sum = dict(s2=s2)
@@ -410,7 +435,7 @@ class _TrainingLayer(torch.autograd.Function):
         # saved tensors (not ctx attributes) are freed when the backward has run, as the layer's own are
         ctx.save_for_backward(*saved.values())
         ctx.names = tuple(saved)
-        ctx.fused, ctx.packed, ctx.shape = fused, packed is not None, hidden.shape
+        ctx.fused, ctx.packed, ctx.shape, ctx.raw = fused, packed is not None, hidden.shape, raw
         ctx.params = params  # leaves that outlive the step: only to ask whether this backward wants their gradients
         ctx.shapes = (B, T, D, heads, width, p1, p2, approximate, hidden.dtype, g1.dtype,
                       (wq.shape[0], wk.shape[0], wv.shape[0]))
@@ -431,7 +456,7 @@ class _TrainingLayer(torch.autograd.Function):
             if fused:
                 grad_s2, grad_o, grad_g2, grad_be2, grad_bo2 = norm_backward(
                     fused[0], grad_rows, t["o"], t["h1"], g2, t["mean2"], t["rstd2"], t["keep2"], p2,
-                    need[13:16])
+                    need[13:16], raw=ctx.raw[1])
             else:
                 grad_s2, grad_g2, grad_be2 = torch.ops.aten.native_layer_norm_backward(
                     grad_rows.to(t["s2"].dtype), t["s2"], (D,), t["mean2"], t["rstd2"], g2, be2,
@@ -453,7 +478,8 @@ class _TrainingLayer(torch.autograd.Function):
             grad_h1 = mm_into(grad_s2, grad_inner, t["wi16"])  # the residual's gradient + the projection's
             if fused:
                 grad_s1, grad_a, grad_g1, grad_be1, grad_bo = norm_backward(
-                    fused[0], grad_h1, t["a"], t["x"], g1, t["mean1"], t["rstd1"], t["keep1"], p1, need[7:10])
+                    fused[0], grad_h1, t["a"], t["x"], g1, t["mean1"], t["rstd1"], t["keep1"], p1, need[7:10],
+                    raw=ctx.raw[0])
             else:
                 grad_s1, grad_g1, grad_be1 = torch.ops.aten.native_layer_norm_backward(
                     grad_h1, t["s1"], (D,), t["mean1"], t["rstd1"], g1, be1, (True, need[8], need[9]))

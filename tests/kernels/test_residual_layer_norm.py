@@ -163,3 +163,99 @@ def test_reference_parameter_gradients_are_autograd():
     got = rln.reference_backward_with_params(grad_y, dropped, residual, weight.detach(), mean, rstd, keep, scale)
     for g_, w in zip(got[2:], want):
         torch.testing.assert_close(g_, w, rtol=1e-10, atol=1e-12)
+
+
+def _key(value):
+    return torch.tensor([value], dtype=torch.int64, device=DEVICE)
+
+
+@pytest.mark.skipif(not RUNS, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("lead,D", [((1,), 32), ((3,), 33), ((2, 2), 10)])
+@pytest.mark.parametrize("stream", [0, 1])
+def test_dropout_mask_is_the_philox_words_of_the_documented_counters(lead, D, stream):
+    """The kernel's keep mask equals `reference_keep` (the Philox words of each element's counters, in Python
+    integers) for a key with both 32-bit halves set; another stream or key draws another mask."""
+    branch, residual, weight, bias, _, _ = _inputs(lead, D, torch.bfloat16)
+    key = (0x1234_5678 << 32) | 0x9ABC_DEF0
+    keep = rln.forward_with_dropout(branch, residual, weight, bias, 1e-12, 0.4, _key(key), stream)[4]
+    rows = keep.numel() // D
+    want = rln.reference_keep(key, rows, D, 0.4, stream)
+    assert torch.equal(keep.reshape(rows, D).cpu(), want)
+    assert not torch.equal(want, rln.reference_keep(key, rows, D, 0.4, 1 - stream))
+    assert not torch.equal(want, rln.reference_keep(key + 1, rows, D, 0.4, stream))
+
+
+def _kernel_cast(x, dtype):
+    """x (fp32) cast to `dtype` as the kernels cast: round to nearest even on a GPU; the interpreter truncates to
+    bfloat16 (its bf16 is the fp32's high half)."""
+    if DEVICE == "cpu" and dtype == torch.bfloat16:
+        return (x.contiguous().view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)
+    return x.to(dtype)
+
+
+@pytest.mark.skipif(not RUNS, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("lead,D", SHAPES)
+@pytest.mark.parametrize("branch_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_forward_with_dropout_and_raw_backwards_match_the_reference(lead, D, branch_dtype):
+    """LayerNorm(dropout(branch) + residual) with the kernel's mask: the forward and the raw backwards equal, bit
+    for bit, the kernels run on the branch as the dropout writes it (the kept values scaled and cast to its dtype),
+    and match the reference; the reference from the raw branch equals the reference from the dropped one."""
+    branch, residual, weight, bias, _, grad_y = _inputs(lead, D, branch_dtype, seed=3)
+    p, scale = 0.3, 1 / (1 - 0.3)
+    out16 = torch.bfloat16 if branch_dtype == torch.float32 else branch_dtype
+    y, y16, mean, rstd, keep = rln.forward_with_dropout(branch, residual, weight, bias, 1e-12, p, _key(7),
+                                                        out16_dtype=out16)
+    assert keep.dtype == torch.bool and keep.shape == residual.shape
+    assert 0 < keep.sum() < keep.numel()
+    dropped = torch.where(keep, _kernel_cast(branch.float() * scale, branch_dtype), 0).to(branch_dtype)
+    for g, w in zip((y, y16, mean, rstd), rln.forward(dropped, residual, weight, bias, 1e-12, out16_dtype=out16)):
+        assert torch.equal(g, w)
+    want = rln.reference_forward(dropped, residual, weight, bias, 1e-12, out16_dtype=out16)
+    for g, w in zip((y, y16, mean, rstd), want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        tol = 1e-5 if g.dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+    rne = torch.where(keep, (branch.float() * scale).to(branch_dtype), 0).to(branch_dtype)
+    for g, w in zip(rln.reference_forward(branch, residual, weight, bias, 1e-12, out16, keep=keep, scale=scale),
+                    rln.reference_forward(rne, residual, weight, bias, 1e-12, out16)):
+        assert torch.equal(g, w)
+    got = rln.backward_with_params(grad_y, branch, residual, weight, mean, rstd, keep, scale, raw=True)
+    for g, w in zip(got, rln.backward_with_params(grad_y, dropped, residual, weight, mean, rstd, keep, scale)):
+        assert torch.equal(g, w)
+    for g, w in zip(rln.backward(grad_y, branch, residual, weight, mean, rstd, keep, scale, raw=True),
+                    rln.backward(grad_y, dropped, residual, weight, mean, rstd, keep, scale)):
+        assert torch.equal(g, w)
+    ref = rln.reference_backward_with_params(grad_y, dropped, residual, weight, mean, rstd, keep, scale)
+    for i, (g, w) in enumerate(zip(got, ref)):
+        sixteen = g.dtype != torch.float32 or (i == 4 and branch_dtype != torch.float32)
+        tol = 3e-2 if sixteen else 1e-4
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol, msg=f"output {i}")
+    for g, w in zip(rln.reference_backward_with_params(grad_y, branch, residual, weight, mean, rstd, keep, scale,
+                                                       raw=True),
+                    rln.reference_backward_with_params(grad_y, rne, residual, weight, mean, rstd, keep, scale)):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.skipif(not RUNS, reason="needs CUDA or TRITON_INTERPRET=1")
+def test_dropout_rate_rows_and_refusals():
+    """The drop rate is p (to sampling error); a row's mask does not depend on the call's row count; p = 0 keeps
+    everything; bad arguments are refused by name."""
+    n, D = (256, 768) if DEVICE == "cuda" else (16, 256)
+    branch = torch.ones(n, D, device=DEVICE, dtype=torch.bfloat16)
+    residual = torch.zeros(n, D, device=DEVICE)
+    weight, bias = torch.ones(D, device=DEVICE), torch.zeros(D, device=DEVICE)
+    keep = rln.forward_with_dropout(branch, residual, weight, bias, 1e-5, 0.1, _key(-5), 3)[4]
+    rate = 1 - keep.float().mean().item()
+    assert abs(rate - 0.1) < 5 * (0.1 * 0.9 / keep.numel()) ** 0.5
+    first = rln.forward_with_dropout(branch[:3], residual[:3], weight, bias, 1e-5, 0.1, _key(-5), 3)[4]
+    assert torch.equal(first, keep[:3])
+    assert rln.forward_with_dropout(branch, residual, weight, bias, 1e-5, 0.0, _key(-5))[4].all()
+    assert rln.threshold(0.1) == round(0.1 * 2 ** 32) and rln.threshold(0.0) == 0
+    with pytest.raises(ValueError, match="p="):
+        rln.forward_with_dropout(branch, residual, weight, bias, 1e-5, 1.0, _key(1))
+    with pytest.raises(ValueError, match="key must be"):
+        rln.forward_with_dropout(branch, residual, weight, bias, 1e-5, 0.1, 1)
+    with pytest.raises(ValueError, match="stream="):
+        rln.forward_with_dropout(branch, residual, weight, bias, 1e-5, 0.1, _key(1), -1)
+    with pytest.raises(ValueError, match="raw=True"):
+        rln.backward(residual, branch, residual, weight, residual[:, 0], residual[:, 0], None, 1.0, raw=True)

@@ -203,6 +203,40 @@ def test_fused_and_composed_paths_agree_on_cuda():
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("min_rows", [0, 4096], ids=["own_draws", "torch_draws"])
+def test_a_resumed_fused_layer_redraws_the_training_layers_hidden_dropout(min_rows, monkeypatch):
+    """Train mode, bf16 autocast, the same generator state: the resumed layer's fused path draws the hidden dropout
+    masks the training layer drew for the same input, in the LayerNorm kernel where the training layer's fused path
+    applies (`training.OWN_DROPOUT`, from `FUSED_MIN_ROWS` rows), `torch.native_dropout`'s elsewhere: the outputs
+    agree to 16-bit rounding (other masks move ~30 % of them by O(1)), and the input gradients too."""
+    from cat_fast.kernels.triton import residual_layer_norm
+    from cat_fast.layers import training as training_layer
+
+    monkeypatch.setattr(training_layer, "FUSED_MIN_ROWS", min_rows)
+    drawn = []
+    real = residual_layer_norm.forward_with_dropout
+    monkeypatch.setattr(residual_layer_norm, "forward_with_dropout",
+                        lambda *a, **k: drawn.append(a[7]) or real(*a, **k))
+    model, layer, mask = _layer_and_mask("bert", batch=6, length=40, dtype=torch.float32, device="cuda")
+    layer.train()  # hidden dropout 0.3
+    x = torch.randn(6, 40, 32, device="cuda")
+    g = torch.randn_like(x)
+    results = []
+    for run in (training_layer.forward, resumed_layer.forward, resumed_layer.forward):
+        torch.manual_seed(4 if len(results) < 2 else 5)
+        t = x.clone().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            y = run(layer, (t, mask), {})
+        results.append((y, torch.autograd.grad(y, t, g)[0]))
+    assert drawn == ([0, 1] * 3 if min_rows == 0 else [])  # streams 0 and 1 of each layer's key
+    (y_t, g_t), (y_r, g_r), (y_o, _) = results
+    assert torch.isclose(y_r, y_t, rtol=1e-5, atol=1e-5).float().mean() > 0.99
+    assert (y_r - y_t).abs().max() <= 2e-2 * y_t.abs().max()
+    assert (g_r - g_t).abs().max() <= 2e-2 * g_t.abs().max()
+    assert torch.isclose(y_o, y_t, rtol=1e-5, atol=1e-5).float().mean() < 0.95  # another state: other masks
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_fused_layer_is_not_used_without_autocast_or_for_fp64(monkeypatch):
     model, layer, mask = _layer_and_mask("bert", batch=2, length=9, dtype=torch.float32, device="cuda")
     calls = _spy_fused(monkeypatch)

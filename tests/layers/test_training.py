@@ -271,48 +271,72 @@ def test_what_the_backward_needs_is_freed_when_it_has_run():
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("train", [False, True])
+@pytest.mark.parametrize("train,own", [(False, True), (True, False), (True, True)],
+                         ids=["eval", "train_torch_draws", "train_own_draws"])
 @pytest.mark.parametrize("input_only", [False, True])
-def test_fused_kernels_run_under_autocast_and_agree_with_the_unfused_path(train, input_only, monkeypatch):
+def test_fused_kernels_run_under_autocast_and_agree_with_the_unfused_path(train, own, input_only, monkeypatch):
     """bf16 autocast on CUDA: the Triton kernels run (counted), with the dropout draws of the unfused path (the same
-    output and gradients to 16-bit rounding; a different mask would differ by O(1)); an input-only backward
-    (GS's ``g``) uses the input-only kernel and leaves the parameters' gradients alone."""
+    output and gradients to 16-bit rounding; a different mask would differ by O(1)): `torch.native_dropout`'s with
+    ``OWN_DROPOUT = False``, else the masks the LayerNorm kernel drew, replayed by the unfused path; an input-only
+    backward (GS's ``g``) uses the input-only kernel and leaves the parameters' gradients alone."""
     from cat_fast.kernels.triton import gelu_bias_backward, residual_layer_norm
     _, layer, mask = _layer_and_mask(batch=5, length=37, dtype=torch.float32, device="cuda", hidden_size=96,
                                      num_attention_heads=4, intermediate_size=200)
     layer.train(train)
-    calls = []
-    for module, names in ((residual_layer_norm, ("forward", "backward", "backward_with_params")),
+    monkeypatch.setattr(training_layer, "OWN_DROPOUT", own)
+    calls, drawn = [], []
+    for module, names in ((residual_layer_norm, ("forward", "forward_with_dropout", "backward",
+                                                 "backward_with_params")),
                           (gelu_bias_backward, ("backward",))):
         for name in names:
             def counted(*a, _f=getattr(module, name), _n=f"{module.__name__.rsplit('.', 1)[1]}.{name}", **k):
                 calls.append(_n)
-                return _f(*a, **k)
+                out = _f(*a, **k)
+                if _n.endswith("forward_with_dropout"):
+                    drawn.append(out[4])
+                return out
             monkeypatch.setattr(module, name, counted)
+
+    def replayed(x, p):  # the unfused path with the fused run's masks, written as torch.native_dropout writes them
+        if p == 0.0:
+            return x, None
+        keep = masks.pop(0).view(x.shape)
+        return torch.where(keep, (x.float() * (1.0 / (1.0 - p))).to(x.dtype), 0).to(x.dtype), keep
+
     x = torch.randn(5, 37, 96, device="cuda", requires_grad=True)
     g = torch.randn(5, 37, 96, device="cuda")
-    results = []
+    results = {}
     monkeypatch.setattr(training_layer, "FUSED_MIN_ROWS", 0)  # 185 rows: fused at any size here
-    for fused in (False, True):
+    for fused in (True, False):
         monkeypatch.setattr(training_layer, "FUSED", fused)
+        if not fused and train and own:
+            masks = list(drawn)
+            monkeypatch.setattr(training_layer, "dropout", replayed)
         calls.clear()
         torch.manual_seed(4)
         t = x.detach().requires_grad_(True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             y = training_layer.forward(layer, (t, mask), {})
         wrt = [t] if input_only else [t, *layer.parameters()]
-        results.append((y, torch.autograd.grad(y, wrt, g)))
+        results[fused] = (y, torch.autograd.grad(y, wrt, g))
         if fused:
             rln = "residual_layer_norm."
-            want = [rln + "forward"] * 2 + ([rln + "backward"] * 2 if input_only else
-                                             [rln + "backward_with_params", "gelu_bias_backward.backward",
-                                              rln + "backward_with_params"])
+            forward = rln + ("forward_with_dropout" if train and own else "forward")
+            want = [forward] * 2 + ([rln + "backward"] * 2 if input_only else
+                                    [rln + "backward_with_params", "gelu_bias_backward.backward",
+                                     rln + "backward_with_params"])
             if input_only:
                 want.insert(3, "gelu_bias_backward.backward")
             assert calls == want
         else:
             assert calls == []
-    (y_ref, g_ref), (y, grads) = results
+    if train and own:
+        assert len(drawn) == 2 and not masks  # both masks drawn by the kernel and replayed
+        p = layer.output.dropout.p
+        for keep in drawn:  # 17,760 draws each: a standard deviation of 0.0034 at p = 0.3
+            assert keep.shape == (5 * 37, 96) and abs(keep.float().mean() - (1 - p)) < 0.02
+        assert not torch.equal(drawn[0], drawn[1])
+    (y, grads), (y_ref, g_ref) = results[True], results[False]
     torch.testing.assert_close(y, y_ref, rtol=2e-2, atol=2e-2)
     names = ["input"] + ([] if input_only else [n for n, _ in layer.named_parameters()])
     for name, a, b in zip(names, grads, g_ref):
