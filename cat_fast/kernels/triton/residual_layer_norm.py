@@ -10,15 +10,15 @@ rounded to its dtype), in fp32: each program sums a run of rows, and one more la
 sums (`column_sums`). The same arithmetic as `reference_forward` / `reference_backward` /
 `reference_backward_with_params`.
 
-`forward_with_dropout` also applies the branch's dropout itself: ``s = float(dropout(branch)) + residual``, the
-kept values ``branch · scale`` rounded to the branch's dtype (as ``torch.native_dropout`` writes them), and returns the
+`forward_with_dropout` also applies the branch's dropout itself: ``s = float(dropout(branch)) + residual``, the kept
+values ``branch · scale`` rounded to the branch's dtype (as ``torch.native_dropout`` writes them), and returns the
 keep mask (bool) the backward takes; the backwards' ``raw=True`` then recompute the sum from the branch before its
-dropout the same way. The mask is a function of a 64-bit key (a `draw_key`, `varlen_attention`'s: drawn from the device's
-PyTorch generator, so a CUDA graph redraws it at each replay and a generator set back to a state redraws the same
-mask), a stream number and the element's place: element (r, c) of rows of D columns takes word ``c % 4`` of the
-Philox-4x32-10 draw keyed by the key with counters ``(lo, hi, stream, 0)`` of the 64-bit number ``r·⌈D / 4⌉ + c // 4``,
-and is dropped when that word (unsigned) is below ``t = round(p · 2³²)`` (`reference_keep`): the rate is p to 2⁻³².
-A row's mask does not depend on how many rows a call has.
+dropout the same way. The mask is a function of a 64-bit key (a `draw_key`, `varlen_attention`'s: drawn from the
+device's PyTorch generator, so a CUDA graph redraws it at each replay and a generator set back to a state redraws
+the same mask), a stream number and the element's place: element (r, c) of rows of D columns takes word ``c % 4`` of
+the Philox-4x32-10 draw keyed by the key with counters ``(lo, hi, stream, 0)`` of the 64-bit number
+``r·⌈D/4⌉+c//4``, and is dropped when that word (unsigned) is below ``t = round(p·2³²)`` (`reference_keep`): the
+rate is p to 2⁻³². A row's mask does not depend on how many rows a call has.
 """
 import torch
 import triton
