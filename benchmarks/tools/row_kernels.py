@@ -1,12 +1,15 @@
 """The training layer's row-sum Triton kernels under their launch settings, beside the same work in
 eager PyTorch and compiled by ``torch.compile`` (Inductor): LayerNorm backward with the parameter sums
-(`residual_layer_norm.backward_with_params`, D = 768), its input-only form (`residual_layer_norm.backward`), and
-GELU backward with the bias sum (`gelu_bias_backward.backward`, N = 3072), at the rows of BERT-base steps 8x128,
-32x128 and 64x256. Each version runs 20 times inside one CUDA graph (no host in the timing), median of 7 replays;
+(`residual_layer_norm.backward_with_params`, D = 768), its input-only form (`residual_layer_norm.backward`), GELU
+backward with the bias sum (`gelu_bias_backward.backward`, N = 3072), and a sublayer's dropout + residual add +
+LayerNorm forward (``dropout_norm``: `residual_layer_norm.forward_with_dropout`, the mask drawn in the kernel,
+against `torch.native_dropout` followed by `residual_layer_norm.forward`, and the raw backward against the
+backward of the dropped branch), at the rows of BERT-base steps 8x128, 32x128 and 64x256. Each version runs 20 times inside one CUDA graph (no host in the timing), median of 7 replays;
 µs per call, and the bytes it must move over the time as a fraction of the GPU's memory bandwidth (``--peak-tbs``,
 the H200's 4.8 TB/s by default). Each setting's results are checked against eager PyTorch first.
 
-    python benchmarks/tools/row_kernels.py [--rows 1024 4096 16384] [--quick] [--kernels layer_norm gelu]
+    python benchmarks/tools/row_kernels.py [--rows 1024 4096 16384] [--quick]
+        [--kernels layer_norm gelu dropout_norm]
 """
 import argparse
 import itertools
@@ -127,12 +130,60 @@ def sweep_gelu(n, peak, quick, N=3072):
            nbytes, peak)
 
 
+def sweep_dropout_norm(n, peak, p=0.1, D=768):
+    """dropout + residual add + LayerNorm forward (with the 16-bit copy) and its backward with the parameter sums:
+    the mask drawn in the LayerNorm kernel against `torch.native_dropout` before it, eager and compiled PyTorch."""
+    branch = torch.randn(n, D, device="cuda").to(torch.bfloat16)
+    residual = torch.randn(n, D, device="cuda")
+    weight = 1 + 0.1 * torch.randn(D, device="cuda")
+    bias = 0.1 * torch.randn(D, device="cuda")
+    grad_y = torch.randn(n, D, device="cuda")
+    key = rln.draw_key(branch.device)
+    scale = 1 / (1 - p)
+    # the least traffic: branch bf16 and residual fp32 read; y fp32, its bf16 copy and the byte mask written
+    nbytes = n * D * (2 + 4 + 4 + 2 + 1)
+    print(f"dropout (p = {p}) + residual add + LayerNorm forward, {n} x {D} (bytes: the kernel-drawn form's):")
+
+    def torch_draws():
+        dropped, keep = torch.native_dropout(branch, p, True)
+        return rln.forward(dropped, residual, weight, bias, 1e-12, out16_dtype=torch.bfloat16), keep
+
+    def eager():
+        dropped, keep = torch.native_dropout(branch, p, True)
+        return rln.reference_forward(dropped, residual, weight, bias, 1e-12, out16_dtype=torch.bfloat16), keep
+
+    compiled = torch.compile(eager)
+    compiled()
+    report("eager PyTorch (native_dropout + reference_forward)", graph_time_us(eager), nbytes, peak)
+    report("torch.compile(the same)", graph_time_us(compiled), nbytes, peak)
+    report("native_dropout + fused forward", graph_time_us(torch_draws), nbytes, peak)
+    got = rln.forward_with_dropout(branch, residual, weight, bias, 1e-12, p, key, 0, out16_dtype=torch.bfloat16)
+    y, _, mean, rstd, keep = got
+    dropped = torch.where(keep, (branch.float() * scale).to(branch.dtype), 0).to(branch.dtype)
+    ok = all(torch.equal(a, b) for a, b in zip(got[:4], rln.forward(dropped, residual, weight, bias, 1e-12,
+                                                                      out16_dtype=torch.bfloat16)))
+    report("fused, the mask drawn in the kernel", graph_time_us(
+        lambda: rln.forward_with_dropout(branch, residual, weight, bias, 1e-12, p, key, 0, out16_dtype=torch.bfloat16)),
+        nbytes, peak, "" if ok else "  MISMATCH")
+    # backward with the parameter sums: grad_y, residual fp32, branch bf16, keep read; grad_s fp32, grad_branch bf16
+    nbytes = n * D * (4 + 4 + 2 + 1 + 4 + 2)
+    print(f"its backward with the parameter sums, {n} x {D}:")
+    args = (grad_y, branch, residual, weight, mean, rstd, keep, scale)
+    after = (grad_y, dropped, residual, weight, mean, rstd, keep, scale)
+    ok = all(torch.equal(a, b) for a, b in zip(rln.backward_with_params(*args, raw=True),
+                                               rln.backward_with_params(*after)))
+    report("fused, the dropped branch", graph_time_us(lambda: rln.backward_with_params(*after)), nbytes, peak)
+    report("fused, the branch before its dropout (raw=True)",
+           graph_time_us(lambda: rln.backward_with_params(*args, raw=True)), nbytes, peak, "" if ok else "  MISMATCH")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="*", type=int, default=[1024, 4096, 16384])
     parser.add_argument("--peak-tbs", type=float, default=4.8)
     parser.add_argument("--quick", action="store_true", help="fewer settings")
-    parser.add_argument("--kernels", nargs="*", choices=("layer_norm", "gelu"), default=["layer_norm", "gelu"])
+    parser.add_argument("--kernels", nargs="*", choices=("layer_norm", "gelu", "dropout_norm"),
+                        default=["layer_norm", "gelu", "dropout_norm"])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("row_kernels.py needs a CUDA device")
@@ -143,6 +194,8 @@ def main():
             sweep_layer_norm(n, args.peak_tbs, args.quick)
         if "gelu" in args.kernels:
             sweep_gelu(n, args.peak_tbs, args.quick)
+        if "dropout_norm" in args.kernels:
+            sweep_dropout_norm(n, args.peak_tbs)
 
 
 if __name__ == "__main__":
