@@ -44,7 +44,7 @@ from .distributed import DistributedObjective, ddp_module
 from .gradient_averaging import BUCKET_MB, GradientAverager, embedding_tables
 from .step import NotCapturable
 
-__all__ = ["DDPStep", "GradientAverager", "Lockstep", "compression", "ddp_of"]
+__all__ = ["DDPStep", "GradientAverager", "Lockstep", "agreed_step", "compression", "ddp_of", "step_record"]
 
 
 def ddp_of(objective):
@@ -56,6 +56,32 @@ def ddp_of(objective):
     if ddp is not None and getattr(objective, "distributed", False):
         return objective, ddp_module(ddp)
     return None
+
+
+def step_record(number: int, rows=None, total: int = 0) -> list:
+    """What a rank contributes to `Lockstep.agree`'s exchange: ``[number, total, how many counts, the counts, 0s]``
+    (6 integers): `number` its padded signature's, `rows` its packed row counts (None, an int or a tuple of up to 3),
+    `total` its batch's rows."""
+    counts = () if rows is None else (rows if isinstance(rows, tuple) else (rows,))
+    if len(counts) > 3:
+        raise ValueError(f"rows: expected None, an int or up to 3 counts, got {rows!r}")
+    return [int(number), int(total), len(counts), *(int(c) for c in counts), *(0,) * (3 - len(counts))]
+
+
+def agreed_step(padded, rows, every):
+    """`Lockstep.agree`'s result for this rank (`padded`, `rows` as there) from every rank's `step_record`, in rank
+    order: the ranks' agreement without the exchange (`benchmarks/tools/cli_signatures.py` replays it on the
+    host)."""
+    key = padded[0], (padded[1], tuple(t[0] for t in every))
+    kinds = {t[2] for t in every}
+    if kinds == {0}:
+        return key, None, None, 0
+    if len(kinds) == 1:
+        n = kinds.pop()
+        top = tuple(max(t[3 + i] for t in every) for i in range(n))
+        agreed = top if isinstance(rows, tuple) else top[0]
+        return key, agreed, agreed, max(t[1] for t in every)
+    return key, rows, tuple(tuple(t[3:3 + t[2]]) for t in every), 0
 
 
 class Lockstep:
@@ -79,24 +105,11 @@ class Lockstep:
         (as many numbers), `rows` and `rows_key` are the ranks' largest of each count (every rank packs as many rows:
         one graph signature for every combination of the ranks' counts under it) and `total` the largest batch;
         where no rank packs, None, None, 0; else this rank's own counts, every rank's counts (the key) and 0."""
-        counts = () if rows is None else (rows if isinstance(rows, tuple) else (rows,))
-        if len(counts) > 3:
-            raise ValueError(f"rows: expected None, an int or up to 3 counts, got {rows!r}")
-        local = torch.tensor([self._ids.setdefault(padded, len(self._ids)), int(total), len(counts), *counts,
-                              *(0,) * (3 - len(counts))], dtype=torch.int64)
+        local = torch.tensor(step_record(self._ids.setdefault(padded, len(self._ids)), rows, total),
+                             dtype=torch.int64)
         every = [torch.empty_like(local) for _ in range(self.world)]
         dist.all_gather(every, local, group=self.group)
-        every = [t.tolist() for t in every]
-        key = padded[0], (padded[1], tuple(t[0] for t in every))
-        kinds = {t[2] for t in every}
-        if kinds == {0}:
-            return key, None, None, 0
-        if len(kinds) == 1:
-            n = kinds.pop()
-            top = tuple(max(t[3 + i] for t in every) for i in range(n))
-            agreed = top if isinstance(rows, tuple) else top[0]
-            return key, agreed, agreed, max(t[1] for t in every)
-        return key, rows, tuple(tuple(t[3:3 + t[2]]) for t in every), 0
+        return agreed_step(padded, rows, [t.tolist() for t in every])
 
     def all(self, ok: bool) -> bool:
         flag = torch.tensor([int(bool(ok))], dtype=torch.int64)

@@ -47,6 +47,34 @@ def test_the_policy_shares_a_graph_of_more_rows(monkeypatch):
         3, 4, 2, 0, 0)
 
 
+def test_packed_steps_that_do_not_share_warm_up_on_their_own():
+    """A packed step flagged as not sharing (under DDP, where not every rank packs) warms up as a signature of its
+    own: its batch shape's warm-up steps do not count for it, and it replays no other signature's graph."""
+    x, y = ("x", "p", 12, 100), ("y", "p", 10, 100)
+    steps = [x, x, x, y, y, y]
+    # sharing: x warms the batch shape up and is captured; y replays x's graph (2 rows more: within 12.5)
+    assert cli_signatures.replay_policy(steps, max_graphs=8, warmup=2, share_rows=0.125) == (3, 2, 1, 0, 3)
+    # apart: y warms up on its own and is captured
+    apart = [step + (False,) for step in steps]
+    assert cli_signatures.replay_policy(apart, max_graphs=8, warmup=2, share_rows=0.125) == (0, 4, 2, 0, 0)
+
+
+def test_the_ranks_steps_are_agreed_as_lockstep_agrees_them():
+    """`_agreed`: where every rank packs, each runs the ranks' largest counts and the key names them (sharing); where
+    some rank does not pack, each runs its own counts and the key names every rank's (no sharing); where none
+    packs, the padded key; every key names both ranks' numbers for their padded signatures."""
+    a, b = (("A",), ("cat", 4)), (("B",), ("cat", 4))
+    rank0 = [(a, 100, 400, (4, 100)), (a, 90, 400, (4, 100)), (a, None, 400, (4, 100))]
+    rank1 = [(b, 120, 400, (4, 100)), (b, None, 400, (4, 100)), (b, None, 400, (4, 100))]
+    steps0, steps1 = cli_signatures._agreed([rank0, rank1])
+    key0 = (("A",), (("cat", 4), (0, 0)))
+    assert steps0[0] == ((key0[0], (key0[1], ("rows", 120))), key0, 120, 400, True)
+    assert steps1[0][2:] == (120, 400, True) and steps1[0][1] == (("B",), (("cat", 4), (0, 0)))
+    assert steps0[1] == ((key0[0], (key0[1], ("rows", ((90,), ())))), key0, 90, 0, False)
+    assert steps1[1][2:] == (None, 0, False)
+    assert steps0[2] == (key0, None, None, 400) and steps1[2][1:] == (None, None, 400)
+
+
 def test_a_cli_cat_run_counted_on_the_host():
     """A CAT run like the README's (the built-in CAD sentiment data, MiniLM, 32 examples a class and their edits,
     16 a batch, 2 epochs: 16 steps, every batch over 4,096 rows): each step's signature
@@ -67,6 +95,19 @@ def test_a_cli_cat_run_counted_on_the_host():
     unshared, shared = coarse["policies"]
     assert unshared["shared"] == 0 and shared["captures"] <= unshared["captures"]
     assert fine["buckets"] == [32, 16] and coarse["buckets"] == [8, 8]
+
+
+def test_a_cli_cat_run_on_two_ranks_counted_on_the_host():
+    """The same run as two torchrun ranks: each takes every other batch (8 steps each), the ranks' keys give every
+    rank the same counts, and every step is counted once."""
+    argv = ["--task", "sentiment", "--method", "cat", "--per-class", "32", "--epochs", "2", "--batch-size", "16",
+            "--max-length", "256"]
+    record = cli_signatures.count(argv, warmups=(3, 1), shares=(0.0, 0.125), ranks=2)
+    assert record["ranks"] == 2 and record["steps"] == 8 and record["ranks_agree"] is True
+    assert 1 <= record["signatures"] <= record["steps"]
+    for policy in record["policies"]:
+        counts = [policy[k] for k in ("replayed", "eager_warmup", "captures", "eager_past_limits")]
+        assert sum(counts) == record["steps"] and policy["shared"] <= policy["replayed"]
 
 
 def test_a_missing_training_file_ends_in_one_line(capsys):
