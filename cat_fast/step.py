@@ -443,7 +443,8 @@ class CapturedStep(cuda_graphs.CachedGraphs):
         on the host: `benchmarks/tools/cli_signatures.py`): a `Signature`, ``(signature, padded, rows)``: `padded`
         the padded signature a packed step falls back to once packed graphs hold half of ``max_graphs`` (None where
         the step runs padded), `rows` its packed row counts, as on one process (under DDP the ranks' agreement is
-        left out). It plans the step (`Objective.plan_step`), so the objective's draws advance as a step's would.
+        left out: `step_ddp.agreed_step` gives it from every rank's `step_ddp.step_record`). It plans the step
+        (`Objective.plan_step`), so the objective's draws advance as a step's would.
         ``cuda_counts``: a CPU batch counted as the same batch on a GPU would be ("auto" packing, from the objective's
         least row count)."""
         plan = self._plan(batch, args)

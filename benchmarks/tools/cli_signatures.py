@@ -1,12 +1,12 @@
-"""How a `cat-fast train` run's captured steps would go, counted on the host without a GPU: the run's own batches
-(its data, tokenizer, batch sampler and length buckets, as `--pad auto` pads them on a GPU), its objective's plan of
-each step (CAT's mixing layer and partners), each step's packed row counts as `cat_fast.step.static_row_counts` gives
-a CUDA batch (`layers.training.PACKED` "auto"), and the graph signature `cat_fast.step.CapturedStep` keys it by; then
+"""How a `cat-fast train` run's captured steps would go, counted on the host without a GPU: the run's own batches (its
+data, tokenizer, batch sampler and length buckets, as `--pad auto` pads them on a GPU), its objective's plan of each
+step (CAT's mixing layer and partners), each step's packed row counts as `cat_fast.step.static_row_counts` gives a
+CUDA batch (`layers.training.PACKED` "auto"), and the graph signature `cat_fast.step.CapturedStep` keys it by; then
 the Trainer's cache policy (`max_graphs` 64, packed graphs at most half of them, `warmup_steps` eager steps before a
 batch shape's first capture, then each new row count captured at once as a CUDA build's `CapturedStep` does, a
-packed step replaying a captured graph of more rows within ``share_rows``) replayed over the steps: how many steps replay a graph (and how many of those another
-signature's), and how many run eagerly (warm-up steps, signatures past the limits) or capture. Prints one JSON
-record.
+packed step replaying a captured graph of more rows within ``share_rows``) replayed over the steps: how many steps
+replay a graph (and how many of those another signature's), and how many run eagerly (warm-up steps, signatures past
+the limits) or capture. Prints one JSON record.
 
     python benchmarks/tools/cli_signatures.py --task sentiment --method cat --batch-size 32 --max-length 256 --epochs 2
 
