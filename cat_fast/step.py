@@ -94,7 +94,8 @@ from .layers import packing
 from .layers import training as training_layers
 from .ops.fused import rng_offset_available
 
-__all__ = ["CapturedStep", "NotCapturable", "StepPlan", "Signature", "shared_graph", "static_row_counts"]
+__all__ = ["CapturedStep", "NotCapturable", "StepPlan", "Signature", "shared_graph", "static_row_counts",
+           "with_rows"]
 
 
 class NotCapturable(RuntimeError):
@@ -235,7 +236,7 @@ def _counts_of(rows) -> tuple:
     return rows if isinstance(rows, tuple) else (rows,)
 
 
-def _with_rows(padded, rows):
+def with_rows(padded, rows):
     """The graph signature of a step of padded signature `padded` (``(inputs' signature, key)``) that packs `rows`
     (its key then names them), or `padded` where nothing packs (None)."""
     return padded if rows is None else (padded[0], (padded[1], ("rows", rows)))
@@ -462,7 +463,7 @@ class CapturedStep(cuda_graphs.CachedGraphs):
             training_layers.PACKED = saved
         if rows is None:
             return Signature(padded, None, None)
-        return Signature(_with_rows(padded, rows), padded, rows)
+        return Signature(with_rows(padded, rows), padded, rows)
 
     def __call__(self, batch, *args):
         on_cuda = bool(self.params) and self.params[0].is_cuda
@@ -486,7 +487,7 @@ class CapturedStep(cuda_graphs.CachedGraphs):
         lockstep = self._ddp.lockstep if self._ddp is not None else None
         # `rows`: the counts this rank packs; `key_rows`: those its signature keys (under DDP: agreed by the ranks)
         padded, rows, key_rows, total = self._agreed(inputs, plan, rows, batch, lockstep)
-        sig = _with_rows(padded, key_rows)
+        sig = with_rows(padded, key_rows)
         warmup = self.warmup_steps
         shares = key_rows is not None and key_rows == rows  # every rank packs these counts: they share, warm together
         if shares and sig not in self.cache.entries:

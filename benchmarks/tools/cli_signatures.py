@@ -134,7 +134,8 @@ def count(argv, warmups=(3,), max_graphs: int = 64, buckets=None, shares=None, r
 
 
 def _rank_steps(argv, max_graphs, rank, world):
-    """Rank `rank`'s steps: ``(padded signature, packed row counts or None, the batch's rows, batch shape)`` each."""
+    """Rank `rank`'s steps: ``(signature, padded signature, packed row counts or None, the batch's rows, batch
+    shape)`` each."""
     import torch
 
     from cat_fast.step import CapturedStep
@@ -151,14 +152,14 @@ def _rank_steps(argv, max_graphs, rank, world):
         call, args = objective.call_arguments(batch)
         sig, padded, rows = captured.signature_of(call, *args, cuda_counts=True)  # as "auto" counts a CUDA batch
         mask = call["attention_mask"]
-        steps.append((sig if padded is None else padded, rows, mask.numel(), tuple(mask.shape)))
+        steps.append((sig, sig if padded is None else padded, rows, mask.numel(), tuple(mask.shape)))
     return steps
 
 
 def _agreed(ranks_steps):
-    """Each rank's replay-policy steps (`replay_policy`) from every rank's steps, agreed step by step as
-    `Lockstep.agree` agrees them."""
-    from cat_fast.step import _with_rows
+    """Each rank's replay-policy steps (`replay_policy`) from every rank's steps (`_rank_steps` without their
+    signature), agreed step by step as `Lockstep.agree` agrees them."""
+    from cat_fast.step import with_rows
     from cat_fast.step_ddp import agreed_step, step_record
 
     ids = [{} for _ in ranks_steps]
@@ -172,19 +173,19 @@ def _agreed(ranks_steps):
                 out[r].append((key, None, None, total))
             else:
                 shares = key_rows == rows_run
-                out[r].append((_with_rows(key, key_rows), key, rows_run, total_run, shares))
+                out[r].append((with_rows(key, key_rows), key, rows_run, total_run, shares))
     return out
 
 
 def _count(argv, warmups, max_graphs, shares, ranks=1):
     ranks_steps = [_rank_steps(argv, max_graphs, r, ranks) for r in range(ranks)]
     if ranks == 1:
-        policy_steps = [[(sig if rows is None else _packed_sig(sig, rows), None if rows is None else sig, rows, total)
-                         for sig, rows, total, _ in ranks_steps[0]]]
+        policy_steps = [[(sig, None if rows is None else padded, rows, total)
+                         for sig, padded, rows, total, _ in ranks_steps[0]]]
     else:
-        policy_steps = _agreed(ranks_steps)
+        policy_steps = _agreed([[step[1:] for step in steps] for steps in ranks_steps])
     steps = policy_steps[0]
-    shapes = collections.Counter((shape, rows is not None) for _, rows, _, shape in ranks_steps[0])
+    shapes = collections.Counter((shape, rows is not None) for _, _, rows, _, shape in ranks_steps[0])
     out = {"argv": " ".join(argv), "ranks": ranks, "steps": len(steps), "signatures": len({s[0] for s in steps}),
            "packed_steps": sum(s[1] is not None for s in steps),
            "batch_shapes": len(shapes), "max_graphs": max_graphs, "policies": []}
@@ -199,12 +200,6 @@ def _count(argv, warmups, max_graphs, shares, ranks=1):
     if ranks > 1:
         out["ranks_agree"] = agree
     return out
-
-
-def _packed_sig(padded, rows):
-    from cat_fast.step import _with_rows
-
-    return _with_rows(padded, rows)
 
 
 def main(argv=None):

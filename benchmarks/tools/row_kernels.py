@@ -1,12 +1,13 @@
-"""The training layer's row-sum Triton kernels under their launch settings, beside the same work in
-eager PyTorch and compiled by ``torch.compile`` (Inductor): LayerNorm backward with the parameter sums
+"""The training layer's row-sum Triton kernels under their launch settings, beside the same work in eager PyTorch and
+compiled by ``torch.compile`` (Inductor): LayerNorm backward with the parameter sums
 (`residual_layer_norm.backward_with_params`, D = 768), its input-only form (`residual_layer_norm.backward`), GELU
 backward with the bias sum (`gelu_bias_backward.backward`, N = 3072), and a sublayer's dropout + residual add +
 LayerNorm forward (``dropout_norm``: `residual_layer_norm.forward_with_dropout`, the mask drawn in the kernel,
-against `torch.native_dropout` followed by `residual_layer_norm.forward`, and the raw backward against the
-backward of the dropped branch), at the rows of BERT-base steps 8x128, 32x128 and 64x256. Each version runs 20 times inside one CUDA graph (no host in the timing), median of 7 replays;
-µs per call, and the bytes it must move over the time as a fraction of the GPU's memory bandwidth (``--peak-tbs``,
-the H200's 4.8 TB/s by default). Each setting's results are checked against eager PyTorch first.
+against `torch.native_dropout` followed by `residual_layer_norm.forward`, and the raw backward against the backward
+of the dropped branch), at the rows of BERT-base steps 8x128, 32x128 and 64x256. Each version runs 20 times inside
+one CUDA graph (no host in the timing), median of 7 replays; µs per call, and the bytes it must move over the time
+as a fraction of the GPU's memory bandwidth (``--peak-tbs``, the H200's 4.8 TB/s by default). Each setting's results
+are checked against eager PyTorch first.
 
     python benchmarks/tools/row_kernels.py [--rows 1024 4096 16384] [--quick]
         [--kernels layer_norm gelu dropout_norm]
