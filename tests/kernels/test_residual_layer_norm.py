@@ -172,17 +172,18 @@ def _key(value):
 @pytest.mark.skipif(not RUNS, reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("lead,D", [((1,), 32), ((3,), 33), ((2, 2), 10)])
 @pytest.mark.parametrize("stream", [0, 1])
-def test_dropout_mask_is_the_philox_words_of_the_documented_counters(lead, D, stream):
+@pytest.mark.parametrize("p", [0.4, 0.7])  # thresholds below and above 2³¹: an int32 and an int64 argument
+def test_dropout_mask_is_the_philox_words_of_the_documented_counters(lead, D, stream, p):
     """The kernel's keep mask equals `reference_keep` (the Philox words of each element's counters, in Python
     integers) for a key with both 32-bit halves set; another stream or key draws another mask."""
     branch, residual, weight, bias, _, _ = _inputs(lead, D, torch.bfloat16)
     key = (0x1234_5678 << 32) | 0x9ABC_DEF0
-    keep = rln.forward_with_dropout(branch, residual, weight, bias, 1e-12, 0.4, _key(key), stream)[4]
+    keep = rln.forward_with_dropout(branch, residual, weight, bias, 1e-12, p, _key(key), stream)[4]
     rows = keep.numel() // D
-    want = rln.reference_keep(key, rows, D, 0.4, stream)
+    want = rln.reference_keep(key, rows, D, p, stream)
     assert torch.equal(keep.reshape(rows, D).cpu(), want)
-    assert not torch.equal(want, rln.reference_keep(key, rows, D, 0.4, 1 - stream))
-    assert not torch.equal(want, rln.reference_keep(key + 1, rows, D, 0.4, stream))
+    assert not torch.equal(want, rln.reference_keep(key, rows, D, p, 1 - stream))
+    assert not torch.equal(want, rln.reference_keep(key + 1, rows, D, p, stream))
 
 
 def _kernel_cast(x, dtype):

@@ -55,8 +55,7 @@ def _keep(key, rows, cols, D, threshold, stream):
     r0, r1, r2, r3 = tl.philox(key, lo, (c >> 32).to(tl.uint32), (wide + stream).to(tl.uint32), lo * 0, 10)
     # join stacks along a new last axis: [R, Q, 2, 2] holds r0, r1, r2, r3 at 2·i + j of its last two
     r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [rows.shape[0], 4 * Q])
-    t = tl.reshape(tl.join(tl.join(wide, wide), tl.join(wide, wide)), [rows.shape[0], 4 * Q]) + threshold
-    return r >= t.to(tl.uint32)
+    return r.to(tl.int64) >= threshold  # threshold up to 2³², an int32 or int64 argument: compared in int64
 
 
 @triton.jit
