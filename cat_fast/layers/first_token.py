@@ -16,6 +16,11 @@ in place (no per-projection casts, no zero-filled gradient of the first row). Th
 attention is the same `attention.first_row` call, given the keys and values as one tensor: their gradient is
 written as one); the input gradient is summed in fp32 under autocast (the modules round each projection's to 16
 bits first). `INPUT_ONLY_KEY_VALUE` (True by default) turns it off when False (its timing: benchmarks/RESULTS.md).
+Where the layer's fused conditions below hold, an input-only pass, and one without gradients (CAT's final
+counterfactual pass), runs the training row instead (`INPUT_ONLY_ROW`, True by default): the same node, whose
+backward skips the parameter gradients that an input-only ``autograd.grad`` does not deliver (`training.wanted`),
+so the remaining projections run on the shared 16-bit copies too and the row's residual adds, LayerNorms and GELU
+backward by the fused kernels, in place of the modules' per-pass casts of four weights and their biases.
 
 Passes that take parameter gradients (training) of a layer the training layers run (`layers.training.supported`:
 the Bert layout, no hooks, no interventions), an fp32 layer under 16-bit autocast on CUDA, run as one autograd node
@@ -45,7 +50,7 @@ from ..ops.fused import fused_kernels
 from . import attention, casts, interventions, layout, packing, training
 from .layout import bert_parts, copy16, dropout, dropout_p
 
-__all__ = ["supported", "forward", "INPUT_ONLY_KEY_VALUE", "TRAINING_ROW", "PACKED"]
+__all__ = ["supported", "forward", "INPUT_ONLY_KEY_VALUE", "INPUT_ONLY_ROW", "TRAINING_ROW", "PACKED"]
 
 _ATTENTION = ("sdpa", "eager")
 
@@ -54,6 +59,9 @@ INPUT_ONLY_KEY_VALUE = True
 # Whether passes that take parameter gradients run as one autograd node where they can (module docstring); False:
 # the layer's own modules, for comparisons.
 TRAINING_ROW = True
+# Whether input-only passes and passes without gradients run that node too where it applies (module docstring);
+# False: the keys and values in one matmul and the modules for the rest, for comparisons.
+INPUT_ONLY_ROW = True
 # Whether a call on packed rows (`layers.packing.carried`) runs on them (module docstring); False: they are unpacked
 # first, for comparisons.
 PACKED = True
@@ -147,10 +155,9 @@ def forward(layer: nn.Module, args, kwargs, fill: float | None = None, row_only:
             return _packed(layer, parts, x, mask, carried, fill, row_only, input_only)
         x = packing.unpack(x, *carried)
     heads = parts.heads
-    if not input_only:
-        row = _training_row(layer, x, mask)
-        if row is not None:
-            return row if row_only else _with_rest(row, x, fill)
+    row = _training_row(layer, x, mask, input_only=input_only)
+    if row is not None:
+        return row if row_only else _with_rest(row, x, fill)
     fast = _key_value_weights(layer, parts, x) if input_only else None
     if fast is not None:
         dtype, w_kv, b_kv = fast
@@ -180,9 +187,7 @@ def _packed(layer, parts, x, mask, carried, fill, row_only, input_only):
     `fill`. The same values and dropout draws as the padded call."""
     plan, full, _ = carried
     keys, starts = plan.first_row_keys()
-    row = None
-    if not input_only:
-        row = _training_row(layer, x, mask, (plan, keys, starts))
+    row = _training_row(layer, x, mask, (plan, keys, starts), input_only)
     if row is None:
         fast = _key_value_weights(layer, parts, x) if input_only else None
         if fast is not None:
@@ -229,12 +234,15 @@ def _row_kernels(x, dtype, layer_norm_dtype):
     return None if attend is None else (*fused, attend)
 
 
-def _training_row(layer, x, mask, packed=None):
+def _training_row(layer, x, mask, packed=None, input_only=False):
     """Row 0 of the layer's output ([B, 1, D]) by `_TrainingRow` where it applies (module docstring), else None.
-    `packed`: ``(plan, keys, starts)`` where x is packed rows [1, N, D] (`_packed`)."""
-    if TRAINING_ROW is not True and TRAINING_ROW is not False:
-        raise ValueError(f"cat_fast.layers.first_token.TRAINING_ROW: expected True or False, got {TRAINING_ROW!r}")
-    if not (TRAINING_ROW and torch.is_grad_enabled()) or not isinstance(x, torch.Tensor) or x.dim() != 3:
+    `packed`: ``(plan, keys, starts)`` where x is packed rows [1, N, D] (`_packed`); `input_only`: a pass that takes
+    no parameter gradient (`INPUT_ONLY_ROW`), with or without gradients enabled."""
+    for name, value in (("TRAINING_ROW", TRAINING_ROW), ("INPUT_ONLY_ROW", INPUT_ONLY_ROW)):
+        if value is not True and value is not False:
+            raise ValueError(f"cat_fast.layers.first_token.{name}: expected True or False, got {value!r}")
+    on = INPUT_ONLY_ROW if input_only else TRAINING_ROW and torch.is_grad_enabled()
+    if not on or not isinstance(x, torch.Tensor) or x.dim() != 3:
         return None
     params = training.parameters(layer)
     if params is None or interventions.active(layer):
@@ -242,7 +250,7 @@ def _training_row(layer, x, mask, packed=None):
     first = params[0]
     if (x.dtype != torch.float32 or x.device != first.device or x.shape[1] == 0
             or any(p.dtype != first.dtype or p.device != first.device for p in params)
-            or not (x.requires_grad or any(p.requires_grad for p in params))):
+            or not (input_only or x.requires_grad or any(p.requires_grad for p in params))):
         return None
     sa, so, inter, out = bert_parts(layer)
     dtype = layout.compute_dtype(x, first.dtype)

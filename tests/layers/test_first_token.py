@@ -193,6 +193,48 @@ def test_training_row_equals_the_modules(lengths, monkeypatch):
     torch.testing.assert_close(grad_x, grads[0], rtol=1e-6, atol=1e-6)
 
 
+def _input_only_pass(layer, x, mask, g, row, monkeypatch, seed=3):
+    """(output [B, T, D], the input's gradient alone) of an input-only pass (CAT's counterfactual passes) with the
+    training row on or off for such passes."""
+    monkeypatch.setattr(first_token, "INPUT_ONLY_ROW", row)
+    torch.manual_seed(seed)
+    t = x.detach().requires_grad_(True)
+    out = first_token.forward(layer, (t, mask), {}, input_only=True)
+    assert out is not None and out.shape == x.shape
+    return out, torch.autograd.grad(out, [t], g)[0]
+
+
+@INTERPRETED
+@pytest.mark.parametrize("lengths", [[9, 4, 6, 3], [1]], ids=["padded", "one_token"])
+def test_input_only_passes_run_the_row_without_parameter_gradients(lengths, monkeypatch):
+    """An input-only pass (its kernels under the interpreter, fp32, hidden dropout in train mode) runs the training
+    row: row 0 and the input gradient equal the keys-and-values path's (the modules for the rest) to fp32 rounding,
+    with no weight-gradient product; without gradients (CAT's final pass) the row runs too, with the same row 0."""
+    from cat_fast.layers import training as training_layer
+
+    layer = _first_token_layer(hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.0)
+    x, mask, g = _padded(lengths, 9, layer.attention.self.all_head_size)
+    calls = _row_calls(monkeypatch, on_cpu=True)
+    products = []
+    real = training_layer.weight_grad
+    monkeypatch.setattr(training_layer, "weight_grad", lambda *a: products.append(1) or real(*a))
+    want, want_grad = _input_only_pass(layer, x, mask, g, False, monkeypatch)
+    assert calls == []
+    got, grad = _input_only_pass(layer, x, mask, g, True, monkeypatch)
+    assert calls == [1] and products == []
+    torch.testing.assert_close(got[:, 0], want[:, 0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[:, 1:], x[:, 1:])
+    torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-5)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        quiet = first_token.forward(layer, (x, mask), {}, input_only=True)
+    assert calls == [1, 1]
+    torch.testing.assert_close(quiet[:, 0], want[:, 0], rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(first_token, "INPUT_ONLY_ROW", 1)
+    with pytest.raises(ValueError, match="INPUT_ONLY_ROW: expected True or False, got 1"):
+        first_token.forward(layer, (x, mask), {}, input_only=True)
+
+
 @INTERPRETED
 def test_training_row_stays_off_where_it_does_not_apply(monkeypatch):
     """No gradient taken, an intervention or a hook on the layer, or (on the CPU, without the kernels allowed) any
@@ -333,14 +375,16 @@ def test_packed_rows_one_row_or_filled_and_unpacked_where_edited(monkeypatch):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("input_only", [False, True], ids=["training_row", "input_only"])
-def test_cuda_packed_rows_equal_the_padded_rows_to_16_bit_rounding(input_only, monkeypatch):
-    """bf16 autocast on CUDA with attention and hidden dropout: the training row (or an input-only pass's keys and
-    values in one matmul) on packed rows, its attention by the packed first-row kernel, against the padded rows:
-    the same draws, so row 0 and every gradient agree to bf16 rounding."""
+@pytest.mark.parametrize("input_only,row", [(False, True), (True, True), (True, False)],
+                         ids=["training_row", "input_only_row", "input_only_key_value"])
+def test_cuda_packed_rows_equal_the_padded_rows_to_16_bit_rounding(input_only, row, monkeypatch):
+    """bf16 autocast on CUDA with attention and hidden dropout: the training row (for an input-only pass too, or
+    with `INPUT_ONLY_ROW` off its keys and values in one matmul) on packed rows, its attention by the packed
+    first-row kernel, against the padded rows: the same draws, so row 0 and every gradient agree to bf16 rounding."""
     from cat_fast.layers import training as training_layer
 
     monkeypatch.setattr(training_layer, "FUSED_MIN_ROWS", 0)
+    monkeypatch.setattr(first_token, "INPUT_ONLY_ROW", row)
     layer = _first_token_layer("cuda", hidden_size=64, num_attention_heads=4, intermediate_size=256,
                                hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.2)
     x, mask, g = _padded([40, 17, 25, 9, 33, 40, 1], 40, 64, "cuda")
@@ -348,6 +392,6 @@ def test_cuda_packed_rows_equal_the_padded_rows_to_16_bit_rounding(input_only, m
     with torch.autocast("cuda", dtype=torch.bfloat16):
         want, want_grads, _ = _packed_pass(layer, x, mask, g, False, monkeypatch, input_only=input_only)
         got, grads, _ = _packed_pass(layer, x, mask, g, True, monkeypatch, input_only=input_only)
-    assert row_calls == ([] if input_only else [1, 1])
+    assert row_calls == ([1, 1] if row else [])
     torch.testing.assert_close(got[:, 0], want[:, 0], rtol=2e-2, atol=2e-2)
     _agree_in_fp32(layer, grads, want_grads, 2e-2)
