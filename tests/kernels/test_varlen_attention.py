@@ -98,7 +98,8 @@ def test_gradcheck_float64_with_dropout():
             return va.backward(do.contiguous(), q, k, v, out, lse, *args, bits)
 
     q, k, v = (t.detach().requires_grad_() for t in _inputs(8, 8, H, D, torch.float64, 4, joined=False))
-    assert torch.autograd.gradcheck(F.apply, (q, k, v), eps=1e-6, atol=1e-7)
+    # under the interpreter: random projections of the Jacobian, not all of it (speed)
+    assert torch.autograd.gradcheck(F.apply, (q, k, v), eps=1e-6, atol=1e-7, fast_mode=not CUDA)
 
 
 @needs_kernel

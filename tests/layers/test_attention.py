@@ -94,7 +94,8 @@ def test_gradcheck_with_mask_and_dropout(packed):
         fn = lambda q, kv: attention.fused_first_row(q, kv, bias, heads, keep, 0.7, 0.25)  # noqa: E731
     else:
         fn = lambda q, k, v: attention.fused_first_row(q, (k, v), bias, heads, keep, 0.7, 0.25)  # noqa: E731
-    assert torch.autograd.gradcheck(fn, tuple(inputs), eps=1e-6, atol=1e-9)
+    # under the interpreter: random projections of the Jacobian, not all of it (speed)
+    assert torch.autograd.gradcheck(fn, tuple(inputs), eps=1e-6, atol=1e-9, fast_mode=not CUDA)
 
 
 @needs_kernel
@@ -207,7 +208,8 @@ def test_packed_keys_gradcheck_with_dropout():
     q, kv, rows, _, _ = _packed_keys([4, 2, 5], 5, heads, D, extended=1, extra=2, seed=3)
     keep = torch.rand(3, heads, 5, generator=torch.Generator().manual_seed(2)).ge(0.3).to(DEVICE)
     fn = lambda q, kv: attention.fused_first_row_packed(q, kv, rows, heads, keep, 0.7, 0.3)  # noqa: E731
-    assert torch.autograd.gradcheck(fn, (q.requires_grad_(True), kv.requires_grad_(True)), eps=1e-6, atol=1e-9)
+    assert torch.autograd.gradcheck(fn, (q.requires_grad_(True), kv.requires_grad_(True)), eps=1e-6, atol=1e-9,
+                                    fast_mode=not CUDA)  # the interpreter: random projections (speed)
 
 
 def test_packed_keys_off_the_kernel_put_them_back_and_run_first_row():

@@ -179,8 +179,9 @@ def test_gradcheck_and_gradgradcheck():
     def fn(q, k, v):
         return da.attention(q, k, v, mask, 0.25, keep=keep)
 
-    assert torch.autograd.gradcheck(fn, (q, k, v))
-    assert torch.autograd.gradgradcheck(fn, (q, k, v))
+    # under the interpreter: random projections of the Jacobians, not all of them (speed)
+    assert torch.autograd.gradcheck(fn, (q, k, v), fast_mode=not CUDA)
+    assert torch.autograd.gradgradcheck(fn, (q, k, v), fast_mode=not CUDA)
 
 
 @needs_kernel

@@ -87,8 +87,9 @@ def test_gradcheck_and_gradgradcheck(backend, device, per_token):
     def fn(h, lam):
         return run(backend, cmix, h, lam, partner)[0]
 
-    assert torch.autograd.gradcheck(fn, (h, lam))
-    assert torch.autograd.gradgradcheck(fn, (h, lam))
+    interpreted = backend == "triton"  # Triton's interpreter: random projections, not the full Jacobian (speed)
+    assert torch.autograd.gradcheck(fn, (h, lam), fast_mode=interpreted)
+    assert torch.autograd.gradgradcheck(fn, (h, lam), fast_mode=interpreted)
 
 
 def test_opcheck(backend, device):
