@@ -209,7 +209,7 @@ def test_packed_keys_gradcheck_with_dropout():
     keep = torch.rand(3, heads, 5, generator=torch.Generator().manual_seed(2)).ge(0.3).to(DEVICE)
     fn = lambda q, kv: attention.fused_first_row_packed(q, kv, rows, heads, keep, 0.7, 0.3)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (q.requires_grad_(True), kv.requires_grad_(True)), eps=1e-6, atol=1e-9,
-                                    fast_mode=not CUDA)  # the interpreter: random projections (speed)
+                                    fast_mode=not CUDA)  # under the interpreter: random projections (speed)
 
 
 def test_packed_keys_off_the_kernel_put_them_back_and_run_first_row():

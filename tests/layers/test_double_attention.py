@@ -179,7 +179,7 @@ def test_gradcheck_and_gradgradcheck():
     def fn(q, k, v):
         return da.attention(q, k, v, mask, 0.25, keep=keep)
 
-    # under the interpreter: random projections of the Jacobians, not all of them (speed)
+    # under the interpreter: random projections of the Jacobian, not all of it (speed)
     assert torch.autograd.gradcheck(fn, (q, k, v), fast_mode=not CUDA)
     assert torch.autograd.gradgradcheck(fn, (q, k, v), fast_mode=not CUDA)
 

@@ -87,7 +87,7 @@ def test_gradcheck_and_gradgradcheck(backend, device, per_token):
     def fn(h, lam):
         return run(backend, cmix, h, lam, partner)[0]
 
-    interpreted = backend == "triton"  # Triton's interpreter: random projections, not the full Jacobian (speed)
+    interpreted = backend == "triton"  # under the interpreter: random projections of the Jacobian (speed)
     assert torch.autograd.gradcheck(fn, (h, lam), fast_mode=interpreted)
     assert torch.autograd.gradgradcheck(fn, (h, lam), fast_mode=interpreted)
 
