@@ -41,9 +41,11 @@ Lent rows apart (``lent(rows)``, `LENT`): where those padding rows take no gradi
 detached), the layers up to the narrowing pack the real rows only, as a plain step does, and each packed layer also
 carries the lent rows forward without autograd (`layers.training`): their query attends to its sequence's keys (the
 real rows' keys and values the layer computed), the rest of the layer row by row, as the padded path computes a
-padding row. At the narrowing, `lent_rows` hands them over and `with_lent` writes them into a detached copy of h_m.
-A static count's third number (``static_rows((n, n_after, n_lent))``) is their count in a graph: the lent rows
-first, then rows whose results go to a scratch row nobody reads.
+padding row. On CUDA, with variable-length attention, that work runs on a stream of its own from the layer's key
+and value projection on, beside the rest of the layer (`LENT_LANE`). At the narrowing, `lent_rows` hands them over
+and `with_lent` writes them into a detached copy of h_m. A static count's third number
+(``static_rows((n, n_after, n_lent))``) is their count in a graph: the lent rows first, then rows whose results go
+to a scratch row nobody reads.
 """
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ from .layout import will_run
 __all__ = ["real_rows", "attend", "attention_backward", "scatter", "static_rows", "static_count", "bucket", "BUCKETS",
            "Plan", "plan", "pack", "link", "unpack", "carry", "carried", "carrying", "may_carry", "padded", "refused",
            "VARLEN", "VARLEN_KERNEL", "varlen_forward", "varlen_backward", "NARROW", "extended", "narrow", "KEYS",
-           "LENT", "lent", "lent_state", "lent_rows", "with_lent",
+           "LENT", "LENT_LANE", "lent", "lent_state", "lent_rows", "with_lent",
            "lent_bucket", "LENT_BUCKETS"]
 
 _last = threading.local()  # .entry: (weak reference to the mask, its version, (B, T, min_padding, ...), the result,
@@ -86,7 +88,13 @@ NARROW = True
 # Whether a step whose lent rows take no gradient computes them apart, forward only (`lent`, module docstring); False
 # packs them with the real rows up to the narrowing, for comparisons.
 LENT = True
+# Whether, on CUDA, the packed layers run the lent rows' work on a stream of its own (`_Lent.lane`), from the
+# layer's key and value projection on, beside the rest of the layer on the real rows: the lent rows' small products,
+# attention and row-wise kernels fill the gaps and tails of the real rows' kernels instead of following them. Same
+# kernels, same draws (issued in the same order); False runs them on the layer's stream, for comparisons.
+LENT_LANE = True
 _lent = threading.local()  # .state: `lent`'s `_Lent`, or None
+_LANES: dict = {}  # device -> the stream the lent rows run on
 
 
 @contextlib.contextmanager
@@ -185,9 +193,10 @@ class _Lent:
     static count rows of no use); `dest`, where each is written back (its row, or B·T: a scratch row); `cu`, int32
     offsets of each sequence's lent rows, for the attention; `x` and `x16`, their hidden rows so far and a 16-bit
     copy of them (None before the first packed layer); `done`, set by `lent_rows`; `broken`, set by a layer that
-    could not carry them."""
+    could not carry them; `joins`, the (stream, lane) pairs whose stream must wait for the lane, and `kept`, what
+    the lane reads until then (`lane`)."""
 
-    __slots__ = ("idx", "dest", "cu", "x", "x16", "done", "broken")
+    __slots__ = ("idx", "dest", "cu", "x", "x16", "done", "broken", "joins", "kept")
 
     def __init__(self, mask, idx, dest):
         """`mask`: the [B, T] rows lent; `idx` and `dest` as above."""
@@ -196,10 +205,41 @@ class _Lent:
         self.cu = torch.cat([counts.new_zeros(1), counts.cumsum(0, dtype=torch.int32)])
         self.x = self.x16 = None
         self.done = self.broken = False
+        self.joins, self.kept = {}, []
 
     def active(self) -> bool:
         """Whether a packed layer now carries the rows on (started, not yet handed over)."""
         return self.x is not None and not self.done
+
+    def lane(self, keep):
+        """The stream on which a layer runs the lent rows' work (`LENT_LANE`), made to wait for all the work issued
+        so far on the current stream, or None (not CUDA, or off): call it once the layer's inputs of that work (its
+        keys and values) are issued. `keep`: what that work reads of the current stream's making (tensors, and
+        objects holding them), held here with the rows carried so far until the current stream waits for the lane
+        (`lent_rows`, the end of `lent`): freed before, their memory could be handed out again on the current stream
+        while the lane still reads it. What the lane makes is freed to the lane, whose work always starts after
+        the current stream's work issued before it."""
+        if LENT_LANE is not True and LENT_LANE is not False:
+            raise ValueError(f"cat_fast.layers.packing.LENT_LANE: expected True or False, got {LENT_LANE!r}")
+        if not LENT_LANE or self.x is None or not self.x.is_cuda:
+            return None
+        device = self.x.device
+        lane = _LANES.get(device)
+        if lane is None:
+            lane = _LANES[device] = torch.cuda.Stream(device)
+        main = torch.cuda.current_stream(device)
+        lane.wait_stream(main)
+        self.kept.extend((*keep, self.x, self.x16))
+        self.joins[main] = lane
+        return lane
+
+    def join(self):
+        """Make each stream the lane's work was issued from wait for the lane (a capture must end joined); then
+        what `lane` kept may go."""
+        for main, lane in self.joins.items():
+            main.wait_stream(lane)
+        self.joins.clear()
+        self.kept.clear()
 
 
 # The lent rows' static count is rounded up to a multiple of 1/LENT_BUCKETS of the batch's rows: their number
@@ -240,7 +280,17 @@ def lent(rows: torch.Tensor | None):
         if idx.numel() == 0:
             return _scoped(_lent, "state", None)
         dest = idx
-    return _scoped(_lent, "state", _Lent(rows, idx, dest))
+    return _joined(_Lent(rows, idx, dest))
+
+
+@contextlib.contextmanager
+def _joined(state):
+    """`_scoped` for `lent`'s state, which ends with the current stream waiting for the lent rows' lane."""
+    try:
+        with _scoped(_lent, "state", state):
+            yield
+    finally:
+        state.join()
 
 
 def lent_state():
@@ -261,6 +311,7 @@ def lent_rows():
                            "were not carried through it (run with packing.LENT = False)")
     if state.x is None:
         return None
+    state.join()  # made on the lane: read here once it has made them
     return state.dest, state.x
 
 

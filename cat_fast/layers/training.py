@@ -36,7 +36,8 @@ are padding rows, which attend among themselves). Within a forward that allows i
 (`packing.carry`), so the rows are packed once and unpacked once, by the last layer (a first-token last layer reads
 them packed: `layers.first_token`). Within `packing.lent` (CAT's padding rows lent to CMIX, which take no
 gradient) each packed layer up to the narrowing also carries those rows forward without autograd: their query
-attends to their sequence's keys, the rest of the layer row by row. The unpacked output's padding rows are then
+attends to their sequence's keys, the rest of the layer row by row (on CUDA on a stream of their own, beside the
+layer's work on the real rows: `packing.LENT_LANE`). The unpacked output's padding rows are then
 the first packed layer's input rows there (finite values for a consumer that reads them; the padded path computes
 attention outputs there, which a key-padding mask keeps from every real row), and the input gradient there is the
 output gradient there (the derivative of that copy: zero in a model, where nothing the loss reads depends on
@@ -46,6 +47,7 @@ the same numbers).
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -327,11 +329,12 @@ def norm_backward(rln, grad_y, branch, residual, weight, mean, rstd, keep, p, ne
             grad_branch_bias if need[0] else None)
 
 
-def _lent_forward(lent, layer, packed, mask, qkv, w16, fused, dtype, norms, dims):
+def _lent_forward(lent, layer, packed, mask, qkv, w16, fused, dtype, norms, dims, cu_k=None):
     """`packing.lent`'s rows through `layer`, without autograd: their query projected, attending to their
-    sequence's keys (the keys and values `qkv` the layer computed over the packed real rows), then the attention
-    output, dropouts, residual adds, LayerNorms and feed-forward block row by row, as this layer's forward computes
-    a row (and the padded path a padding row)."""
+    sequence's keys (the keys and values `qkv` the layer computed over the packed real rows; by variable-length
+    attention, `cu_k` each sequence's key offsets, None: the plan's), then the attention output, dropouts, residual
+    adds, LayerNorms and feed-forward block row by row, as this layer's forward computes a row (and the padded path a
+    padding row)."""
     g1, be1, g2, be2 = norms
     B, T, heads, width, p_attn, scale, p1, p2, approximate = dims
     sa, so, inter, out = bert_parts(layer)
@@ -342,7 +345,8 @@ def _lent_forward(lent, layer, packed, mask, qkv, w16, fused, dtype, norms, dims
     q = torch.addmm(w16.qkv_bias[:D], x16, w16.qkv[:D].t())
     if packing.varlen_applies(qkv, width):
         k, v = (qkv[:, i * D:(i + 1) * D].view(-1, heads, width) for i in (1, 2))
-        cu_k = packed.offsets()[0][:B + 1]  # each sequence's real rows
+        if cu_k is None:
+            cu_k = packed.offsets()[0][:B + 1]  # each sequence's real rows
         context = packing.varlen_forward(q.view(-1, heads, width), k, v, lent.cu, cu_k, T, T, p_attn, scale,
                                          covered=False)[0].view(-1, D)
     else:  # the padded layout: the lent queries at their rows, the keys and values of the packed rows
@@ -387,6 +391,14 @@ class _TrainingLayer(torch.autograd.Function):
             w16 = casts.weights(layer, (wq, wk, wv, bq, bk, bv, wo, bo, wi, bi, wo2, bo2), dtype)
             w_qkv = w16.qkv
             qkv = torch.addmm(w16.qkv_bias, x16, w_qkv.t())
+            lent = packing.lent_state() if packed is not None else None
+            lane = cu_k = None
+            if lent is not None and lent.active() and packing.varlen_applies(qkv, width):
+                # the lent rows' work is issued after the layer's (the same draws in the same order) and runs from
+                # here on, beside the layer's, on a lane of its own (`packing.LENT_LANE`): what it reads of the
+                # layer's is made by now (each sequence's keys: the offsets `packing.attend` would make next)
+                cu_k = packed.offsets()[0][:B + 1]
+                lane = lent.lane((qkv, cu_k, w16))
             qkv_leaf = qkv.detach().requires_grad_(True)
             context, rows = packing.attend(qkv_leaf, (B, T, heads, width), lambda: sdpa_mask(mask, dtype),
                                            p_attn, sa.scaling, packed)
@@ -424,10 +436,10 @@ class _TrainingLayer(torch.autograd.Function):
                 s2 = o + h1
                 y, mean2, rstd2 = torch.native_layer_norm(s2, (D,), g2, be2, out.LayerNorm.eps)
                 second_sum = dict(s2=s2)
-            lent = packing.lent_state() if packed is not None else None
             if lent is not None and lent.active():  # the lent rows through this layer (`packing.lent`)
-                _lent_forward(lent, layer, packed, mask, qkv, w16, fused, dtype, (g1, be1, g2, be2),
-                              (B, T, heads, width, p_attn, sa.scaling, p1, p2, approximate))
+                with torch.cuda.stream(lane) if lane is not None else contextlib.nullcontext():
+                    _lent_forward(lent, layer, packed, mask, qkv, w16, fused, dtype, (g1, be1, g2, be2),
+                                  (B, T, heads, width, p_attn, sa.scaling, p1, p2, approximate), cu_k)
         saved = dict(x16=x16, w_qkv=w_qkv, qkv_leaf=qkv_leaf, context=context, rows=rows, wo16=wo16, keep1=keep1,
                      **first_sum, mean1=mean1, rstd1=rstd1, h1_16=h1_16, wi16=wi16, inner=inner,
                      activated=activated, wo2_16=wo2_16, keep2=keep2, **second_sum, mean2=mean2, rstd2=rstd2, g1=g1,

@@ -644,6 +644,37 @@ def test_gpu_captured_packed_cat_passes_redraw_the_clean_dropout(monkeypatch):
     torch.testing.assert_close(torch.tensor(weights, dtype=torch.float64), torch.ones(8, dtype=torch.float64), rtol=0, atol=1e-6)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_the_lent_rows_lane_changes_no_number(monkeypatch):
+    """The lent rows' work on a stream of its own (`packing.LENT_LANE`, beside each layer's work on the real rows,
+    where the rows attend by variable-length attention): bf16 autocast, train mode with dropout (the fused kernels'
+    own draws), captured packed CAT steps give bit for bit the losses, CRM weights and weight updates of the same
+    steps with the lent rows on the layer's stream (the same kernels and draws, issued in the same order), and the
+    lane ran."""
+    monkeypatch.setattr(training_layer, "FUSED_MIN_ROWS", 0)
+    lanes = []
+    lane = packing._Lent.lane
+    monkeypatch.setattr(packing._Lent, "lane", lambda self, tensors: _counted(lanes, lane(self, tensors)))
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(packing, "LENT_LANE", on)
+        lanes.clear()
+        torch.manual_seed(0)
+        runs[on] = _gpu_cat_step(True, True, torch.bfloat16, monkeypatch)
+        assert bool(lanes) == on  # eager steps and captures (replays run no Python)
+    (losses, weights, updates, _, graphs), (want_losses, want_weights, want_updates, _, _) = runs[True], runs[False]
+    assert len(graphs) >= 1 and all(map(math.isfinite, losses))
+    assert losses == want_losses and weights == want_weights
+    for name, a in updates.items():
+        assert torch.equal(a, want_updates[name]), name
+
+
+def _counted(calls, lane):
+    if lane is not None:
+        calls.append(lane)
+    return lane
+
+
 def _shrinking_batches(pattern):
     """CUDA batches of 4 × 40 tokens, by letter: "A" the lengths [40, 17, 25, 9] (91 real rows: a graph of 95, a
     32nd of the 160 rows being 5), "B" the same with the longest one token shorter (90 rows: a graph of 90, which A's

@@ -417,6 +417,20 @@ def test_lent_rows_their_layout_and_bad_arguments():
         packing.static_rows((8, 8, 4, 4))
 
 
+
+def test_the_lent_rows_lane_is_cuda_only_and_its_switch_is_checked(monkeypatch):
+    """`packing.LENT_LANE`: no lane off CUDA (the rows run on the layer's stream, nothing kept); a value other than
+    True or False raises naming it. The lane itself: `test_gpu_the_lent_rows_lane_changes_no_number`."""
+    lent = torch.zeros(2, 3, dtype=torch.bool)
+    lent[1, 2] = True
+    with packing.lent(lent):
+        state = packing.lent_state()
+        state.x = torch.zeros(1, 4)
+        assert state.lane((torch.ones(2),)) is None and state.kept == [] and state.joins == {}
+        monkeypatch.setattr(packing, "LENT_LANE", "yes")
+        with pytest.raises(ValueError, match="packing.LENT_LANE: expected True or False, got 'yes'"):
+            state.lane(())
+
 @pytest.mark.parametrize("train", [False, True])
 def test_erm_fast_step_with_packed_layers(train, monkeypatch, packed_runs):
     """ERM(fast=True): eval mode, the same loss and gradients; train mode (dropout), both finite, of one shape."""
