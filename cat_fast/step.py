@@ -80,6 +80,9 @@ accumulators can join a capture); on the CPU (gloo) every step is eager. Without
 every gradient first), and with one of PyTorch's per-parameter optimizers (`_PER_PARAMETER`, no step hooks), the
 optimizer steps the parameters of every bucket but the last while the last one (the embeddings, which the backward
 finishes last) is still averaged, then those: the same update, bit for bit, with the end of the exchange hidden.
+On one process on CUDA, with ``OVERLAP_UPDATE`` (off by default until timed on a GPU) and under the same conditions,
+the optimizer steps the parameters group by group during the backward, on a stream of its own, as their gradients
+are final (`cat_fast.step_updates`): the same update, bit for bit.
 """
 from __future__ import annotations
 
@@ -273,6 +276,13 @@ class Signature(NamedTuple):
 # one step (tests/test_step.py checks it, bit for bit)
 _PER_PARAMETER = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop")
 SPLIT_UPDATE = True  # False: under DDP the optimizer waits for every bucket (for comparisons; `CapturedStep._update`)
+# Whether a step on CUDA runs its optimizer step during its backward, group by group as the gradients are final, on a
+# stream of its own (`cat_fast.step_updates.BackwardUpdates`): on one process, without ``max_grad_norm`` (clipping
+# needs every gradient first) or ``skip_non_finite``, with one of PyTorch's per-parameter optimizers (`_splittable`):
+# the same update, bit for bit. Off until timed on a GPU (benchmarks/RESULTS.md); True turns it on.
+OVERLAP_UPDATE = False
+# The groups the parameters' elements are stepped in during the backward (`OVERLAP_UPDATE`)
+OVERLAP_GROUPS = 8
 # False: an objective's own packed rows (CAT's) are counted on the device even where the plan has host copies of its
 # draws (one host synchronisation per step; for comparisons, `static_row_counts`)
 HOST_COUNTS = True
@@ -375,6 +385,7 @@ class CapturedStep(cuda_graphs.CachedGraphs):
         ddp = self._ddp if plan is not None else None
         if ddp is not None:  # counts the backward's gradient accumulations from here (overlap)
             ddp.average.begin(plan.key)
+        updates = self._backward_updates() if ddp is None and self._ddp is None else None
         try:
             with torch.autocast(device_type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
                 if plan is None:
@@ -382,11 +393,15 @@ class CapturedStep(cuda_graphs.CachedGraphs):
                 else:
                     with ddp.outside_forward() if ddp is not None else contextlib.nullcontext():
                         loss, info = self._planner.planned_step(plan, batch, *args)
-            loss.backward()
+            with updates.during() if updates is not None else contextlib.nullcontext():
+                loss.backward()
         except BaseException:
             if ddp is not None:
                 ddp.average.abandon()
             raise
+        if updates is not None:  # the update, partly run during the backward: its rest
+            updates.finish()
+            return (*_detached(loss, info), None, None)
         # the update overlaps the last bucket's average
         split = SPLIT_UPDATE and self.max_grad_norm is None and _splittable(self.optimizer)
         late = ddp.average(defer_last=split) if ddp is not None else []
@@ -411,6 +426,20 @@ class CapturedStep(cuda_graphs.CachedGraphs):
             if ddp is not None:
                 ddp.average.finish()
         return (*_detached(loss, info), *(t.detach() if t is not None else None for t in (norm, bad)))
+
+    def _backward_updates(self):
+        """The `step_updates.BackwardUpdates` of this step's optimizer where `OVERLAP_UPDATE` applies, else None."""
+        if OVERLAP_UPDATE is not True and OVERLAP_UPDATE is not False:
+            raise ValueError(f"cat_fast.step.OVERLAP_UPDATE: expected True or False, got {OVERLAP_UPDATE!r}")
+        if (not OVERLAP_UPDATE or self.max_grad_norm is not None or self.skip_non_finite or not self.params
+                or not self.params[0].is_cuda or not _splittable(self.optimizer)):
+            return None
+        updates = getattr(self, "_updates", None)
+        if updates is None or updates.groups != OVERLAP_GROUPS:
+            from .step_updates import BackwardUpdates
+
+            updates = self._updates = BackwardUpdates(self.optimizer, self.params, OVERLAP_GROUPS)
+        return updates
 
     def _update(self, late):
         """The optimizer's step. With `late` (under DDP, the parameters whose average is still in flight, their

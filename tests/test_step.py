@@ -256,6 +256,32 @@ def test_gpu_replayed_steps_equal_the_eager_loop(name):
 
 
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
+@pytest.mark.parametrize("name", ["erm-fast", "cat"])
+def test_gpu_the_update_during_the_backward_changes_no_number(name, monkeypatch):
+    """``step.OVERLAP_UPDATE``: the optimizer stepped group by group during the backward, on a stream of its own
+    (`step_updates.BackwardUpdates`), eager warm-up steps, captures and replays with dropout under bf16 autocast
+    give bit for bit the losses and parameters of the steps with the update after the backward, and groups were
+    stepped during the backward."""
+    batches = _batches(8, "cuda")
+    runs, launched = {}, {}
+    for on in (False, True):
+        monkeypatch.setattr(step_module, "OVERLAP_UPDATE", on)
+        model = tiny_model("bert", seed=1, attn="sdpa").cuda().train()
+        torch.manual_seed(0)
+        objective = (ERM(model, fast=True) if name == "erm-fast"
+                     else CAT(model, layers=[1, 2], generator=torch.Generator().manual_seed(3)))
+        runs[on] = _loop(model, objective, batches, max_grad_norm=None, captured=True, autocast=torch.bfloat16)
+        updates = getattr(objective.captured_step, "_updates", None)
+        launched[on] = updates.launched if updates is not None else 0
+        assert objective.captured_step.num_replays >= 2
+    (want, want_losses), (got, got_losses) = runs[False], runs[True]
+    assert launched[False] == 0 and launched[True] >= 2
+    assert torch.equal(got_losses, want_losses)
+    for n in want:
+        assert torch.equal(got[n], want[n]), n
+
+
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
 @pytest.mark.parametrize("generator,gs_weight", [(None, 0.0), (3, 0.0), (3, 1.0)])
 def test_gpu_replayed_cat_steps_equal_the_eager_loop(generator, gs_weight):
     """CAT as one CUDA graph per (mixing layer, shapes), with dropout: the counterfactual passes inside the graph
