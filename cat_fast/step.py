@@ -450,15 +450,9 @@ class CapturedStep(cuda_graphs.CachedGraphs):
         if not late:
             return
         self._ddp.average.finish()
-        late = {id(p) for p in late}
-        early = [(p, p.grad) for p in self.params if id(p) not in late and p.grad is not None]
-        for p, _ in early:
-            p.grad = None
-        try:
-            self.optimizer.step()
-        finally:
-            for p, grad in early:
-                p.grad = grad
+        from .step_updates import step_alone
+
+        step_alone(self.optimizer, self.params, late)
 
     def _plan(self, batch, args):
         """The objective's plan of this step (`Objective.plan_step`); under DDP, of a step outside DDP's forward."""

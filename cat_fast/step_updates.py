@@ -23,7 +23,21 @@ import weakref
 
 import torch
 
-__all__ = ["BackwardUpdates"]
+__all__ = ["BackwardUpdates", "step_alone"]
+
+
+def step_alone(optimizer, params, group):
+    """`optimizer`'s step of the parameters of `group` alone: the gradients of the other `params` hidden (None)
+    for the call, then put back. For a per-parameter optimizer, the part of its whole step that updates `group`."""
+    ids = {id(p) for p in group}
+    hidden = [(p, p.grad) for p in params if id(p) not in ids and p.grad is not None]
+    for p, _ in hidden:
+        p.grad = None
+    try:
+        optimizer.step()
+    finally:
+        for p, grad in hidden:
+            p.grad = grad
 
 
 def _remove(handles):
@@ -105,15 +119,7 @@ class BackwardUpdates:
             self._step_alone(group)
 
     def _step_alone(self, group):
-        ids = {id(p) for p in group}
-        hidden = [(p, p.grad) for p in self.params if id(p) not in ids and p.grad is not None]
-        for p, _ in hidden:
-            p.grad = None
-        try:
-            self.optimizer.step()
-        finally:
-            for p, grad in hidden:
-                p.grad = grad
+        step_alone(self.optimizer, self.params, group)
 
     def _join(self):
         """The current stream waits for the update stream of every device a group stepped on; the gradients kept
