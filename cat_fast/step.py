@@ -80,9 +80,9 @@ accumulators can join a capture); on the CPU (gloo) every step is eager. Without
 every gradient first), and with one of PyTorch's per-parameter optimizers (`_PER_PARAMETER`, no step hooks), the
 optimizer steps the parameters of every bucket but the last while the last one (the embeddings, which the backward
 finishes last) is still averaged, then those: the same update, bit for bit, with the end of the exchange hidden.
-On one process on CUDA, with ``OVERLAP_UPDATE`` (off by default until timed on a GPU) and under the same conditions,
-the optimizer steps the parameters group by group during the backward, on a stream of its own, as their gradients
-are final (`cat_fast.step_updates`): the same update, bit for bit.
+On one process on CUDA, with ``OVERLAP_UPDATE`` (False by default) and under the same conditions, the optimizer
+steps the parameters group by group during the backward, on a stream of its own, as their gradients are final
+(`cat_fast.step_updates`): the same update, bit for bit.
 """
 from __future__ import annotations
 
@@ -96,6 +96,7 @@ from . import graphs as cuda_graphs
 from .layers import packing
 from .layers import training as training_layers
 from .ops.fused import rng_offset_available
+from .step_updates import BackwardUpdates, step_alone
 
 __all__ = ["CapturedStep", "NotCapturable", "StepPlan", "Signature", "shared_graph", "static_row_counts",
            "with_rows"]
@@ -279,7 +280,7 @@ SPLIT_UPDATE = True  # False: under DDP the optimizer waits for every bucket (fo
 # Whether a step on CUDA runs its optimizer step during its backward, group by group as the gradients are final, on a
 # stream of its own (`cat_fast.step_updates.BackwardUpdates`): on one process, without ``max_grad_norm`` (clipping
 # needs every gradient first) or ``skip_non_finite``, with one of PyTorch's per-parameter optimizers (`_splittable`):
-# the same update, bit for bit. Off until timed on a GPU (benchmarks/RESULTS.md); True turns it on.
+# the same update, bit for bit. False by default; True turns it on.
 OVERLAP_UPDATE = False
 # The groups the parameters' elements are stepped in during the backward (`OVERLAP_UPDATE`)
 OVERLAP_GROUPS = 8
@@ -385,7 +386,7 @@ class CapturedStep(cuda_graphs.CachedGraphs):
         ddp = self._ddp if plan is not None else None
         if ddp is not None:  # counts the backward's gradient accumulations from here (overlap)
             ddp.average.begin(plan.key)
-        updates = self._backward_updates() if ddp is None and self._ddp is None else None
+        updates = self._backward_updates() if self._ddp is None else None
         try:
             with torch.autocast(device_type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
                 if plan is None:
@@ -436,8 +437,6 @@ class CapturedStep(cuda_graphs.CachedGraphs):
             return None
         updates = getattr(self, "_updates", None)
         if updates is None or updates.groups != OVERLAP_GROUPS:
-            from .step_updates import BackwardUpdates
-
             updates = self._updates = BackwardUpdates(self.optimizer, self.params, OVERLAP_GROUPS)
         return updates
 
@@ -450,8 +449,6 @@ class CapturedStep(cuda_graphs.CachedGraphs):
         if not late:
             return
         self._ddp.average.finish()
-        from .step_updates import step_alone
-
         step_alone(self.optimizer, self.params, late)
 
     def _plan(self, batch, args):
